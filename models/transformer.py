@@ -1,0 +1,194 @@
+"""A decoder-only language model in Flax NNX, readable top to bottom.
+
+Token embedding -> N x [RMSNorm -> causal self-attention (RoPE, grouped-query
+heads) -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits.
+
+The N blocks are one module whose parameters are stacked `[layers, ...]`
+(built with `nnx.vmap`), run by a `scan` so compile time does not grow with
+depth. Whoever calls the model may run that stack differently (a pipeline) by
+passing `stack_runner`. Every parameter names its dimensions with logical axes
+(models.axes); activations are constrained by logical name at block boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import axes
+from models.axes import constrain
+
+Stats = dict[str, jax.Array]
+LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, Stats]]
+StackRunner = Callable[[LayerFn, Any, jax.Array], tuple[jax.Array, Stats]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    dtype: str = "float32"
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float) -> nnx.Param:
+    """Returns a float32 normal-initialised parameter named by `logical_axes`."""
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=logical_axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axes.NORM,))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Returns x [batch, length, heads, head_dim] rotated by position (RoPE, arXiv 2104.09864)."""
+    length, head_dim = x.shape[1], x.shape[-1]
+    inverse_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inverse_freq[None, :]  # [length, head_dim/2]
+    sin = jnp.sin(angles)[None, :, None, :]
+    cos = jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention; `num_kv_heads` key/value heads shared by groups of query heads."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.query = param(rngs, (d, h, k), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), std)
+        self.key = param(rngs, (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), std)
+        self.value = param(rngs, (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), std)
+        self.out = param(rngs, (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), out_std)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dtype = cfg.compute_dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.query[...].astype(dtype))
+        k = jnp.einsum("btd,dgk->btgk", x, self.key[...].astype(dtype))
+        v = jnp.einsum("btd,dgk->btgk", x, self.value[...].astype(dtype))
+        q = constrain(rotary(q, cfg.rope_theta), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+        k = constrain(rotary(k, cfg.rope_theta), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
+        v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
+
+        batch, length = x.shape[:2]
+        groups, per_group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(batch, length, groups, per_group, cfg.head_dim)  # [b, t, kv_heads, per_group, head_dim]
+        scores = jnp.einsum("btgrk,bsgk->bgrts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(cfg.head_dim)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [b, kv_heads, per_group, t, s]
+        context = jnp.einsum("bgrts,bsgk->btgrk", probs, v).reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        context = constrain(context, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+        return jnp.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward (arXiv 2002.05202): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        d, m = cfg.embed_dim, cfg.mlp_dim
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.gate = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
+        self.up = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
+        self.down = param(rngs, (m, d), (axes.MLP, axes.EMBED), out_std)
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = x @ self.gate[...].astype(self.dtype)
+        up = x @ self.up[...].astype(self.dtype)
+        hidden = constrain(jax.nn.silu(gate) * up, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
+        return hidden @ self.down[...].astype(self.dtype)
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer. Returns (x, stats); dense layers report no stats."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        self.attention_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.attention = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
+        x = x + self.attention(self.attention_norm(x))
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), {}
+
+
+def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array) -> tuple[jax.Array, Stats]:
+    """Runs `layer_fn` over the leading `layers` dimension of `stacked_params`.
+
+    Returns the final activations and each layer's stats stacked `[layers, ...]`.
+    """
+    return jax.lax.scan(lambda carry, params: layer_fn(params, carry), x, stacked_params)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: tokens [batch, length] -> float32 logits [batch, length, vocab]."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = param(rngs, (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED), cfg.init_std)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0,
+                  transform_metadata={nnx.PARTITION_NAME: axes.LAYERS, "logical_axes": axes.LAYERS})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.unembedding = param(rngs, (cfg.embed_dim, cfg.vocab_size), (axes.EMBED, axes.VOCAB), cfg.init_std)
+
+    def __call__(self, tokens: jax.Array, *, stack_runner: StackRunner = scan_layers) -> tuple[jax.Array, Stats]:
+        """Returns (logits float32 [batch, length, vocab], per-layer stats stacked [layers, ...])."""
+        cfg = self.cfg
+        # The lookup reads the whole table (gathered once per step, as fsdp gathers every weight):
+        # a gather from a vocab-sharded table cannot be partitioned without replicating it anyway.
+        table = constrain(self.embedding[...], (None, None))
+        x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+        x = constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+
+        block_def, stacked = nnx.split(self.blocks)
+
+        def layer_fn(layer_params: Any, h: jax.Array) -> tuple[jax.Array, Stats]:
+            return nnx.merge(block_def, layer_params)(h)
+
+        x, stats = stack_runner(layer_fn, stacked, x)
+        x = self.final_norm(x)
+        unembedding = self.embedding[...].T if cfg.tie_embeddings else self.unembedding[...]
+        logits = jnp.einsum("btd,dv->btv", x, unembedding.astype(cfg.compute_dtype),
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB)), stats

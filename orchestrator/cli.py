@@ -1,0 +1,70 @@
+"""The `nestor` command: train, explain."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from orchestrator.config import Config, ConfigError, load
+
+
+def configure_jax(config: Config) -> None:
+    """Points jax at the configured platform; on CPU, simulates `cluster.devices_per_host` devices.
+
+    Must run before jax creates its backends (the first device query).
+    """
+    import jax
+
+    if config.cluster.accelerator == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        if config.cluster.devices_per_host > 0:
+            jax.config.update("jax_num_cpu_devices", config.cluster.devices_per_host)
+
+
+def _train(config: Config, args) -> int:
+    from orchestrator.train import train
+
+    configure_jax(config)
+    result = train(config)
+    print(f"trained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; "
+          f"run dir {config.run.dir}")
+    return 0
+
+
+def _explain(config: Config, args) -> int:
+    from orchestrator.explain import explain, format_report
+
+    configure_jax(config)
+    report = explain(config)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """Returns the argument parser of the `nestor` command."""
+    main = argparse.ArgumentParser(prog="nestor", description="Train large Flax models on nested device meshes.")
+    commands = main.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model")
+    explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
+    explain.add_argument("--json", action="store_true", help="print one JSON object")
+    for command, handler in ((train, _train), (explain, _explain)):
+        command.add_argument("config", help="run YAML, e.g. configs/quickstart.yaml")
+        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. mesh.tensor=2")
+        command.set_defaults(handler=handler)
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit code (2 for a config error, printed without a trace)."""
+    args = parser().parse_args(argv)
+    try:
+        config = load(args.config, args.overrides)
+        return args.handler(config, args)
+    except ConfigError as error:
+        print(f"nestor: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""`nestor explain`: compile the train step without running it and report
+layout, memory, communication and FLOPs, all read from XLA's own analyses."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from orchestrator.config import Config
+from orchestrator.flops import train_flops_per_step
+from orchestrator.train import Job, build_job
+from parallel.hlo import collectives
+from parallel.rules import is_logical_axes
+
+
+def compile_step(job: Job):
+    """Returns the compiled train step for abstract inputs (nothing is allocated)."""
+    batch = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=job.data.sharding)
+    return job.step_fn.lower(job.layout.abstract, batch).compile()
+
+
+def _per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def _flatten(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), leaf) for path, leaf in leaves]
+
+
+def param_table(job: Job) -> list[dict[str, Any]]:
+    """Returns one row per parameter: name, shape, logical axes, PartitionSpec, bytes per device."""
+    logical = dict(_flatten(job.layout.logical, is_leaf=is_logical_axes))
+    rows = []
+    for name, leaf in _flatten(job.layout.abstract["params"]):
+        rows.append({
+            "name": name, "shape": list(leaf.shape), "logical_axes": list(logical[name]),
+            "spec": str(tuple(leaf.sharding.spec)), "bytes_per_device": _per_device_bytes(leaf),
+            "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
+        })
+    return rows
+
+
+def cost_flops(compiled) -> float:
+    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return float(cost.get("flops", math.nan))
+
+
+def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
+    """Returns the report `nestor explain --json` prints."""
+    job = job or build_job(config)
+    compiled = compile_step(job)
+    memory = compiled.memory_analysis()
+    params = param_table(job)
+    optimizer_bytes = sum(_per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
+    devices = job.mesh.devices.size
+    xla_flops = cost_flops(compiled)
+    return {
+        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.mesh.devices.flat[0].platform},
+        "params": params,
+        "param_count": sum(math.prod(row["shape"]) for row in params),
+        "memory_per_device_bytes": {
+            "params": sum(row["bytes_per_device"] for row in params),
+            "optimizer": optimizer_bytes,
+            "arguments": memory.argument_size_in_bytes,
+            "outputs": memory.output_size_in_bytes,
+            "aliased": memory.alias_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes,
+            "peak_estimate": memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
+        },
+        "collectives": collectives(compiled.as_text()),
+        "flops_per_step": xla_flops * devices,
+        "flops_per_step_per_device": xla_flops,
+        "model_flops_per_step": train_flops_per_step(config),
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Returns the human-readable form of an explain report."""
+    mesh = report["mesh"]
+    lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
+             f"({mesh['devices']} {mesh['platform']} devices)", "",
+             f"parameters: {report['param_count']:,}"]
+    width = max(len(row["name"]) for row in report["params"])
+    lines.append(f"  {'name':<{width}}  {'shape':<18} {'logical axes':<34} {'spec':<34} per device")
+    for row in report["params"]:
+        lines.append(f"  {row['name']:<{width}}  {str(tuple(row['shape'])):<18} "
+                     f"{str(tuple(row['logical_axes'])):<34} {row['spec']:<34} {_fmt_bytes(row['bytes_per_device'])}")
+    lines += ["", "memory per device (XLA memory analysis):"]
+    lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
+    lines += ["", "collectives per step (compiled HLO):"]
+    lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
+    lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, all devices); "
+                  f"model FLOPs {report['model_flops_per_step']:.4g} (analytic)"]
+    return "\n".join(lines)

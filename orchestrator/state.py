@@ -1,0 +1,97 @@
+"""The train state: built abstractly, laid out by logical names, initialised sharded.
+
+The state is a plain dict `{"step", "params", "opt_state"}` whose params are a
+nested dict of arrays with layers stacked `[layers, ...]`: the one canonical
+layout checkpoints store, whatever the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.transformer import Transformer, TransformerConfig
+from orchestrator.config import Config
+from orchestrator.optimizer import make_optimizer
+from parallel.rules import Rules, tree_shardings
+
+
+def model_config(config: Config) -> TransformerConfig:
+    """Returns the model's own config from the run config."""
+    m = config.model
+    return TransformerConfig(
+        vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
+        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype,
+    )
+
+
+def build_model(config: Config, seed: int) -> Transformer:
+    """Returns a freshly initialised model (call under jit or eval_shape for big ones)."""
+    return Transformer(model_config(config), nnx.Rngs(params=seed))
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Everything known about the train state before any device holds it."""
+
+    graphdef: Any            # the model's structure; merge with params to get a module
+    logical: dict            # params tree of logical-axis tuples
+    abstract: dict           # state tree of jax.ShapeDtypeStruct (with shardings)
+    shardings: dict          # state tree of NamedSharding
+    optimizer: optax.GradientTransformation
+
+
+def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
+    """Returns the abstract, sharded layout of the train state for `mesh`."""
+    abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    flat = nnx.to_flat_state(abstract_params)
+    logical = _nest({tuple(path): var.get_metadata()["logical_axes"] for path, var in flat})
+    params_shape = _nest({tuple(path): var.get_value() for path, var in flat})
+    optimizer = make_optimizer(config, logical)
+    opt_shape = jax.eval_shape(optimizer.init, params_shape)
+
+    param_shardings = tree_shardings(logical, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, opt_shape, param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_shape, "opt_state": opt_shape}
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    return StateLayout(graphdef, logical, abstract, shardings, optimizer)
+
+
+def init_state(config: Config, layout: StateLayout) -> dict:
+    """Returns the train state initialised directly into its shardings (no full copy anywhere)."""
+
+    def init() -> dict:
+        params = nnx.to_pure_dict(nnx.state(build_model(config, config.run.seed)))
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": layout.optimizer.init(params)}
+
+    return jax.jit(init, out_shardings=layout.shardings)()
+
+
+def count_params(layout: StateLayout) -> int:
+    """Returns the number of model parameters."""
+    return sum(leaf.size for leaf in jax.tree.leaves(layout.abstract["params"]))

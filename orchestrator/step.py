@@ -1,0 +1,95 @@
+"""The jitted train step: LM loss (+ model aux losses), grads, optax update.
+
+State in and out keep the shardings of `orchestrator.state`; the state is
+donated so its buffers are reused. Gradient accumulation splits the global
+batch into `train.grad_accum` micro-batches and scans over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from models import axes
+from models.axes import activation_sharding
+from models.transformer import StackRunner, scan_layers
+from orchestrator.config import Config
+from orchestrator.optimizer import learning_rate
+from orchestrator.state import StateLayout
+from parallel.rules import Rules, activation_constrainer, partition_spec
+
+Metrics = dict[str, jax.Array]
+
+
+def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Returns the sharding of a token batch [batch, length]."""
+    return NamedSharding(mesh, partition_spec((axes.BATCH, axes.LENGTH), rules))
+
+
+def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Returns the mean next-token cross-entropy in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.mean(losses)
+
+
+def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules,
+                 stack_runner: StackRunner = scan_layers) -> Callable[[dict, jax.Array], tuple[jax.Array, Metrics]]:
+    """Returns loss(params, tokens [b, t+1]) -> (loss, metrics) with activations laid out by `rules`."""
+    constrainer = activation_constrainer(mesh, rules)
+
+    def loss_fn(params: dict, tokens: jax.Array) -> tuple[jax.Array, Metrics]:
+        model = nnx.merge(layout.graphdef, params)
+        with activation_sharding(constrainer):
+            logits, _ = model(tokens[:, :-1], stack_runner=stack_runner)
+        loss = lm_loss(logits, tokens[:, 1:])
+        return loss, {"lm_loss": loss}
+
+    return loss_fn
+
+
+def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, constrain) -> tuple[Any, Metrics]:
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if accum == 1:
+        (loss, metrics), grads = grad_fn(params, tokens)
+        return grads, {"loss": loss, **metrics}
+    batch, width = tokens.shape
+    # Row r goes to micro-batch r % accum, so each micro-batch spans every batch shard.
+    micro = tokens.reshape(batch // accum, accum, width).swapaxes(0, 1)  # [accum, batch/accum, width]
+
+    def body(carry, micro_tokens):
+        (loss, metrics), grads = grad_fn(params, constrain(micro_tokens, (axes.BATCH, axes.LENGTH)))
+        summed = jax.tree.map(jnp.add, carry, (grads, {"loss": loss, **metrics}))
+        return summed, None
+
+    (loss_shape, metrics_shape), grads_shape = jax.eval_shape(grad_fn, params, micro[0])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         (grads_shape, {"loss": loss_shape, **metrics_shape}))
+    (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda g: g / accum, (grads, metrics))
+
+
+def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
+                    stack_runner: StackRunner = scan_layers):
+    """Returns the jitted step(state, tokens) -> (state, metrics), state donated."""
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner)
+    schedule = learning_rate(config)
+    constrain = activation_constrainer(mesh, rules)
+    accum = config.train.grad_accum
+
+    def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
+        params = state["params"]
+        grads, metrics = _accumulated_grads(loss_fn, params, tokens, accum, constrain)
+        updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
+                   "lr": schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    return jax.jit(step, in_shardings=(layout.shardings, batch_sharding(mesh, rules)),
+                   out_shardings=(layout.shardings, None), donate_argnums=0)

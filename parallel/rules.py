@@ -1,0 +1,128 @@
+"""Logical axis names -> mesh axes: one table, overridable from `mesh.rules`.
+
+Models name every dimension with a logical name ("embed", "mlp", "batch"...);
+this table decides which mesh axes shard it (GSPMD, arXiv 2105.04663: annotate
+a few tensors, the partitioner does the rest). Names of parameters and names of
+activations are kept apart where they shard differently: the embed dimension of
+a weight is split over fsdp, the embed dimension of an activation is not (fsdp
+splits the batch of activations instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+
+Rules = dict[str, tuple[str, ...]]
+
+DEFAULT_RULES: Rules = {
+    # parameters
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    "layers": ("pipeline",),
+    "expert": ("expert",),
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "length": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "act_expert": ("expert",),
+    "act_group": ("data", "fsdp"),
+    "stage": ("pipeline",),
+}
+
+
+def _as_axes(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def unknown_rule_problems(overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Returns (key path, message) for every override that names no mesh axis or repeats one."""
+    problems = []
+    for name, value in overrides.items():
+        key = f"mesh.rules.{name}"
+        if value is not None and not isinstance(value, (str, list, tuple)):
+            problems.append((key, f"expected null, a mesh axis or a list of them, got {value!r}"))
+            continue
+        axes = _as_axes(value)
+        unknown = [axis for axis in axes if axis not in MESH_AXES]
+        if unknown:
+            problems.append((key, f"unknown mesh axis {', '.join(map(repr, unknown))}; mesh axes are {', '.join(MESH_AXES)}"))
+        elif len(set(axes)) != len(axes):
+            problems.append((key, f"a mesh axis appears twice in {list(axes)}"))
+    return problems
+
+
+def resolve_rules(overrides: Mapping[str, Any] | None = None) -> Rules:
+    """Returns the default table with `overrides` (logical name -> axes or null) applied."""
+    rules = dict(DEFAULT_RULES)
+    for name, value in (overrides or {}).items():
+        rules[name] = _as_axes(value)
+    return rules
+
+
+def partition_spec(logical_axes: tuple[str | None, ...], rules: Rules) -> PartitionSpec:
+    """Returns the PartitionSpec for one array's logical axes.
+
+    A mesh axis already used by an earlier dimension is skipped for later ones
+    (an array cannot be split twice over the same devices), so e.g. tokens
+    dispatched to experts keep `expert` on the expert dimension only.
+    Raises KeyError naming a logical axis that has no rule.
+    """
+    used: set[str] = set()
+    entries = []
+    for name in logical_axes:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no rule; add it to mesh.rules")
+        axes = tuple(axis for axis in rules[name] if axis not in used)
+        used.update(axes)
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*entries)
+
+
+def is_logical_axes(node: Any) -> bool:
+    """True for a tuple of logical names (a leaf of a logical-axes tree)."""
+    return isinstance(node, tuple) and all(isinstance(n, (str, type(None))) for n in node)
+
+
+def tree_partition_specs(logical_tree: Any, rules: Rules) -> Any:
+    """Returns a tree of PartitionSpecs with the structure of `logical_tree`."""
+    return jax.tree.map(lambda axes: partition_spec(axes, rules), logical_tree, is_leaf=is_logical_axes)
+
+
+def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+    """Returns a tree of NamedShardings on `mesh` with the structure of `logical_tree`."""
+    return jax.tree.map(
+        lambda axes: NamedSharding(mesh, partition_spec(axes, rules)), logical_tree, is_leaf=is_logical_axes
+    )
+
+
+def activation_constrainer(mesh: Mesh, rules: Rules) -> Callable[[jax.Array, tuple[str | None, ...]], jax.Array]:
+    """Returns f(x, logical_axes) that pins an activation's layout inside a jitted function."""
+
+    def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+        if len(logical_axes) != x.ndim:
+            raise ValueError(f"{len(logical_axes)} logical axes {logical_axes} for an array of rank {x.ndim}")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition_spec(logical_axes, rules)))
+
+    return constrain

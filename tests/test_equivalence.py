@@ -1,0 +1,39 @@
+"""The same model, data and seed trained on any mesh matches one device."""
+
+import pytest
+
+from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run
+
+MESHES = {
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "fsdp4_tensor2": dict(fsdp=4, tensor=2),
+    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+    "tensor4_data2": dict(tensor=4, data=2),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from orchestrator import config as config_lib
+
+    def make(*overrides):
+        base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
+                "optimizer.warmup_steps=2", "model.num_kv_heads=4",
+                f"run.dir={tmp_path_factory.mktemp('ref')}"]
+        return config_lib.load(None, base + list(overrides))
+
+    return make, run(make().replace(**ONE_DEVICE))
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=list(MESHES))
+def test_losses_and_params_match_one_device(reference, mesh, tmp_path):
+    make, one_device = reference
+    config = make(f"run.dir={tmp_path}").replace(**mesh_overrides(**MESHES[mesh]))
+    assert_same_training(run(config), one_device)
+
+
+def test_grad_accumulation_matches_one_big_batch(reference, tmp_path):
+    make, one_device = reference
+    config = make(f"run.dir={tmp_path}", "train.grad_accum=2").replace(**mesh_overrides(data=2, fsdp=2, tensor=2))
+    assert_same_training(run(config), one_device)
