@@ -22,6 +22,7 @@ from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config
 from orchestrator.optimizer import learning_rate
 from orchestrator.state import StateLayout
+from parallel.pipeline import Schedule, pipeline_runner
 from parallel.rules import Rules, activation_constrainer, partition_spec
 
 Metrics = dict[str, jax.Array]
@@ -74,10 +75,30 @@ def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, con
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 
 
+def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
+    """Returns the pipeline schedule when the mesh has more than one stage, else None."""
+    stages = mesh.shape["pipeline"]
+    if stages == 1:
+        return None
+    p = config.pipeline
+    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1, p.remat)
+
+
+def stack_runner_for(config: Config, mesh: Mesh, rules: Rules) -> StackRunner:
+    """Returns how the layer stack runs: pipelined when `mesh.pipeline > 1`, else a scan."""
+    schedule = pipeline_schedule(config, mesh)
+    if schedule is None:
+        return scan_layers
+    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+
+
 def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
-                    stack_runner: StackRunner = scan_layers):
-    """Returns the jitted step(state, tokens) -> (state, metrics), state donated."""
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner)
+                    stack_runner: StackRunner | None = None):
+    """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
+
+    The layer stack runs through `stack_runner`, by default `stack_runner_for(config, mesh, rules)`.
+    """
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner or stack_runner_for(config, mesh, rules))
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum

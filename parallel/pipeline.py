@@ -1,0 +1,203 @@
+"""Pipeline parallelism inside one SPMD program: GPipe and circular schedules.
+
+GPipe (Huang et al., arXiv 1811.06965) splits a stack of layers into S stages
+and the batch into M micro-batches; stage s works on micro-batch m at
+iteration m + s, so a step takes M + S - 1 iterations of which S - 1 are the
+bubble. The circular schedule gives each stage R non-adjacent groups of layers
+(stage s holds groups s, s + S, s + 2S, ...) and sends every micro-batch round
+the ring R times: R*M + S - 1 iterations, bubble (S-1)/(R*M + S - 1).
+
+There is no per-device program. The stage dimension of every array is
+sharded over the mesh axes of the logical name `stage`; each iteration runs
+all stages at once with a `vmap` over that dimension (its `spmd_axis_name`
+keeps the stage dimension on those axes), and activations move to the next
+stage with `jnp.roll` on the stage-sharded state, which the partitioner lowers
+to a collective-permute. Inside a stage, weights and activations keep the
+shardings of their logical names, so data, fsdp, tensor and expert
+parallelism compose with the pipeline unchanged.
+
+The layer stack keeps its canonical layout `[layers, ...]` outside; it is
+viewed as `[repeats, stages, layers_per_stage, ...]` only inside the step.
+Nothing here knows what a layer computes: the runner takes a callable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from parallel.rules import Rules, partition_spec
+
+STAGE = "stage"  # logical name of the stage dimension (a rule maps it to mesh axes)
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+_STAGE_WEIGHTS = "pipeline_stage_weights"  # checkpoint name of one iteration's weights
+
+LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How a step is pipelined: S stages, M micro-batches, R layer groups per stage."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+    remat: str = "none"
+
+    @property
+    def name(self) -> str:
+        return "circular" if self.repeats > 1 else "gpipe"
+
+    @property
+    def iterations(self) -> int:
+        """Returns R*M + S - 1, the loop length including the bubble."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Returns (S-1)/(R*M + S - 1), the share of stage-iterations that do no work."""
+        return (self.stages - 1) / self.iterations
+
+    def problems(self, num_layers: int) -> list[str]:
+        """Returns what makes this schedule impossible for `num_layers` layers (empty if none)."""
+        found = []
+        if num_layers % (self.stages * self.repeats):
+            found.append(f"{num_layers} layers do not split into {self.stages} stages x {self.repeats} repeats")
+        if self.repeats > 1 and self.microbatches < self.stages:
+            found.append(f"the circular schedule needs microbatches >= stages ({self.microbatches} < {self.stages}): "
+                         "a micro-batch must leave the last stage before the first stage needs it again")
+        if self.remat not in REMAT_POLICIES:
+            found.append(f"unknown remat {self.remat!r}; one of {', '.join(REMAT_POLICIES)}")
+        return found
+
+
+def _remat_policy(remat: str):
+    # The weights one iteration selects are never saved for the backward pass: the scan would
+    # keep a copy per iteration. Every policy below recomputes them from the loop-invariant stack.
+    if remat == "none":
+        return jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+    if remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return getattr(jax.checkpoint_policies, remat)
+
+
+def _stage_fn(layer_fn: LayerFn, remat: str):
+    """Returns f(stage_params [R, layers_per_stage, ...], repeat, x) -> (x, stats [layers_per_stage, ...])."""
+
+    def stage(stage_params: Any, repeat: jax.Array, x: jax.Array):
+        params = jax.tree.map(lambda leaf: leaf[repeat], stage_params)  # [layers_per_stage, ...]
+        params = checkpoint_name(params, _STAGE_WEIGHTS)
+        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, h), x, params)
+
+    return jax.checkpoint(stage, policy=_remat_policy(remat), prevent_cse=False)
+
+
+class _Layout:
+    """Shardings of the pipeline's arrays, from the `stage` rule and the activation's logical axes."""
+
+    def __init__(self, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...]):
+        self.mesh = mesh
+        self.stage_axes = tuple(rules[STAGE])
+        self.state = NamedSharding(mesh, partition_spec((STAGE, *activation_axes), rules))
+        self.buffer = NamedSharding(mesh, partition_spec((None, *activation_axes), rules))
+        self.activation = NamedSharding(mesh, partition_spec(activation_axes, rules))
+
+    def stage_params(self, leaf: jax.Array) -> jax.Array:
+        """Pins the stage dim of `leaf` [repeats, stages, ...] to the stage axes, the rest to GSPMD."""
+        rest = (PartitionSpec.UNCONSTRAINED,) * (leaf.ndim - 2)
+        spec = PartitionSpec(None, self.stage_axes or None, *rest)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
+
+
+def _to_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+    # Row r goes to micro-batch r % M, so every micro-batch spans every batch shard.
+    batch = x.shape[0]
+    return x.reshape(batch // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)  # [M, batch/M, ...]
+
+
+def _from_microbatches(x: jax.Array) -> jax.Array:
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # [batch, ...]
+
+
+def _stage_view(stacked_params: Any, schedule: Schedule, layout: _Layout) -> Any:
+    """Returns the params viewed as [repeats, stages, layers_per_stage, ...] with stages sharded.
+
+    Layer l = (r*S + s)*layers_per_stage + j sits at [r, s, j]: stage s holds the
+    groups s, s+S, ... (for R = 1, the contiguous block the state already keeps).
+    """
+    s, r = schedule.stages, schedule.repeats
+
+    def view(leaf):
+        per_stage = leaf.shape[0] // (s * r)
+        return layout.stage_params(leaf.reshape(r, s, per_stage, *leaf.shape[1:]))
+
+    return jax.tree.map(view, stacked_params)
+
+
+def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...]):
+    """Returns runner(layer_fn, stacked_params, x) -> (x, stats) that pipelines a layer stack.
+
+    `stacked_params` leaves are `[layers, ...]`; `x` is `[batch, ...]` with
+    logical axes `activation_axes`; `layer_fn(layer_params, x) -> (x, stats)`.
+    The runner returns the stack's output and each layer's stats stacked
+    `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
+    Raises ValueError when the batch does not split into micro-batches or the
+    layers into stages x repeats.
+    """
+    layout = _Layout(mesh, rules, activation_axes)
+    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+
+    def runner(layer_fn: LayerFn, stacked_params: Any, x: jax.Array):
+        num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+        problems = schedule.problems(num_layers)
+        if x.shape[0] % micro:
+            problems.append(f"batch {x.shape[0]} does not split into {micro} micro-batches")
+        if problems:
+            raise ValueError("; ".join(problems))
+        params = _stage_view(stacked_params, schedule, layout)
+        buffer = jax.lax.with_sharding_constraint(_to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
+        stage_fn = jax.vmap(_stage_fn(layer_fn, schedule.remat), in_axes=(1, 0, 0),
+                            spmd_axis_name=layout.stage_axes or None)
+        state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)
+        stats_shape = jax.eval_shape(stage_fn, params, jnp.zeros((stages,), jnp.int32), state)[1]
+        totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
+        stage_ids = jnp.arange(stages)
+
+        def iteration(carry, t):
+            state, buffer, totals = carry
+            item = t - stage_ids  # [S]: the (repeat, micro-batch) work item each stage runs, r*M + m
+            valid = (item >= 0) & (item < repeats * micro)
+            # Stage s takes stage s-1's output (a collective-permute); stage 0 takes the buffer's next slot.
+            incoming = jnp.where(_expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
+            # Bubble stages compute on zeros: finite, and their outputs are never read.
+            incoming = jax.lax.with_sharding_constraint(
+                jnp.where(_expand(valid, state), incoming, 0), layout.state)
+            repeat = jnp.clip(item // micro, 0, repeats - 1)
+            state, stats = stage_fn(params, repeat, incoming)  # [S, mb, ...], stats [S, layers_per_stage, ...]
+            state = jax.lax.with_sharding_constraint(state, layout.state)
+            finished = t - (stages - 1)  # the item the last stage just completed
+            slot = finished % micro
+            buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
+            # [R, S]: which (repeat, stage) cell each stage's stats belong to this iteration
+            cell = (jnp.arange(repeats)[:, None] == repeat[None, :]) & valid[None, :]
+            totals = jax.tree.map(lambda total, s: total + jnp.where(_expand(cell, total), s[None], 0), totals, stats)
+            return (state, buffer, totals), None
+
+        (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
+        out = jax.lax.with_sharding_constraint(_from_microbatches(buffer), layout.activation)
+        # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
+        stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), totals)
+        return out, stats
+
+    return runner
+
+
+def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """Returns `mask` with trailing unit dims so it broadcasts against `like`."""
+    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
