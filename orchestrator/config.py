@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from parallel.pipeline import Schedule
 from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -378,6 +379,7 @@ def validate(config: Config) -> Config:
     problems += _mesh_problems(config)
     if not problems:
         problems += _divisibility_problems(config)
+        problems += _pipeline_problems(config)
     if problems:
         raise ConfigError(problems)
     return config
@@ -463,4 +465,36 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
             if logical == "batch":
                 fix = f"use a global batch that is a multiple of {shards * t.grad_accum}"
             problems.append((key, f"{size} is not divisible by {names} (= {shards}), which '{logical}' is sharded over; {fix}"))
+    return problems
+
+
+def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
+    """Every check a pipeline schedule needs: layers into stages x repeats, batch into micro-batches."""
+    p, t = config.pipeline, config.train
+    problems = []
+    if p.repeats > 1 and p.schedule != "circular":
+        problems.append(("pipeline.repeats", f"repeats={p.repeats} needs pipeline.schedule=circular "
+                                             f"(got {p.schedule}); set repeats to 1 or use the circular schedule"))
+    if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
+        return problems
+    degrees = mesh_degrees(config)
+    if degrees["pipeline"] == 1:
+        return problems
+    schedule = Schedule(degrees["pipeline"], p.microbatches, p.repeats if p.schedule == "circular" else 1)
+    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
+    problems += [(keys[what], message) for what, message in schedule.problems(config.model.num_layers)]
+    per_step_batch = t.global_batch // t.grad_accum
+    if per_step_batch % p.microbatches:
+        problems.append(("train.global_batch", f"the per-step batch {per_step_batch} (global_batch / grad_accum) "
+                                               f"does not split into pipeline.microbatches={p.microbatches}; "
+                                               f"use a multiple of {p.microbatches * t.grad_accum}"))
+        return problems
+    batch_axes = resolve_rules(config.mesh.rules).get("batch") or ()
+    shards = math.prod(degrees[a] for a in batch_axes)
+    microbatch = per_step_batch // p.microbatches
+    if microbatch % shards:
+        names = " x ".join(f"mesh.{a}={degrees[a]}" for a in batch_axes)
+        problems.append(("pipeline.microbatches", f"a micro-batch of {microbatch} sequences does not split over "
+                                                  f"{names} (= {shards}); use at most "
+                                                  f"{max(per_step_batch // shards, 1)} micro-batches or a larger global batch"))
     return problems

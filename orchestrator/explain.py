@@ -11,6 +11,7 @@ import numpy as np
 
 from orchestrator.config import Config
 from orchestrator.flops import train_flops_per_step
+from orchestrator.step import pipeline_schedule
 from orchestrator.train import Job, build_job
 from parallel.hlo import collectives
 from parallel.rules import is_logical_axes
@@ -52,6 +53,16 @@ def cost_flops(compiled) -> float:
     return float(cost.get("flops", math.nan))
 
 
+def pipeline_report(job: Job) -> dict[str, Any]:
+    """Returns the pipeline schedule of `job`: name, iterations, microbatches, stages, repeats, bubble_fraction."""
+    schedule = pipeline_schedule(job.config, job.mesh)
+    if schedule is None:
+        return {"schedule": "none", "iterations": 1, "microbatches": 1, "stages": 1, "repeats": 1,
+                "bubble_fraction": 0.0}
+    return {"schedule": schedule.name, "iterations": schedule.iterations, "microbatches": schedule.microbatches,
+            "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction}
+
+
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     """Returns the report `nestor explain --json` prints."""
     job = job or build_job(config)
@@ -76,6 +87,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
             - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
         },
         "collectives": collectives(compiled.as_text()),
+        "pipeline": pipeline_report(job),
         "flops_per_step": xla_flops * devices,
         "flops_per_step_per_device": xla_flops,
         "model_flops_per_step": train_flops_per_step(config),
@@ -105,6 +117,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
     lines += ["", "collectives per step (compiled HLO):"]
     lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
+    p = report["pipeline"]
+    lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
+                  f"{p['microbatches']} micro-batches, {p['iterations']} iterations, "
+                  f"bubble {p['bubble_fraction']:.1%}"]
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, all devices); "
                   f"model FLOPs {report['model_flops_per_step']:.4g} (analytic)"]
     return "\n".join(lines)

@@ -64,16 +64,19 @@ class Schedule:
         """Returns (S-1)/(R*M + S - 1), the share of stage-iterations that do no work."""
         return (self.stages - 1) / self.iterations
 
-    def problems(self, num_layers: int) -> list[str]:
-        """Returns what makes this schedule impossible for `num_layers` layers (empty if none)."""
+    def problems(self, num_layers: int) -> list[tuple[str, str]]:
+        """Returns (what, message) for each reason this schedule cannot run `num_layers` layers.
+
+        `what` is "layers" or "microbatches": the quantity to change. Empty when it can run.
+        """
         found = []
         if num_layers % (self.stages * self.repeats):
-            found.append(f"{num_layers} layers do not split into {self.stages} stages x {self.repeats} repeats")
+            found.append(("layers", f"{num_layers} layers do not split into {self.stages} stages x "
+                                    f"{self.repeats} repeats; use a multiple of {self.stages * self.repeats}"))
         if self.repeats > 1 and self.microbatches < self.stages:
-            found.append(f"the circular schedule needs microbatches >= stages ({self.microbatches} < {self.stages}): "
-                         "a micro-batch must leave the last stage before the first stage needs it again")
-        if self.remat not in REMAT_POLICIES:
-            found.append(f"unknown remat {self.remat!r}; one of {', '.join(REMAT_POLICIES)}")
+            found.append(("microbatches", f"the circular schedule needs microbatches >= stages "
+                                          f"({self.microbatches} < {self.stages}): a micro-batch must leave the "
+                                          "last stage before the first stage needs it again"))
         return found
 
 
@@ -155,7 +158,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
 
     def runner(layer_fn: LayerFn, stacked_params: Any, x: jax.Array):
         num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
-        problems = schedule.problems(num_layers)
+        problems = [message for _, message in schedule.problems(num_layers)]
         if x.shape[0] % micro:
             problems.append(f"batch {x.shape[0]} does not split into {micro} micro-batches")
         if problems:
