@@ -1,0 +1,166 @@
+"""Pipeline parallelism: same training as one device, stages on the pipeline axis, one checkpoint layout."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from orchestrator.config import ConfigError
+from orchestrator.explain import compile_step, explain, format_report, param_table
+from orchestrator.state import init_state
+from orchestrator.train import build_job
+from parallel.hlo import collective_lines, collectives
+from parallel.mesh import build_mesh
+from parallel.pipeline import Schedule, pipeline_runner
+from parallel.rules import DEFAULT_RULES
+from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run
+
+PIPELINED = {
+    "pipeline2_data2_tensor2_gpipe": (dict(pipeline=2, data=2, tensor=2), ["pipeline.microbatches=4"]),
+    "pipeline4_fsdp2_gpipe": (dict(pipeline=4, fsdp=2), ["pipeline.microbatches=8"]),
+    "pipeline2_data4_circular": (dict(pipeline=2, data=4), ["pipeline.microbatches=4", "pipeline.schedule=circular",
+                                                            "pipeline.repeats=2", "model.num_layers=8"]),
+    "pipeline2_fsdp2_tensor2_remat": (dict(pipeline=2, fsdp=2, tensor=2), ["pipeline.microbatches=4",
+                                                                           "pipeline.remat=full"]),
+}
+INVOLUNTARY = "Involuntary full rematerialization"
+
+
+@pytest.fixture(scope="module")
+def one_device_runs():
+    """Returns runs(tiny_config, num_layers) -> the one-device result, trained once per depth."""
+    cache = {}
+
+    def runs(tiny_config, model_overrides):
+        key = tuple(model_overrides)
+        if key not in cache:
+            cache[key] = run(tiny_config(*model_overrides).replace(**ONE_DEVICE))
+        return cache[key]
+
+    return runs
+
+
+@pytest.mark.parametrize("name", PIPELINED, ids=list(PIPELINED))
+def test_pipelined_training_matches_one_device_without_involuntary_remat(name, tiny_config, one_device_runs, capfd):
+    degrees, overrides = PIPELINED[name]
+    reference = one_device_runs(tiny_config, [o for o in overrides if o.startswith("model.")])
+    result = run(tiny_config(*overrides).replace(**mesh_overrides(**degrees)))
+    assert_same_training(result, reference)
+    assert INVOLUNTARY not in capfd.readouterr().err
+
+
+def _pipeline_positions(job) -> dict[int, int]:
+    """Returns device id -> its index on the pipeline mesh axis."""
+    axis = list(job.mesh.axis_names).index("pipeline")
+    return {device.id: index[axis] for index, device in np.ndenumerate(job.mesh.devices)}
+
+
+def test_pipelined_step_moves_activations_by_collective_permute_and_never_gathers_the_stack(tiny_config):
+    job = build_job(tiny_config("pipeline.microbatches=8", "model.num_layers=8").replace(
+        **mesh_overrides(pipeline=4, fsdp=2)))
+    hlo = compile_step(job).as_text()
+    position = _pipeline_positions(job)
+    next_stage_permutes = 0
+    for line in collective_lines(hlo, "collective-permute"):
+        pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
+        if all(position[b] == (position[a] + 1) % 4 for a, b in pairs):
+            next_stage_permutes += 1
+    assert next_stage_permutes >= 1
+    assert collectives(hlo)["collective-permute"]["count"] >= 2 * job.config.pipeline.microbatches
+
+    stack_shapes = {tuple(row["shape"]) for row in param_table(job) if "layers" in row["logical_axes"]}
+    for line in collective_lines(hlo, "all-gather"):
+        shape = tuple(int(d) for d in re.search(r"=\s*\(?\w+\[([\d,]*)\]", line).group(1).split(",") if d)
+        assert shape not in stack_shapes and (not shape or shape[0] != 8), line
+
+
+def test_layer_stack_params_per_device_are_a_quarter_with_four_stages(tiny_config):
+    job = build_job(tiny_config("pipeline.microbatches=4").replace(**mesh_overrides(pipeline=4, data=2)))
+    rows = [row for row in param_table(job) if "layers" in row["logical_axes"]]
+    per_device = sum(row["bytes_per_device"] for row in rows)
+    total = sum(row["bytes_total"] for row in rows)
+    assert per_device <= 1.10 * total / 4
+
+
+def _state_after(job, state, steps):
+    for step in range(steps):
+        state, _ = job.step_fn(state, job.data.batch(step))
+    return state
+
+
+def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same_loss(tiny_config):
+    flat = build_job(tiny_config().replace(**mesh_overrides(data=4, tensor=2)))
+    piped = build_job(tiny_config("pipeline.microbatches=4").replace(**mesh_overrides(pipeline=2, data=4)))
+    assert jax.tree.map(lambda s: s.shape, flat.layout.abstract) == jax.tree.map(lambda s: s.shape,
+                                                                                  piped.layout.abstract)
+    saved = jax.device_get(_state_after(flat, init_state(flat.config, flat.layout), steps=2))
+    losses = []
+    for job in (flat, piped):
+        _, metrics = job.step_fn(jax.device_put(saved, job.layout.shardings), job.data.batch(2))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+INVALID = {
+    "model.num_layers": ["mesh.pipeline=4", "mesh.data=2", "model.num_layers=6", "pipeline.microbatches=4"],
+    "pipeline.repeats": ["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4"],
+    "pipeline.microbatches": ["mesh.pipeline=4", "mesh.data=2", "model.num_layers=8", "pipeline.schedule=circular",
+                              "pipeline.repeats=2", "pipeline.microbatches=2"],
+    "train.global_batch": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=3"],
+}
+
+
+@pytest.mark.parametrize("key", INVALID)
+def test_invalid_pipeline_config_raises_config_error_naming_its_key(key, tiny_config):
+    with pytest.raises(ConfigError) as error:
+        tiny_config(*INVALID[key])
+    assert key in [problem_key for problem_key, _ in error.value.problems]
+
+
+def test_microbatch_that_does_not_split_over_batch_axes_names_microbatches(tiny_config):
+    with pytest.raises(ConfigError) as error:
+        tiny_config("mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=8")
+    assert [key for key, _ in error.value.problems] == ["pipeline.microbatches"]
+
+
+def test_explain_reports_circular_schedule_and_bubble_fraction(tiny_config):
+    config = tiny_config("pipeline.microbatches=4", "pipeline.schedule=circular", "pipeline.repeats=2",
+                         "model.num_layers=8").replace(**mesh_overrides(pipeline=2, data=4))
+    report = explain(config)
+    assert report["pipeline"] == {"schedule": "circular", "iterations": 9, "microbatches": 4, "stages": 2,
+                                  "repeats": 2, "bubble_fraction": pytest.approx(1 / 9)}
+    assert "bubble 11.1%" in format_report(report)
+
+
+def _toy_layer(w, x):
+    """A layer whose stats depend on the micro-batch, so averaging and bubble masking show."""
+    y = jnp.tanh(x * w + 0.1)
+    return y, {"mean": jnp.mean(y), "rows": jnp.asarray(x.shape[0], jnp.float32)}
+
+
+@pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2), (4, 2)])
+def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats):
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None))
+    layers, x = 8, jax.random.normal(jax.random.key(0), (16, 8))
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (layers, 8))
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, wl: _toy_layer(wl, h), x, w)
+
+    def microbatch_stats(w, x):  # each layer's stats per micro-batch (rows r % 4 == m), averaged
+        per_micro = [scanned(w, x[m::4])[1] for m in range(4)]
+        return jax.tree.map(lambda *s: sum(s) / 4, *per_micro)
+
+    with jax.set_mesh(mesh):
+        out, stats = jax.jit(lambda w, x: runner(_toy_layer, w, x))(w, x)
+        grad = jax.jit(jax.grad(lambda w, x: jnp.sum(runner(_toy_layer, w, x)[0] ** 2)))(w, x)
+    want_out, _ = scanned(w, x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    want_stats = microbatch_stats(w, x)
+    np.testing.assert_allclose(stats["mean"], want_stats["mean"], rtol=1e-5)
+    np.testing.assert_array_equal(stats["rows"], np.full(layers, 4.0))
+    want_grad = jax.grad(lambda w, x: jnp.sum(scanned(w, x)[0] ** 2))(w, x)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
