@@ -29,14 +29,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel.rules import Rules, partition_spec
 
 STAGE = "stage"  # logical name of the stage dimension (a rule maps it to mesh axes)
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-_STAGE_WEIGHTS = "pipeline_stage_weights"  # checkpoint name of one iteration's weights
 
 LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, dict]]
 
@@ -80,11 +78,21 @@ class Schedule:
         return found
 
 
+# Ops that only move or view data: recomputing them in the backward pass costs next to nothing.
+_DATA_MOVEMENT = frozenset({"dynamic_slice", "slice", "gather", "squeeze", "reshape", "broadcast_in_dim",
+                            "transpose", "convert_element_type"})
+
+
+def _save_all_but_data_movement(primitive, *_, **__) -> bool:
+    # "No remat" inside the loop: save every computed value, but not what only views the weights
+    # (each iteration's slice of the stack, its casts and broadcasts). Saving those would keep a
+    # copy of a stage's weights for every iteration; instead they are re-sliced from the stack.
+    return primitive.name not in _DATA_MOVEMENT
+
+
 def _remat_policy(remat: str):
-    # The weights one iteration selects are never saved for the backward pass: the scan would
-    # keep a copy per iteration. Every policy below recomputes them from the loop-invariant stack.
     if remat == "none":
-        return jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+        return _save_all_but_data_movement
     if remat == "full":
         return jax.checkpoint_policies.nothing_saveable
     return getattr(jax.checkpoint_policies, remat)
@@ -94,9 +102,13 @@ def _stage_fn(layer_fn: LayerFn, remat: str):
     """Returns f(stage_params [R, layers_per_stage, ...], repeat, x) -> (x, stats [layers_per_stage, ...])."""
 
     def stage(stage_params: Any, repeat: jax.Array, x: jax.Array):
-        params = jax.tree.map(lambda leaf: leaf[repeat], stage_params)  # [layers_per_stage, ...]
-        params = checkpoint_name(params, _STAGE_WEIGHTS)
-        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, h), x, params)
+        def layer(h, index):
+            # Sliced inside the body, not scanned over as xs: the policy can then drop the slice
+            # from the residuals, which it cannot do for a scan's own inputs.
+            return layer_fn(jax.tree.map(lambda leaf: leaf[repeat, index], stage_params), h)
+
+        per_stage = jax.tree.leaves(stage_params)[0].shape[1]
+        return jax.lax.scan(layer, x, jnp.arange(per_stage))
 
     return jax.checkpoint(stage, policy=_remat_policy(remat), prevent_cse=False)
 
