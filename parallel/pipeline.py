@@ -87,10 +87,12 @@ def _save_all_but_data_movement(primitive, *_, **__) -> bool:
     # "No remat" inside the loop: save every computed value, but not what only views the weights
     # (each iteration's slice of the stack, its casts and broadcasts). Saving those would keep a
     # copy of a stage's weights for every iteration; instead they are re-sliced from the stack.
+    # (jax 0.10's save_anything_except_these_names ignores its names, so a named slice would not do.)
     return primitive.name not in _DATA_MOVEMENT
 
 
 def _remat_policy(remat: str):
+    # Even remat=none runs under jax.checkpoint: the policy is what keeps weights out of the residuals.
     if remat == "none":
         return _save_all_but_data_movement
     if remat == "full":
@@ -102,13 +104,8 @@ def _stage_fn(layer_fn: LayerFn, remat: str):
     """Returns f(stage_params [R, layers_per_stage, ...], repeat, x) -> (x, stats [layers_per_stage, ...])."""
 
     def stage(stage_params: Any, repeat: jax.Array, x: jax.Array):
-        def layer(h, index):
-            # Sliced inside the body, not scanned over as xs: the policy can then drop the slice
-            # from the residuals, which it cannot do for a scan's own inputs.
-            return layer_fn(jax.tree.map(lambda leaf: leaf[repeat, index], stage_params), h)
-
-        per_stage = jax.tree.leaves(stage_params)[0].shape[1]
-        return jax.lax.scan(layer, x, jnp.arange(per_stage))
+        params = jax.tree.map(lambda leaf: leaf[repeat], stage_params)  # [layers_per_stage, ...]
+        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, h), x, params)
 
     return jax.checkpoint(stage, policy=_remat_policy(remat), prevent_cse=False)
 

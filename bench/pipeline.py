@@ -1,0 +1,184 @@
+"""Pipeline bubble and memory: step time over micro-batches, against GPipe's theory.
+
+For S = 4 stages and R = 1 (GPipe, arXiv 1811.06965) and R = 2 (circular),
+times the train step over M micro-batches as a ratio to the same model's
+non-pipelined step (the same devices as a data mesh), the two interleaved step by step,
+next to the theory (R*M + S - 1) / (R*M): every iteration runs all stages, so
+the bubble's share of the work is the share of the time. Also reads XLA's
+per-device temporary bytes over M with and without per-stage remat.
+
+    python -m bench.pipeline            # prints the table, writes docs/pipeline.png
+                                        # and docs/benchmarks-pipeline.md
+
+On simulated CPU devices the "devices" share the host's cores, so the ratio
+measures total work (bubble included) plus per-iteration overhead, not
+overlap; the memory numbers are what XLA would allocate on each device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+STAGES = 4
+MICROBATCHES = (4, 8, 16, 32)
+REPEATS = (1, 2)
+DEVICES = 4
+MODEL = ["model.preset=tiny", "model.num_layers=8", "model.embed_dim=128", "model.mlp_dim=512",
+         "model.num_heads=8", "model.num_kv_heads=4", "train.global_batch=32", "train.seq_len=32"]
+BASE = MODEL + ["train.steps=100", "run.dir=/tmp/nestor-bench-pipeline", f"cluster.devices_per_host={DEVICES}",
+                "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=1"]
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+COMMAND = "python -m bench.pipeline"
+
+
+def _config(*overrides: str):
+    from orchestrator.config import load
+
+    return load(None, BASE + list(overrides))
+
+
+def _compiled(config):
+    from orchestrator.explain import compile_step
+    from orchestrator.train import build_job
+
+    job = build_job(config)
+    return job, compile_step(job)
+
+
+def temp_bytes(config) -> int:
+    """Returns XLA's temporary bytes per device for one train step of `config`."""
+    return _compiled(config)[1].memory_analysis().temp_size_in_bytes
+
+
+class Stepper:
+    """A compiled train step with its own state, timed one step at a time."""
+
+    def __init__(self, config):
+        from orchestrator.state import init_state
+
+        self.job, self.compiled = _compiled(config)
+        self.state = init_state(config, self.job.layout)
+        self.step = 0
+        self.temp_bytes = self.compiled.memory_analysis().temp_size_in_bytes
+
+    def seconds(self) -> float:
+        """Runs one step; returns its wall time in seconds."""
+        import jax
+
+        tokens = self.job.data.batch(self.step)
+        started = time.perf_counter()
+        self.state, metrics = self.compiled(self.state, tokens)
+        jax.block_until_ready(metrics)
+        self.step += 1
+        return time.perf_counter() - started
+
+
+def paired_seconds(pipelined: Stepper, baseline: Stepper, steps: int) -> tuple[float, float]:
+    """Returns the median step seconds of (pipelined, baseline), their steps interleaved after a warm-up.
+
+    Interleaving keeps both medians under the same load on a shared host.
+    """
+    pipelined.seconds()
+    times = [(pipelined.seconds(), baseline.seconds()) for _ in range(steps)]
+    return statistics.median(t for t, _ in times), statistics.median(b for _, b in times)
+
+
+def _pipelined(microbatches: int, repeats: int, remat: str = "none"):
+    schedule = "circular" if repeats > 1 else "gpipe"
+    return _config(f"mesh.pipeline={STAGES}", "mesh.data=1", f"pipeline.microbatches={microbatches}",
+                   f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}", f"pipeline.remat={remat}")
+
+
+def run_bench(steps: int) -> tuple[float, list[dict]]:
+    """Returns (the non-pipelined step seconds, one row per (R, M) with ratio, theory and temp bytes)."""
+    baseline = Stepper(_config("mesh.pipeline=1", f"mesh.data={DEVICES}"))
+    baseline.seconds()
+    rows, baseline_times = [], []
+    for repeats in REPEATS:
+        for micro in MICROBATCHES:
+            pipelined = Stepper(_pipelined(micro, repeats))
+            seconds, baseline_seconds = paired_seconds(pipelined, baseline, steps)
+            baseline_times.append(baseline_seconds)
+            rows.append({"repeats": repeats, "microbatches": micro, "step_s": seconds,
+                         "ratio": seconds / baseline_seconds,
+                         "theory": (repeats * micro + STAGES - 1) / (repeats * micro),
+                         "temp_bytes": pipelined.temp_bytes,
+                         "temp_bytes_remat": temp_bytes(_pipelined(micro, repeats, "full"))})
+            print(format_row(rows[-1]), flush=True)
+    return statistics.median(baseline_times), rows
+
+
+HEADER = "| R | M | step (ms) | ratio to no pipeline | theory (RM+S-1)/(RM) | temp/device, remat none | temp/device, remat full |"
+
+
+def format_row(row: dict) -> str:
+    """Returns one markdown table row."""
+    return (f"| {row['repeats']} | {row['microbatches']} | {row['step_s'] * 1e3:.1f} | {row['ratio']:.2f} | "
+            f"{row['theory']:.2f} | {row['temp_bytes'] / 2**20:.2f} MiB | {row['temp_bytes_remat'] / 2**20:.2f} MiB |")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Writes step-time ratio and temp bytes over M to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for repeats in REPEATS:
+        mine = [row for row in rows if row["repeats"] == repeats]
+        micro = [row["microbatches"] for row in mine]
+        time_ax.plot(micro, [row["ratio"] for row in mine], "o-", label=f"measured R={repeats}")
+        time_ax.plot(micro, [row["theory"] for row in mine], "--", label=f"theory R={repeats}")
+        memory_ax.plot(micro, [row["temp_bytes"] / 2**20 for row in mine], "o-", label=f"remat none R={repeats}")
+        memory_ax.plot(micro, [row["temp_bytes_remat"] / 2**20 for row in mine], "s--", label=f"remat full R={repeats}")
+    for ax in (time_ax, memory_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches M")
+        ax.legend()
+    time_ax.set_ylabel(f"step time / non-pipelined step (S={STAGES})")
+    memory_ax.set_ylabel("XLA temp MiB per device")
+    fig.suptitle("nestor pipeline: bubble and memory over micro-batches")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_markdown(baseline: float, rows: list[dict], path: Path, steps: int) -> None:
+    """Writes the table, the setup and the exact command to `path`."""
+    lines = ["# Pipeline benchmark", "",
+             f"Command: `{COMMAND} --steps {steps}` (on {DEVICES} simulated CPU devices of a 2-core host).", "",
+             f"Model: {' '.join(MODEL)}; S = {STAGES} stages (`mesh.pipeline={STAGES}`), "
+             f"baseline `mesh.data={DEVICES}` without pipeline: {baseline * 1e3:.1f} ms per step "
+             f"(median; each pipelined step is interleaved with a baseline step, {steps} pairs per row after a warm-up).", "", HEADER, "|---|---|---|---|---|---|---|"]
+    lines += [format_row(row) for row in rows]
+    lines += ["", "![pipeline](pipeline.png)", "",
+              "Simulated CPU devices share the host's cores, so the ratio is total work (bubble iterations "
+              "run every stage on zeros) plus per-iteration loop overhead, which grows as micro-batches shrink; "
+              "it is not a measure of overlap between stages."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; returns 0."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
+    args = parser.parse_args(argv)
+    from orchestrator.cli import configure_jax
+
+    configure_jax(_config())
+    print(HEADER, flush=True)
+    baseline, rows = run_bench(args.steps)
+    DOCS.mkdir(exist_ok=True)
+    plot(rows, DOCS / "pipeline.png")
+    write_markdown(baseline, rows, DOCS / "benchmarks-pipeline.md", args.steps)
+    print(f"non-pipelined step: {baseline * 1e3:.1f} ms; wrote {DOCS / 'pipeline.png'} and "
+          f"{DOCS / 'benchmarks-pipeline.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
