@@ -50,6 +50,7 @@ class Schedule:
 
     @property
     def name(self) -> str:
+        """Returns "circular" when stages hold several layer groups, else "gpipe"."""
         return "circular" if self.repeats > 1 else "gpipe"
 
     @property
@@ -121,7 +122,7 @@ class _Layout:
         self.activation = NamedSharding(mesh, partition_spec(activation_axes, rules))
 
     def stage_params(self, leaf: jax.Array) -> jax.Array:
-        """Pins the stage dim of `leaf` [repeats, stages, ...] to the stage axes, the rest to GSPMD."""
+        """Returns `leaf` [repeats, stages, ...] with its stage dim on the stage axes, the rest left to GSPMD."""
         rest = (PartitionSpec.UNCONSTRAINED,) * (leaf.ndim - 2)
         spec = PartitionSpec(None, self.stage_axes or None, *rest)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
@@ -176,31 +177,10 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         buffer = jax.lax.with_sharding_constraint(_to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
         stage_fn = jax.vmap(_stage_fn(layer_fn, schedule.remat), in_axes=(1, 0, 0),
                             spmd_axis_name=layout.stage_axes or None)
-        state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)
+        state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)  # [S, mb, ...]: each stage's last output
         stats_shape = jax.eval_shape(stage_fn, params, jnp.zeros((stages,), jnp.int32), state)[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
-        stage_ids = jnp.arange(stages)
-
-        def iteration(carry, t):
-            state, buffer, totals = carry
-            item = t - stage_ids  # [S]: the (repeat, micro-batch) work item each stage runs, r*M + m
-            valid = (item >= 0) & (item < repeats * micro)
-            # Stage s takes stage s-1's output (a collective-permute); stage 0 takes the buffer's next slot.
-            incoming = jnp.where(_expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
-            # Bubble stages compute on zeros: finite, and their outputs are never read.
-            incoming = jax.lax.with_sharding_constraint(
-                jnp.where(_expand(valid, state), incoming, 0), layout.state)
-            repeat = jnp.clip(item // micro, 0, repeats - 1)
-            state, stats = stage_fn(params, repeat, incoming)  # [S, mb, ...], stats [S, layers_per_stage, ...]
-            state = jax.lax.with_sharding_constraint(state, layout.state)
-            finished = t - (stages - 1)  # the item the last stage just completed
-            slot = finished % micro
-            buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
-            # [R, S]: which (repeat, stage) cell each stage's stats belong to this iteration
-            cell = (jnp.arange(repeats)[:, None] == repeat[None, :]) & valid[None, :]
-            totals = jax.tree.map(lambda total, s: total + jnp.where(_expand(cell, total), s[None], 0), totals, stats)
-            return (state, buffer, totals), None
-
+        iteration = _iteration_fn(schedule, layout, lambda *args: stage_fn(params, *args))
         (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
         out = jax.lax.with_sharding_constraint(_from_microbatches(buffer), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
@@ -208,6 +188,37 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         return out, stats
 
     return runner
+
+
+def _iteration_fn(schedule: Schedule, layout: _Layout, run_stages: Callable):
+    """Returns the scan body: one clock tick of every stage, carry (state, buffer, stats totals).
+
+    `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and
+    receives it back from the last stage, so after the last iteration it holds the outputs
+    (and, for R > 1, feeds each micro-batch's next round to stage 0).
+    """
+    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+    stage_ids = jnp.arange(stages)
+
+    def iteration(carry, t):
+        state, buffer, totals = carry
+        item = t - stage_ids  # [S]: the work item r*M + m each stage runs now
+        valid = (item >= 0) & (item < repeats * micro)
+        # Stage s takes stage s-1's output (a collective-permute); stage 0 takes the buffer's next slot.
+        incoming = jnp.where(_expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
+        # Bubble stages compute on zeros: finite, and their outputs are never read.
+        incoming = jax.lax.with_sharding_constraint(jnp.where(_expand(valid, state), incoming, 0), layout.state)
+        repeat = jnp.clip(item // micro, 0, repeats - 1)
+        state, stats = run_stages(repeat, incoming)  # [S, mb, ...], stats [S, layers_per_stage, ...]
+        state = jax.lax.with_sharding_constraint(state, layout.state)
+        finished = t - (stages - 1)  # the item the last stage just completed
+        slot = finished % micro
+        buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
+        cell = (jnp.arange(repeats)[:, None] == repeat[None, :]) & valid[None, :]  # [R, S]: whose stats these are
+        totals = jax.tree.map(lambda total, s: total + jnp.where(_expand(cell, total), s[None], 0), totals, stats)
+        return (state, buffer, totals), None
+
+    return iteration
 
 
 def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
