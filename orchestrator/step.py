@@ -7,6 +7,7 @@ batch into `train.grad_accum` micro-batches and scans over them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,8 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules,
     return loss_fn
 
 
-def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, constrain) -> tuple[Any, Metrics]:
+def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, constrain,
+                       unroll: bool) -> tuple[Any, Metrics]:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, tokens)
@@ -70,13 +72,17 @@ def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, con
     (loss_shape, metrics_shape), grads_shape = jax.eval_shape(grad_fn, params, micro[0])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          (grads_shape, {"loss": loss_shape, **metrics_shape}))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+    (grads, metrics), _ = jax.lax.scan(body, zeros, micro, unroll=unroll)
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 
 
-def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
-                    stack_runner: StackRunner = scan_layers):
-    """Returns the jitted step(state, tokens) -> (state, metrics), state donated."""
+def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, *, unroll_loops: bool = False):
+    """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
+
+    `unroll_loops=True` builds the same computation with every loop unrolled,
+    for FLOP counting only: XLA's cost analysis counts a loop body once.
+    """
+    stack_runner = functools.partial(scan_layers, unroll=unroll_loops)
     loss_fn = make_loss_fn(layout, mesh, rules, stack_runner)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
@@ -84,7 +90,7 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
 
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
-        grads, metrics = _accumulated_grads(loss_fn, params, tokens, accum, constrain)
+        grads, metrics = _accumulated_grads(loss_fn, params, tokens, accum, constrain, unroll_loops)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
