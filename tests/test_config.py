@@ -61,3 +61,19 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 
     path.write_text(yaml.safe_dump(config.to_dict()))
     assert config_lib.load(path) == config
+
+
+def test_mesh_files_layer_over_the_run_config():
+    from tests.conftest import ROOT
+
+    config = config_lib.load(ROOT / "configs/quickstart.yaml", [str(ROOT / "configs/meshes/fsdp8.yaml"), "train.steps=3"])
+    assert config.mesh.fsdp == 8 and config.mesh.data == 1 and config.train.steps == 3
+
+
+def test_every_shipped_config_loads():
+    from tests.conftest import ROOT
+
+    for path in sorted((ROOT / "configs/models").glob("*.yaml")):
+        config_lib.load(None, [f"model.preset={path.stem}", "train.global_batch=64"])
+    for path in sorted((ROOT / "configs/meshes").glob("*.yaml")):
+        config_lib.load(ROOT / "configs/quickstart.yaml", [str(path)])
