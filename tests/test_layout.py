@@ -7,15 +7,8 @@ from orchestrator.explain import compile_step, explain, param_table
 from orchestrator.train import build_job
 from parallel.hlo import collective_lines, collectives
 from parallel.rules import DEFAULT_RULES
-from tests.helpers import mesh_overrides
+from tests.helpers import TESTED_MESHES, mesh_overrides
 
-TESTED_MESHES = {
-    "data8": dict(data=8),
-    "fsdp8": dict(fsdp=8),
-    "fsdp4_tensor2": dict(fsdp=4, tensor=2),
-    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
-    "tensor4_data2": dict(tensor=4, data=2),
-}
 
 
 def test_every_logical_axis_the_model_uses_has_a_rule(tiny_config):
