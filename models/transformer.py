@@ -146,12 +146,14 @@ class Block(nnx.Module):
         return constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), {}
 
 
-def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array) -> tuple[jax.Array, Stats]:
+def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, *, unroll: bool = False) -> tuple[jax.Array, Stats]:
     """Runs `layer_fn` over the leading `layers` dimension of `stacked_params`.
 
     Returns the final activations and each layer's stats stacked `[layers, ...]`.
+    `unroll=True` traces every layer (for XLA's cost analysis, which counts a
+    loop body once).
     """
-    return jax.lax.scan(lambda carry, params: layer_fn(params, carry), x, stacked_params)
+    return jax.lax.scan(lambda carry, params: layer_fn(params, carry), x, stacked_params, unroll=unroll)
 
 
 class Transformer(nnx.Module):

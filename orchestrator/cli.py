@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true", help="print one JSON object")
     for command, handler in ((train, _train), (explain, _explain)):
         command.add_argument("config", help="run YAML, e.g. configs/quickstart.yaml")
-        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. mesh.tensor=2")
+        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
+                             help="dotted overrides (mesh.tensor=2) or further YAML files layered in order")
         command.set_defaults(handler=handler)
     return main
 

@@ -253,11 +253,19 @@ def parse_overrides(overrides: list[str]) -> dict:
 def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
     """Returns the validated Config for a run YAML plus overrides.
 
+    `overrides` holds `key.path=value` strings and, layered first in order,
+    paths of further YAML files (mesh presets, say).
+
     Raises ConfigError (with every problem's key path) when the YAML, an
     override or the combination is invalid.
     """
     tree = _read_yaml(CONFIGS_DIR / "base.yaml", "base.yaml")
     user = _read_yaml(Path(path), "CONFIG") if path is not None else {}
+    if isinstance(overrides, list):
+        # Further YAML files (e.g. configs/meshes/fsdp8.yaml) layer over CONFIG in order.
+        for layer in [item for item in overrides if "=" not in item and item.endswith((".yaml", ".yml"))]:
+            user = _merge(user, _read_yaml(Path(layer), layer))
+        overrides = [item for item in overrides if not ("=" not in item and item.endswith((".yaml", ".yml")))]
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     preset = (
         (extra.get("model") or {}).get("preset")

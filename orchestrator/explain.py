@@ -46,7 +46,11 @@ def param_table(job: Job) -> list[dict[str, Any]]:
 
 
 def cost_flops(compiled) -> float:
-    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it)."""
+    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
+
+    XLA counts a loop body once, whatever its trip count: compile the job with
+    `unroll_loops=True` for a per-step figure.
+    """
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
@@ -71,7 +75,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     params = param_table(job)
     optimizer_bytes = sum(_per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
     devices = job.mesh.devices.size
-    xla_flops = cost_flops(compiled)
+    xla_flops = cost_flops(compile_step(build_job(config, unroll_loops=True)))
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.mesh.devices.flat[0].platform},
         "params": params,

@@ -7,6 +7,7 @@ batch into `train.grad_accum` micro-batches and scans over them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +55,8 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules,
     return loss_fn
 
 
-def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, constrain) -> tuple[Any, Metrics]:
+def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, constrain,
+                       unroll: bool) -> tuple[Any, Metrics]:
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, tokens)
@@ -71,7 +73,7 @@ def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, con
     (loss_shape, metrics_shape), grads_shape = jax.eval_shape(grad_fn, params, micro[0])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          (grads_shape, {"loss": loss_shape, **metrics_shape}))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+    (grads, metrics), _ = jax.lax.scan(body, zeros, micro, unroll=unroll)
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 
 
@@ -84,28 +86,29 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1, p.remat)
 
 
-def stack_runner_for(config: Config, mesh: Mesh, rules: Rules) -> StackRunner:
+def stack_runner_for(config: Config, mesh: Mesh, rules: Rules, *, unroll: bool = False) -> StackRunner:
     """Returns how the layer stack runs: pipelined when `mesh.pipeline > 1`, else a scan."""
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
-        return scan_layers
-    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+        return functools.partial(scan_layers, unroll=unroll)
+    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED), unroll=unroll)
 
 
-def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
-                    stack_runner: StackRunner | None = None):
+def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, *, unroll_loops: bool = False):
     """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
 
-    The layer stack runs through `stack_runner`, by default `stack_runner_for(config, mesh, rules)`.
+    The layer stack runs through `stack_runner_for(config, mesh, rules)`.
+    `unroll_loops=True` builds the same computation with every loop unrolled,
+    for FLOP counting only: XLA's cost analysis counts a loop body once.
     """
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner or stack_runner_for(config, mesh, rules))
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules, unroll=unroll_loops))
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
 
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
-        grads, metrics = _accumulated_grads(loss_fn, params, tokens, accum, constrain)
+        grads, metrics = _accumulated_grads(loss_fn, params, tokens, accum, constrain, unroll_loops)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),

@@ -8,6 +8,15 @@ import numpy as np
 from orchestrator.config import Config
 from orchestrator.train import TrainResult, train
 
+# The meshes the foundation is tested on (tensor4 needs 4 kv heads).
+TESTED_MESHES = {
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "fsdp4_tensor2": dict(fsdp=4, tensor=2),
+    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+    "tensor4_data2": dict(tensor=4, data=2),
+}
+
 ONE_DEVICE = {"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.pipeline": 1,
               "cluster.devices_per_host": 1}
 

@@ -2,15 +2,7 @@
 
 import pytest
 
-from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run
-
-MESHES = {
-    "data8": dict(data=8),
-    "fsdp8": dict(fsdp=8),
-    "fsdp4_tensor2": dict(fsdp=4, tensor=2),
-    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
-    "tensor4_data2": dict(tensor=4, data=2),
-}
+from tests.helpers import TESTED_MESHES, ONE_DEVICE, assert_same_training, mesh_overrides, run
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +18,10 @@ def reference(tmp_path_factory):
     return make, run(make().replace(**ONE_DEVICE))
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=list(MESHES))
+@pytest.mark.parametrize("mesh", TESTED_MESHES, ids=list(TESTED_MESHES))
 def test_losses_and_params_match_one_device(reference, mesh, tmp_path):
     make, one_device = reference
-    config = make(f"run.dir={tmp_path}").replace(**mesh_overrides(**MESHES[mesh]))
+    config = make(f"run.dir={tmp_path}").replace(**mesh_overrides(**TESTED_MESHES[mesh]))
     assert_same_training(run(config), one_device)
 
 

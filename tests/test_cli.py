@@ -1,0 +1,52 @@
+"""The `nestor` command as users run it: a subprocess from the repository root."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def nestor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(600)
+def test_quickstart_trains_in_process_and_the_loss_falls(tmp_path):
+    result = nestor("train", "configs/quickstart.yaml", "cluster.launcher=inprocess", f"run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"} <= set(records[0])
+    assert records[-1]["step"] == 60 and records[-1]["loss"] < 0.75 * records[0]["loss"]
+    assert (tmp_path / "config.yaml").exists()
+    assert "Involuntary full rematerialization" not in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_explain_json_on_quickstart_mesh():
+    result = nestor("explain", "configs/quickstart.yaml", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["mesh"]["devices"] == 8
+    assert {row["name"] for row in report["params"]} >= {"embedding", "blocks/mlp/up"}
+    assert report["flops_per_step"] > 0 and report["memory_per_device_bytes"]["temporaries"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_config_error_is_one_message_with_the_key_and_no_traceback():
+    result = nestor("train", "configs/quickstart.yaml", "mesh.tensor=3", "model.num_heads=5")
+    assert result.returncode == 2
+    assert "mesh" in result.stderr or "model.num_heads" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_missing_config_file_is_a_config_error():
+    result = nestor("train", "configs/no-such-file.yaml")
+    assert result.returncode == 2 and "file not found" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,79 @@
+"""Config errors a user can make are caught before any device is touched, each naming its key."""
+
+import pytest
+
+from orchestrator import config as config_lib
+from orchestrator.config import ConfigError
+
+
+def error_keys(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        config_lib.load(None, ["model.preset=tiny", *overrides])
+    return [key for key, _ in caught.value.problems]
+
+
+def test_wrong_device_product_names_mesh():
+    assert error_keys("mesh.data=2", "mesh.tensor=2") == ["mesh"]
+
+
+def test_two_fill_axes_name_the_second():
+    assert error_keys("mesh.fsdp=-1") == ["mesh.fsdp"]
+
+
+def test_heads_not_divisible_by_tensor_names_heads():
+    keys = error_keys("mesh.data=1", "mesh.tensor=8", "model.num_heads=12", "model.num_kv_heads=4")
+    assert "model.num_heads" in keys and "model.num_kv_heads" in keys
+
+
+def test_batch_not_divisible_by_batch_axes_names_global_batch():
+    assert error_keys("train.global_batch=12", "mesh.data=8") == ["train.global_batch"]
+
+
+def test_unknown_key_is_named_with_its_path():
+    assert error_keys("model.num_experts=4") == ["model.num_experts"]
+    assert error_keys("nonsense.key=1") == ["nonsense"]
+
+
+def test_wrong_type_is_named():
+    assert error_keys("train.steps=ten") == ["train.steps"]
+
+
+def test_every_problem_is_listed_at_once():
+    keys = error_keys("pipeline.schedule=zigzag", "model.dtype=int8", "train.seq_len=0")
+    assert sorted(keys) == ["model.dtype", "pipeline.schedule", "train.seq_len"]
+
+
+def test_unknown_mesh_axis_in_rules_is_named():
+    assert error_keys("mesh.rules={embed: fdsp}") == ["mesh.rules.embed"]
+
+
+def test_overrides_parse_as_yaml_and_layer_over_the_preset():
+    config = config_lib.load(None, ["model.preset=125m", "model.num_layers=3", "mesh.rules={mlp: [tensor, fsdp]}",
+                                    "train.global_batch=64"])
+    assert config.model.embed_dim == 768 and config.model.num_layers == 3
+    assert config.mesh.rules == {"mlp": ["tensor", "fsdp"]}
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    config = config_lib.load(None, ["model.preset=tiny", "checkpoint.async=false", "mesh.fsdp=2"])
+    path = tmp_path / "config.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    assert config_lib.load(path) == config
+
+
+def test_mesh_files_layer_over_the_run_config():
+    from tests.conftest import ROOT
+
+    config = config_lib.load(ROOT / "configs/quickstart.yaml", [str(ROOT / "configs/meshes/fsdp8.yaml"), "train.steps=3"])
+    assert config.mesh.fsdp == 8 and config.mesh.data == 1 and config.train.steps == 3
+
+
+def test_every_shipped_config_loads():
+    from tests.conftest import ROOT
+
+    for path in sorted((ROOT / "configs/models").glob("*.yaml")):
+        config_lib.load(None, [f"model.preset={path.stem}", "train.global_batch=64"])
+    for path in sorted((ROOT / "configs/meshes").glob("*.yaml")):
+        config_lib.load(ROOT / "configs/quickstart.yaml", [str(path)])
