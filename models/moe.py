@@ -164,6 +164,20 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arra
     return Routing(dispatch, combine, stats)
 
 
+def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
+    """Returns expert slots [experts, groups, capacity, embed] moved between the layouts of routing
+    (groups on the batch devices) and of the experts (experts on `expert`, groups on the rest).
+
+    Pinning both layouts, one after the other, makes the partitioner move the
+    slots with one all-to-all over `expert`, as in GShard; pinning only the
+    experts' layout lets it gather every token onto every expert device instead.
+    """
+    routing_layout = (None, axes.BATCH, None, axes.ACT_EMBED)
+    expert_layout = (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_EMBED)
+    source, target = (routing_layout, expert_layout) if to_experts else (expert_layout, routing_layout)
+    return constrain(constrain(slots, source), target)
+
+
 class MoEFeedForward(nnx.Module):
     """SwiGLU experts behind a GShard router: x [batch, length, embed] -> (y, stats).
 
@@ -204,10 +218,8 @@ class MoEFeedForward(nnx.Module):
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
         routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key if train else None)
 
-        # the change from groups-over-expert to experts-over-expert is the all-to-all
         expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(x.dtype), grouped)
-        expert_inputs = constrain(expert_inputs, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_EMBED))
-        expert_outputs = constrain(self.experts(expert_inputs), (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_EMBED))
-        output = jnp.einsum("gsec,egcm->gsm", routing.combine.astype(x.dtype), expert_outputs)
+        expert_outputs = self.experts(exchange(expert_inputs, to_experts=True))
+        output = jnp.einsum("gsec,egcm->gsm", routing.combine.astype(x.dtype), exchange(expert_outputs, to_experts=False))
         output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED))
         return output.reshape(batch, length, dim), routing.stats
