@@ -105,3 +105,107 @@ def test_train_loss_adds_weighted_aux_and_z_loss_of_every_moe_layer():
     assert {k: float(v) for k, v in metrics.items() if v.ndim == 0} == pytest.approx(
         {"moe_aux_loss": 1.0, "moe_z_loss": 3.0, "moe_dropped_fraction": 0.25})
     assert metrics["moe_tokens_per_expert"].shape == (2, EXPERTS)
+
+
+MESHES = {
+    "expert4_data2": dict(expert=4, data=2),
+    "expert2_tensor2_data2": dict(expert=2, tensor=2, data=2),
+}
+
+
+@pytest.fixture(scope="module")
+def one_device_runs(tmp_path_factory):
+    """Returns make(*overrides) -> Config and a cache of one-device results by MoE overrides."""
+    from orchestrator import config as config_lib
+
+    def make(*overrides):
+        base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
+                "optimizer.warmup_steps=2", "model.num_kv_heads=4", *MOE,
+                f"run.dir={tmp_path_factory.mktemp('run')}"]
+        return config_lib.load(None, base + list(overrides))
+
+    cache = {}
+
+    def reference(*overrides):
+        if overrides not in cache:
+            cache[overrides] = run(make(*overrides).replace(**ONE_DEVICE))
+        return cache[overrides]
+
+    return make, reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("mesh", MESHES, ids=list(MESHES))
+def test_losses_and_params_match_one_device(one_device_runs, mesh, top_k):
+    make, reference = one_device_runs
+    overrides = (f"moe.top_k={top_k}",)
+    result = run(make(*overrides).replace(**mesh_overrides(**MESHES[mesh])))
+    assert_same_training(result, reference(*overrides))
+    assert 0.0 < result.history[-1]["moe_dropped_fraction"] < 0.5  # capacity 1.25 does drop a few
+    assert np.sum(result.history[-1]["moe_tokens_per_expert"], axis=1) == pytest.approx([16 * 32 * top_k] * 2)
+
+
+@pytest.mark.slow
+def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs):
+    make, reference = one_device_runs
+    overrides = ("moe.second_expert_policy=random",)
+    result = run(make(*overrides).replace(**mesh_overrides(expert=4, data=2)))
+    assert_same_training(result, reference(*overrides))
+    routed = np.sum(result.history[-1]["moe_tokens_per_expert"], axis=1)
+    assert np.all(routed < 16 * 32 * 2)  # some second choices were not taken
+    assert np.all(routed > 16 * 32)
+
+
+def compiled_text(config) -> str:
+    return compile_step(build_job(config)).as_text()
+
+
+def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd):
+    config = tiny_config(*MOE).replace(**mesh_overrides(expert=4, data=2))
+    found = collectives(compiled_text(config))
+    capacity = expert_capacity(32, EXPERTS, 2, 1.25)
+    slots_per_device_bytes = EXPERTS * 16 * capacity * 64 * 4 // 8  # [experts, groups, capacity, embed] f32
+    # 2 MoE layers x (dispatch + combine) x (forward + backward)
+    assert found["all-to-all"] == {"count": 8, "bytes": 8 * slots_per_device_bytes}
+    assert found["all-gather"]["count"] == 0
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("mesh", [dict(expert=2, tensor=2, data=2), dict(expert=2, fsdp=2, tensor=2)],
+                         ids=["expert2_tensor2_data2", "expert2_fsdp2_tensor2"])
+def test_expert_weights_are_split_over_every_sharded_axis(tiny_config, capfd, mesh):
+    config = tiny_config(*MOE).replace(**mesh_overrides(**mesh))
+    job = build_job(config)
+    assert collectives(compile_step(job).as_text())["all-to-all"]["count"] > 0
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    expert_rows = [row for row in param_table(job) if "expert" in row["logical_axes"]]
+    assert len(expert_rows) == 3
+    shards = mesh["expert"] * mesh.get("fsdp", 1) * mesh["tensor"]  # expert x embed (fsdp) x mlp (tensor)
+    for row in expert_rows:
+        assert row["bytes_per_device"] <= 1.10 * row["bytes_total"] / shards, row["name"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("moe.num_experts=6", "moe.every=2", "mesh.expert=4", "mesh.data=2"), "moe.num_experts"),
+    (("moe.num_experts=4", "moe.every=2", "moe.top_k=5"), "moe.top_k"),
+    (("moe.num_experts=4", "moe.every=2", "moe.capacity_factor=0"), "moe.capacity_factor"),
+    (("moe.num_experts=4", "moe.every=2", "moe.eval_capacity_factor=-1"), "moe.eval_capacity_factor"),
+    (("moe.num_experts=4", "moe.every=2", "moe.group_size=48", "mesh.data=8"), "moe.group_size"),
+    (("moe.num_experts=4", "moe.every=3"), "moe.every"),
+    (("moe.num_experts=4", "moe.every=0"), "moe.every"),
+    (("moe.num_experts=0", "moe.every=2"), "moe.every"),
+], ids=["experts_vs_mesh", "top_k", "capacity", "eval_capacity", "group_size", "every_vs_layers",
+        "experts_without_every", "every_without_experts"])
+def test_invalid_moe_config_names_its_key(tiny_config, overrides, key):
+    with pytest.raises(ConfigError) as error:
+        tiny_config(*overrides)
+    assert key in [problem_key for problem_key, _ in error.value.problems]
+
+
+def test_flops_count_router_and_top_k_experts_only(tiny_config):
+    dense = matmul_params_per_token(tiny_config())
+    moe = matmul_params_per_token(tiny_config(*MOE, "moe.top_k=2"))
+    feed_forward = 3 * 64 * 128
+    moe_layers = 4 // 2
+    assert moe - dense == moe_layers * (feed_forward + 64 * EXPERTS)  # one more active expert, plus the router
