@@ -23,9 +23,9 @@ EXPERTS = 4
 MOE = ("moe.num_experts=4", "moe.every=2")
 
 
-def moe_layer(top_k: int, capacity_factor: float, groups_of: int = 0) -> MoEFeedForward:
+def moe_layer(top_k: int, capacity_factor: float, groups_of: int = 0, eval_capacity_factor: float = 2.0):
     moe = MoELayerConfig(num_experts=EXPERTS, every=1, top_k=top_k, capacity_factor=capacity_factor,
-                         group_size=groups_of)
+                         eval_capacity_factor=eval_capacity_factor, group_size=groups_of)
     cfg = TransformerConfig(vocab_size=8, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=24, init_std=0.5, moe=moe)
     return MoEFeedForward(cfg, nnx.Rngs(params=3))
@@ -77,6 +77,16 @@ def test_capacity_one_drops_all_but_the_first_token_of_each_expert():
     np.testing.assert_allclose(float(stats["moe_dropped_fraction"]), 1 - first.mean(), rtol=1e-6)
 
 
+def test_eval_uses_the_eval_capacity_factor():
+    layer = moe_layer(2, capacity_factor=0.01, eval_capacity_factor=EXPERTS / 2)
+    x = tokens()
+    _, train_stats = layer(x, train=True)
+    eval_output, eval_stats = layer(x, train=False)
+    assert float(train_stats["moe_dropped_fraction"]) > 0.5
+    assert float(eval_stats["moe_dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(eval_output, reference_output(layer, x, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_top2_capacity_one_keeps_one_slot_per_chosen_expert():
     logits = jnp.log(jnp.array([[[0.5, 0.3, 0.1, 0.1], [0.6, 0.1, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]]]))
     routing = route(logits, top_k=2, capacity=1)
@@ -85,6 +95,15 @@ def test_top2_capacity_one_keeps_one_slot_per_chosen_expert():
     np.testing.assert_allclose(float(routing.stats["moe_dropped_fraction"]), 2 / 6, rtol=1e-6)
     np.testing.assert_allclose(routing.combine[0, 0, :, 0], [0.5 / 0.8, 0.3 / 0.8, 0, 0], rtol=1e-6)
     np.testing.assert_array_equal(routing.stats["moe_tokens_per_expert"], [2, 1, 2, 1])
+
+
+def test_random_policy_keeps_the_second_expert_with_probability_twice_its_gate():
+    # probabilities (0.5, 0.25, 0.15, 0.1): renormalised g2 = 0.25 / 0.75, kept with probability 2 * g2 = 2/3
+    logits = jnp.broadcast_to(jnp.log(jnp.array([0.5, 0.25, 0.15, 0.1])), (8, 512, EXPERTS))
+    routing = route(logits, top_k=2, capacity=512, routing_key=jax.random.key(0))
+    second_expert_share = float(routing.stats["moe_tokens_per_expert"][1]) / (8 * 512)
+    assert second_expert_share == pytest.approx(2 / 3, abs=0.02)
+    assert float(routing.stats["moe_tokens_per_expert"][0]) == 8 * 512
 
 
 def test_aux_loss_matches_hand_computed_value():
