@@ -54,9 +54,9 @@ class TransformerConfig:
         return jnp.dtype(self.dtype)
 
     @property
-    def layers_per_unit(self) -> int:
-        """Layers in one stacked unit: `moe.every` for an MoE model, else 1."""
-        return self.moe.every if self.moe.enabled else 1
+    def stacked_units(self) -> int:
+        """Returns the length of the layer stack: num_layers, or num_layers / moe.every units for an MoE model."""
+        return self.num_layers // self.moe.every if self.moe.enabled else self.num_layers
 
 
 class RMSNorm(nnx.Module):
@@ -189,7 +189,7 @@ class Transformer(nnx.Module):
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED), cfg.init_std)
         unit = BlockGroup if cfg.moe.enabled else Block
 
-        @nnx.split_rngs(splits=cfg.num_layers // cfg.layers_per_unit)
+        @nnx.split_rngs(splits=cfg.stacked_units)
         @nnx.vmap(in_axes=(0,), out_axes=0,
                   transform_metadata={nnx.PARTITION_NAME: axes.LAYERS, "logical_axes": axes.LAYERS})
         def make_blocks(rngs: nnx.Rngs) -> Block | BlockGroup:
@@ -221,7 +221,7 @@ class Transformer(nnx.Module):
         if random_routing:
             if routing_key is None:
                 raise ValueError("moe.second_expert_policy=random needs a routing_key in training")
-            stacked = (stacked, jax.random.split(routing_key, cfg.num_layers // cfg.layers_per_unit))
+            stacked = (stacked, jax.random.split(routing_key, cfg.stacked_units))
 
         def layer_fn(unit_inputs: Any, h: jax.Array) -> tuple[jax.Array, Stats]:
             params, key = unit_inputs if random_routing else (unit_inputs, None)
