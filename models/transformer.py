@@ -2,8 +2,10 @@
 
 Token embedding -> N x [RMSNorm -> causal self-attention (RoPE, grouped-query
 heads) -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits.
+With `moe.every = k`, every k-th feed-forward is a Mixture of Experts
+(models.moe) and the repeated unit is a `BlockGroup` of k layers whose last is MoE.
 
-The N blocks are one module whose parameters are stacked `[layers, ...]`
+The units are one module whose parameters are stacked `[layers, ...]`
 (built with `nnx.vmap`), run by a `scan` so compile time does not grow with
 depth. Whoever calls the model may run that stack differently (a pipeline) by
 passing `stack_runner`. Every parameter names its dimensions with logical axes
@@ -23,6 +25,8 @@ from flax import nnx
 
 from models import axes
 from models.axes import constrain
+from models.moe import MoEFeedForward, MoELayerConfig
+from models.params import param
 
 Stats = dict[str, jax.Array]
 LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, Stats]]
@@ -43,16 +47,16 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"
+    moe: MoELayerConfig = MoELayerConfig()
 
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 
-
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str, ...], std: float) -> nnx.Param:
-    """Returns a float32 normal-initialised parameter named by `logical_axes`."""
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, logical_axes=logical_axes)
+    @property
+    def stacked_units(self) -> int:
+        """Returns the length of the layer stack: num_layers, or num_layers / moe.every units for an MoE model."""
+        return self.num_layers // self.moe.every if self.moe.enabled else self.num_layers
 
 
 class RMSNorm(nnx.Module):
@@ -134,16 +138,39 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """One pre-norm transformer layer. Returns (x, stats); dense layers report no stats."""
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, *, mixture_of_experts: bool = False):
         self.attention_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.attention = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoEFeedForward(cfg, rngs) if mixture_of_experts else MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
+    def __call__(self, x: jax.Array, *, train: bool = True,
+                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         x = x + self.attention(self.attention_norm(x))
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), {}
+        stats: Stats = {}
+        if isinstance(self.mlp, MoEFeedForward):
+            feed_forward, stats = self.mlp(self.mlp_norm(x), train=train, routing_key=routing_key)
+        else:
+            feed_forward = self.mlp(self.mlp_norm(x))
+        return constrain(x + feed_forward, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), stats
+
+
+class BlockGroup(nnx.Module):
+    """`moe.every` layers whose last feed-forward is MoE: the stacked unit of an MoE model.
+
+    The dense layers before it run unrolled inside the unit (there are
+    `every - 1` of them); the units themselves are scanned or pipelined.
+    """
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg, rngs) for _ in range(cfg.moe.every - 1)])
+        self.expert_layer = Block(cfg, rngs, mixture_of_experts=True)
+
+    def __call__(self, x: jax.Array, *, train: bool = True,
+                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        for block in self.dense:
+            x, _ = block(x)
+        return self.expert_layer(x, train=train, routing_key=routing_key)
 
 
 def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, *, unroll: bool = False) -> tuple[jax.Array, Stats]:
@@ -162,20 +189,28 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED), cfg.init_std)
+        unit = BlockGroup if cfg.moe.enabled else Block
 
-        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.split_rngs(splits=cfg.stacked_units)
         @nnx.vmap(in_axes=(0,), out_axes=0,
                   transform_metadata={nnx.PARTITION_NAME: axes.LAYERS, "logical_axes": axes.LAYERS})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        def make_blocks(rngs: nnx.Rngs) -> Block | BlockGroup:
+            return unit(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.unembedding = param(rngs, (cfg.embed_dim, cfg.vocab_size), (axes.EMBED, axes.VOCAB), cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, *, stack_runner: StackRunner = scan_layers) -> tuple[jax.Array, Stats]:
-        """Returns (logits float32 [batch, length, vocab], per-layer stats stacked [layers, ...])."""
+    def __call__(self, tokens: jax.Array, *, stack_runner: StackRunner = scan_layers, train: bool = True,
+                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """Returns (logits float32 [batch, length, vocab], per-unit stats stacked [units, ...]).
+
+        `train` picks the MoE capacity factor (training or eval) and enables
+        random routing; `routing_key` seeds that routing, split into one key per
+        stacked unit, which then travels with the unit's parameters as
+        `(params, key)`. Raises ValueError when the routing needs a key and none is given.
+        """
         cfg = self.cfg
         # The lookup reads the whole table (gathered once per step, as fsdp gathers every weight):
         # a gather from a vocab-sharded table cannot be partitioned without replicating it anyway.
@@ -184,9 +219,15 @@ class Transformer(nnx.Module):
         x = constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
 
         block_def, stacked = nnx.split(self.blocks)
+        random_routing = train and cfg.moe.needs_routing_key
+        if random_routing:
+            if routing_key is None:
+                raise ValueError("moe.second_expert_policy=random needs a routing_key in training")
+            stacked = (stacked, jax.random.split(routing_key, cfg.stacked_units))
 
-        def layer_fn(layer_params: Any, h: jax.Array) -> tuple[jax.Array, Stats]:
-            return nnx.merge(block_def, layer_params)(h)
+        def layer_fn(unit_inputs: Any, h: jax.Array) -> tuple[jax.Array, Stats]:
+            params, key = unit_inputs if random_routing else (unit_inputs, None)
+            return nnx.merge(block_def, params)(h, train=train, routing_key=key)
 
         x, stats = stack_runner(layer_fn, stacked, x)
         x = self.final_norm(x)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from models.moe import expert_capacity
 from parallel.pipeline import Schedule
 from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
 
@@ -385,6 +386,7 @@ def validate(config: Config) -> Config:
     _check_positive(problems, "pipeline.microbatches", config.pipeline.microbatches)
     _check_positive(problems, "pipeline.repeats", config.pipeline.repeats)
     problems += _mesh_problems(config)
+    problems += _moe_problems(config, None if problems else _known_degrees(config))
     if not problems:
         problems += _divisibility_problems(config)
         problems += _pipeline_problems(config)
@@ -443,6 +445,48 @@ def mesh_degrees(config: Config, devices: int | None = None) -> dict[str, int]:
         fill = devices // math.prod(dcn.values()) // known
         ici = {axis: fill if size == -1 else size for axis, size in ici.items()}
     return {axis: ici[axis] * dcn[axis] for axis in MESH_AXES}
+
+
+def _known_degrees(config: Config) -> dict[str, int] | None:
+    """Returns the mesh degrees, or None while a -1 axis waits for the device count."""
+    if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
+        return None
+    return mesh_degrees(config)
+
+
+def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
+    """Returns the problems of the `moe` section; checks against the mesh need its `degrees`."""
+    moe, m, t = config.moe, config.model, config.train
+    if moe.num_experts < 0 or moe.every < 0 or moe.group_size < 0:
+        key = next(k for k in ("num_experts", "every", "group_size") if getattr(moe, k) < 0)
+        return [(f"moe.{key}", f"must be >= 0, got {getattr(moe, key)}")]
+    if (moe.num_experts > 0) != (moe.every > 0):
+        return [("moe.every", f"moe.every={moe.every} and moe.num_experts={moe.num_experts}: set both > 0 for an "
+                              "MoE model or both 0 for a dense one")]
+    if moe.num_experts == 0:
+        return []
+    problems = []
+    if m.num_layers % moe.every:
+        problems.append(("moe.every", f"{moe.every} does not divide model.num_layers={m.num_layers}; "
+                                      "the stacked unit is moe.every layers, so pick a divisor"))
+    if not 1 <= moe.top_k <= moe.num_experts:
+        problems.append(("moe.top_k", f"must be between 1 and moe.num_experts={moe.num_experts}, got {moe.top_k}"))
+    tokens_per_group = moe.group_size or t.seq_len
+    for key in ("capacity_factor", "eval_capacity_factor"):
+        factor = getattr(moe, key)
+        if factor <= 0 or expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
+            problems.append((f"moe.{key}", f"{factor} gives experts no capacity; use a positive factor"))
+    if degrees is None:
+        return problems
+    if moe.num_experts % degrees["expert"]:
+        problems.append(("moe.num_experts", f"{moe.num_experts} is not divisible by mesh.expert={degrees['expert']}; "
+                                            "use a multiple of it or a smaller mesh.expert"))
+    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
+    tokens_per_device = t.global_batch // t.grad_accum * t.seq_len // batch_shards
+    if moe.group_size and tokens_per_device % moe.group_size:
+        problems.append(("moe.group_size", f"{moe.group_size} does not divide the {tokens_per_device} tokens per "
+                                           "device of a step; use a divisor of it or 0 (one group per sequence)"))
+    return problems
 
 
 def _divisibility_problems(config: Config) -> list[tuple[str, str]]:

@@ -14,11 +14,20 @@ from orchestrator.config import Config
 
 
 def matmul_params_per_token(config: Config) -> int:
-    """Returns the weights one token multiplies through in one forward pass."""
-    m = config.model
+    """Returns the weights one token multiplies through in one forward pass.
+
+    An MoE layer counts only the active experts: its router plus the top_k
+    expert feed-forwards a token is routed to (dropped tokens are counted as
+    routed: capacity is a budget, not the model).
+    """
+    m, moe = config.model, config.moe
     attention = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     mlp = 3 * m.embed_dim * m.mlp_dim
-    return m.num_layers * (attention + mlp) + m.embed_dim * m.vocab_size
+    moe_layers = m.num_layers // moe.every if moe.num_experts and moe.every else 0
+    moe_feed_forward = moe.top_k * mlp + m.embed_dim * moe.num_experts
+    dense_layers = m.num_layers - moe_layers
+    return (m.num_layers * attention + dense_layers * mlp + moe_layers * moe_feed_forward
+            + m.embed_dim * m.vocab_size)
 
 
 def attention_flops_per_token(config: Config) -> float:

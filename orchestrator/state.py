@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.transformer import Transformer, TransformerConfig
 from orchestrator.config import Config
+from orchestrator.moe import moe_layer_config
 from orchestrator.optimizer import make_optimizer
 from parallel.rules import Rules, tree_shardings
 
@@ -29,7 +30,7 @@ def model_config(config: Config) -> TransformerConfig:
         vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype,
+        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
     )
 
 

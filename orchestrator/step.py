@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from models import axes
 from models.axes import activation_sharding
 from models.transformer import StackRunner, scan_layers
-from orchestrator.config import Config
+from orchestrator.config import Config, MoEConfig
+from orchestrator.moe import moe_loss_and_metrics, routing_key
 from orchestrator.optimizer import learning_rate
 from orchestrator.state import StateLayout
 from parallel.pipeline import Schedule, pipeline_runner
@@ -40,17 +41,19 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
-def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules,
-                 stack_runner: StackRunner = scan_layers) -> Callable[[dict, jax.Array], tuple[jax.Array, Metrics]]:
-    """Returns loss(params, tokens [b, t+1]) -> (loss, metrics) with activations laid out by `rules`."""
+def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
+                 moe: MoEConfig = MoEConfig()) -> Callable[..., tuple[jax.Array, Metrics]]:
+    """Returns loss(params, tokens [b, t+1], routing_key=None) -> (loss, metrics) with activations
+    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`)."""
     constrainer = activation_constrainer(mesh, rules)
 
-    def loss_fn(params: dict, tokens: jax.Array) -> tuple[jax.Array, Metrics]:
+    def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(layout.graphdef, params)
         with activation_sharding(constrainer):
-            logits, _ = model(tokens[:, :-1], stack_runner=stack_runner)
+            logits, stats = model(tokens[:, :-1], stack_runner=stack_runner, routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
-        return loss, {"lm_loss": loss}
+        moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
+        return loss + moe_loss, {"lm_loss": loss, **moe_metrics}
 
     return loss_fn
 
@@ -101,14 +104,16 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
     `unroll_loops=True` builds the same computation with every loop unrolled,
     for FLOP counting only: XLA's cost analysis counts a loop body once.
     """
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules, unroll=unroll_loops))
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules, unroll=unroll_loops),
+                           config.moe)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
 
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
-        grads, metrics = _accumulated_grads(loss_fn, params, tokens, accum, constrain, unroll_loops)
+        step_loss_fn = functools.partial(loss_fn, routing_key=routing_key(config.run.seed, state["step"]))
+        grads, metrics = _accumulated_grads(step_loss_fn, params, tokens, accum, constrain, unroll_loops)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),

@@ -82,7 +82,8 @@ class TrainResult:
 
 
 def _to_host(metrics: dict) -> dict:
-    return {name: float(np.asarray(value)) for name, value in metrics.items()}
+    # scalars become floats; per-layer arrays (MoE tokens per expert) nested lists
+    return {name: np.asarray(value).tolist() for name, value in metrics.items()}
 
 
 class MetricsLog:

@@ -20,7 +20,8 @@ _DTYPE_BYTES = {
 }
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?P<op>ragged-all-to-all|all-reduce|all-gather|reduce-scatter|all-to-all|"
+    # tuple shapes of six or more elements carry `/*index=5*/` comments
+    r"=\s*(?P<shape>\((?:[^=]|/\*index=\d+\*/)*?\)|\S+)\s+(?P<op>ragged-all-to-all|all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute)(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")

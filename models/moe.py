@@ -1,0 +1,225 @@
+"""Mixture-of-Experts feed-forward with GShard routing (arXiv 2006.16668).
+
+Tokens are split into groups; within a group a float32 softmax router picks
+each token's top-k experts, every expert takes at most `expert_capacity`
+tokens per group (first choices are placed before second choices, each in
+token order, by a cumulative sum), and tokens past capacity are dropped: they
+leave the layer with zero output and travel on through the residual only.
+
+Dispatch and combine are einsums with one-hot tensors
+`[groups, tokens, experts, capacity]`, so the layer is static-shaped and the
+partitioner turns the change of sharded axis (groups over the batch devices ->
+experts over the `expert` devices) into all-to-alls, as in GShard. Besides
+the output, the layer reports GShard's load-balancing loss, the router z-loss
+of ST-MoE (arXiv 2202.08906), the fraction of routed slots dropped and the
+tokens routed to each expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import axes
+from models.axes import constrain
+from models.params import param
+
+if TYPE_CHECKING:
+    from models.transformer import TransformerConfig
+
+Stats = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayerConfig:
+    """Routing and capacity of the MoE feed-forward layers; `num_experts=0` is a dense model."""
+
+    num_experts: int = 0
+    every: int = 0                    # the last layer of every `every` layers is MoE
+    top_k: int = 2
+    capacity_factor: float = 1.25     # training
+    eval_capacity_factor: float = 2.0
+    group_size: int = 0               # tokens per routing group; 0 = one group per sequence
+    second_expert_policy: str = "all"  # all | random
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0 and self.every > 0
+
+    @property
+    def needs_routing_key(self) -> bool:
+        """True when routing draws random numbers (GShard's random second expert) in training."""
+        return self.enabled and self.second_expert_policy == "random" and self.top_k > 1
+
+
+def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Returns the slots each expert has per group: ceil(k * capacity_factor * tokens_per_group / experts)."""
+    return math.ceil(top_k * capacity_factor * tokens_per_group / num_experts)
+
+
+class Routing(NamedTuple):
+    dispatch: jax.Array   # [groups, tokens, experts, capacity] 1 where a token fills a slot
+    combine: jax.Array    # [groups, tokens, experts, capacity] the token's gate in that slot
+    stats: Stats
+
+
+def top_k_gates(probs: jax.Array, top_k: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Returns (masks, gates): per choice, the one-hot chosen expert [g, s, e] and its gate [g, s].
+
+    Choices come in order of probability. With k > 1 the gates are renormalised
+    to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
+    the gate stays the router probability, as in the Switch Transformer (arXiv
+    2101.03961), since a renormalised single gate would always be 1 and the
+    router would get no gradient from the model's output.
+    """
+    num_experts = probs.shape[-1]
+    remaining = probs
+    masks, gates = [], []
+    for _ in range(top_k):
+        mask = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), num_experts, dtype=probs.dtype)
+        masks.append(mask)
+        gates.append(jnp.sum(probs * mask, axis=-1))
+        # probabilities are >= 0, so -1 removes the chosen expert from the next choice
+        remaining = jnp.where(mask > 0, -1.0, remaining)
+    if top_k > 1:
+        total = sum(gates)
+        gates = [gate / total for gate in gates]
+    return masks, gates
+
+
+def random_routing(masks: list[jax.Array], gates: list[jax.Array], key: jax.Array) -> list[jax.Array]:
+    """Returns `masks` with each later choice kept at random, as GShard does for the second expert.
+
+    Choice i (0-based, i >= 1) is kept with probability (i + 1) * gate_i: for
+    the second expert that is GShard's 2 * g2; a renormalised (i + 1)-th
+    largest gate is at most 1 / (i + 1), so the product is a probability.
+    """
+    uniforms = jax.random.uniform(key, (len(masks) - 1, *gates[0].shape), jnp.float32)
+    kept = [masks[0]]
+    for choice in range(1, len(masks)):
+        keep = uniforms[choice - 1] < (choice + 1) * gates[choice]  # [groups, tokens]
+        kept.append(masks[choice] * keep[..., None])
+    return kept
+
+
+def load_balancing_loss(probs: jax.Array, first_choice: jax.Array) -> jax.Array:
+    """Returns GShard's auxiliary loss: mean over experts of (share of tokens whose first
+    choice is e) x (mean router probability of e), times experts^2 so uniform routing gives 1.
+
+    Averaged over groups. Only the mean probability carries gradient (the
+    shares are counts), which pushes the router towards balance.
+    """
+    num_experts = probs.shape[-1]
+    token_share = jnp.mean(first_choice, axis=1)  # [groups, experts]
+    mean_probability = jnp.mean(probs, axis=1)    # [groups, experts]
+    return jnp.mean(token_share * mean_probability) * num_experts**2
+
+
+def router_z_loss(logits: jax.Array) -> jax.Array:
+    """Returns ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (keeps logits small)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+
+
+def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Routing:
+    """Returns the dispatch and combine tensors and statistics for router `logits` [groups, tokens, experts].
+
+    Slots are filled choice by choice (every token's first choice before any
+    second choice), each in token order; an assignment whose slot would be
+    `capacity` or beyond is dropped. `routing_key` turns on random routing of
+    the later choices (see `random_routing`). Statistics: `moe_aux_loss`,
+    `moe_z_loss`, `moe_dropped_fraction` (dropped assignments / routed
+    assignments; for k = 1 the share of tokens dropped) and
+    `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
+    """
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)  # [groups, tokens, experts]
+    masks, gates = top_k_gates(probs, top_k)
+    if routing_key is not None and top_k > 1:
+        masks = random_routing(masks, gates, routing_key)
+
+    filled = jnp.zeros((probs.shape[0], probs.shape[2]), jnp.float32)  # [groups, experts] slots taken
+    dispatch = combine = jnp.zeros((*probs.shape, capacity), jnp.float32)
+    routed = kept = 0.0
+    for mask, gate in zip(masks, gates):
+        position = jnp.cumsum(mask, axis=1) - 1 + filled[:, None, :]  # [groups, tokens, experts]
+        kept_mask = mask * (position < capacity)
+        slot = jax.nn.one_hot(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32), capacity, dtype=jnp.float32)  # [g, s, c]
+        choice_dispatch = kept_mask[..., None] * slot[:, :, None, :]  # [groups, tokens, experts, capacity]
+        dispatch = dispatch + choice_dispatch
+        combine = combine + gate[..., None, None] * choice_dispatch
+        filled = filled + jnp.sum(kept_mask, axis=1)
+        routed, kept = routed + jnp.sum(mask), kept + jnp.sum(kept_mask)
+
+    stats = {
+        "moe_aux_loss": load_balancing_loss(probs, masks[0]),
+        "moe_z_loss": router_z_loss(logits),
+        "moe_dropped_fraction": 1.0 - kept / jnp.maximum(routed, 1.0),
+        "moe_tokens_per_expert": jnp.sum(sum(masks), axis=(0, 1)),
+    }
+    return Routing(dispatch, combine, stats)
+
+
+def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
+    """Returns expert slots [experts, groups, capacity, embed] moved between the layouts of routing
+    (groups on the batch devices) and of the experts (experts on `expert`, groups on the rest).
+
+    Pinning both layouts, one after the other, makes the partitioner move the
+    slots with one all-to-all over `expert`, as in GShard; pinning only the
+    experts' layout lets it gather every token onto every expert device instead.
+    """
+    routing_layout = (None, axes.BATCH, None, axes.ACT_EMBED)
+    expert_layout = (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_EMBED)
+    source, target = (routing_layout, expert_layout) if to_experts else (expert_layout, routing_layout)
+    return constrain(constrain(slots, source), target)
+
+
+class MoEFeedForward(nnx.Module):
+    """SwiGLU experts behind a GShard router: x [batch, length, embed] -> (y, stats).
+
+    Expert weights are `[expert, embed, mlp]` named ("expert", "embed", "mlp");
+    the router `[embed, experts]` leaves its expert dimension unsharded, since
+    every device routes its own tokens to all experts.
+    """
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        d, m, e = cfg.embed_dim, cfg.mlp_dim, cfg.moe.num_experts
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.router = param(rngs, (d, e), (axes.EMBED, None), std)
+        self.gate = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
+        self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
+        self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), out_std)
+        self.moe = cfg.moe
+        self.dtype = cfg.compute_dtype
+
+    def experts(self, expert_inputs: jax.Array) -> jax.Array:
+        """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
+        dtype = self.dtype
+        gate = jnp.einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype))
+        up = jnp.einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
+        return jnp.einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
+
+    def __call__(self, x: jax.Array, *, train: bool = True,
+                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """Returns (output [batch, length, embed], routing stats); `routing_key` only matters in training."""
+        batch, length, dim = x.shape
+        tokens_per_group = self.moe.group_size or length
+        groups = batch * length // tokens_per_group
+        factor = self.moe.capacity_factor if train else self.moe.eval_capacity_factor
+        capacity = expert_capacity(tokens_per_group, self.moe.num_experts, self.moe.top_k, factor)
+
+        # groups stay on the batch devices (expert included) until dispatch
+        grouped = constrain(x.reshape(groups, tokens_per_group, dim), (axes.BATCH, None, axes.ACT_EMBED))
+        logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
+        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key if train else None)
+
+        expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(x.dtype), grouped)
+        expert_outputs = self.experts(exchange(expert_inputs, to_experts=True))
+        output = jnp.einsum("gsec,egcm->gsm", routing.combine.astype(x.dtype), exchange(expert_outputs, to_experts=False))
+        output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED))
+        return output.reshape(batch, length, dim), routing.stats
