@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from orchestrator.config import Config
-from orchestrator.flops import train_flops_per_step
+from orchestrator.flops import model_flops_per_step
 from orchestrator.train import Job, build_job
 from parallel.hlo import collectives
 from parallel.rules import is_logical_axes
@@ -78,7 +78,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "collectives": collectives(compiled.as_text()),
         "flops_per_step": xla_flops * devices,
         "flops_per_step_per_device": xla_flops,
-        "model_flops_per_step": train_flops_per_step(config),
+        "model_flops_per_step": model_flops_per_step(config),
     }
 
 

@@ -21,17 +21,22 @@ def matmul_params_per_token(config: Config) -> int:
     return m.num_layers * (attention + mlp) + m.embed_dim * m.vocab_size
 
 
-def attention_flops_per_token(config: Config) -> float:
-    """Returns forward FLOPs of q.k and p.v per token, causal: a token attends to half the sequence on average."""
+def attention_flops_per_token(config: Config, causal: bool = True) -> float:
+    """Returns forward FLOPs of q.k and p.v per token.
+
+    Causal (the model's work): a token attends to half the sequence on
+    average. `causal=False` counts the full T x T product, which is what XLA
+    computes (and reports) before the mask throws half of it away.
+    """
     m, t = config.model, config.train
     full = 2 * 2 * t.seq_len * m.num_heads * m.head_dim
-    return m.num_layers * full / 2
+    return m.num_layers * full / (2 if causal else 1)
 
 
-def train_flops_per_step(config: Config) -> float:
-    """Returns the model FLOPs of one optimizer step over the global batch."""
+def train_flops_per_step(config: Config, causal: bool = True) -> float:
+    """Returns the dense model FLOPs of one optimizer step over the global batch."""
     tokens = config.train.global_batch * config.train.seq_len
-    forward = 2 * matmul_params_per_token(config) + attention_flops_per_token(config)
+    forward = 2 * matmul_params_per_token(config) + attention_flops_per_token(config, causal)
     return 3 * forward * tokens
 
 
