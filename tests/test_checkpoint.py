@@ -150,3 +150,18 @@ def test_nan_loss_stops_with_error_and_keeps_last_good_checkpoint(tmp_path):
     step, params = params_of(load(tmp_path / "cli", *overrides))
     assert step == 1  # step 2 has the NaN loss
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_saves_the_current_step_before_exit(tmp_path):
+    run_dir = tmp_path / "run"
+    process = cli(run_dir, "train.steps=100000", "checkpoint.every=0")
+    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and saved[0] >= 3
+    assert saved[0] == max(logged_losses(run_dir))  # the saved state is the last one logged
