@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from orchestrator.config import Config
+from orchestrator.config import Config, ConfigError
 from orchestrator.state import StateLayout
 
 # Orbax writes this file last into a finalized step directory.
@@ -57,6 +57,16 @@ def quarantine_incomplete(directory: Path, log=print) -> list[Path]:
         return []
     steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
     return [quarantine(p, "missing metadata or items", log) for p in steps if not _is_complete(p)]
+
+
+def _check_same_model(saved: dict, config: Config, step_dir: Path) -> None:
+    """Raises ConfigError naming every model key that differs from the checkpoint's."""
+    current = config.to_dict()["model"]
+    problems = [(f"model.{key}", f"is {current.get(key)!r} but {step_dir} was written with {value!r}; "
+                                 "use the checkpoint's value or a new run.dir")
+                for key, value in saved["model"].items() if key != "preset" and current.get(key) != value]
+    if problems:
+        raise ConfigError(problems)
 
 
 class Checkpointer:
@@ -99,7 +109,13 @@ class Checkpointer:
         return self.manager.save(step, args=args, force=True)
 
     def restore(self, step: int) -> tuple[dict, dict, dict]:
-        """Returns (state, data_state, saved_config) of `step`, the state laid out for the current mesh."""
+        """Returns (state, data_state, saved_config) of `step`, the state laid out for the current mesh.
+
+        Raises ConfigError when the checkpoint was written for another model
+        (its shapes could not fit the current layout).
+        """
+        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        _check_same_model(saved, self.config, self.directory / str(step))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract),
                                   data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
@@ -114,6 +130,8 @@ class Checkpointer:
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 state, data_state, _ = self.restore(step)
+            except ConfigError:
+                raise
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
                 self.manager.close()
                 if jax.process_index() == 0:

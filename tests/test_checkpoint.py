@@ -165,3 +165,11 @@ def test_sigterm_saves_the_current_step_before_exit(tmp_path):
     saved = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and saved[0] >= 3
     assert saved[0] == max(logged_losses(run_dir))  # the saved state is the last one logged
+
+
+def test_checkpoint_of_another_model_is_a_config_error_not_a_torn_save(tmp_path):
+    run(load(tmp_path / "run", "train.steps=2"))
+    wider = load(tmp_path / "run", "train.steps=4", "model.mlp_dim=256")
+    with pytest.raises(config_lib.ConfigError, match="model.mlp_dim"):
+        run(wider)
+    assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
