@@ -23,13 +23,21 @@ def configure_jax(config: Config) -> None:
 
 
 def _train(config: Config, args) -> int:
-    from orchestrator.train import train
+    from orchestrator.train import TrainingDiverged, train
 
     configure_jax(config)
-    result = train(config)
-    print(f"trained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; "
-          f"run dir {config.run.dir}")
-    return 0
+    try:
+        result = train(config)
+    except TrainingDiverged as error:
+        print(f"nestor: training diverged: {error}", file=sys.stderr)
+        return 1
+    if result.losses:
+        print(f"trained steps {result.first_step + 1}..{result.first_step + len(result.losses)}: "
+              f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run dir {config.run.dir}")
+    else:
+        print(f"nothing to train: the checkpoint in {config.run.dir} is at train.steps={config.train.steps}")
+    # A preempted run exits as the signal would have made it (128 + signal), after its checkpoint.
+    return 0 if result.stopped_by is None else 128 + result.stopped_by
 
 
 def _explain(config: Config, args) -> int:
@@ -57,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit code (2 for a config error, printed without a trace)."""
+    """Runs the CLI; returns the exit code (2 for a config error, 1 for a diverged run, 128 + signal when stopped)."""
     args = parser().parse_args(argv)
     try:
         config = load(args.config, args.overrides)

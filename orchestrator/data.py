@@ -1,17 +1,38 @@
-"""Deterministic global batches; each process builds only the rows it holds.
+"""Deterministic, checkpointable global batches; each process builds only the rows it holds.
 
 A batch is int32 tokens [global_batch, seq_len + 1] (inputs are [:, :-1],
 targets [:, 1:]). Row r of step s depends only on (run.seed, s, r), never on
-the mesh or the number of processes, so any two meshes see the same data.
+the mesh or the number of processes, so any two meshes (and any host count)
+see the same data. Because a batch is a pure function of the step, the
+iterator's whole state is the next step plus a fingerprint of its source:
+that is what a checkpoint stores, and resuming at step s replays exactly.
+
+Sources:
+- `synthetic`: arithmetic progressions modulo the vocabulary (learnable).
+- `text`: files matched by `data.paths` globs (default: the Python standard
+  library's own `*.py`), sorted, tokenized (bytes, or a tokenizer file),
+  packed end to end with a separator into windows of seq_len + 1 tokens;
+  windows are visited in a seeded permutation, reshuffled every epoch.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import bisect
+import glob
+import hashlib
+import sysconfig
+from pathlib import Path
+
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
-from orchestrator.config import Config
+from orchestrator.config import Config, ConfigError
+from orchestrator.tokenizer import load_tokenizer
+
+# Packed documents are separated by token 0: NUL never occurs in text files, and
+# a separator stops the model from learning to continue one file into the next.
+DOCUMENT_SEPARATOR = 0
 
 
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> range:
@@ -22,30 +43,146 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> range:
     return range(min(starts), max(stops))
 
 
-class SyntheticData:
+class SyntheticSource:
     """Arithmetic progressions modulo the vocabulary: token_t = (start + stride * t) mod vocab.
 
     Each row draws its start and stride (1..7) from (seed, step, row), so a
     model can learn the rule from the first two tokens: the loss visibly falls.
     """
 
-    def __init__(self, config: Config, sharding: NamedSharding):
+    def __init__(self, config: Config):
         self.seed = config.run.seed
         self.vocab = config.model.vocab_size
-        self.shape = (config.train.global_batch, config.train.seq_len + 1)
-        self.sharding = sharding
+        self.width = config.train.seq_len + 1
+        self.global_batch = config.train.global_batch
+        self.fingerprint = f"synthetic:vocab={self.vocab}"
 
     def rows(self, step: int, rows: range) -> np.ndarray:
         """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]."""
-        out = np.empty((len(rows), self.shape[1]), np.int32)
-        positions = np.arange(self.shape[1], dtype=np.int64)
+        out = np.empty((len(rows), self.width), np.int32)
+        positions = np.arange(self.width, dtype=np.int64)
         for i, row in enumerate(rows):
             rng = np.random.default_rng((self.seed, step, row))
             start, stride = rng.integers(0, self.vocab), rng.integers(1, 8)
             out[i] = (start + stride * positions) % self.vocab
         return out
 
+
+def text_files(patterns: tuple[str, ...]) -> list[Path]:
+    """Returns the sorted files matched by the globs (default: the standard library's `*.py`).
+
+    Raises ConfigError when nothing matches.
+    """
+    patterns = patterns or (str(Path(sysconfig.get_paths()["stdlib"]) / "*.py"),)
+    files = sorted({Path(p) for pattern in patterns for p in glob.glob(pattern, recursive=True) if Path(p).is_file()})
+    if not files:
+        raise ConfigError([("data.paths", f"no file matches {list(patterns)}; give globs of text files")])
+    return files
+
+
+class TextSource:
+    """Documents packed end to end, read in windows of seq_len + 1 tokens.
+
+    Byte-level: a document's token count is its file size, so the index is
+    built from `stat` alone and each process reads only the byte ranges of
+    its own rows. With a tokenizer file, every document is tokenized once
+    (lazily, cached) to learn the lengths.
+    """
+
+    def __init__(self, config: Config):
+        self.seed = config.run.seed
+        self.width = config.train.seq_len + 1
+        self.global_batch = config.train.global_batch
+        self.files = text_files(config.data.paths)
+        self.tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
+        self._tokens: dict[int, np.ndarray] = {}
+        self._permutation: tuple[int, np.ndarray] | None = None  # (epoch, order): one epoch cached
+        lengths = [self._length(i) + 1 for i in range(len(self.files))]  # +1: the separator
+        self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.num_windows = int(self.starts[-1]) // self.width
+        if self.num_windows < 1:
+            raise ConfigError([("data.paths", f"{int(self.starts[-1])} tokens are fewer than one sequence "
+                                              f"of train.seq_len + 1 = {self.width}; add text")])
+        listing = "\n".join(f"{f}:{n}" for f, n in zip(self.files, lengths))
+        self.fingerprint = "text:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+    def _length(self, index: int) -> int:
+        if self.tokenizer is None:
+            return self.files[index].stat().st_size
+        return len(self._document(index))
+
+    def _document(self, index: int) -> np.ndarray:
+        if index not in self._tokens:
+            text = self.files[index].read_text(errors="replace")
+            self._tokens[index] = np.asarray(self.tokenizer(text), np.int32)
+        return self._tokens[index]
+
+    def _document_slice(self, index: int, start: int, stop: int) -> np.ndarray:
+        """Returns tokens [start, stop) of document `index` followed by its separator."""
+        length = int(self.starts[index + 1] - self.starts[index]) - 1
+        body_stop = min(stop, length)
+        if self.tokenizer is None:
+            with self.files[index].open("rb") as f:
+                f.seek(start)
+                body = np.frombuffer(f.read(max(body_stop - start, 0)), np.uint8).astype(np.int32)
+        else:
+            body = self._document(index)[start:body_stop]
+        separator = np.full((1,) if stop > length else (0,), DOCUMENT_SEPARATOR, np.int32)
+        return np.concatenate([body, separator])
+
+    def window(self, index: int) -> np.ndarray:
+        """Returns packed tokens [index * width, (index + 1) * width) of the corpus."""
+        begin, end = index * self.width, (index + 1) * self.width
+        pieces, position = [], begin
+        document = bisect.bisect_right(self.starts, begin) - 1
+        while position < end:
+            offset = position - int(self.starts[document])
+            stop = min(end, int(self.starts[document + 1])) - int(self.starts[document])
+            pieces.append(self._document_slice(document, offset, stop))
+            position = int(self.starts[document]) + stop
+            document += 1
+        return np.concatenate(pieces)
+
+    def window_index(self, step: int, row: int) -> int:
+        """Returns which window is row `row` of step `step`: a seeded permutation per epoch."""
+        position = step * self.global_batch + row
+        epoch, within = divmod(position, self.num_windows)
+        if self._permutation is None or self._permutation[0] != epoch:
+            self._permutation = (epoch, np.random.default_rng((self.seed, epoch)).permutation(self.num_windows))
+        return int(self._permutation[1][within])
+
+    def rows(self, step: int, rows: range) -> np.ndarray:
+        """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]."""
+        return np.stack([self.window(self.window_index(step, row)) for row in rows]).astype(np.int32)
+
+
+class DataPipeline:
+    """The run's input: global batch `step` as one sharded array, plus a checkpointable position."""
+
+    def __init__(self, config: Config, sharding: NamedSharding):
+        self.source = SyntheticSource(config) if config.data.source == "synthetic" else TextSource(config)
+        self.shape = (config.train.global_batch, config.train.seq_len + 1)
+        self.sharding = sharding
+        self.next_step = 0
+
+    def process_rows(self, step: int, process: int, num_processes: int) -> np.ndarray:
+        """Returns the rows process `process` of `num_processes` would build (an even, contiguous share)."""
+        share = self.shape[0] // num_processes
+        return self.source.rows(step, range(process * share, (process + 1) * share))
+
     def batch(self, step: int) -> jax.Array:
-        """Returns global batch `step` as one array sharded by `self.sharding`."""
+        """Returns global batch `step` sharded by `self.sharding`; the iterator then points after it."""
         rows = local_rows(self.sharding, self.shape)
-        return jax.make_array_from_process_local_data(self.sharding, self.rows(step, rows), self.shape)
+        self.next_step = step + 1
+        return jax.make_array_from_process_local_data(self.sharding, self.source.rows(step, rows), self.shape)
+
+    def state(self) -> dict:
+        """Returns the iterator state a checkpoint stores (JSON-able)."""
+        return {"next_step": self.next_step, "source": self.source.fingerprint}
+
+    def restore(self, state: dict, log=print) -> None:
+        """Points the iterator at the saved position; warns when the source changed since the save."""
+        if state.get("source") != self.source.fingerprint:
+            log(f"warning: data source changed since the checkpoint ({state.get('source')} -> "
+                f"{self.source.fingerprint}); batches after the resume differ from the original run")
+        self.next_step = int(state["next_step"])

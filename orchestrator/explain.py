@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from orchestrator.config import Config
-from orchestrator.flops import train_flops_per_step
+from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.step import pipeline_schedule
 from orchestrator.train import Job, build_job
 from parallel.hlo import collectives
@@ -94,7 +94,8 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "pipeline": pipeline_report(job),
         "flops_per_step": xla_flops * devices,
         "flops_per_step_per_device": xla_flops,
-        "model_flops_per_step": train_flops_per_step(config),
+        "model_flops_per_step": model_flops_per_step(config),
+        "executed_flops_per_step": executed_flops_per_step(config),
     }
 
 

@@ -10,6 +10,7 @@ masking leaves half.
 
 from __future__ import annotations
 
+from models.moe import expert_capacity
 from orchestrator.config import Config
 
 
@@ -30,15 +31,86 @@ def matmul_params_per_token(config: Config) -> int:
             + m.embed_dim * m.vocab_size)
 
 
-def attention_flops_per_token(config: Config) -> float:
-    """Returns forward FLOPs of q.k and p.v per token, causal: a token attends to half the sequence on average."""
+def attention_flops_per_token(config: Config, causal: bool = True) -> float:
+    """Returns forward FLOPs of q.k and p.v per token.
+
+    Causal (the model's work): a token attends to half the sequence on
+    average. `causal=False` counts the full T x T product, which is what XLA
+    computes (and reports) before the mask throws half of it away.
+    """
     m, t = config.model, config.train
     full = 2 * 2 * t.seq_len * m.num_heads * m.head_dim
-    return m.num_layers * full / 2
+    return m.num_layers * full / (2 if causal else 1)
 
 
-def train_flops_per_step(config: Config) -> float:
-    """Returns the model FLOPs of one optimizer step over the global batch."""
+def train_flops_per_step(config: Config, causal: bool = True) -> float:
+    """Returns the model FLOPs of one optimizer step over the global batch (MoE: active experts only)."""
     tokens = config.train.global_batch * config.train.seq_len
-    forward = 2 * matmul_params_per_token(config) + attention_flops_per_token(config)
+    forward = 2 * matmul_params_per_token(config) + attention_flops_per_token(config, causal)
     return 3 * forward * tokens
+
+
+def model_flops_per_step(config: Config) -> float:
+    """Returns the FLOPs credited to the model per step (the MFU numerator): causal attention counted once."""
+    return train_flops_per_step(config, causal=True)
+
+
+def executed_flops_per_step(config: Config) -> float:
+    """Returns the FLOPs the implementation executes per step, to compare with XLA's cost analysis.
+
+    Beyond the model FLOPs: full (masked) T x T attention, and for MoE layers
+    GShard's one-hot dispatch and combine einsums ([tokens, experts, capacity]
+    x embed each) and expert FFNs over every capacity slot rather than only
+    the routed tokens. This is cost, not useful work: MFU uses model_flops_per_step.
+    """
+    flops = train_flops_per_step(config, causal=False)
+    m, moe, t = config.model, config.moe, config.train
+    if not (moe.num_experts and moe.every):
+        return flops
+    tokens_per_group = moe.group_size or t.seq_len
+    capacity = expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, moe.capacity_factor)
+    slots_per_token = moe.num_experts * capacity / tokens_per_group
+    expert_mlp = 3 * m.embed_dim * m.mlp_dim
+    # each token meets every slot of its group in both one-hot einsums: multiply-accumulates per token
+    dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
+    padding = (slots_per_token - moe.top_k) * expert_mlp
+    moe_layers = m.num_layers // moe.every
+    tokens = t.global_batch * t.seq_len
+    return flops + 3 * 2 * moe_layers * (dispatch_and_combine + padding) * tokens
+
+
+# Dense (no structured sparsity) peak TFLOP/s per device, from vendor datasheets:
+# - NVIDIA H100 SXM datasheet: BF16 Tensor Core 1,979 with sparsity -> 989 dense; FP32 67.
+#   H100 PCIe: BF16 1,513 sparse -> 756 dense; FP32 51.
+# - NVIDIA H200 datasheet (SXM): BF16 1,979 sparse -> 989 dense; FP32 67.
+# - NVIDIA A100 datasheet: BF16 312 dense; FP32 19.5.
+# - Google Cloud TPU system architecture pages: v4 275, v5e 197, v5p 459, v6e (Trillium) 918 BF16
+#   per chip. Google lists no float32 peak (float32 matmuls run as several bf16 passes), so TPUs
+#   have no float32 entry and log no MFU in float32 rather than a guessed one.
+# float32 on GPUs uses the non-tensor-core FP32 peak; XLA may use TF32 for float32 matmuls,
+# which makes MFU over 100% possible there: set metrics.peak_tflops to the TF32 peak then.
+PEAK_TFLOPS = {
+    ("h100 pcie", "bfloat16"): 756.0, ("h100 pcie", "float32"): 51.0,
+    ("h100", "bfloat16"): 989.0, ("h100", "float32"): 67.0,
+    ("h200", "bfloat16"): 989.0, ("h200", "float32"): 67.0,
+    ("a100", "bfloat16"): 312.0, ("a100", "float32"): 19.5,
+    ("tpu v4", "bfloat16"): 275.0,
+    ("tpu v5 lite", "bfloat16"): 197.0, ("tpu v5e", "bfloat16"): 197.0,
+    ("tpu v5p", "bfloat16"): 459.0, ("tpu v5", "bfloat16"): 459.0,
+    ("tpu v6 lite", "bfloat16"): 918.0, ("tpu v6e", "bfloat16"): 918.0,
+}
+
+
+def peak_tflops(device_kind: str, dtype: str, override: float | None = None) -> float | None:
+    """Returns the dense peak TFLOP/s of one device of `device_kind` in `dtype`; None when unknown (CPU).
+
+    `override` (metrics.peak_tflops) wins. Longer names are matched first, so
+    "NVIDIA H100 PCIe" is not taken for an SXM H100.
+    """
+    if override is not None:
+        return override
+    kind = device_kind.lower()
+    for (name, peak_dtype), peak in sorted(PEAK_TFLOPS.items(), key=lambda item: -len(item[0][0])):
+        if name in kind and peak_dtype == dtype:
+            return peak
+    return None

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +14,10 @@ import yaml
 from jax.sharding import Mesh
 
 from orchestrator.config import Config, ConfigError
-from orchestrator.data import SyntheticData
+from orchestrator.checkpoint import Checkpointer
+from orchestrator.data import DataPipeline
+from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
+from orchestrator.progress import ProgressReporter
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
 from parallel.mesh import MeshError, build_mesh
@@ -58,7 +61,7 @@ class Job:
     rules: Rules
     layout: StateLayout
     step_fn: object
-    data: SyntheticData
+    data: DataPipeline
 
 
 def build_job(config: Config, devices: list[jax.Device] | None = None, *, unroll_loops: bool = False) -> Job:
@@ -70,76 +73,145 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, *, unroll
     rules = resolve_rules(config.mesh.rules)
     layout = state_layout(config, mesh, rules)
     step_fn = make_train_step(config, layout, mesh, rules, unroll_loops=unroll_loops)
-    data = SyntheticData(config, batch_sharding(mesh, rules))
+    data = DataPipeline(config, batch_sharding(mesh, rules))
     return Job(config, mesh, rules, layout, step_fn, data)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the parameters became NaN or Inf; the newest checkpoint is the last good state."""
 
 
 @dataclasses.dataclass
 class TrainResult:
-    losses: list[float]
-    state: dict
-    history: list[dict]
+    losses: list[float]      # loss of every step this call ran, in order
+    state: dict              # the final train state (sharded)
+    history: list[dict]      # the logged records, as in metrics.jsonl
+    first_step: int = 0      # the step this call resumed from (0 = fresh start)
+    stopped_by: int | None = None  # the signal that ended the run early, if one did
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _to_host(metrics: dict) -> dict:
-    # scalars become floats; per-layer arrays (MoE tokens per expert) nested lists
-    return {name: np.asarray(value).tolist() for name, value in metrics.items()}
+    return {name: np.asarray(value) for name, value in metrics.items()}
 
 
-class MetricsLog:
-    """Appends one JSON object per logged step to run.dir/metrics.jsonl."""
+def _check_finite(step: int, values: dict) -> None:
+    for name in ("loss", "param_norm"):
+        if name in values and not np.isfinite(values[name]):
+            raise TrainingDiverged(f"{name} is {float(values[name])} at step {step}; stopped without saving this "
+                                   "state. The newest checkpoint holds the last good one: lower optimizer.lr, "
+                                   "raise optimizer.warmup_steps or set optimizer.clip_norm, then resume")
 
-    def __init__(self, run_dir: Path, tokens_per_step: int):
-        self.path = run_dir / "metrics.jsonl"
-        self.tokens_per_step = tokens_per_step
-        self.enabled = jax.process_index() == 0
 
-    def write(self, step: int, metrics: dict, step_time_s: float) -> dict:
-        record = {"step": step, **metrics, "step_time_s": step_time_s,
-                  "tokens_per_s": self.tokens_per_step / step_time_s if step_time_s > 0 else math.nan}
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-        return record
+def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
+    resumed = checkpointer.restore_latest()
+    if resumed is None:
+        return 0, init_state(config, job.layout)
+    step, state, data_state = resumed
+    job.data.restore(data_state, log)
+    log(f"resumed from checkpoint {step} in {checkpointer.directory}")
+    return step, state
+
+
+def _sharding_text(job: Job) -> str:
+    from orchestrator.explain import param_table  # explain imports this module: import on use
+
+    return sharding_table(param_table(job))
 
 
 def train(config: Config, devices: list[jax.Device] | None = None, log=print) -> TrainResult:
-    """Trains `config.train.steps` steps; returns the losses, final state and logged records.
+    """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
-    Device values are read one step late, so logging never waits on the step
-    that is running. Raises ConfigError for configs that do not fit the devices.
+    Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
+    (then returns early with `stopped_by` set). Device values are read one
+    step late, so logging never waits on the step that is running. Returns
+    the losses, final state and logged records. Raises ConfigError for
+    configs that do not fit the devices and TrainingDiverged on a NaN/Inf
+    loss, leaving the last good checkpoint newest.
     """
     job = build_job(config, devices)
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
+    lead = jax.process_index() == 0
+    if lead:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
-    state = init_state(config, job.layout)
-    metrics_log = MetricsLog(run_dir, config.train.global_batch * config.train.seq_len)
-    history, losses = [], []
-    pending = None  # (step, device metrics, start time) of the step whose values are not read yet
+    checkpointer = Checkpointer(config, job.layout, log)
+    first_step, state = _start_state(config, job, checkpointer, log)
+    throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
+    writer = MetricsWriter(config, throughput, enabled=lead)
+    writer.start(first_step, _sharding_text(job))
+    progress = ProgressReporter(config.train.steps, first_step, log)
+    result = TrainResult([], state, [], first_step)
 
-    def flush(pending, finished_at):
+    def flush(pending) -> None:
         step, metrics, started = pending
         values = _to_host(metrics)
-        losses.append(values["loss"])
+        finished_at = time.perf_counter()
+        _check_finite(step, values)
+        result.losses.append(float(values["loss"]))
         if step % config.train.log_every == 0 or step == config.train.steps:
-            record = metrics_log.write(step, values, finished_at - started)
-            history.append(record)
-            log(f"step {step:5d}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  "
-                f"grad_norm {values['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
+            record = writer.write(step, values, finished_at - started)
+            result.history.append(record)
+            progress.update(record)
 
+    try:
+        with StopSignals() as signals:
+            result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals)
+        if result.stopped_by is not None:
+            log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}; checkpoint saved")
+    finally:
+        progress.close()
+        checkpointer.close()
+        writer.close()
+    return result
+
+
+def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
+          flush, signals: StopSignals) -> tuple[dict, int | None]:
+    """Runs the steps; returns (final state, the stop signal or None). Saves only verified states."""
+    pending = None  # (step, device metrics, start time) of the step whose values are not read yet
     last = time.perf_counter()
-    for step in range(config.train.steps):
-        tokens = job.data.batch(step)
-        state, metrics = job.step_fn(state, tokens)
+    for step in range(first_step, config.train.steps):
+        if signals.received is not None:
+            break
+        state, metrics = job.step_fn(state, job.data.batch(step))
         if pending is not None:
             jax.block_until_ready(pending[1])
-            now = time.perf_counter()
-            flush(pending, now)
-            last = now
+            flush(pending)
+            last = time.perf_counter()
         pending = (step + 1, metrics, last)
+        every = config.checkpoint.every
+        if every and (step + 1) % every == 0:
+            # Check this step's loss and parameters before its state goes to disk.
+            jax.block_until_ready(metrics)
+            flush(pending)
+            checkpointer.save(step + 1, state, job.data.state())
+            pending, last = None, time.perf_counter()
+    if pending is not None:
+        jax.block_until_ready(pending[1])
+        flush(pending)
     jax.block_until_ready(state)
-    flush(pending, time.perf_counter())
-    return TrainResult(losses, state, history)
+    checkpointer.save(int(state["step"]), state, job.data.state(), force=True)
+    return state, signals.received

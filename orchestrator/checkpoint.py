@@ -1,0 +1,166 @@
+"""Checkpoints with Orbax: asynchronous saves, newest N kept, torn saves skipped, reshard on restore.
+
+A checkpoint `run.dir/checkpoints/<step>/` holds three items:
+- `state`: the train state {"step", "params", "opt_state"} in its canonical
+  layout (layers stacked `[layers, ...]`), written shard by shard;
+- `data`: the input iterator's state (next step, source fingerprint), JSON;
+- `config`: the resolved config of the run that wrote it, JSON.
+
+Orbax writes a save into a temporary directory and renames it to `<step>`
+only once every item is on disk, so a process killed mid-write leaves a
+`*.orbax-checkpoint-tmp-*` directory that is never listed as a step. A step
+directory that is there but broken (copied half, truncated, hand-edited) is
+moved aside to `run.dir/torn_checkpoints/` with a warning before the manager
+counts it, so it neither gets restored nor pushes a good checkpoint out of
+the `keep` window.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from orchestrator.config import Config, ConfigError
+from orchestrator.state import StateLayout
+
+# Orbax writes this file last into a finalized step directory.
+_METADATA_FILE = "_CHECKPOINT_METADATA"
+_ITEMS = ("state", "data", "config")
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    """Returns the directory that holds a run's checkpoints."""
+    return Path(run_dir).resolve() / "checkpoints"
+
+
+def _is_complete(step_dir: Path) -> bool:
+    return (step_dir / _METADATA_FILE).is_file() and all((step_dir / item).is_dir() for item in _ITEMS)
+
+
+def quarantine(step_dir: Path, reason: str, log=print) -> Path:
+    """Moves a broken step directory to `run.dir/torn_checkpoints/`; returns where it went."""
+    target = step_dir.parent.parent / "torn_checkpoints" / f"{step_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(step_dir), str(target))
+    log(f"warning: checkpoint {step_dir} is incomplete ({reason}); skipped and moved to {target}")
+    return target
+
+
+def quarantine_incomplete(directory: Path, log=print) -> list[Path]:
+    """Moves aside every `<step>` directory that lacks Orbax's metadata or an item; returns the moved ones."""
+    if not directory.is_dir() or jax.process_index() != 0:
+        return []
+    steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+    return [quarantine(p, "missing metadata or items", log) for p in steps if not _is_complete(p)]
+
+
+def _check_same_model(saved: dict, config: Config, step_dir: Path) -> None:
+    """Raises ConfigError naming every model key that differs from the checkpoint's."""
+    current = config.to_dict()["model"]
+    problems = [(f"model.{key}", f"is {current.get(key)!r} but {step_dir} was written with {value!r}; "
+                                 "use the checkpoint's value or a new run.dir")
+                for key, value in saved["model"].items() if key != "preset" and current.get(key) != value]
+    if problems:
+        raise ConfigError(problems)
+
+
+class Checkpointer:
+    """Saves and restores a run's checkpoints; `restore` targets the current mesh's layout."""
+
+    def __init__(self, config: Config, layout: StateLayout, log=print):
+        self.config = config
+        self.layout = layout
+        self.log = log
+        self.directory = checkpoint_dir(config.run.dir)
+        quarantine_incomplete(self.directory, log)
+        self.manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.config.checkpoint.keep,
+            enable_async_checkpointing=self.config.checkpoint.async_save,
+            create=True,
+        )
+        return ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+
+    def latest_step(self) -> int | None:
+        """Returns the newest finalized step, or None when there is none."""
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, data_state: dict, force: bool = False) -> bool:
+        """Starts saving `state` at `step` (in the background when `checkpoint.async`); returns whether it saved.
+
+        Without `force`, saves only every `checkpoint.every` steps. Device
+        buffers are copied to host before this returns, so the next step may
+        donate them.
+        """
+        if step in self.manager.all_steps():
+            return False
+        every = self.config.checkpoint.every
+        if not force and not (every and step % every == 0):
+            return False
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                                  config=ocp.args.JsonSave(self.config.to_dict()))
+        return self.manager.save(step, args=args, force=True)
+
+    def restore(self, step: int) -> tuple[dict, dict, dict]:
+        """Returns (state, data_state, saved_config) of `step`, the state laid out for the current mesh.
+
+        Raises ConfigError when the checkpoint was written for another model
+        (its shapes could not fit the current layout).
+        """
+        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        _check_same_model(saved, self.config, self.directory / str(step))
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract),
+                                  data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
+        restored = self.manager.restore(step, args=args)
+        return restored.state, restored.data, restored.config
+
+    def restore_latest(self) -> tuple[int, dict, dict] | None:
+        """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
+
+        A checkpoint that fails to restore is moved aside with a warning and
+        the next older one is tried.
+        """
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, data_state, _ = self.restore(step)
+            except ConfigError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
+                self.manager.close()
+                if jax.process_index() == 0:
+                    quarantine(self.directory / str(step), f"{type(error).__name__}: {error}"[:300], self.log)
+                self.manager = self._open()
+                continue
+            return step, state, data_state
+        return None
+
+    def wait(self) -> None:
+        """Blocks until every save in flight is on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finishes saves in flight and releases the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def restore_state(config: Config, layout: StateLayout, step: int | None = None) -> tuple[int, Any]:
+    """Returns (step, train state) of checkpoint `step` (default: newest) in `layout`'s shardings.
+
+    Raises FileNotFoundError when the run has no checkpoint.
+    """
+    checkpointer = Checkpointer(config, layout, log=lambda *_: None)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}")
+        return step, checkpointer.restore(step)[0]
+    finally:
+        checkpointer.close()

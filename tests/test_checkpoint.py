@@ -1,0 +1,175 @@
+"""Checkpoints: exact resume after SIGKILL, reshard onto other meshes, torn saves skipped, NaN stops."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from orchestrator import config as config_lib
+from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
+from orchestrator.train import TrainingDiverged, build_job
+from tests.helpers import mesh_overrides, run
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
+        "cluster.devices_per_host=8", "metrics.tensorboard=false"]
+
+
+def load(run_dir: Path, *overrides: str):
+    return config_lib.load(None, BASE + [f"run.dir={run_dir}", *overrides])
+
+
+def cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """Starts `nestor train` from this checkout in a fresh process (run YAML: the tiny model)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    run_yaml = run_dir.parent / f"{run_dir.name}.yaml"
+    run_yaml.write_text("model:\n  preset: tiny\n")
+    args = [sys.executable, "-m", "orchestrator.cli", "train", str(run_yaml),
+            *BASE, f"run.dir={run_dir}", *overrides]
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def params_of(config, step=None) -> dict:
+    step, state = restore_state(config, build_job(config).layout, step)
+    return step, jax.tree.map(np.asarray, state["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("source", ["synthetic", "text"])
+def test_resume_after_sigkill_is_bit_exact(tmp_path, source):
+    overrides = ("train.steps=12", "checkpoint.every=6", f"data.source={source}")
+    reference = run(load(tmp_path / "reference", *overrides))
+
+    run_dir = tmp_path / "run"
+    first = cli(run_dir, *overrides)
+    finalized = checkpoint_dir(run_dir) / "6" / "_CHECKPOINT_METADATA"
+    while not finalized.exists():
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.005)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL
+    done = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
+    assert max(done) == 6, f"the run finished before the kill ({done}); the test needs a slower step"
+
+    second = cli(run_dir, *overrides)
+    out, err = second.communicate(timeout=240)
+    assert second.returncode == 0, err[-3000:]
+    assert "resumed from checkpoint 6" in out
+
+    losses = logged_losses(run_dir)
+    assert [losses[s] for s in range(7, 13)] == reference.losses[6:12]
+    step, params = params_of(load(run_dir, *overrides))
+    assert step == 12
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(jax.tree.map(np.asarray, reference.state["params"]))):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def saved_on_d2f2t2(tmp_path_factory):
+    """A 6-step run on data2 x fsdp2 x tensor2 with checkpoints at 3 and 6."""
+    run_dir = tmp_path_factory.mktemp("d2f2t2")
+    config = load(run_dir, "train.steps=6", "checkpoint.every=3").replace(**mesh_overrides(data=2, fsdp=2, tensor=2))
+    return run_dir, run(config)
+
+
+RESHARD_TARGETS = {
+    "fsdp8": (mesh_overrides(fsdp=8), 8),
+    "tensor2_data4": (mesh_overrides(tensor=2, data=4), 8),
+    "data2_tensor2_on_4_devices": (mesh_overrides(data=2, tensor=2), 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", RESHARD_TARGETS, ids=list(RESHARD_TARGETS))
+def test_checkpoint_reshards_onto_another_mesh(saved_on_d2f2t2, tmp_path, target):
+    saved_dir, reference = saved_on_d2f2t2
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_dir, run_dir)
+    shutil.rmtree(checkpoint_dir(run_dir) / "6")  # newest is now the step-3 checkpoint
+    mesh, devices = RESHARD_TARGETS[target]
+    config = load(run_dir, "train.steps=6", "checkpoint.every=3",
+                  f"cluster.devices_per_host={devices}").replace(**mesh)
+    result = run(config)
+    assert result.first_step == 3
+    assert jax.tree.leaves(result.state["params"])[0].sharding.mesh.devices.size == devices
+    np.testing.assert_allclose(result.losses, reference.losses[3:], rtol=1e-5)
+
+
+def test_torn_checkpoints_are_skipped_and_kept_aside(tmp_path):
+    config = load(tmp_path / "run", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=2")
+    run(config)
+    directory = checkpoint_dir(config.run.dir)
+    shutil.copytree(directory / "4", directory / "8")
+    (directory / "8" / "_CHECKPOINT_METADATA").unlink()  # killed before Orbax finalized it
+    shutil.copytree(directory / "4", directory / "6")
+    for file in (directory / "6" / "state").rglob("*"):  # metadata present, array data lost
+        if file.is_file() and "d" in file.parent.name:
+            file.unlink()
+    (directory / "10.orbax-checkpoint-tmp-1234").mkdir()  # a save cut off mid-write
+
+    warnings = []
+    checkpointer = Checkpointer(config, build_job(config).layout, log=warnings.append)
+    step, state, data_state = checkpointer.restore_latest()
+    checkpointer.close()
+    assert step == 4 and int(state["step"]) == 4 and data_state["next_step"] == 4
+    assert any(str(directory / "8") in w for w in warnings)
+    assert any(str(directory / "6") in w for w in warnings)
+    assert sorted(p.name.split("-")[0] for p in (Path(config.run.dir) / "torn_checkpoints").iterdir()) == ["6", "8"]
+
+    # Continuing with keep=2 rotates out only good checkpoints, oldest first.
+    run(config.replace(**{"train.steps": 6}))
+    assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [4, 6]
+
+
+@pytest.mark.timeout(180)
+def test_nan_loss_stops_with_error_and_keeps_last_good_checkpoint(tmp_path):
+    overrides = ("train.steps=8", "checkpoint.every=1", "optimizer.lr=1.0e+15", "optimizer.clip_norm=0")
+    with pytest.raises(TrainingDiverged, match="last good"):
+        run(load(tmp_path / "inprocess", *overrides))
+    process = cli(tmp_path / "cli", *overrides)
+    _, err = process.communicate(timeout=150)
+    assert process.returncode == 1
+    assert "training diverged" in err and ("is nan" in err or "is inf" in err)
+
+    step, params = params_of(load(tmp_path / "cli", *overrides))
+    assert step == 1  # step 2 has the NaN loss
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_saves_the_current_step_before_exit(tmp_path):
+    run_dir = tmp_path / "run"
+    process = cli(run_dir, "train.steps=100000", "checkpoint.every=0")
+    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    saved = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
+    assert len(saved) == 1 and saved[0] >= 3
+    assert saved[0] == max(logged_losses(run_dir))  # the saved state is the last one logged
+
+
+def test_checkpoint_of_another_model_is_a_config_error_not_a_torn_save(tmp_path):
+    run(load(tmp_path / "run", "train.steps=2"))
+    wider = load(tmp_path / "run", "train.steps=4", "model.mlp_dim=256")
+    with pytest.raises(config_lib.ConfigError, match="model.mlp_dim"):
+        run(wider)
+    assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
