@@ -78,10 +78,25 @@ def follow(address: str, job_id: str, out=sys.stdout) -> str:
 
 
 def status(address: str, job_id: str) -> str:
-    """Returns the job's status name (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)."""
-    return str(client(address).get_job_status(job_id).value)
+    """Returns the job's status name (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED).
+
+    Raises ClusterError when the cluster is unreachable or does not know the job.
+    """
+    jobs = client(address)
+    return str(_known_job(job_id, lambda: jobs.get_job_status(job_id)).value)
 
 
 def stop(address: str, job_id: str) -> bool:
-    """Asks the cluster to stop the job; returns True if it was still running."""
-    return client(address).stop_job(job_id)
+    """Asks the cluster to stop the job; returns True if it was still running.
+
+    Raises ClusterError when the cluster is unreachable or does not know the job.
+    """
+    jobs = client(address)
+    return _known_job(job_id, lambda: jobs.stop_job(job_id))
+
+
+def _known_job(job_id: str, call):
+    try:
+        return call()
+    except RuntimeError as error:  # the Jobs API answers an unknown id with a 404 RuntimeError
+        raise ClusterError(f"job {job_id}: {str(error).strip().splitlines()[0][:200]}") from None
