@@ -29,6 +29,10 @@ class ConfigError(ValueError):
         lines = [f"  {key}: {message}" for key, message in self.problems]
         super().__init__("invalid config:\n" + "\n".join(lines))
 
+    def __reduce__(self):
+        # Ray ships a worker's exception to the driver by pickling it.
+        return ConfigError, (self.problems,)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
