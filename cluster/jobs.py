@@ -34,9 +34,9 @@ def client(address: str):
 
     Raises ClusterError with one line when nothing answers there.
     """
+    _use_token_if_present()  # before Ray's import: Ray reads the auth mode once
     from ray.job_submission import JobSubmissionClient
 
-    _use_token_if_present()
     try:
         return JobSubmissionClient(address)
     except Exception as error:  # Ray raises ConnectionError, RuntimeError or ValueError here

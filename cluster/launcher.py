@@ -56,6 +56,10 @@ def launch(train_fn: Callable[[Any], Any], argument: Any, spec: ClusterSpec, sto
     spec (checked before any worker starts), or the run fails past
     `spec.max_failures` restarts.
     """
+    if not (spec.address or os.environ.get("RAY_ADDRESS")):
+        # Ray swaps 127.0.0.1 for the machine's routable IP unless told it is a
+        # laptop-only cluster; read once when Ray is imported, so set it first.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
     _connect(spec)
@@ -86,7 +90,7 @@ def _connect(spec: ClusterSpec) -> None:
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers
     # import the code from this checkout, whatever version is installed.
     pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(_node_ip_address=LOCALHOST, include_dashboard=spec.dashboard, dashboard_host=LOCALHOST,
+    ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard, dashboard_host=LOCALHOST,
              num_cpus=spec.hosts + 1, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
 
@@ -175,7 +179,8 @@ def _worker(config: dict) -> None:
         _simulate_cpu_devices(jax, spec.devices_per_host)
         host = ray.util.get_node_ip_address()
         address = rendezvous(_BoardClient(config["board"]), rank, world, host, spec.init_timeout_s)
-        jax.distributed.initialize(address, num_processes=world, process_id=rank,
+        # Bind the coordinator to the node's Ray address, not every interface.
+        jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
     config["fn"](config["argument"])
 
