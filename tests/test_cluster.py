@@ -132,7 +132,8 @@ def head_answers(url: str) -> bool:
 def ray_head(tmp_path_factory):
     """A `ray start --head` on 127.0.0.1 with the Jobs API; yields its dashboard URL; stops what it started."""
     port, dashboard = free_port(), free_port()
-    env = dict(os.environ, PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}")
+    # Without the flag Ray trades 127.0.0.1 for the machine's routable address.
+    env = dict(os.environ, PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
@@ -146,8 +147,11 @@ def ray_head(tmp_path_factory):
             time.sleep(2)
         yield url, f"127.0.0.1:{port}"
     finally:
-        os.killpg(head.pid, signal.SIGTERM)  # --block stops the daemons it started on SIGTERM
-        head.wait(timeout=60)
+        # The head and its daemons share one process group, started above; nothing else is in it.
+        os.killpg(head.pid, signal.SIGTERM)
+        time.sleep(5)  # a moment to shut down cleanly; then whatever is left goes
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
 
 
 @pytest.mark.ray
