@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -225,3 +226,40 @@ def test_killed_worker_restarts_and_resumes_to_the_same_loss(tmp_path, one_proce
     assert step_order != sorted(set(step_order)), "metrics.jsonl shows no resumed steps"
     assert records[-1]["step"] == 5
     np.testing.assert_allclose(records[-1]["loss"], one_process_losses[-1], rtol=1e-5)
+
+
+MANIFESTS = ROOT / "cluster" / "manifests"
+
+
+@pytest.mark.parametrize("name, accelerator", [("gcp-tpu.yaml", "TPU"), ("gcp-gpu.yaml", "GPU")])
+def test_cluster_launcher_yaml_passes_rays_validation(name, accelerator):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = prepare_config(yaml.safe_load((MANIFESTS / name).read_text()))
+    validate_config(config)
+    workers = {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
+    assert workers and all(accelerator in t["resources"] for t in workers.values())
+    # Ray's GCP provider (which needs Google's client libraries) tells a TPU VM
+    # from a Compute VM by these keys: acceleratorType without machineType.
+    for node_type in workers.values():
+        node = node_type["node_config"]
+        if accelerator == "TPU":
+            assert "machineType" not in node and re.fullmatch(r"v(4|5p|5litepod)-\d+", node["acceleratorType"])
+        else:
+            assert node["machineType"].startswith("a2-highgpu-8g") and node_type["resources"]["GPU"] == 8
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+
+
+def test_kuberay_rayjob_names_image_entrypoint_and_resources():
+    job = yaml.safe_load((MANIFESTS / "kuberay-rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    assert job["spec"]["entrypoint"].startswith("nestor train configs/quickstart.yaml")
+    cluster = job["spec"]["rayClusterSpec"]
+    workers = cluster["workerGroupSpecs"][0]
+    container = workers["template"]["spec"]["containers"][0]
+    assert container["image"].endswith("nestor:latest")
+    assert container["resources"]["limits"]["google.com/tpu"] == "4"
+    hosts = workers["replicas"] * workers["numOfHosts"]
+    assert f"cluster.hosts={hosts}" in job["spec"]["entrypoint"]
+    assert "cluster.devices_per_host=4" in job["spec"]["entrypoint"]
+    assert all(e.get("valueFrom") for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
