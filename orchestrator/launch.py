@@ -22,7 +22,7 @@ def train_on_worker(config: Config) -> None:
 
     first = jax.process_index() == 0  # one copy of the progress lines, not one per host
     result = train(config, log=print if first else (lambda *_: None))
-    if first:
+    if first and result.losses:  # a run resumed at its last step trains nothing
         print(f"trained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
 
 
