@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,6 +80,7 @@ def _connect(spec: ClusterSpec) -> None:
         ray.init(logging_level="ERROR")  # inside a Ray job: its runtime env already carries the code
         return
     if spec.address:
+        _check_reachable(spec.address)
         try:
             ray.init(address=spec.address, logging_level="ERROR",
                      runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES})
@@ -93,6 +95,19 @@ def _connect(spec: ClusterSpec) -> None:
     ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard, dashboard_host=LOCALHOST,
              num_cpus=spec.hosts + 1, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raises ClusterError unless something accepts TCP connections at `address` ([scheme://]host:port)."""
+    # ray.init retries an unreachable GCS for minutes; a plain connect answers in seconds.
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not port.isdigit():
+        return  # e.g. "auto": Ray resolves it itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ClusterError(f"cluster.address={address}: cannot reach a Ray cluster there ({error.strerror or error}); "
+                           "start one with `ray start --head` or fix the address") from None
 
 
 def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:

@@ -95,6 +95,18 @@ def test_embedded_cluster_leaves_no_ray_daemon(embedded_run):
     assert ray_daemons() - before == set()
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_embedded_run_keeps_the_auth_token_out_of_logs_and_run_dir(embedded_run):
+    process, run_dir, _ = embedded_run
+    token_file = Path.home() / ".ray" / "auth_token"
+    assert token_file.exists(), "Ray's token auth is on by default and writes this file"
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and token not in process.stdout + process.stderr
+    written = [p.read_bytes() for p in run_dir.rglob("*") if p.is_file()]
+    assert written and not any(token.encode() in content for content in written)
+
+
 def test_missing_rank_times_out_naming_it():
     board = Board(world=2)  # rank 1 never arrives
     started = time.monotonic()
@@ -190,12 +202,17 @@ def test_job_asking_for_more_devices_than_the_cluster_has_fails_before_workers(r
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_unreachable_address_is_one_line():
-    process = nestor("submit", "configs/quickstart.yaml", "--address", f"http://127.0.0.1:{free_port()}",
-                     timeout=120)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command, prefix", [
+    (("submit", "configs/quickstart.yaml", "--address", "http://127.0.0.1:{port}"), "nestor: --address http://"),
+    (("train", "configs/quickstart.yaml", "cluster.address=127.0.0.1:{port}"), "nestor: cluster.address=127.0.0.1:"),
+], ids=["submit", "train"])
+def test_unreachable_address_is_one_line(command, prefix):
+    port = free_port()
+    process = nestor(*(part.format(port=port) for part in command), timeout=100)
     assert process.returncode == 1
     lines = process.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("nestor: --address http://127.0.0.1:"), process.stderr
+    assert len(lines) == 1 and lines[0].startswith(prefix), process.stderr
 
 
 @pytest.mark.ray
