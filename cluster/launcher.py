@@ -135,6 +135,7 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
 def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str) -> None:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
     from ray.train.v2.jax import JaxTrainer
 
     board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
@@ -148,22 +149,31 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str) -> None:
                              failure_config=FailureConfig(max_failures=spec.max_failures)))
     try:
         trainer.fit()
-    except Exception as error:  # Ray wraps worker errors; show the root cause, not Ray's trace
-        raise ClusterError(f"the run failed after cluster.max_failures={spec.max_failures} restart(s): "
-                           f"{_root_cause(error)}") from None
+    except WorkerGroupError as error:
+        raise _worker_error(error, spec) from None
+    except Exception as error:  # the controller itself failed; show the root cause, not Ray's trace
+        raise ClusterError(f"the run failed: {_first_line(error)}") from None
 
 
-def _root_cause(error: BaseException) -> str:
-    """Returns the innermost error's one-line summary from a Ray failure."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    text = str(error)
-    # Ray's worker errors embed the remote traceback; the user needs its last line.
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    for line in reversed(lines):
-        if re.match(r"^[\w.]+(Error|Exception)\b", line.strip()):
-            return line.strip()
-    return lines[-1] if lines else type(error).__name__
+def _worker_error(error, spec: ClusterSpec) -> Exception:
+    """Returns the error to show for a group that failed past its restarts: the lowest rank's own error.
+
+    A ValueError (nestor's config errors are ValueErrors) or ClusterError
+    from the train function comes back as itself, so the caller can report
+    it as what it is; anything else becomes a one-line ClusterError.
+    """
+    rank = min(error.worker_failures)
+    failure = error.worker_failures[rank]
+    cause = getattr(failure, "cause", None) or failure  # Ray wraps the worker's exception in RayTaskError
+    if isinstance(cause, (ValueError, ClusterError)):
+        return cause
+    return ClusterError(f"rank {rank} failed after cluster.max_failures={spec.max_failures} restart(s): "
+                        f"{type(cause).__name__}: {_first_line(cause)}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _BoardClient:
