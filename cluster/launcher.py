@@ -57,7 +57,8 @@ def launch(train_fn: Callable[[Any], Any], argument: Any, spec: ClusterSpec, sto
     spec (checked before any worker starts), or the run fails past
     `spec.max_failures` restarts.
     """
-    if not (spec.address or os.environ.get("RAY_ADDRESS")):
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    if not address or address.split("://")[-1].rpartition(":")[0] in ("127.0.0.1", "localhost"):
         # Ray swaps 127.0.0.1 for the machine's routable IP unless told it is a
         # laptop-only cluster; read once when Ray is imported, so set it first.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

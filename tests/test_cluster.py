@@ -182,6 +182,16 @@ def test_submit_follow_trains_to_completion(ray_head, tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_train_on_a_running_cluster_by_address_uploads_the_code_and_trains(ray_head, tmp_path):
+    _, gcs_address = ray_head
+    process = nestor("train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS, "train.steps=3",
+                     f"cluster.address={gcs_address}", f"run.dir={tmp_path}", timeout=200)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(200)
 def test_submit_of_invalid_config_fails_with_the_config_error(ray_head, tmp_path):
     url, _ = ray_head
