@@ -1,2 +1,3 @@
-"""Getting processes onto hosts: in-process runs, Ray workers and
-jax.distributed. Takes the function to run as an argument."""
+"""Getting processes onto hosts: Ray workers (`launcher`), joining jax.distributed
+(`rendezvous`), Ray jobs (`jobs`) and cluster manifests (`manifests/`).
+Takes the function to run as an argument; never imports orchestrator."""

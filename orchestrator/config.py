@@ -31,6 +31,10 @@ class ConfigError(ValueError):
         lines = [f"  {key}: {message}" for key, message in self.problems]
         super().__init__("invalid config:\n" + "\n".join(lines))
 
+    def __reduce__(self):
+        # Ray ships a worker's exception to the driver by pickling it.
+        return ConfigError, (self.problems,)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -156,6 +160,9 @@ class ClusterConfig:
     accelerator: str = "cpu"
     max_failures: int = 0
     init_timeout_s: float = 120.0
+    tpu_topology: str | None = None
+    tpu_type: str | None = None
+    dashboard: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +386,9 @@ def validate(config: Config) -> Config:
     _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
     _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
     _check_positive(problems, "cluster.hosts", config.cluster.hosts)
+    _check_positive(problems, "cluster.max_failures", config.cluster.max_failures, minimum=-1)
+    if config.cluster.init_timeout_s <= 0:
+        problems.append(("cluster.init_timeout_s", f"must be > 0 seconds, got {config.cluster.init_timeout_s:g}"))
     if config.cluster.devices_per_host == 0 or config.cluster.devices_per_host < -1:
         problems.append(("cluster.devices_per_host", "must be a positive count or -1 (all local devices)"))
     _check_positive(problems, "checkpoint.keep", config.checkpoint.keep)

@@ -55,7 +55,9 @@ def resolve_shape(ici: Mapping[str, int], dcn: Mapping[str, int], device_count: 
 
 def _granules(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
     """Groups devices by slice (TPU) or else by process: the units joined by dcn."""
-    key = (lambda d: d.slice_index) if hasattr(devices[0], "slice_index") else (lambda d: d.process_index)
+    # CPU and single-slice devices report slice_index 0 everywhere; then processes are the units.
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    key = (lambda d: d.slice_index) if len(slices) > 1 else (lambda d: d.process_index)
     groups: dict[int, list[jax.Device]] = {}
     for device in sorted(devices, key=lambda d: (key(d), d.id)):
         groups.setdefault(key(device), []).append(device)

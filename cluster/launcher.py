@@ -1,0 +1,221 @@
+"""Runs a train function on `hosts` Ray workers that form one JAX program.
+
+Ray Train's `JaxTrainer` places one worker per host and restarts the group on
+a failure (`max_failures`). It joins `jax.distributed` itself only on GPU and
+TPU, so on CPU nestor does it here, through `rendezvous`: that is what lets a
+laptop run real multi-host. The train function is an argument; this module
+knows nothing of what it trains. Restarted groups call it again from the top,
+and it is the function's job to resume from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+from cluster.rendezvous import Board, ClusterError, rendezvous
+
+LOCALHOST = "127.0.0.1"
+# The directory holding this package and its siblings: what a remote cluster needs of the code.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+UPLOAD_EXCLUDES = [".git", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """What a launch asks of Ray: workers, their accelerators, restarts, deadlines."""
+
+    hosts: int
+    devices_per_host: int
+    accelerator: str = "cpu"  # cpu | gpu | tpu
+    address: str | None = None  # None: the ambient cluster (RAY_ADDRESS) or an embedded one
+    max_failures: int = 0
+    init_timeout_s: float = 120.0
+    tpu_topology: str | None = None  # e.g. "2x2x2" (v4/v5p) or "4x4" (v5e); TPU only
+    tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
+    dashboard: bool = False  # embedded cluster: serve the dashboard on 127.0.0.1
+
+    def worker_resources(self) -> dict[str, float]:
+        """Returns the Ray resources one worker reserves."""
+        if self.accelerator == "gpu":
+            return {"CPU": 1, "GPU": self.devices_per_host}
+        if self.accelerator == "tpu":
+            return {"TPU": self.devices_per_host}
+        return {"CPU": 1}
+
+
+def launch(train_fn: Callable[[Any], Any], argument: Any, spec: ClusterSpec, storage_dir: str) -> None:
+    """Runs `train_fn(argument)` on `spec.hosts` workers joined by jax.distributed; returns when all finish.
+
+    Connects to `spec.address`, else to the cluster of the surrounding Ray job,
+    else starts an embedded local cluster (127.0.0.1) and stops it afterwards.
+    Raises ClusterError when the cluster is unreachable, too small for the
+    spec (checked before any worker starts), or the run fails past
+    `spec.max_failures` restarts.
+    """
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    if not address or address.split("://")[-1].rpartition(":")[0] in ("127.0.0.1", "localhost"):
+        # Ray swaps 127.0.0.1 for the machine's routable IP unless told it is a
+        # laptop-only cluster; read once when Ray is imported, so set it first.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    _connect(spec)
+    try:
+        check_capacity(spec, ray.nodes())
+        _fit(train_fn, argument, spec, storage_dir)
+    finally:
+        # Stops the embedded cluster's raylet and GCS too when this process started them.
+        ray.shutdown()
+
+
+def _connect(spec: ClusterSpec) -> None:
+    """Connects this process to Ray, starting an embedded cluster when no address is known."""
+    import ray
+
+    if os.environ.get("RAY_ADDRESS") and not spec.address:
+        ray.init(logging_level="ERROR")  # inside a Ray job: its runtime env already carries the code
+        return
+    if spec.address:
+        _check_reachable(spec.address)
+        try:
+            ray.init(address=spec.address, logging_level="ERROR",
+                     runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES})
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ClusterError(f"cluster.address={spec.address}: cannot reach a Ray cluster there ({first_line}); "
+                               "start one with `ray start --head` or fix the address") from None
+        return
+    # Token auth stays at Ray's default (on); everything binds to loopback. Workers
+    # import the code from this checkout, whatever version is installed.
+    pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard, dashboard_host=LOCALHOST,
+             num_cpus=spec.hosts + 1, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raises ClusterError unless something accepts TCP connections at `address` ([scheme://]host:port)."""
+    # ray.init retries an unreachable GCS for minutes; a plain connect answers in seconds.
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not port.isdigit():
+        return  # e.g. "auto": Ray resolves it itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ClusterError(f"cluster.address={address}: cannot reach a Ray cluster there ({error.strerror or error}); "
+                           "start one with `ray start --head` or fix the address") from None
+
+
+def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
+    """Raises ClusterError, with the numbers, when no placement of `spec.hosts` workers fits `nodes`.
+
+    `nodes` is `ray.nodes()`; each node must hold whole workers (a host's
+    devices are never split across machines).
+    """
+    need = spec.worker_resources()
+    fits = 0
+    for node in nodes:
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        fits += int(min(have.get(name, 0) // amount for name, amount in need.items()))
+    if fits < spec.hosts:
+        totals = {name: sum(n.get("Resources", {}).get(name, 0) for n in nodes if n.get("Alive")) for name in need}
+        asked = ", ".join(f"{spec.hosts} x {amount:g} {name}" for name, amount in need.items())
+        have = ", ".join(f"{total:g} {name}" for name, total in totals.items())
+        raise ClusterError(f"cluster.hosts={spec.hosts} x cluster.devices_per_host={spec.devices_per_host} "
+                           f"({spec.accelerator}) asks for {asked}, but the cluster has {have} "
+                           f"(room for {fits} worker(s)); lower cluster.hosts/devices_per_host or add nodes")
+
+
+def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str) -> None:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+    from ray.train.v2.jax import JaxTrainer
+
+    board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
+    scaling = ScalingConfig(num_workers=spec.hosts, use_gpu=spec.accelerator == "gpu",
+                            use_tpu=spec.accelerator == "tpu", resources_per_worker=spec.worker_resources(),
+                            topology=spec.tpu_topology, accelerator_type=spec.tpu_type)
+    trainer = JaxTrainer(
+        _worker, train_loop_config={"fn": train_fn, "argument": argument, "spec": spec, "board": board},
+        scaling_config=scaling,
+        run_config=RunConfig(name="ray", storage_path=str(Path(storage_dir).resolve()),
+                             failure_config=FailureConfig(max_failures=spec.max_failures)))
+    try:
+        trainer.fit()
+    except WorkerGroupError as error:
+        raise _worker_error(error, spec) from None
+    except Exception as error:  # the controller itself failed; show the root cause, not Ray's trace
+        raise ClusterError(f"the run failed: {_first_line(error)}") from None
+
+
+def _worker_error(error, spec: ClusterSpec) -> Exception:
+    """Returns the error to show for a group that failed past its restarts: the lowest rank's own error.
+
+    A ValueError (nestor's config errors are ValueErrors) or ClusterError
+    from the train function comes back as itself, so the caller can report
+    it as what it is; anything else becomes a one-line ClusterError.
+    """
+    rank = min(error.worker_failures)
+    failure = error.worker_failures[rank]
+    cause = getattr(failure, "cause", None) or failure  # Ray wraps the worker's exception in RayTaskError
+    if isinstance(cause, (ValueError, ClusterError)):
+        return cause
+    return ClusterError(f"rank {rank} failed after cluster.max_failures={spec.max_failures} restart(s): "
+                        f"{type(cause).__name__}: {_first_line(cause)}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class _BoardClient:
+    """Calls a Board actor as if it were local, for `rendezvous`."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def arrive(self, rank, address):
+        import ray
+        return ray.get(self.handle.arrive.remote(rank, address))
+
+    def state(self, round_):
+        import ray
+        return ray.get(self.handle.state.remote(round_))
+
+
+def _worker(config: dict) -> None:
+    """One Ray Train worker: on CPU, simulates its devices and joins jax.distributed; then trains."""
+    import ray.train
+
+    spec: ClusterSpec = config["spec"]
+    if spec.accelerator == "cpu":
+        import jax
+
+        context = ray.train.get_context()
+        rank, world = context.get_world_rank(), context.get_world_size()
+        _simulate_cpu_devices(jax, spec.devices_per_host)
+        host = ray.util.get_node_ip_address()
+        address = rendezvous(_BoardClient(config["board"]), rank, world, host, spec.init_timeout_s)
+        # Bind the coordinator to the node's Ray address, not every interface.
+        jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
+                                   initialization_timeout=max(int(spec.init_timeout_s), 1))
+    config["fn"](config["argument"])
+
+
+def _simulate_cpu_devices(jax, devices: int) -> None:
+    """Makes this process show `devices` CPU devices; must run before jax starts its backend."""
+    # A device count inherited through XLA_FLAGS (tests set 8) would override the config.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
+    jax.config.update("jax_platforms", "cpu")
+    if devices > 0:
+        jax.config.update("jax_num_cpu_devices", devices)

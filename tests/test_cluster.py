@@ -1,0 +1,297 @@
+"""Multi-host training under Ray: equal losses, restarts, job submission, manifests, clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import yaml
+
+from cluster.launcher import ClusterSpec, check_capacity
+from cluster.rendezvous import Board, ClusterError, rendezvous
+from tests.helpers import mesh_overrides, run
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+RAY = str(Path(PYTHON).parent / "ray")
+TINY = ["model.preset=tiny", "data.source=synthetic", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
+        "optimizer.warmup_steps=2", "model.num_kv_heads=4", "train.log_every=1"]
+TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_host=4",
+             "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def nestor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Runs the `nestor` CLI of this checkout in a fresh process; returns it finished."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}")
+    return subprocess.run([PYTHON, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def ray_daemons() -> set[int]:
+    """Returns the pids of raylet and gcs_server processes on this machine."""
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory):
+    """Losses of the tiny model on 1 process x 8 devices, data2 x fsdp2 x tensor2."""
+    from orchestrator import config as config_lib
+
+    config = config_lib.load(None, TINY + [f"run.dir={tmp_path_factory.mktemp('one')}"])
+    return run(config.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
+
+
+@pytest.fixture(scope="module")
+def embedded_run(tmp_path_factory):
+    """`nestor train` on an embedded Ray cluster, 2 processes x 4 devices; (process, run dir, daemons before)."""
+    run_dir = tmp_path_factory.mktemp("two")
+    before = ray_daemons()
+    started = time.perf_counter()
+    process = nestor("train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS, f"run.dir={run_dir}")
+    print(f"embedded 2-host run: {time.perf_counter() - started:.1f}s")
+    return process, run_dir, before
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_two_processes_under_ray_match_one_process(embedded_run, one_process_losses):
+    process, run_dir, _ = embedded_run
+    assert process.returncode == 0, process.stderr[-3000:]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in records], one_process_losses, rtol=1e-5)
+    assert "over 8 cpu devices" in process.stdout + process.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_embedded_cluster_leaves_no_ray_daemon(embedded_run):
+    process, _, before = embedded_run
+    assert process.returncode == 0, process.stderr[-3000:]
+    deadline = time.monotonic() + 20  # daemons exit a moment after ray.shutdown returns
+    while ray_daemons() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_daemons() - before == set()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_embedded_run_keeps_the_auth_token_out_of_logs_and_run_dir(embedded_run):
+    process, run_dir, _ = embedded_run
+    token_file = Path.home() / ".ray" / "auth_token"
+    assert token_file.exists(), "Ray's token auth is on by default and writes this file"
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and token not in process.stdout + process.stderr
+    written = [p.read_bytes() for p in run_dir.rglob("*") if p.is_file()]
+    assert written and not any(token.encode() in content for content in written)
+
+
+def test_missing_rank_times_out_naming_it():
+    board = Board(world=2)  # rank 1 never arrives
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=r"rank 1 of 2 never joined .*cluster.init_timeout_s=1"):
+        rendezvous(board, rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
+    assert 1.0 <= time.monotonic() - started < 5
+
+
+def test_rendezvous_gives_every_rank_rank0s_address_and_restarts_start_a_new_round():
+    board = Board(world=2)
+    round_ = board.arrive(1, None)
+    address = rendezvous(board, rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
+    assert board.state(round_) == ([0, 1], address) and address.startswith("127.0.0.1:")
+    assert board.arrive(1, None) == round_ + 1  # a restarted group never sees the old address
+    assert board.state(round_ + 1) == ([1], None)
+
+
+def test_capacity_check_names_the_numbers():
+    nodes = [{"Alive": True, "Resources": {"CPU": 8, "GPU": 4}}, {"Alive": True, "Resources": {"CPU": 8, "GPU": 2}}]
+    check_capacity(ClusterSpec(hosts=1, devices_per_host=4, accelerator="gpu"), nodes)
+    with pytest.raises(ClusterError, match=r"asks for 2 x 1 CPU, 2 x 4 GPU, but the cluster has 16 CPU, 6 GPU \(room for 1 worker"):
+        check_capacity(ClusterSpec(hosts=2, devices_per_host=4, accelerator="gpu"), nodes)
+
+
+def head_answers(url: str) -> bool:
+    from cluster.jobs import client
+
+    try:
+        client(url)
+        return True
+    except ClusterError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A `ray start --head` on 127.0.0.1 with the Jobs API; yields its dashboard URL; stops what it started."""
+    port, dashboard = free_port(), free_port()
+    # Without the flag Ray trades 127.0.0.1 for the machine's routable address.
+    env = dict(os.environ, PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         "--num-cpus=3", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 90
+        while not head_answers(url):
+            assert time.monotonic() < deadline and head.poll() is None, "ray head did not come up"
+            time.sleep(2)
+        yield url, f"127.0.0.1:{port}"
+    finally:
+        # The head and its daemons share one process group, started above; nothing else is in it.
+        os.killpg(head.pid, signal.SIGTERM)
+        time.sleep(5)  # a moment to shut down cleanly; then whatever is left goes
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_submit_follow_trains_to_completion(ray_head, tmp_path):
+    url, _ = ray_head
+    process = nestor("submit", "configs/quickstart.yaml", *TINY, "train.steps=3", "cluster.hosts=2",
+                     "cluster.devices_per_host=4", f"run.dir={tmp_path}", "--address", url, "--follow",
+                     timeout=300)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    job_id = process.stdout.splitlines()[0]
+    assert job_id.startswith("raysubmit_")
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert nestor("status", job_id, "--address", url).stdout.strip() == "SUCCEEDED"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_train_on_a_running_cluster_by_address_uploads_the_code_and_trains(ray_head, tmp_path):
+    _, gcs_address = ray_head
+    process = nestor("train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS, "train.steps=3",
+                     f"cluster.address={gcs_address}", f"run.dir={tmp_path}", timeout=200)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(200)
+def test_submit_of_invalid_config_fails_with_the_config_error(ray_head, tmp_path):
+    url, _ = ray_head
+    process = nestor("submit", "configs/quickstart.yaml", "mesh.tensor=3", f"run.dir={tmp_path}",
+                     "--address", url, "--follow")
+    assert process.returncode == 2
+    assert "mesh" in process.stderr and "raysubmit_" not in process.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_job_asking_for_more_devices_than_the_cluster_has_fails_before_workers(ray_head, tmp_path):
+    url, _ = ray_head
+    process = nestor("submit", "configs/quickstart.yaml", *TINY, "cluster.accelerator=gpu",
+                     f"run.dir={tmp_path}", "--address", url, "--follow", timeout=240)
+    assert process.returncode == 1
+    assert "asks for 2 x 1 CPU, 2 x 4 GPU, but the cluster has 3 CPU, 0 GPU" in process.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command, prefix", [
+    (("submit", "configs/quickstart.yaml", "--address", "http://127.0.0.1:{port}"), "nestor: --address http://"),
+    (("train", "configs/quickstart.yaml", "cluster.address=127.0.0.1:{port}"), "nestor: cluster.address=127.0.0.1:"),
+], ids=["submit", "train"])
+def test_unreachable_address_is_one_line(command, prefix):
+    port = free_port()
+    process = nestor(*(part.format(port=port) for part in command), timeout=100)
+    assert process.returncode == 1
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), process.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("orchestrator.checkpoint") is None,
+                    reason="needs orchestrator.checkpoint (resume from run.dir), which lands with the ckpt branch")
+def test_killed_worker_restarts_and_resumes_to_the_same_loss(tmp_path):
+    from orchestrator import config as config_lib
+
+    # Long enough that the kill lands mid-run, well after the first checkpoint (step 2).
+    longer = ["train.steps=40", "checkpoint.every=2"]
+    reference = config_lib.load(None, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
+    reference_losses = run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
+    run_dir = tmp_path / "restarted"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    driver = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *TINY,
+                               *TWO_HOSTS, *longer, "cluster.max_failures=1", f"run.dir={run_dir}"],
+                              cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        while not any(p.name.isdigit() for p in (run_dir / "checkpoints").glob("*")):  # a finished step
+            assert driver.poll() is None, driver.stdout.read()[-3000:]
+            time.sleep(0.1)
+        workers = [p for p in psutil.Process(driver.pid).children(recursive=True)
+                   if "RayTrainWorker" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        os.kill(workers[-1].pid, signal.SIGKILL)
+        output, _ = driver.communicate(timeout=400)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    assert "resumed from checkpoint" in output, output[-3000:]
+    records = metrics(run_dir)
+    # A resume drops the records the killed attempt wrote past its checkpoint and logs them again.
+    assert [r["step"] for r in records] == list(range(1, 41))
+    np.testing.assert_allclose(records[-1]["loss"], reference_losses[-1], rtol=1e-5)
+
+MANIFESTS = ROOT / "cluster" / "manifests"
+
+
+@pytest.mark.parametrize("name, accelerator", [("gcp-tpu.yaml", "TPU"), ("gcp-gpu.yaml", "GPU")])
+def test_cluster_launcher_yaml_passes_rays_validation(name, accelerator):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = prepare_config(yaml.safe_load((MANIFESTS / name).read_text()))
+    validate_config(config)
+    workers = {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
+    assert workers and all(accelerator in t["resources"] for t in workers.values())
+    # Ray's GCP provider (which needs Google's client libraries) tells a TPU VM
+    # from a Compute VM by these keys: acceleratorType without machineType.
+    for node_type in workers.values():
+        node = node_type["node_config"]
+        if accelerator == "TPU":
+            assert "machineType" not in node and re.fullmatch(r"v(4|5p|5litepod)-\d+", node["acceleratorType"])
+        else:
+            assert node["machineType"].startswith("a2-highgpu-8g") and node_type["resources"]["GPU"] == 8
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+
+
+def test_kuberay_rayjob_names_image_entrypoint_and_resources():
+    job = yaml.safe_load((MANIFESTS / "kuberay-rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    assert job["spec"]["entrypoint"].startswith("nestor train configs/quickstart.yaml")
+    cluster = job["spec"]["rayClusterSpec"]
+    workers = cluster["workerGroupSpecs"][0]
+    container = workers["template"]["spec"]["containers"][0]
+    assert container["image"].endswith("nestor:latest")
+    assert container["resources"]["limits"]["google.com/tpu"] == "4"
+    hosts = workers["replicas"] * workers["numOfHosts"]
+    assert f"cluster.hosts={hosts}" in job["spec"]["entrypoint"]
+    assert "cluster.devices_per_host=4" in job["spec"]["entrypoint"]
+    assert all(e.get("valueFrom") for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
