@@ -10,6 +10,7 @@ import yaml
 
 from cluster.rendezvous import ClusterError
 from orchestrator.config import Config, ConfigError, load
+from orchestrator.launch import in_one_process
 
 
 def configure_jax(config: Config) -> None:
@@ -34,6 +35,7 @@ def _train(config: Config, args) -> int:
         train_on_ray(config)
         print(f"trained on {config.cluster.hosts} Ray worker(s); run dir {config.run.dir}")
         return 0
+    config = in_one_process(config)
     configure_jax(config)
     try:
         result = train(config)
@@ -52,6 +54,7 @@ def _train(config: Config, args) -> int:
 def _explain(config: Config, args) -> int:
     from orchestrator.explain import explain, format_report
 
+    config = in_one_process(config)
     configure_jax(config)
     report = explain(config)
     print(json.dumps(report, indent=1) if args.json else format_report(report))

@@ -544,7 +544,12 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
         return problems
     schedule = Schedule(degrees["pipeline"], p.microbatches, p.repeats if p.schedule == "circular" else 1)
     keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
-    problems += [(keys[what], message) for what, message in schedule.problems(config.model.num_layers)]
+    moe = config.moe
+    # With MoE the stack is made of units of moe.every layers (the last one MoE): stages split units.
+    every = moe.every if moe.num_experts and moe.every else 1
+    note = f" (counted in units of moe.every={every} layers)" if every > 1 else ""
+    problems += [(keys[what], message + (note if what == "layers" else ""))
+                 for what, message in schedule.problems(config.model.num_layers // every)]
     per_step_batch = t.global_batch // t.grad_accum
     if per_step_batch % p.microbatches:
         problems.append(("train.global_batch", f"the per-step batch {per_step_batch} (global_batch / grad_accum) "

@@ -4,7 +4,7 @@ Every scalar the step returns is logged under its own name (loss, lm_loss,
 grad_norm, param_norm, lr, and whatever the model adds, e.g. moe_aux_loss),
 next to what the loop measures: step_time_s, tokens_per_s,
 tflops_per_device and mfu (only when the device's peak is known). The same
-numbers go to metrics.jsonl and TensorBoard. A `moe_tokens_per_expert`
+numbers go to metrics.jsonl and TensorBoard. A `moe_expert_load`
 metric [layers, experts] becomes a heatmap image every `metrics.image_every`
 steps.
 """
@@ -21,17 +21,17 @@ import yaml
 from orchestrator.config import Config
 from orchestrator.flops import model_flops_per_step, peak_tflops
 
-EXPERT_LOAD = "moe_tokens_per_expert"
+EXPERT_LOAD = "moe_expert_load"
 _HEATMAP_CELL = 16  # pixels per (layer, expert) cell, so a 4 x 8 table is still visible
 
 
-def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
-    """Returns an RGB uint8 heatmap [layers * 16, experts * 16, 3] of tokens per expert, one row per layer.
+def expert_load_image(expert_load: np.ndarray) -> np.ndarray:
+    """Returns an RGB uint8 heatmap [layers * 16, experts * 16, 3] of expert load, one row per layer.
 
     Each row is scaled by its own even share (tokens / mean), so white is
     twice the even load or more, mid-grey is even, black is an idle expert.
     """
-    load = np.asarray(tokens_per_expert, np.float64)
+    load = np.asarray(expert_load, np.float64)
     mean = load.mean(axis=1, keepdims=True)
     relative = np.clip(np.divide(load, mean, out=np.zeros_like(load), where=mean > 0) / 2, 0.0, 1.0)
     pixels = np.kron(relative, np.ones((_HEATMAP_CELL, _HEATMAP_CELL)))
@@ -74,6 +74,7 @@ class MetricsWriter:
         self.config = config
         self.throughput = throughput
         self.enabled = enabled
+        self.resumed_from: int | None = None
         self.run_dir = Path(config.run.dir)
         self.jsonl = self.run_dir / "metrics.jsonl"
         self.tensorboard = None
@@ -84,7 +85,9 @@ class MetricsWriter:
 
     def start(self, resumed_step: int, sharding_table: str) -> None:
         """Drops records after `resumed_step` (a killed run logged them; the resume logs them again),
-        and writes the config and sharding table as text."""
+        and writes the config and sharding table as text. The first record
+        after a resume carries `resumed_from` (the checkpoint's step)."""
+        self.resumed_from = resumed_step or None
         if not self.enabled:
             return
         if self.jsonl.exists():
@@ -99,14 +102,17 @@ class MetricsWriter:
     def write(self, step: int, values: dict, step_time_s: float) -> dict:
         """Logs one step; returns the record (step, every scalar metric, throughput numbers)."""
         scalars, arrays = split_metrics(values)
-        record = {"step": step, **scalars, **self.throughput.measure(step_time_s)}
+        record = {"step": step, **scalars, **self.throughput.measure(step_time_s),
+                  **{name: value.tolist() for name, value in arrays.items()}}
+        if self.resumed_from is not None:
+            record["resumed_from"], self.resumed_from = self.resumed_from, None
         if not self.enabled:
             return record
         with self.jsonl.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             for name, value in record.items():
-                if name != "step":
+                if name != "step" and name not in arrays:
                     self.tensorboard.add_scalar(name, value, step)
             every = self.config.metrics.image_every
             if EXPERT_LOAD in arrays and every and step % every == 0:

@@ -38,11 +38,15 @@ def moe_loss_and_metrics(stats: dict[str, jax.Array], moe: MoEConfig) -> tuple[j
 
     Metrics: `moe_aux_loss`, `moe_z_loss`, `moe_dropped_fraction` (unweighted
     means over MoE layers, so balanced routing reads aux 1.0) and
-    `moe_tokens_per_expert` [moe layers, experts]. A dense model gives (0, {}).
+    `moe_expert_load` [moe layers, experts]: each expert's share of the
+    layer's routed assignments (a row sums to 1; even routing is 1/experts).
+    A share, not a count, because micro-batches (pipeline, accumulation)
+    average their metrics. A dense model gives (0, {}).
     """
     if "moe_aux_loss" not in stats:
         return jnp.zeros((), jnp.float32), {}
     loss = moe.aux_loss_weight * jnp.sum(stats["moe_aux_loss"]) + moe.z_loss_weight * jnp.sum(stats["moe_z_loss"])
     metrics = {name: jnp.mean(stats[name]) for name in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")}
-    metrics["moe_tokens_per_expert"] = stats["moe_tokens_per_expert"]
+    counts = stats["moe_tokens_per_expert"].astype(jnp.float32)
+    metrics["moe_expert_load"] = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
     return loss, metrics

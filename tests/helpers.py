@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import jax
 import numpy as np
 
@@ -29,8 +31,13 @@ def mesh_overrides(**degrees: int) -> dict:
 
 
 def run(config: Config) -> TrainResult:
-    """Trains quietly; returns the result."""
+    """Trains quietly in config.run.dir (resuming from a checkpoint there); returns the result."""
     return train(config, log=lambda *_: None)
+
+
+def run_fresh(config: Config) -> TrainResult:
+    """Trains quietly from scratch in a new run dir, so no other run's checkpoint is resumed."""
+    return run(config.replace(**{"run.dir": tempfile.mkdtemp(prefix="nestor-run-")}))
 
 
 def assert_same_training(result: TrainResult, reference: TrainResult, loss_rtol=1e-5, param_tol=1e-4) -> None:

@@ -92,6 +92,7 @@ RESHARD_TARGETS = {
     "fsdp8": (mesh_overrides(fsdp=8), 8),
     "tensor2_data4": (mesh_overrides(tensor=2, data=4), 8),
     "data2_tensor2_on_4_devices": (mesh_overrides(data=2, tensor=2), 4),
+    "pipeline2_data2_tensor2": (mesh_overrides(pipeline=2, data=2, tensor=2) | {"pipeline.microbatches": 2}, 8),
 }
 
 

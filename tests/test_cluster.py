@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -227,8 +226,6 @@ def test_unreachable_address_is_one_line(command, prefix):
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(importlib.util.find_spec("orchestrator.checkpoint") is None,
-                    reason="needs orchestrator.checkpoint (resume from run.dir), which lands with the ckpt branch")
 def test_killed_worker_restarts_and_resumes_to_the_same_loss(tmp_path):
     from orchestrator import config as config_lib
 
@@ -258,6 +255,8 @@ def test_killed_worker_restarts_and_resumes_to_the_same_loss(tmp_path):
     records = metrics(run_dir)
     # A resume drops the records the killed attempt wrote past its checkpoint and logs them again.
     assert [r["step"] for r in records] == list(range(1, 41))
+    resumes = [r for r in records if "resumed_from" in r]
+    assert len(resumes) == 1 and resumes[0]["step"] == resumes[0]["resumed_from"] + 1
     np.testing.assert_allclose(records[-1]["loss"], reference_losses[-1], rtol=1e-5)
 
 MANIFESTS = ROOT / "cluster" / "manifests"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import TESTED_MESHES, ONE_DEVICE, assert_same_training, mesh_overrides, run
+from tests.helpers import TESTED_MESHES, ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 
 @pytest.fixture(scope="module")
@@ -15,17 +15,17 @@ def reference(tmp_path_factory):
                 f"run.dir={tmp_path_factory.mktemp('ref')}"]
         return config_lib.load(None, base + list(overrides))
 
-    return make, run(make().replace(**ONE_DEVICE))
+    return make, run_fresh(make().replace(**ONE_DEVICE))
 
 
 @pytest.mark.parametrize("mesh", TESTED_MESHES, ids=list(TESTED_MESHES))
 def test_losses_and_params_match_one_device(reference, mesh, tmp_path):
     make, one_device = reference
     config = make(f"run.dir={tmp_path}").replace(**mesh_overrides(**TESTED_MESHES[mesh]))
-    assert_same_training(run(config), one_device)
+    assert_same_training(run_fresh(config), one_device)
 
 
 def test_grad_accumulation_matches_one_big_batch(reference, tmp_path):
     make, one_device = reference
     config = make(f"run.dir={tmp_path}", "train.grad_accum=2").replace(**mesh_overrides(data=2, fsdp=2, tensor=2))
-    assert_same_training(run(config), one_device)
+    assert_same_training(run_fresh(config), one_device)

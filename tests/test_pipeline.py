@@ -15,7 +15,7 @@ from parallel.hlo import collective_lines, collectives
 from parallel.mesh import build_mesh
 from parallel.pipeline import Schedule, pipeline_runner
 from parallel.rules import DEFAULT_RULES
-from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run
+from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 PIPELINED = {
     "pipeline2_data2_tensor2_gpipe": (dict(pipeline=2, data=2, tensor=2), ["pipeline.microbatches=4"]),
@@ -36,7 +36,7 @@ def one_device_runs():
     def runs(tiny_config, model_overrides):
         key = tuple(model_overrides)
         if key not in cache:
-            cache[key] = run(tiny_config(*model_overrides).replace(**ONE_DEVICE))
+            cache[key] = run_fresh(tiny_config(*model_overrides).replace(**ONE_DEVICE))
         return cache[key]
 
     return runs
@@ -46,7 +46,7 @@ def one_device_runs():
 def test_pipelined_training_matches_one_device_without_involuntary_remat(name, tiny_config, one_device_runs, capfd):
     degrees, overrides = PIPELINED[name]
     reference = one_device_runs(tiny_config, [o for o in overrides if o.startswith("model.")])
-    result = run(tiny_config(*overrides).replace(**mesh_overrides(**degrees)))
+    result = run_fresh(tiny_config(*overrides).replace(**mesh_overrides(**degrees)))
     assert_same_training(result, reference)
     assert INVOLUNTARY not in capfd.readouterr().err
 
