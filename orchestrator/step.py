@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import axes
 from models.axes import activation_sharding
@@ -121,4 +121,5 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(layout.shardings, batch_sharding(mesh, rules)),
-                   out_shardings=(layout.shardings, None), donate_argnums=0)
+                   out_shardings=(layout.shardings, NamedSharding(mesh, PartitionSpec())),
+                   donate_argnums=0)  # metrics replicated: every process can read them
