@@ -12,7 +12,7 @@ For each expert count, in one run:
 - tokens/s of the MoE train step against a dense model with the same active
   parameters (mlp_dim x top_k), same mesh and batch.
 
-    python -m bench.moe       # prints the table, writes docs/benchmarks-moe.md
+    python -m bench.moe       # prints the table, writes its section of docs/benchmarks.md
 
 On simulated CPU devices all "devices" share the host's cores: tokens/s
 compares total work, not communication overlap.
@@ -24,6 +24,8 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+
+from bench.report import write_section
 
 EXPERT_COUNTS = (8, 32, 128)
 DEVICES = 8
@@ -147,7 +149,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    """Runs the benchmark, prints the table and writes docs/benchmarks-moe.md."""
+    """Runs the benchmark, prints the table and writes its section of docs/benchmarks.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed train steps per model")
     args = parser.parse_args()
@@ -162,10 +164,9 @@ def main() -> None:
     setup = (f"Model: {' '.join(MODEL)}; MoE every 2nd layer, top_k={TOP_K}, capacity_factor 1.25, one group "
              f"per sequence; mesh expert={DEVICES} ({DEVICES} simulated {device.platform} devices); "
              f"median of {args.steps} steps after one warm-up; jax {jax.__version__}.")
-    text = "\n".join(["# MoE benchmark", "", f"Command: `{COMMAND}`", "", setup, "", table(rows), "", READING, ""])
+    text = "\n".join(["## MoE (GShard)", "", f"Command: `{COMMAND}`", "", setup, "", table(rows), "", READING, ""])
     print(text)
-    DOCS.mkdir(exist_ok=True)
-    (DOCS / "benchmarks-moe.md").write_text(text)
+    write_section("moe", text)
 
 
 if __name__ == "__main__":

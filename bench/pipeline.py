@@ -8,7 +8,7 @@ the bubble's share of the work is the share of the time. Also reads XLA's
 per-device temporary bytes over M with and without per-stage remat.
 
     python -m bench.pipeline            # prints the table, writes docs/pipeline.png
-                                        # and docs/benchmarks-pipeline.md
+                                        # and its section of docs/benchmarks.md
 
 On simulated CPU devices the "devices" share the host's cores, so the ratio
 measures total work (bubble included) plus per-iteration overhead, not
@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.report import write_section
 
 STAGES = 4
 MICROBATCHES = (4, 8, 16, 32)
@@ -147,9 +149,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_markdown(baseline: float, rows: list[dict], path: Path, steps: int) -> None:
-    """Writes the table, the setup and the exact command to `path`."""
-    lines = ["# Pipeline benchmark", "",
+def write_markdown(baseline: float, rows: list[dict], steps: int) -> None:
+    """Writes the table, the setup and the exact command to the pipeline section of docs/benchmarks.md."""
+    lines = ["## Pipeline (GPipe, circular)", "",
              f"Command: `{COMMAND} --steps {steps}` (on {DEVICES} simulated CPU devices of a 2-core host).", "",
              f"Model: {' '.join(MODEL)}; S = {STAGES} stages (`mesh.pipeline={STAGES}`), "
              f"baseline `mesh.data={DEVICES}` without pipeline: {baseline * 1e3:.1f} ms per step "
@@ -165,7 +167,7 @@ def write_markdown(baseline: float, rows: list[dict], path: Path, steps: int) ->
               "M=16 from 1.65 to 1.42 in a separate A/B run); R = 2 has one layer per stage group. Temp bytes "
               "fall with M (smaller micro-batches, same residuals per layer) and remat=full keeps only each "
               "stage's input per iteration."]
-    path.write_text("\n".join(lines) + "\n")
+    write_section("pipeline", "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline, rows = run_bench(args.steps)
     DOCS.mkdir(exist_ok=True)
     plot(rows, DOCS / "pipeline.png")
-    write_markdown(baseline, rows, DOCS / "benchmarks-pipeline.md", args.steps)
-    print(f"non-pipelined step: {baseline * 1e3:.1f} ms; wrote {DOCS / 'pipeline.png'} and "
-          f"{DOCS / 'benchmarks-pipeline.md'}")
+    write_markdown(baseline, rows, args.steps)
+    print(f"non-pipelined step: {baseline * 1e3:.1f} ms; wrote {DOCS / 'pipeline.png'} and docs/benchmarks.md")
     return 0
 
 

@@ -24,8 +24,10 @@ from tests.helpers import mesh_overrides, run
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 RAY = str(Path(PYTHON).parent / "ray")
+# The quickstart's model and mesh, made dense, single-stage and small.
 TINY = ["model.preset=tiny", "data.source=synthetic", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
-        "optimizer.warmup_steps=2", "model.num_kv_heads=4", "train.log_every=1"]
+        "optimizer.warmup_steps=2", "model.num_kv_heads=4", "train.log_every=1", "moe.num_experts=0", "moe.every=0",
+        "mesh.pipeline=1", "mesh.expert=1", "mesh.data=-1", "pipeline.microbatches=1"]
 TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_host=4",
              "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
 
