@@ -2,13 +2,13 @@
 
 Layering, lowest first: base.yaml, the model preset (`model.preset`), the run
 YAML, then `key=value` overrides. Everything that can be checked without a
-device is checked in `validate`, which lists every problem with its key path.
+device is checked by `orchestrator.validation.validate`, which lists every
+problem with its key path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from pathlib import Path
@@ -16,9 +16,7 @@ from typing import Any
 
 import yaml
 
-from models.moe import expert_capacity
-from parallel.pipeline import Schedule
-from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
+from parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -188,7 +186,7 @@ class Config:
         tree = self.to_dict()
         for key, value in dotted.items():
             _set_dotted(tree, key, value)
-        return validate(from_dict(tree))
+        return _validated(from_dict(tree))
 
 
 _YAML_NAMES = {"async_save": "async"}
@@ -283,7 +281,13 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         preset_tree = _read_yaml(CONFIGS_DIR / "models" / f"{preset}.yaml", "model.preset")
         tree = _merge(tree, {"model": preset_tree})
     tree = _merge(_merge(tree, user), extra)
-    return validate(from_dict(tree))
+    return _validated(from_dict(tree))
+
+
+def _validated(config: Config) -> Config:
+    from orchestrator.validation import validate  # validation imports this module's types
+
+    return validate(config)
 
 
 def from_dict(tree: dict) -> Config:
@@ -349,219 +353,3 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
     if hint is dict or origin is dict:
         return (dict(value), None) if isinstance(value, dict) else (None, f"expected a mapping, got {value!r}")
     return value, None
-
-
-def _check_choice(problems, key, value, choices):
-    if value not in choices:
-        problems.append((key, f"{value!r} is not one of {', '.join(choices)}"))
-
-
-def _check_positive(problems, key, value, minimum=1):
-    if value < minimum:
-        problems.append((key, f"must be >= {minimum}, got {value}"))
-
-
-def validate(config: Config) -> Config:
-    """Returns `config` unchanged if it is consistent; otherwise raises ConfigError listing every problem.
-
-    Checks that need the device count (the mesh product) are done here when the
-    mesh has no -1 or when `cluster.hosts * cluster.devices_per_host` is known.
-    """
-    problems: list[tuple[str, str]] = []
-    m, t, mesh = config.model, config.train, config.mesh
-    for key in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-        _check_positive(problems, f"model.{key}", getattr(m, key))
-    for key in ("steps", "global_batch", "seq_len", "grad_accum", "log_every"):
-        _check_positive(problems, f"train.{key}", getattr(t, key))
-    _check_choice(problems, "model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
-    if m.head_dim % 2:
-        problems.append(("model.head_dim", f"RoPE needs an even head_dim, got {m.head_dim}"))
-    if m.num_kv_heads and m.num_heads % m.num_kv_heads:
-        problems.append(("model.num_kv_heads", f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}"))
-    _check_choice(problems, "data.source", config.data.source, ("synthetic", "text"))
-    _check_choice(problems, "pipeline.schedule", config.pipeline.schedule, ("gpipe", "circular"))
-    _check_choice(problems, "pipeline.remat", config.pipeline.remat,
-                  ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
-    _check_choice(problems, "moe.second_expert_policy", config.moe.second_expert_policy, ("all", "random"))
-    _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
-    _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
-    _check_positive(problems, "cluster.hosts", config.cluster.hosts)
-    _check_positive(problems, "cluster.max_failures", config.cluster.max_failures, minimum=-1)
-    if config.cluster.init_timeout_s <= 0:
-        problems.append(("cluster.init_timeout_s", f"must be > 0 seconds, got {config.cluster.init_timeout_s:g}"))
-    if config.cluster.devices_per_host == 0 or config.cluster.devices_per_host < -1:
-        problems.append(("cluster.devices_per_host", "must be a positive count or -1 (all local devices)"))
-    _check_positive(problems, "checkpoint.keep", config.checkpoint.keep)
-    _check_positive(problems, "checkpoint.every", config.checkpoint.every, minimum=0)
-    _check_positive(problems, "pipeline.microbatches", config.pipeline.microbatches)
-    _check_positive(problems, "pipeline.repeats", config.pipeline.repeats)
-    problems += _mesh_problems(config)
-    problems += _moe_problems(config, None if problems else _known_degrees(config))
-    if not problems:
-        problems += _divisibility_problems(config)
-        problems += _pipeline_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    return config
-
-
-def _mesh_problems(config: Config) -> list[tuple[str, str]]:
-    problems = []
-    mesh = config.mesh
-    fills = [axis for axis, size in mesh.ici_shape().items() if size == -1]
-    if len(fills) > 1:
-        problems.append((f"mesh.{fills[1]}", f"only one mesh axis may be -1; found {', '.join('mesh.' + a for a in fills)}"))
-    for axis, size in mesh.ici_shape().items():
-        if size == 0 or size < -1:
-            problems.append((f"mesh.{axis}", f"must be a positive degree or -1, got {size}"))
-    for axis, size in mesh.dcn_shape().items():
-        if size < 1:
-            problems.append((f"mesh.dcn.{axis}", f"must be >= 1, got {size}"))
-    problems += unknown_rule_problems(mesh.rules)
-    devices = total_devices(config)
-    if devices is not None and not problems:
-        dcn = math.prod(mesh.dcn_shape().values())
-        if devices % dcn:
-            problems.append(("mesh.dcn", f"the dcn degrees multiply to {dcn}, which does not divide {devices} devices"))
-        elif config.cluster.hosts % dcn:
-            problems.append(("mesh.dcn", f"the dcn degrees multiply to {dcn}, which does not divide cluster.hosts={config.cluster.hosts}"))
-        else:
-            per_slice = devices // dcn
-            known = math.prod(size for size in mesh.ici_shape().values() if size != -1)
-            if fills and per_slice % known:
-                problems.append((f"mesh.{fills[0]}", f"the other axes multiply to {known}, which does not divide {per_slice} devices per slice"))
-            elif not fills and known != per_slice:
-                problems.append(("mesh", f"the axes multiply to {known} but each slice has {per_slice} devices "
-                                         f"({devices} devices / {dcn} slices); set one axis to -1 or fix the degrees"))
-    return problems
-
-
-def total_devices(config: Config) -> int | None:
-    """Returns the device count the run will use, or None when it is 'all local devices'."""
-    if config.cluster.devices_per_host == -1:
-        return None
-    return config.cluster.hosts * config.cluster.devices_per_host
-
-
-def mesh_degrees(config: Config, devices: int | None = None) -> dict[str, int]:
-    """Returns the total degree of each mesh axis (ici x dcn) with -1 resolved."""
-    devices = devices if devices is not None else total_devices(config)
-    ici = config.mesh.ici_shape()
-    dcn = config.mesh.dcn_shape()
-    if -1 in ici.values():
-        if devices is None:
-            raise ConfigError([("cluster.devices_per_host", "needed to resolve a -1 mesh axis")])
-        known = math.prod(size for size in ici.values() if size != -1)
-        fill = devices // math.prod(dcn.values()) // known
-        ici = {axis: fill if size == -1 else size for axis, size in ici.items()}
-    return {axis: ici[axis] * dcn[axis] for axis in MESH_AXES}
-
-
-def _known_degrees(config: Config) -> dict[str, int] | None:
-    """Returns the mesh degrees, or None while a -1 axis waits for the device count."""
-    if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
-        return None
-    return mesh_degrees(config)
-
-
-def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
-    """Returns the problems of the `moe` section; checks against the mesh need its `degrees`."""
-    moe, m, t = config.moe, config.model, config.train
-    if moe.num_experts < 0 or moe.every < 0 or moe.group_size < 0:
-        key = next(k for k in ("num_experts", "every", "group_size") if getattr(moe, k) < 0)
-        return [(f"moe.{key}", f"must be >= 0, got {getattr(moe, key)}")]
-    if (moe.num_experts > 0) != (moe.every > 0):
-        return [("moe.every", f"moe.every={moe.every} and moe.num_experts={moe.num_experts}: set both > 0 for an "
-                              "MoE model or both 0 for a dense one")]
-    if moe.num_experts == 0:
-        return []
-    problems = []
-    if m.num_layers % moe.every:
-        problems.append(("moe.every", f"{moe.every} does not divide model.num_layers={m.num_layers}; "
-                                      "the stacked unit is moe.every layers, so pick a divisor"))
-    if not 1 <= moe.top_k <= moe.num_experts:
-        problems.append(("moe.top_k", f"must be between 1 and moe.num_experts={moe.num_experts}, got {moe.top_k}"))
-    tokens_per_group = moe.group_size or t.seq_len
-    for key in ("capacity_factor", "eval_capacity_factor"):
-        factor = getattr(moe, key)
-        if factor <= 0 or expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
-            problems.append((f"moe.{key}", f"{factor} gives experts no capacity; use a positive factor"))
-    if degrees is None:
-        return problems
-    if moe.num_experts % degrees["expert"]:
-        problems.append(("moe.num_experts", f"{moe.num_experts} is not divisible by mesh.expert={degrees['expert']}; "
-                                            "use a multiple of it or a smaller mesh.expert"))
-    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
-    tokens_per_device = t.global_batch // t.grad_accum * t.seq_len // batch_shards
-    if moe.group_size and tokens_per_device % moe.group_size:
-        problems.append(("moe.group_size", f"{moe.group_size} does not divide the {tokens_per_device} tokens per "
-                                           "device of a step; use a divisor of it or 0 (one group per sequence)"))
-    return problems
-
-
-def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
-    """Every sharded dimension must divide by the product of the mesh axes it maps to."""
-    if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
-        return []
-    degrees = mesh_degrees(config)
-    rules = resolve_rules(config.mesh.rules)
-    m, t = config.model, config.train
-    per_step_batch = t.global_batch // t.grad_accum
-    problems = []
-    if t.global_batch % t.grad_accum:
-        problems.append(("train.global_batch", f"{t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"))
-    sized = {
-        "vocab": ("model.vocab_size", m.vocab_size),
-        "embed": ("model.embed_dim", m.embed_dim),
-        "heads": ("model.num_heads", m.num_heads),
-        "kv_heads": ("model.num_kv_heads", m.num_kv_heads),
-        "mlp": ("model.mlp_dim", m.mlp_dim),
-        "batch": ("train.global_batch", per_step_batch),
-    }
-    for logical, (key, size) in sized.items():
-        axes = rules.get(logical) or ()
-        shards = math.prod(degrees[a] for a in axes)
-        if size % shards:
-            names = " x ".join(f"mesh.{a}={degrees[a]}" for a in axes)
-            fix = "change the size or the mesh"
-            if logical == "batch":
-                fix = f"use a global batch that is a multiple of {shards * t.grad_accum}"
-            problems.append((key, f"{size} is not divisible by {names} (= {shards}), which '{logical}' is sharded over; {fix}"))
-    return problems
-
-
-def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
-    """Every check a pipeline schedule needs: layers into stages x repeats, batch into micro-batches."""
-    p, t = config.pipeline, config.train
-    problems = []
-    if p.repeats > 1 and p.schedule != "circular":
-        problems.append(("pipeline.repeats", f"repeats={p.repeats} needs pipeline.schedule=circular "
-                                             f"(got {p.schedule}); set repeats to 1 or use the circular schedule"))
-    if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
-        return problems
-    degrees = mesh_degrees(config)
-    if degrees["pipeline"] == 1:
-        return problems
-    schedule = Schedule(degrees["pipeline"], p.microbatches, p.repeats if p.schedule == "circular" else 1)
-    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
-    moe = config.moe
-    # With MoE the stack is made of units of moe.every layers (the last one MoE): stages split units.
-    every = moe.every if moe.num_experts and moe.every else 1
-    note = f" (counted in units of moe.every={every} layers)" if every > 1 else ""
-    problems += [(keys[what], message + (note if what == "layers" else ""))
-                 for what, message in schedule.problems(config.model.num_layers // every)]
-    per_step_batch = t.global_batch // t.grad_accum
-    if per_step_batch % p.microbatches:
-        problems.append(("train.global_batch", f"the per-step batch {per_step_batch} (global_batch / grad_accum) "
-                                               f"does not split into pipeline.microbatches={p.microbatches}; "
-                                               f"use a multiple of {p.microbatches * t.grad_accum}"))
-        return problems
-    batch_axes = resolve_rules(config.mesh.rules).get("batch") or ()
-    shards = math.prod(degrees[a] for a in batch_axes)
-    microbatch = per_step_batch // p.microbatches
-    if microbatch % shards:
-        names = " x ".join(f"mesh.{a}={degrees[a]}" for a in batch_axes)
-        problems.append(("pipeline.microbatches", f"a micro-batch of {microbatch} sequences does not split over "
-                                                  f"{names} (= {shards}); use at most "
-                                                  f"{max(per_step_batch // shards, 1)} micro-batches or a larger global batch"))
-    return problems
