@@ -65,3 +65,29 @@ def test_missing_text_or_tokenizer_is_a_config_error(tiny_config, tmp_path):
         TextSource(tiny_config("data.source=text", f"data.paths=[{tmp_path}/*.none]"))
     with pytest.raises(ConfigError, match="data.tokenizer"):
         TextSource(tiny_config("data.source=text", f"data.tokenizer={tmp_path}/absent.json"))
+
+
+def test_a_tokenizers_json_file_tokenizes_the_text_source(tiny_config, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    documents = ["the cat sat on the mat " * 40, "a dog sat on a log " * 40]
+    for i, text in enumerate(documents):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(documents, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+
+    config = tiny_config("data.source=text", f"data.paths=['{tmp_path}/*.txt']", f"data.tokenizer={path}")
+    source = TextSource(config)
+    corpus = np.concatenate([np.append(tokenizer.encode(text).ids, DOCUMENT_SEPARATOR) for text in documents])
+    assert int(source.starts[-1]) == len(corpus) == 2 + sum(len(t.split()) for t in documents)
+    rows = source.rows(0, range(4))
+    for row in range(4):
+        window = source.window_index(0, row)
+        np.testing.assert_array_equal(rows[row], corpus[window * 33:(window + 1) * 33])
+
+    with pytest.raises(ConfigError) as caught:
+        TextSource(config.replace(**{"model.vocab_size": 4}))
+    assert caught.value.problems[0][0] == "model.vocab_size"
