@@ -159,14 +159,14 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str) -> None:
 def _worker_error(error, spec: ClusterSpec) -> Exception:
     """Returns the error to show for a group that failed past its restarts: the lowest rank's own error.
 
-    A ValueError (nestor's config errors are ValueErrors) or ClusterError
-    from the train function comes back as itself, so the caller can report
-    it as what it is; anything else becomes a one-line ClusterError.
+    A user error from the train function (a ClusterError, or a config error:
+    a ValueError listing `problems`) comes back as itself, so the caller can
+    report it as what it is; anything else becomes a one-line ClusterError.
     """
     rank = min(error.worker_failures)
     failure = error.worker_failures[rank]
     cause = getattr(failure, "cause", None) or failure  # Ray wraps the worker's exception in RayTaskError
-    if isinstance(cause, (ValueError, ClusterError)):
+    if isinstance(cause, ClusterError) or (isinstance(cause, ValueError) and hasattr(cause, "problems")):
         return cause
     return ClusterError(f"rank {rank} failed after cluster.max_failures={spec.max_failures} restart(s): "
                         f"{type(cause).__name__}: {_first_line(cause)}")

@@ -141,10 +141,6 @@ class Checkpointer:
             return step, state, data_state
         return None
 
-    def wait(self) -> None:
-        """Blocks until every save in flight is on disk."""
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         """Finishes saves in flight and releases the manager."""
         self.manager.wait_until_finished()

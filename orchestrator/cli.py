@@ -10,11 +10,11 @@ import yaml
 
 from cluster.rendezvous import ClusterError
 from orchestrator.config import Config, ConfigError, load
-from orchestrator.launch import in_one_process
 
 
 def configure_jax(config: Config) -> None:
-    """Points jax at the configured platform; on CPU, simulates `cluster.devices_per_host` devices.
+    """Points this (single) process's jax at the configured platform; on CPU, simulates the
+    devices of all `cluster.hosts` hosts, so the mesh has the shape it will have on the cluster.
 
     Must run before jax creates its backends (the first device query).
     """
@@ -23,7 +23,7 @@ def configure_jax(config: Config) -> None:
     if config.cluster.accelerator == "cpu":
         jax.config.update("jax_platforms", "cpu")
         if config.cluster.devices_per_host > 0:
-            jax.config.update("jax_num_cpu_devices", config.cluster.devices_per_host)
+            jax.config.update("jax_num_cpu_devices", config.cluster.hosts * config.cluster.devices_per_host)
 
 
 def _train(config: Config, args) -> int:
@@ -35,7 +35,6 @@ def _train(config: Config, args) -> int:
         train_on_ray(config)
         print(f"trained on {config.cluster.hosts} Ray worker(s); run dir {config.run.dir}")
         return 0
-    config = in_one_process(config)
     configure_jax(config)
     try:
         result = train(config)
@@ -54,7 +53,6 @@ def _train(config: Config, args) -> int:
 def _explain(config: Config, args) -> int:
     from orchestrator.explain import explain, format_report
 
-    config = in_one_process(config)
     configure_jax(config)
     report = explain(config)
     print(json.dumps(report, indent=1) if args.json else format_report(report))

@@ -35,14 +35,6 @@ from orchestrator.tokenizer import load_tokenizer
 DOCUMENT_SEPARATOR = 0
 
 
-def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> range:
-    """Returns the rows of a batch that this process's devices hold (contiguous by construction)."""
-    indices = sharding.addressable_devices_indices_map(global_shape).values()
-    starts = [index[0].start or 0 for index in indices]
-    stops = [global_shape[0] if index[0].stop is None else index[0].stop for index in indices]
-    return range(min(starts), max(stops))
-
-
 class SyntheticSource:
     """Arithmetic progressions modulo the vocabulary: token_t = (start + stride * t) mod vocab.
 
@@ -165,16 +157,23 @@ class DataPipeline:
         self.sharding = sharding
         self.next_step = 0
 
-    def process_rows(self, step: int, process: int, num_processes: int) -> np.ndarray:
-        """Returns the rows process `process` of `num_processes` would build (an even, contiguous share)."""
-        share = self.shape[0] // num_processes
-        return self.source.rows(step, range(process * share, (process + 1) * share))
-
     def batch(self, step: int) -> jax.Array:
-        """Returns global batch `step` sharded by `self.sharding`; the iterator then points after it."""
-        rows = local_rows(self.sharding, self.shape)
+        """Returns global batch `step` sharded by `self.sharding`; the iterator then points after it.
+
+        Each process builds only the rows its own devices hold (whatever order
+        the mesh puts them in), once per distinct block of rows.
+        """
+        built: dict[tuple[int, int], np.ndarray] = {}
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            rows = range(*index[0].indices(self.shape[0]))
+            key = (rows.start, rows.stop)
+            if key not in built:
+                built[key] = self.source.rows(step, rows)
+            return built[key][:, index[1]]
+
         self.next_step = step + 1
-        return jax.make_array_from_process_local_data(self.sharding, self.source.rows(step, rows), self.shape)
+        return jax.make_array_from_callback(self.shape, self.sharding, block)
 
     def state(self) -> dict:
         """Returns the iterator state a checkpoint stores (JSON-able)."""

@@ -14,21 +14,6 @@ def cluster_spec(config: Config) -> ClusterSpec:
                        tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard)
 
 
-def in_one_process(config: Config) -> Config:
-    """Returns `config` for running in this process alone: the devices of all `cluster.hosts` hosts
-    become one process's devices (simulated on CPU), so the mesh has the same shape.
-
-    A config with dcn degrees keeps its hosts: slices cannot be joined in one process.
-    """
-    c = config.cluster
-    slices = 1
-    for size in config.mesh.dcn_shape().values():
-        slices *= size
-    if c.hosts == 1 or slices > 1 or c.devices_per_host < 1:
-        return config
-    return config.replace(**{"cluster.hosts": 1, "cluster.devices_per_host": c.hosts * c.devices_per_host})
-
-
 def train_on_worker(config: Config) -> None:
     """The function each Ray worker runs once jax.distributed is up: the ordinary train loop."""
     import jax

@@ -68,7 +68,7 @@ class Throughput:
 
 
 class MetricsWriter:
-    """Writes metrics.jsonl and TensorBoard events (process 0 only); truncates both views on resume."""
+    """Writes metrics.jsonl and TensorBoard events (process 0 only); on resume both views drop what a killed attempt wrote past the checkpoint."""
 
     def __init__(self, config: Config, throughput: Throughput, enabled: bool):
         self.config = config
@@ -77,11 +77,7 @@ class MetricsWriter:
         self.resumed_from: int | None = None
         self.run_dir = Path(config.run.dir)
         self.jsonl = self.run_dir / "metrics.jsonl"
-        self.tensorboard = None
-        if enabled and config.metrics.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.tensorboard = SummaryWriter(str(self.run_dir / "tb"))
+        self.tensorboard = None  # opened by start(), which knows where a resumed run continues
 
     def start(self, resumed_step: int, sharding_table: str) -> None:
         """Drops records after `resumed_step` (a killed run logged them; the resume logs them again),
@@ -90,6 +86,11 @@ class MetricsWriter:
         self.resumed_from = resumed_step or None
         if not self.enabled:
             return
+        if self.config.metrics.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            # purge_step hides the events a killed attempt wrote past the checkpoint, as the jsonl is trimmed
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tb"), purge_step=resumed_step + 1 if resumed_step else None)
         if self.jsonl.exists():
             kept = [line for line in self.jsonl.read_text().splitlines()
                     if line and json.loads(line)["step"] <= resumed_step]

@@ -92,7 +92,3 @@ def init_state(config: Config, layout: StateLayout) -> dict:
 
     return jax.jit(init, out_shardings=layout.shardings)()
 
-
-def count_params(layout: StateLayout) -> int:
-    """Returns the number of model parameters."""
-    return sum(leaf.size for leaf in jax.tree.leaves(layout.abstract["params"]))

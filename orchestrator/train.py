@@ -27,9 +27,13 @@ from parallel.rules import Rules, resolve_rules
 def select_devices(config: Config) -> list[jax.Device]:
     """Returns the devices the run uses: `cluster.devices_per_host` of each process's devices.
 
-    Raises ConfigError when a process has fewer devices than asked for.
+    A single process standing in for `cluster.hosts` hosts (explain, the
+    in-process launcher) takes the devices of all of them. Raises ConfigError
+    when a process has fewer devices than asked for.
     """
     wanted = config.cluster.devices_per_host
+    if wanted != -1 and jax.process_count() == 1:
+        wanted *= config.cluster.hosts
     by_process: dict[int, list[jax.Device]] = {}
     for device in jax.devices():
         by_process.setdefault(device.process_index, []).append(device)

@@ -10,7 +10,7 @@ import math
 
 from models.moe import expert_capacity
 from orchestrator.config import Config, ConfigError
-from parallel.pipeline import Schedule
+from parallel.pipeline import REMAT_POLICIES, Schedule
 from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
 
 
@@ -43,8 +43,7 @@ def validate(config: Config) -> Config:
         problems.append(("model.num_kv_heads", f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}"))
     _check_choice(problems, "data.source", config.data.source, ("synthetic", "text"))
     _check_choice(problems, "pipeline.schedule", config.pipeline.schedule, ("gpipe", "circular"))
-    _check_choice(problems, "pipeline.remat", config.pipeline.remat,
-                  ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
+    _check_choice(problems, "pipeline.remat", config.pipeline.remat, REMAT_POLICIES)
     _check_choice(problems, "moe.second_expert_policy", config.moe.second_expert_policy, ("all", "random"))
     _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
     _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
@@ -155,10 +154,12 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
         problems.append(("moe.num_experts", f"{moe.num_experts} is not divisible by mesh.expert={degrees['expert']}; "
                                             "use a multiple of it or a smaller mesh.expert"))
     batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
-    tokens_per_device = t.global_batch // t.grad_accum * t.seq_len // batch_shards
+    # An MoE layer sees one micro-batch at a time (gradient accumulation, pipeline).
+    microbatches = t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
+    tokens_per_device = t.global_batch // microbatches * t.seq_len // batch_shards
     if moe.group_size and tokens_per_device % moe.group_size:
         problems.append(("moe.group_size", f"{moe.group_size} does not divide the {tokens_per_device} tokens per "
-                                           "device of a step; use a divisor of it or 0 (one group per sequence)"))
+                                           "device of a micro-batch; use a divisor of it or 0 (one group per sequence)"))
     return problems
 
 

@@ -71,6 +71,11 @@ def _device_grid(ici: dict[str, int], dcn: dict[str, int], devices: Sequence[jax
     if slices == 1:
         return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
     granules = _granules(devices)
+    if len(granules) == 1:
+        # One process standing in for several hosts or slices (`nestor explain` of a multi-host
+        # config, tests): its devices are split into equal simulated granules.
+        size = len(devices) // slices
+        granules = [granules[0][i * size:(i + 1) * size] for i in range(slices)]
     if len(granules) % slices:
         raise MeshError("mesh.dcn", f"dcn degrees multiply to {slices}, which does not divide the {len(granules)} "
                                     "processes or slices")
@@ -99,8 +104,3 @@ def build_mesh(ici: Mapping[str, int], dcn: Mapping[str, int] | None = None,
     grid = _device_grid(ici, dcn, devices)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
-
-def describe(mesh: Mesh) -> str:
-    """Returns e.g. 'pipeline1 x data2 x fsdp2 x expert1 x tensor2 (8 devices, cpu)'."""
-    shape = " x ".join(f"{name}{size}" for name, size in mesh.shape.items())
-    return f"{shape} ({mesh.devices.size} devices, {mesh.devices.flat[0].platform})"

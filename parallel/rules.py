@@ -105,11 +105,6 @@ def is_logical_axes(node: Any) -> bool:
     return isinstance(node, tuple) and all(isinstance(n, (str, type(None))) for n in node)
 
 
-def tree_partition_specs(logical_tree: Any, rules: Rules) -> Any:
-    """Returns a tree of PartitionSpecs with the structure of `logical_tree`."""
-    return jax.tree.map(lambda axes: partition_spec(axes, rules), logical_tree, is_leaf=is_logical_axes)
-
-
 def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
     """Returns a tree of NamedShardings on `mesh` with the structure of `logical_tree`."""
     return jax.tree.map(

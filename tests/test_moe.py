@@ -239,3 +239,16 @@ def test_pipeline_stages_split_units_of_moe_every_layers():
         config_lib.load(None, ["model.preset=tiny", *MOE, "mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=4"])
     assert [key for key, _ in caught.value.problems] == ["model.num_layers"]
     assert "moe.every=2" in caught.value.problems[0][1]
+
+
+def test_group_size_must_divide_a_pipeline_micro_batch_per_device():
+    from orchestrator import config as config_lib
+    from orchestrator.config import ConfigError
+
+    # 16 x 32 tokens, 4 micro-batches, 4 batch shards: 32 tokens per device per micro-batch.
+    base = ["model.preset=tiny", *MOE, "train.seq_len=32", "mesh.pipeline=2", "mesh.data=4",
+            "pipeline.microbatches=4"]
+    config_lib.load(None, base + ["moe.group_size=32"])
+    with pytest.raises(ConfigError) as caught:
+        config_lib.load(None, base + ["moe.group_size=64"])
+    assert [key for key, _ in caught.value.problems] == ["moe.group_size"]
