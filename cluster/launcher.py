@@ -84,7 +84,8 @@ def _connect(spec: ClusterSpec) -> None:
         _check_reachable(spec.address)
         try:
             ray.init(address=spec.address, logging_level="ERROR",
-                     runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES})
+                     runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
+                                  "env_vars": _start_timeout(spec)})
         except (ConnectionError, RuntimeError, ValueError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ClusterError(f"cluster.address={spec.address}: cannot reach a Ray cluster there ({first_line}); "
@@ -95,7 +96,13 @@ def _connect(spec: ClusterSpec) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard, dashboard_host=LOCALHOST,
              num_cpus=spec.hosts + 1, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, **_start_timeout(spec)}})
+
+
+def _start_timeout(spec: ClusterSpec) -> dict[str, str]:
+    # Ray Train gives a worker group 60 s to start; workers importing jax on a busy
+    # host can take longer, so allow as long as they may take to join jax.distributed.
+    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0))}
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

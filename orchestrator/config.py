@@ -151,7 +151,7 @@ class MetricsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    launcher: str = "inprocess"
+    launcher: str = "ray"
     address: str | None = None
     hosts: int = 1
     devices_per_host: int = 8

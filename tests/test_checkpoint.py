@@ -20,7 +20,7 @@ from tests.helpers import mesh_overrides, run
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
-        "cluster.devices_per_host=8", "metrics.tensorboard=false"]
+        "cluster.devices_per_host=8", "metrics.tensorboard=false", "cluster.launcher=inprocess"]
 
 
 def load(run_dir: Path, *overrides: str):
