@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.rendezvous import Board, ClusterError, rendezvous
+from cluster.rendezvous import Board, ClusterError, free_coordinator_address, rendezvous
 
 LOCALHOST = "127.0.0.1"
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
@@ -94,9 +94,27 @@ def _connect(spec: ClusterSpec) -> None:
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers
     # import the code from this checkout, whatever version is installed.
     pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard, dashboard_host=LOCALHOST,
-             num_cpus=spec.hosts + 1, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath, **_start_timeout(spec)}})
+    # Ray's state API, which Ray Train's placement-group cleaner asks whether the
+    # controller lives, finds its cluster through RAY_ADDRESS or else the newest
+    # `ray start` cluster on the machine; with another cluster running, it would ask
+    # that one, find no controller and remove our workers' placement group. So the
+    # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
+    gcs_address = free_coordinator_address(LOCALHOST)
+    previous_port = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = gcs_address.rpartition(":")[2]
+    try:
+        ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard,
+                 dashboard_host=LOCALHOST, num_cpus=spec.hosts + 1, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
+                                           **_start_timeout(spec)}})
+    finally:
+        if previous_port is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT")
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = previous_port
+    actual = ray.get_runtime_context().gcs_address
+    if actual != gcs_address:
+        raise ClusterError(f"the embedded Ray cluster came up at {actual}, not {gcs_address}; run again")
 
 
 def _start_timeout(spec: ClusterSpec) -> dict[str, str]:
@@ -190,13 +208,13 @@ class _BoardClient:
     def __init__(self, handle):
         self.handle = handle
 
-    def arrive(self, rank, address):
+    def arrive(self, group, rank, address):
         import ray
-        return ray.get(self.handle.arrive.remote(rank, address))
+        return ray.get(self.handle.arrive.remote(group, rank, address))
 
-    def state(self, round_):
+    def state(self, group):
         import ray
-        return ray.get(self.handle.state.remote(round_))
+        return ray.get(self.handle.state.remote(group))
 
 
 def _worker(config: dict) -> None:
@@ -211,7 +229,11 @@ def _worker(config: dict) -> None:
         rank, world = context.get_world_rank(), context.get_world_size()
         _simulate_cpu_devices(jax, spec.devices_per_host)
         host = ray.util.get_node_ip_address()
-        address = rendezvous(_BoardClient(config["board"]), rank, world, host, spec.init_timeout_s)
+        # Every start of the worker group (first or restart) gets its own placement group.
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            raise ClusterError("a Ray Train worker runs outside a placement group; cannot tell restarts apart")
+        address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
         # Bind the coordinator to the node's Ray address, not every interface.
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))

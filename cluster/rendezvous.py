@@ -19,33 +19,27 @@ class ClusterError(RuntimeError):
 
 
 class Board:
-    """Arrivals of one worker group, round by round (a restarted group starts a new round).
+    """Arrivals per worker group: a restarted group (Ray Train makes a new placement
+    group for it) checks in under its own id, so it never meets a dead group's ranks.
 
     Runs as a Ray actor in a real launch and as a plain object in tests.
     """
 
     def __init__(self, world: int):
         self.world = world
-        self.round = 0
-        self.ranks: set[int] = set()
-        self.address: str | None = None
+        self.groups: dict[str, tuple[set[int], str | None]] = {}
 
-    def arrive(self, rank: int, address: str | None) -> int:
-        """Records `rank` (rank 0 brings the coordinator address); returns the round it joined."""
-        # A rank seen twice in a round means the group restarted before the round
-        # filled; a full round means a new attempt. Either way, start afresh.
-        if rank in self.ranks or len(self.ranks) == self.world:
-            self.round, self.ranks, self.address = self.round + 1, set(), None
-        self.ranks.add(rank)
+    def arrive(self, group: str, rank: int, address: str | None) -> None:
+        """Records `rank` of worker group `group`; rank 0 brings the coordinator address."""
+        ranks, posted = self.groups.setdefault(group, (set(), None))
+        ranks.add(rank)
         if rank == 0:
-            self.address = address
-        return self.round
+            self.groups[group] = (ranks, address)
 
-    def state(self, round_: int) -> tuple[list[int], str | None]:
-        """Returns (ranks present, coordinator address) of `round_`; ([], None) once it is superseded."""
-        if round_ != self.round:
-            return [], None
-        return sorted(self.ranks), self.address
+    def state(self, group: str) -> tuple[list[int], str | None]:
+        """Returns (ranks present, coordinator address) of worker group `group`."""
+        ranks, address = self.groups.get(group, (set(), None))
+        return sorted(ranks), address
 
 
 def free_coordinator_address(host: str) -> str:
@@ -55,17 +49,18 @@ def free_coordinator_address(host: str) -> str:
         return f"{host}:{probe.getsockname()[1]}"
 
 
-def rendezvous(board, rank: int, world: int, host: str, timeout_s: float, poll_s: float = 0.1) -> str:
-    """Checks `rank` in on `board` and waits for all `world` ranks; returns the coordinator address.
+def rendezvous(board, group: str, rank: int, world: int, host: str, timeout_s: float, poll_s: float = 0.1) -> str:
+    """Checks `rank` of worker group `group` in on `board` and waits for all `world`
+    ranks of that group; returns the coordinator address.
 
     `board` has Board's methods (called directly). Raises ClusterError naming
     the missing ranks when they have not all arrived after `timeout_s`.
     """
     address = free_coordinator_address(host) if rank == 0 else None
-    round_ = board.arrive(rank, address)
+    board.arrive(group, rank, address)
     deadline = time.monotonic() + timeout_s
     while True:
-        ranks, address = board.state(round_)
+        ranks, address = board.state(group)
         if len(ranks) == world and address:
             return address
         if time.monotonic() > deadline:

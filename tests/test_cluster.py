@@ -112,17 +112,20 @@ def test_missing_rank_times_out_naming_it():
     board = Board(world=2)  # rank 1 never arrives
     started = time.monotonic()
     with pytest.raises(ClusterError, match=r"rank 1 of 2 never joined .*cluster.init_timeout_s=1"):
-        rendezvous(board, rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
+        rendezvous(board, "group", rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
     assert 1.0 <= time.monotonic() - started < 5
 
 
-def test_rendezvous_gives_every_rank_rank0s_address_and_restarts_start_a_new_round():
+def test_rendezvous_gives_every_rank_rank0s_address_and_restarted_groups_start_afresh():
     board = Board(world=2)
-    round_ = board.arrive(1, None)
-    address = rendezvous(board, rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
-    assert board.state(round_) == ([0, 1], address) and address.startswith("127.0.0.1:")
-    assert board.arrive(1, None) == round_ + 1  # a restarted group never sees the old address
-    assert board.state(round_ + 1) == ([1], None)
+    board.arrive("first", 1, None)
+    address = rendezvous(board, "first", rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
+    assert board.state("first") == ([0, 1], address) and address.startswith("127.0.0.1:")
+    # A group that died half-way (rank 1 in, rank 0 never came) does not hold up its restart.
+    board.arrive("died", 1, None)
+    board.arrive("restart", 1, None)
+    restarted = rendezvous(board, "restart", rank=0, world=2, host="127.0.0.1", timeout_s=1.0)
+    assert board.state("restart") == ([0, 1], restarted) and board.state("died") == ([1], None)
 
 
 def test_capacity_check_names_the_numbers():
@@ -228,7 +231,9 @@ def test_unreachable_address_is_one_line(command, prefix):
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_killed_worker_restarts_and_resumes_to_the_same_loss(tmp_path):
+def test_killed_worker_restarts_and_resumes_to_the_same_loss(ray_head, tmp_path):
+    """With another Ray cluster on the machine (`ray_head`), which Ray's state API would
+    otherwise pick, so that Ray Train removed the embedded run's placement group."""
     from orchestrator import config as config_lib
 
     # Long enough that the kill lands mid-run, well after the first checkpoint (step 2).
