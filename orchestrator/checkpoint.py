@@ -59,14 +59,33 @@ def quarantine_incomplete(directory: Path, log=print) -> list[Path]:
     return [quarantine(p, "missing metadata or items", log) for p in steps if not _is_complete(p)]
 
 
-def _check_same_model(saved: dict, config: Config, step_dir: Path) -> None:
-    """Raises ConfigError naming every model key that differs from the checkpoint's."""
-    current = config.to_dict()["model"]
-    problems = [(f"model.{key}", f"is {current.get(key)!r} but {step_dir} was written with {value!r}; "
-                                 "use the checkpoint's value or a new run.dir")
-                for key, value in saved["model"].items() if key != "preset" and current.get(key) != value]
-    if problems:
-        raise ConfigError(problems)
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Maps each array's path ("opt_state/1/0/mu/embed/...") to its shape; works on
+    abstract arrays and on Orbax's metadata tree alike."""
+    def name(key):
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+    return {"/".join(map(name, path)): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
+    """Raises ConfigError when the checkpoint's arrays (paths and shapes) are not the
+    current config's, naming the config keys that differ from the checkpoint's."""
+    saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
+    if saved == wanted:
+        return
+    current = config.to_dict()
+    problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {step_dir} was written with {value!r}")
+                for section in ("model", "moe") for key, value in saved_config.get(section, {}).items()
+                if key != "preset" and current[section].get(key) != value]
+    differing = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
+    shown = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
+    problems.append(("run.dir", f"{step_dir} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "
+                                f"config (checkpoint vs now: {shown}{', ...' if len(differing) > 3 else ''}); "
+                                "use the checkpoint's values or a new run.dir"))
+    raise ConfigError(problems)
 
 
 class Checkpointer:
@@ -86,7 +105,9 @@ class Checkpointer:
             enable_async_checkpointing=self.config.checkpoint.async_save,
             create=True,
         )
-        return ocp.CheckpointManager(self.directory, item_names=_ITEMS, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "config": ocp.JsonCheckpointHandler()}
+        return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
 
     def latest_step(self) -> int | None:
         """Returns the newest finalized step, or None when there is none."""
@@ -111,11 +132,13 @@ class Checkpointer:
     def restore(self, step: int) -> tuple[dict, dict, dict]:
         """Returns (state, data_state, saved_config) of `step`, the state laid out for the current mesh.
 
-        Raises ConfigError when the checkpoint was written for another model
-        (its shapes could not fit the current layout).
+        Raises ConfigError when the checkpoint's arrays do not fit the current
+        config (another model, MoE layout or optimizer chain); other settings,
+        the mesh included, may change on resume.
         """
         saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-        _check_same_model(saved, self.config, self.directory / str(step))
+        _check_fits(self.manager.item_metadata(step).state, saved, self.config, self.layout,
+                    self.directory / str(step))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract),
                                   data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)

@@ -341,6 +341,11 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value), None
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value), None
+            except ValueError:
+                pass
         return None, f"expected a number, got {value!r}"
     if hint is str:
         return (value, None) if isinstance(value, str) else (None, f"expected a string, got {value!r}")

@@ -34,10 +34,13 @@ def _decay_mask(logical_tree):
 
 
 def make_optimizer(config: Config, logical_tree) -> optax.GradientTransformation:
-    """Returns the optax chain: clip by global norm (if >0), then AdamW on the schedule."""
+    """Returns the optax chain: clip by global norm (identity when 0), then AdamW on the schedule.
+
+    The chain has the same state tree whatever the values, so a run may change
+    `optimizer.*` when it resumes from a checkpoint.
+    """
     opt = config.optimizer
     adamw = optax.adamw(learning_rate(config), b1=opt.b1, b2=opt.b2, eps=opt.eps,
                         weight_decay=opt.weight_decay, mask=_decay_mask(logical_tree))
-    if opt.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw)
-    return adamw
+    clip = optax.clip_by_global_norm(opt.clip_norm) if opt.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, adamw)

@@ -174,3 +174,22 @@ def test_checkpoint_of_another_model_is_a_config_error_not_a_torn_save(tmp_path)
     with pytest.raises(config_lib.ConfigError, match="model.mlp_dim"):
         run(wider)
     assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
+
+
+def test_checkpoint_with_other_experts_is_a_config_error_naming_them(tmp_path):
+    moe = ("moe.num_experts=4", "moe.every=2")
+    run(load(tmp_path / "run", "train.steps=2", *moe))
+    more_experts = load(tmp_path / "run", "train.steps=4", "moe.num_experts=8", "moe.every=2")
+    with pytest.raises(config_lib.ConfigError, match="moe.num_experts") as error:
+        run(more_experts)
+    assert "run.dir" in str(error.value) and "(2, 4," in str(error.value)  # names a saved expert array's shape
+    assert (checkpoint_dir(more_experts.run.dir) / "2").is_dir()  # left where it was
+    assert not (tmp_path / "torn_checkpoints").exists()
+
+
+def test_resume_may_change_settings_that_shape_no_array(tmp_path):
+    run(load(tmp_path / "run", "train.steps=2"))
+    changed = load(tmp_path / "run", "train.steps=4", "optimizer.clip_norm=0", "model.dtype=bfloat16",
+                   "moe.capacity_factor=2.0", "optimizer.lr=1e-3")
+    result = run(changed)
+    assert result.first_step == 2 and len(result.losses) == 2 and np.isfinite(result.losses).all()

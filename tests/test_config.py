@@ -36,6 +36,12 @@ def test_unknown_key_is_named_with_its_path():
 
 def test_wrong_type_is_named():
     assert error_keys("train.steps=ten") == ["train.steps"]
+    assert error_keys("optimizer.lr=fast") == ["optimizer.lr"]
+
+
+def test_exponent_without_a_dot_is_a_number():
+    # YAML 1.1 reads 1e-3 as a string; a float key takes it as the number it spells.
+    assert config_lib.load(None, ["optimizer.lr=1e-3"]).optimizer.lr == 1e-3
 
 
 def test_every_problem_is_listed_at_once():
