@@ -58,25 +58,30 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
     return loss_fn
 
 
-def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, accum: int, constrain,
+def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array, accum: int, constrain,
                        unroll: bool) -> tuple[Any, Metrics]:
+    """Returns (grads, metrics) averaged over `accum` micro-batches; micro-batch i routes
+    with `fold_in(key, i)`, so no two micro-batches draw the same routing noise."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
-        (loss, metrics), grads = grad_fn(params, tokens)
+        (loss, metrics), grads = grad_fn(params, tokens, routing_key=key)
         return grads, {"loss": loss, **metrics}
     batch, width = tokens.shape
     # Row r goes to micro-batch r % accum, so each micro-batch spans every batch shard.
     micro = tokens.reshape(batch // accum, accum, width).swapaxes(0, 1)  # [accum, batch/accum, width]
 
-    def body(carry, micro_tokens):
-        (loss, metrics), grads = grad_fn(params, constrain(micro_tokens, (axes.BATCH, axes.LENGTH)))
+    def body(carry, inputs):
+        index, micro_tokens = inputs
+        (loss, metrics), grads = grad_fn(params, constrain(micro_tokens, (axes.BATCH, axes.LENGTH)),
+                                         routing_key=jax.random.fold_in(key, index))
         summed = jax.tree.map(jnp.add, carry, (grads, {"loss": loss, **metrics}))
         return summed, None
 
-    (loss_shape, metrics_shape), grads_shape = jax.eval_shape(grad_fn, params, micro[0])
+    (loss_shape, metrics_shape), grads_shape = jax.eval_shape(
+        functools.partial(grad_fn, routing_key=key), params, micro[0])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          (grads_shape, {"loss": loss_shape, **metrics_shape}))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, micro, unroll=unroll)
+    (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro), unroll=unroll)
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 
 
@@ -112,8 +117,8 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
 
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
-        step_loss_fn = functools.partial(loss_fn, routing_key=routing_key(config.run.seed, state["step"]))
-        grads, metrics = _accumulated_grads(step_loss_fn, params, tokens, accum, constrain, unroll_loops)
+        key = routing_key(config.run.seed, state["step"])
+        grads, metrics = _accumulated_grads(loss_fn, params, tokens, key, accum, constrain, unroll_loops)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),

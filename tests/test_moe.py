@@ -177,6 +177,19 @@ def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs)
     assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
 
 
+def test_each_accumulated_micro_batch_draws_its_own_routing_noise():
+    from orchestrator.step import _accumulated_grads
+
+    def loss_fn(params, tokens, routing_key):  # the "metric" is the noise this micro-batch drew
+        return jnp.sum(params["w"] * tokens), {"draw": jax.random.uniform(routing_key)}
+
+    key, tokens = jax.random.key(3), jnp.ones((4, 3))
+    _, metrics = _accumulated_grads(loss_fn, {"w": jnp.ones(())}, tokens, key, 2, lambda x, _: x, False)
+    draws = [jax.random.uniform(jax.random.fold_in(key, i)) for i in range(2)]
+    assert draws[0] != draws[1]
+    np.testing.assert_allclose(metrics["draw"], np.mean(draws), rtol=1e-6)
+
+
 def compiled_text(config) -> str:
     return compile_step(build_job(config)).as_text()
 
