@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.state import StateLayout
@@ -52,11 +53,22 @@ def quarantine(step_dir: Path, reason: str, log=print) -> Path:
 
 
 def quarantine_incomplete(directory: Path, log=print) -> list[Path]:
-    """Moves aside every `<step>` directory that lacks Orbax's metadata or an item; returns the moved ones."""
-    if not directory.is_dir() or jax.process_index() != 0:
-        return []
-    steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
-    return [quarantine(p, "missing metadata or items", log) for p in steps if not _is_complete(p)]
+    """Moves aside every `<step>` directory that lacks Orbax's metadata or an item; returns the moved ones.
+
+    Process 0 moves; every process waits for it before going on, so none lists a
+    step directory that is about to go.
+    """
+    moved = []
+    if directory.is_dir() and jax.process_index() == 0:
+        steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
+        moved = [quarantine(p, "missing metadata or items", log) for p in steps if not _is_complete(p)]
+    _all_processes_reach("nestor-quarantine-incomplete")
+    return moved
+
+
+def _all_processes_reach(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -159,6 +171,7 @@ class Checkpointer:
                 self.manager.close()
                 if jax.process_index() == 0:
                     quarantine(self.directory / str(step), f"{type(error).__name__}: {error}"[:300], self.log)
+                _all_processes_reach(f"nestor-quarantine-{step}")
                 self.manager = self._open()
                 continue
             return step, state, data_state
