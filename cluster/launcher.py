@@ -11,6 +11,7 @@ and it is the function's job to resume from its newest checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -37,7 +38,7 @@ class ClusterSpec:
     init_timeout_s: float = 120.0
     tpu_topology: str | None = None  # e.g. "2x2x2" (v4/v5p) or "4x4" (v5e); TPU only
     tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
-    dashboard: bool = False  # embedded cluster: serve the dashboard on 127.0.0.1
+    dashboard: bool = True  # embedded cluster: serve the dashboard (and the state API) on 127.0.0.1
 
     def worker_resources(self) -> dict[str, float]:
         """Returns the Ray resources one worker reserves."""
@@ -104,8 +105,12 @@ def _connect(spec: ClusterSpec) -> None:
     os.environ["RAY_GCS_SERVER_PORT"] = gcs_address.rpartition(":")[2]
     try:
         ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard,
-                 dashboard_host=LOCALHOST, num_cpus=spec.hosts + 1, logging_level="ERROR",
+                 dashboard_host=LOCALHOST, dashboard_port=int(free_coordinator_address(LOCALHOST).rpartition(":")[2]),
+                 num_cpus=spec.hosts + 1, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
+                                           # no cloud to preempt a local cluster; print each line once
+                                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                                           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                                            **_start_timeout(spec)}})
     finally:
         if previous_port is None:
@@ -222,6 +227,9 @@ def _worker(config: dict) -> None:
     import ray.train
 
     spec: ClusterSpec = config["spec"]
+    # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
+    for name in ("absl", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if spec.accelerator == "cpu":
         import jax
 

@@ -160,7 +160,7 @@ class ClusterConfig:
     init_timeout_s: float = 120.0
     tpu_topology: str | None = None
     tpu_type: str | None = None
-    dashboard: bool = False
+    dashboard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
