@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from bench.report import write_section
 
@@ -37,7 +36,6 @@ MODEL = ["model.preset=tiny", "model.num_layers=4", "model.embed_dim=128", "mode
          "train.global_batch=16", "train.seq_len=128"]
 BASE = MODEL + ["train.steps=100", "run.dir=/tmp/nestor-bench-moe", f"cluster.devices_per_host={DEVICES}",
                 "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=8", f"moe.top_k={TOP_K}"]
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 COMMAND = "python -m bench.moe"
 READING = (
     "Reading: each one-hot einsum (dispatch, combine) costs 2 x group x experts x capacity x embed FLOPs, and "

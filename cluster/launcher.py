@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.rendezvous import Board, ClusterError, free_coordinator_address, rendezvous
+from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 
 LOCALHOST = "127.0.0.1"
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
@@ -100,12 +100,13 @@ def _connect(spec: ClusterSpec) -> None:
     # `ray start` cluster on the machine; with another cluster running, it would ask
     # that one, find no controller and remove our workers' placement group. So the
     # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
-    gcs_address = free_coordinator_address(LOCALHOST)
+    gcs_port = free_port(LOCALHOST)
+    gcs_address = f"{LOCALHOST}:{gcs_port}"
     previous_port = os.environ.get("RAY_GCS_SERVER_PORT")
-    os.environ["RAY_GCS_SERVER_PORT"] = gcs_address.rpartition(":")[2]
+    os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
     try:
         ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard,
-                 dashboard_host=LOCALHOST, dashboard_port=int(free_coordinator_address(LOCALHOST).rpartition(":")[2]),
+                 dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST),
                  num_cpus=spec.hosts + 1, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
                                            # no cloud to preempt a local cluster; print each line once

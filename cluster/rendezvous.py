@@ -31,7 +31,7 @@ class Board:
 
     def arrive(self, group: str, rank: int, address: str | None) -> None:
         """Records `rank` of worker group `group`; rank 0 brings the coordinator address."""
-        ranks, posted = self.groups.setdefault(group, (set(), None))
+        ranks = self.groups.setdefault(group, (set(), None))[0]
         ranks.add(rank)
         if rank == 0:
             self.groups[group] = (ranks, address)
@@ -42,11 +42,11 @@ class Board:
         return sorted(ranks), address
 
 
-def free_coordinator_address(host: str) -> str:
-    """Returns `host:port` with a port that is free on `host` right now."""
+def free_port(host: str) -> int:
+    """Returns a TCP port that is free on `host` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
-        return f"{host}:{probe.getsockname()[1]}"
+        return probe.getsockname()[1]
 
 
 def rendezvous(board, group: str, rank: int, world: int, host: str, timeout_s: float, poll_s: float = 0.1) -> str:
@@ -56,7 +56,7 @@ def rendezvous(board, group: str, rank: int, world: int, host: str, timeout_s: f
     `board` has Board's methods (called directly). Raises ClusterError naming
     the missing ranks when they have not all arrived after `timeout_s`.
     """
-    address = free_coordinator_address(host) if rank == 0 else None
+    address = f"{host}:{free_port(host)}" if rank == 0 else None
     board.arrive(group, rank, address)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -128,11 +128,14 @@ class MLP(nnx.Module):
         self.down = param(rngs, (m, d), (axes.MLP, axes.EMBED), out_std)
         self.dtype = cfg.compute_dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool = True,
+                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+        """Returns (output, no stats): the feed-forward interface MoEFeedForward shares."""
+        del train, routing_key  # a dense feed-forward neither routes nor changes in eval
         gate = x @ self.gate[...].astype(self.dtype)
         up = x @ self.up[...].astype(self.dtype)
         hidden = constrain(jax.nn.silu(gate) * up, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
-        return hidden @ self.down[...].astype(self.dtype)
+        return hidden @ self.down[...].astype(self.dtype), {}
 
 
 class Block(nnx.Module):
@@ -147,11 +150,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, *, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         x = x + self.attention(self.attention_norm(x))
-        stats: Stats = {}
-        if isinstance(self.mlp, MoEFeedForward):
-            feed_forward, stats = self.mlp(self.mlp_norm(x), train=train, routing_key=routing_key)
-        else:
-            feed_forward = self.mlp(self.mlp_norm(x))
+        feed_forward, stats = self.mlp(self.mlp_norm(x), train=train, routing_key=routing_key)
         return constrain(x + feed_forward, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), stats
 
 

@@ -74,12 +74,8 @@ def _all_processes_reach(name: str) -> None:
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
     """Maps each array's path ("opt_state/1/0/mu/embed/...") to its shape; works on
     abstract arrays and on Orbax's metadata tree alike."""
-    def name(key):
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-    return {"/".join(map(name, path)): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
@@ -141,8 +137,8 @@ class Checkpointer:
                                   config=ocp.args.JsonSave(self.config.to_dict()))
         return self.manager.save(step, args=args, force=True)
 
-    def restore(self, step: int) -> tuple[dict, dict, dict]:
-        """Returns (state, data_state, saved_config) of `step`, the state laid out for the current mesh.
+    def restore(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step`, the state laid out for the current mesh.
 
         Raises ConfigError when the checkpoint's arrays do not fit the current
         config (another model, MoE layout or optimizer chain); other settings,
@@ -151,10 +147,9 @@ class Checkpointer:
         saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
         _check_fits(self.manager.item_metadata(step).state, saved, self.config, self.layout,
                     self.directory / str(step))
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract),
-                                  data=ocp.args.JsonRestore(), config=ocp.args.JsonRestore())
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
-        return restored.state, restored.data, restored.config
+        return restored.state, restored.data
 
     def restore_latest(self) -> tuple[int, dict, dict] | None:
         """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
@@ -164,7 +159,7 @@ class Checkpointer:
         """
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                state, data_state, _ = self.restore(step)
+                state, data_state = self.restore(step)
             except ConfigError:
                 raise
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside

@@ -29,7 +29,7 @@ def _per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:
 
 def _flatten(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), leaf) for path, leaf in leaves]
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
 
 
 def param_table(job: Job) -> list[dict[str, Any]]:

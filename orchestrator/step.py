@@ -24,7 +24,8 @@ from orchestrator.config import Config, MoEConfig
 from orchestrator.moe import moe_loss_and_metrics, routing_key
 from orchestrator.optimizer import learning_rate
 from orchestrator.state import StateLayout
-from parallel.pipeline import Schedule, pipeline_runner
+from orchestrator.validation import schedule_for
+from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from parallel.rules import Rules, activation_constrainer, partition_spec
 
 Metrics = dict[str, jax.Array]
@@ -66,9 +67,7 @@ def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array,
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, tokens, routing_key=key)
         return grads, {"loss": loss, **metrics}
-    batch, width = tokens.shape
-    # Row r goes to micro-batch r % accum, so each micro-batch spans every batch shard.
-    micro = tokens.reshape(batch // accum, accum, width).swapaxes(0, 1)  # [accum, batch/accum, width]
+    micro = to_microbatches(tokens, accum)  # [accum, batch/accum, width]
 
     def body(carry, inputs):
         index, micro_tokens = inputs
@@ -88,10 +87,7 @@ def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array,
 def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     """Returns the pipeline schedule when the mesh has more than one stage, else None."""
     stages = mesh.shape["pipeline"]
-    if stages == 1:
-        return None
-    p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1, p.remat)
+    return None if stages == 1 else schedule_for(config, stages)
 
 
 def stack_runner_for(config: Config, mesh: Mesh, rules: Rules, *, unroll: bool = False) -> StackRunner:

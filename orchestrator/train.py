@@ -171,11 +171,13 @@ def train(config: Config, devices: list[jax.Device] | None = None, log=print) ->
 
     def flush(pending) -> None:
         step, metrics, started = pending
-        values = _to_host(metrics)
+        logged = step % config.train.log_every == 0 or step == config.train.steps
+        # Off logging steps, only what every step needs comes to the host.
+        values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
         finished_at = time.perf_counter()
         _check_finite(step, values)
         result.losses.append(float(values["loss"]))
-        if step % config.train.log_every == 0 or step == config.train.steps:
+        if logged:
             record = writer.write(step, values, finished_at - started)
             result.history.append(record)
             progress.update(record)

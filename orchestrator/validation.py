@@ -194,6 +194,12 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
+def schedule_for(config: Config, stages: int) -> Schedule:
+    """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
+    p = config.pipeline
+    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1, p.remat)
+
+
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     """Every check a pipeline schedule needs: layers into stages x repeats, batch into micro-batches."""
     p, t = config.pipeline, config.train
@@ -206,7 +212,7 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     degrees = mesh_degrees(config)
     if degrees["pipeline"] == 1:
         return problems
-    schedule = Schedule(degrees["pipeline"], p.microbatches, p.repeats if p.schedule == "circular" else 1)
+    schedule = schedule_for(config, degrees["pipeline"])
     keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
     moe = config.moe
     # With MoE the stack is made of units of moe.every layers (the last one MoE): stages split units.

@@ -128,8 +128,9 @@ class _Layout:
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
 
 
-def _to_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
-    # Row r goes to micro-batch r % M, so every micro-batch spans every batch shard.
+def to_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+    """Returns `x` [batch, ...] as [M, batch/M, ...]: row r goes to micro-batch r % M,
+    so every micro-batch spans every batch shard."""
     batch = x.shape[0]
     return x.reshape(batch // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)  # [M, batch/M, ...]
 
@@ -176,7 +177,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         if problems:
             raise ValueError("; ".join(problems))
         params = _stage_view(stacked_params, schedule, layout)
-        buffer = jax.lax.with_sharding_constraint(_to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
+        buffer = jax.lax.with_sharding_constraint(to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
         stage_fn = jax.vmap(_stage_fn(layer_fn, schedule.remat, unroll), in_axes=(1, 0, 0),
                             spmd_axis_name=layout.stage_axes or None)
         state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)  # [S, mb, ...]: each stage's last output

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from cluster.launcher import ClusterSpec, check_capacity
-from cluster.rendezvous import Board, ClusterError, rendezvous
+from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from tests.helpers import mesh_overrides, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,12 +46,6 @@ def ray_daemons() -> set[int]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +163,7 @@ def head_answers(url: str) -> bool:
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """A `ray start --head` on 127.0.0.1 with the Jobs API; yields its dashboard URL; stops what it started."""
-    port, dashboard = free_port(), free_port()
+    port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
     # Without the flag Ray trades 127.0.0.1 for the machine's routable address.
     env = dict(os.environ, PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     head = subprocess.Popen(
@@ -244,7 +237,7 @@ def test_job_asking_for_more_devices_than_the_cluster_has_fails_before_workers(r
     (("train", "configs/quickstart.yaml", "cluster.address=127.0.0.1:{port}"), "nestor: cluster.address=127.0.0.1:"),
 ], ids=["submit", "train"])
 def test_unreachable_address_is_one_line(command, prefix):
-    port = free_port()
+    port = free_port("127.0.0.1")
     process = nestor(*(part.format(port=port) for part in command), timeout=100)
     assert process.returncode == 1
     lines = process.stderr.strip().splitlines()
