@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed train steps per model")
     args = parser.parse_args()
 
-    from orchestrator.cli import configure_jax
+    from orchestrator.runtime import configure_jax
 
     configure_jax(_config())
     import jax

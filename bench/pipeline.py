@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     args = parser.parse_args(argv)
-    from orchestrator.cli import configure_jax
+    from orchestrator.runtime import configure_jax
 
     configure_jax(_config())
     print(HEADER, flush=True)

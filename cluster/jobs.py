@@ -10,7 +10,9 @@ printed or written anywhere by nestor.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -20,7 +22,11 @@ from cluster.launcher import PROJECT_ROOT, UPLOAD_EXCLUDES
 from cluster.rendezvous import ClusterError
 
 SUBMITTED_CONFIG = ".nestor/config.yaml"
+# The job's Python: the first of python3, python on the head's PATH (POSIX sh).
+ENTRYPOINT_PYTHON = '"$(command -v python3 || command -v python)"'
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+# Ray's own INFO records in a job's log ("Runtime env is setting up."), which `follow` leaves out.
+RAY_INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+INFO \S+\.py:\d+ -- ")
 
 
 def _use_token_if_present() -> None:
@@ -37,6 +43,10 @@ def client(address: str):
     _use_token_if_present()  # before Ray's import: Ray reads the auth mode once
     from ray.job_submission import JobSubmissionClient
 
+    # The SDK's INFO lines (packaging the upload, closing the log stream) are not the job's output.
+    for name in ["ray", *[name for name in logging.root.manager.loggerDict if name.startswith("ray.")]]:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
     try:
         return JobSubmissionClient(address)
     except Exception as error:  # Ray raises ConnectionError, RuntimeError or ValueError here
@@ -46,10 +56,29 @@ def client(address: str):
                            "http://127.0.0.1:8265") from None
 
 
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    """Returns the gist of a Jobs API error: its last non-empty line (HTTP errors end with the server's reason)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:limit]
+
+
+def _jobs_call(address: str, what: str, call):
+    """Runs a Jobs API call; raises ClusterError with one line when the cluster refuses or fails it."""
+    try:
+        return call()
+    except ClusterError:
+        raise
+    except Exception as error:  # the SDK raises RuntimeError for HTTP errors, ConnectionError and others
+        raise ClusterError(f"--address {address}: {what} failed: {_one_line(error)}") from None
+
+
 def submit(address: str, config_yaml: str, command: str = "train") -> str:
     """Submits `nestor <command>` on `config_yaml` (resolved config text); returns the submission id.
 
-    Raises ClusterError when the cluster cannot be reached.
+    The job runs `python -m orchestrator` from the project directory (uploaded as
+    its working dir) with the Python on the cluster's PATH; a Python without
+    nestor's dependencies ends the job with one line naming them. Raises
+    ClusterError (one line) when the cluster cannot be reached or refuses the job.
     """
     jobs = client(address)
     with tempfile.TemporaryDirectory(prefix="nestor-submit-") as staging:
@@ -58,23 +87,26 @@ def submit(address: str, config_yaml: str, command: str = "train") -> str:
             *(pattern.split("/")[-1] for pattern in UPLOAD_EXCLUDES)))
         (working_dir / SUBMITTED_CONFIG).parent.mkdir(exist_ok=True)
         (working_dir / SUBMITTED_CONFIG).write_text(config_yaml)
-        return jobs.submit_job(
-            entrypoint=f"python -m orchestrator.cli {command} {SUBMITTED_CONFIG}",
+        return _jobs_call(address, "submitting the job", lambda: jobs.submit_job(
+            entrypoint=f"{ENTRYPOINT_PYTHON} -m orchestrator {command} {SUBMITTED_CONFIG}",
             runtime_env={"working_dir": str(working_dir)},
-        )
+        ))
 
 
 def follow(address: str, job_id: str, out=sys.stdout) -> str:
-    """Streams the job's logs to `out` until it ends; returns its final status (SUCCEEDED, FAILED, STOPPED)."""
+    """Streams the job's logs to `out` until it ends; returns its final status (SUCCEEDED, FAILED, STOPPED).
+
+    Raises ClusterError (one line) when the cluster stops answering.
+    """
     jobs = client(address)
 
     async def stream():
         async for lines in jobs.tail_job_logs(job_id):
-            out.write(lines)
+            out.write("".join(line for line in lines.splitlines(keepends=True) if not RAY_INFO_LINE.match(line)))
             out.flush()
 
-    asyncio.run(stream())
-    return str(jobs.get_job_status(job_id).value)
+    _jobs_call(address, f"streaming the logs of {job_id}", lambda: asyncio.run(stream()))
+    return str(_jobs_call(address, f"asking the status of {job_id}", lambda: jobs.get_job_status(job_id)).value)
 
 
 def status(address: str, job_id: str) -> str:
@@ -83,7 +115,7 @@ def status(address: str, job_id: str) -> str:
     Raises ClusterError when the cluster is unreachable or does not know the job.
     """
     jobs = client(address)
-    return str(_known_job(job_id, lambda: jobs.get_job_status(job_id)).value)
+    return str(_jobs_call(address, f"job {job_id}", lambda: jobs.get_job_status(job_id)).value)
 
 
 def stop(address: str, job_id: str) -> bool:
@@ -92,11 +124,4 @@ def stop(address: str, job_id: str) -> bool:
     Raises ClusterError when the cluster is unreachable or does not know the job.
     """
     jobs = client(address)
-    return _known_job(job_id, lambda: jobs.stop_job(job_id))
-
-
-def _known_job(job_id: str, call):
-    try:
-        return call()
-    except RuntimeError as error:  # the Jobs API answers an unknown id with a 404 RuntimeError
-        raise ClusterError(f"job {job_id}: {str(error).strip().splitlines()[0][:200]}") from None
+    return _jobs_call(address, f"job {job_id}", lambda: jobs.stop_job(job_id))

@@ -6,6 +6,12 @@ TPU, so on CPU nestor does it here, through `rendezvous`: that is what lets a
 laptop run real multi-host. The train function is an argument; this module
 knows nothing of what it trains. Restarted groups call it again from the top,
 and it is the function's job to resume from its newest checkpoint.
+
+Workers' own output stays in Ray's log files (unless `spec.worker_logs`):
+what the user should see, a worker sends to the driver as messages through a
+small actor (the mailbox), and the driver hands them to `on_message` in its
+main thread, in the order each worker sent them. So the user reads one
+stream, without Ray's prefixes, colour codes or the collectives' chatter.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,6 +46,7 @@ class ClusterSpec:
     tpu_topology: str | None = None  # e.g. "2x2x2" (v4/v5p) or "4x4" (v5e); TPU only
     tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
     dashboard: bool = True  # embedded cluster: serve the dashboard (and the state API) on 127.0.0.1
+    worker_logs: bool = False  # stream every worker's raw output to the driver (Ray-prefixed)
 
     def worker_resources(self) -> dict[str, float]:
         """Returns the Ray resources one worker reserves."""
@@ -49,14 +57,16 @@ class ClusterSpec:
         return {"CPU": 1}
 
 
-def launch(train_fn: Callable[[Any], Any], argument: Any, spec: ClusterSpec, storage_dir: str) -> None:
-    """Runs `train_fn(argument)` on `spec.hosts` workers joined by jax.distributed; returns when all finish.
+def launch(train_fn: Callable[[Any, Callable[[Any], None]], Any], argument: Any, spec: ClusterSpec,
+           storage_dir: str, on_message: Callable[[Any], None] = lambda message: None) -> None:
+    """Runs `train_fn(argument, send)` on `spec.hosts` workers joined by jax.distributed; returns when all finish.
 
-    Connects to `spec.address`, else to the cluster of the surrounding Ray job,
-    else starts an embedded local cluster (127.0.0.1) and stops it afterwards.
-    Raises ClusterError when the cluster is unreachable, too small for the
-    spec (checked before any worker starts), or the run fails past
-    `spec.max_failures` restarts.
+    `send(message)` (any picklable value) reaches `on_message(message)` in this
+    process, in order. Connects to `spec.address`, else to the cluster of the
+    surrounding Ray job, else starts an embedded local cluster (127.0.0.1)
+    and stops it afterwards. Raises ClusterError when the cluster is
+    unreachable, too small for the spec (checked before any worker starts),
+    or the run fails past `spec.max_failures` restarts.
     """
     address = spec.address or os.environ.get("RAY_ADDRESS")
     if not address or address.split("://")[-1].rpartition(":")[0] in ("127.0.0.1", "localhost"):
@@ -68,7 +78,7 @@ def launch(train_fn: Callable[[Any], Any], argument: Any, spec: ClusterSpec, sto
     _connect(spec)
     try:
         check_capacity(spec, ray.nodes())
-        _fit(train_fn, argument, spec, storage_dir)
+        _fit(train_fn, argument, spec, storage_dir, on_message)
     finally:
         # Stops the embedded cluster's raylet and GCS too when this process started them.
         ray.shutdown()
@@ -79,12 +89,13 @@ def _connect(spec: ClusterSpec) -> None:
     import ray
 
     if os.environ.get("RAY_ADDRESS") and not spec.address:
-        ray.init(logging_level="ERROR")  # inside a Ray job: its runtime env already carries the code
+        # inside a Ray job: its runtime env already carries the code
+        ray.init(logging_level="ERROR", log_to_driver=spec.worker_logs)
         return
     if spec.address:
         _check_reachable(spec.address)
         try:
-            ray.init(address=spec.address, logging_level="ERROR",
+            ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
                      runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
                                   "env_vars": _start_timeout(spec)})
         except (ConnectionError, RuntimeError, ValueError) as error:
@@ -107,7 +118,7 @@ def _connect(spec: ClusterSpec) -> None:
     try:
         ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard,
                  dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST),
-                 num_cpus=spec.hosts + 1, logging_level="ERROR",
+                 num_cpus=spec.hosts + 1, logging_level="ERROR", log_to_driver=spec.worker_logs,
                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
                                            # no cloud to preempt a local cluster; print each line once
                                            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
@@ -164,26 +175,62 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
                            f"(room for {fits} worker(s)); lower cluster.hosts/devices_per_host or add nodes")
 
 
-def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str) -> None:
+class Mailbox:
+    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties."""
+
+    def __init__(self):
+        self.messages: list = []
+
+    def put(self, message) -> None:
+        self.messages.append(message)
+
+    def take(self) -> list:
+        messages, self.messages = self.messages, []
+        return messages
+
+    def sync(self) -> None:
+        """Returns once every earlier call of the caller has run."""
+
+
+def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message) -> None:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
     from ray.train.v2.jax import JaxTrainer
 
     board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
+    mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     scaling = ScalingConfig(num_workers=spec.hosts, use_gpu=spec.accelerator == "gpu",
                             use_tpu=spec.accelerator == "tpu", resources_per_worker=spec.worker_resources(),
                             topology=spec.tpu_topology, accelerator_type=spec.tpu_type)
     trainer = JaxTrainer(
-        _worker, train_loop_config={"fn": train_fn, "argument": argument, "spec": spec, "board": board},
+        _worker, train_loop_config={"fn": train_fn, "argument": argument, "spec": spec, "board": board,
+                                    "mailbox": mailbox},
         scaling_config=scaling,
         run_config=RunConfig(name="ray", storage_path=str(Path(storage_dir).resolve()),
                              failure_config=FailureConfig(max_failures=spec.max_failures)))
-    try:
-        trainer.fit()
-    except WorkerGroupError as error:
+    outcome: list[BaseException | None] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+            outcome.append(None)
+        except BaseException as error:  # handed to the main thread below
+            outcome.append(error)
+
+    # fit() blocks; the main thread meanwhile shows what the workers send.
+    runner = threading.Thread(target=fit, name="nestor-fit", daemon=True)
+    runner.start()
+    while runner.is_alive():
+        runner.join(timeout=0.2)
+        for message in ray.get(mailbox.take.remote()):
+            on_message(message)
+    for message in ray.get(mailbox.take.remote()):
+        on_message(message)
+    error = outcome[0]
+    if isinstance(error, WorkerGroupError):
         raise _worker_error(error, spec) from None
-    except Exception as error:  # the controller itself failed; show the root cause, not Ray's trace
+    if error is not None:  # the controller itself failed; show the root cause, not Ray's trace
         raise ClusterError(f"the run failed: {_first_line(error)}") from None
 
 
@@ -246,7 +293,9 @@ def _worker(config: dict) -> None:
         # Bind the coordinator to the node's Ray address, not every interface.
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
-    config["fn"](config["argument"])
+    mailbox = config["mailbox"]
+    config["fn"](config["argument"], mailbox.put.remote)
+    ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 
 def _simulate_cpu_devices(jax, devices: int) -> None:

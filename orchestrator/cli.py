@@ -4,54 +4,70 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from pathlib import Path
 
-import yaml
-
-from cluster.rendezvous import ClusterError
-from orchestrator.config import Config, ConfigError, load
+from orchestrator.preflight import check_dependencies
 
 
-def configure_jax(config: Config) -> None:
-    """Points this (single) process's jax at the configured platform; on CPU, simulates the
-    devices of all `cluster.hosts` hosts, so the mesh has the shape it will have on the cluster.
-
-    Must run before jax creates its backends (the first device query).
-    """
-    import jax
-
-    if config.cluster.accelerator == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-        if config.cluster.devices_per_host > 0:
-            jax.config.update("jax_num_cpu_devices", config.cluster.hosts * config.cluster.devices_per_host)
+def _shown(path: str) -> str:
+    """Returns `path` relative to the working directory when it lies inside it, else as it is."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
-def _train(config: Config, args) -> int:
-    from orchestrator.train import TrainingDiverged, train
+def _tensorboard_command(log_dir: str) -> str:
+    """Returns the command that opens TensorBoard on `log_dir`, as the user can type it here."""
+    tensorboard = "tensorboard"
+    if shutil.which(tensorboard) is None:  # e.g. `.venv/bin/nestor` run without the venv on PATH
+        beside = Path(sys.executable).parent / tensorboard
+        tensorboard = _shown(str(beside)) if beside.exists() else tensorboard
+    return f"{tensorboard} --logdir {_shown(log_dir)}"
 
+
+def where_results_are(config) -> list[str]:
+    """Returns the closing lines of a run: where its files are and how to look at them."""
+    run_dir = config.run.dir
+    lines = [f"run dir: {_shown(run_dir)}  (config.yaml, metrics.jsonl, checkpoints/"
+             + (", tb/)" if config.metrics.tensorboard else ")")]
+    if config.metrics.tensorboard:
+        lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
+    lines.append(f"resume or extend: run the same command again (train.steps={config.train.steps} now)")
+    return lines
+
+
+def _train(config, args) -> int:
+    from orchestrator.progress import Console
+    from orchestrator.train import TrainingDiverged
+
+    console = Console()
     if config.cluster.launcher == "ray":
         from orchestrator.launch import train_on_ray
 
-        train_on_ray(config)
-        print(f"trained on {config.cluster.hosts} Ray worker(s); run dir {config.run.dir}")
-        return 0
-    configure_jax(config)
-    try:
-        result = train(config)
-    except TrainingDiverged as error:
-        print(f"nestor: training diverged: {error}", file=sys.stderr)
-        return 1
-    if result.losses:
-        print(f"trained steps {result.first_step + 1}..{result.first_step + len(result.losses)}: "
-              f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run dir {config.run.dir}")
+        train_on_ray(config, console)
+        stopped_by = None
     else:
-        print(f"nothing to train: the checkpoint in {config.run.dir} is at train.steps={config.train.steps}")
+        from orchestrator.runtime import configure_jax
+        from orchestrator.train import train
+
+        configure_jax(config)
+        try:
+            stopped_by = train(config, console=console).stopped_by
+        except TrainingDiverged as error:
+            print(f"nestor: training diverged: {error}", file=sys.stderr)
+            return 1
+    for line in where_results_are(config):
+        print(line)
     # A preempted run exits as the signal would have made it (128 + signal), after its checkpoint.
-    return 0 if result.stopped_by is None else 128 + result.stopped_by
+    return 0 if stopped_by is None else 128 + stopped_by
 
 
-def _explain(config: Config, args) -> int:
+def _explain(config, args) -> int:
     from orchestrator.explain import explain, format_report
+    from orchestrator.runtime import configure_jax
 
     configure_jax(config)
     report = explain(config)
@@ -59,9 +75,13 @@ def _explain(config: Config, args) -> int:
     return 0
 
 
-def _submit(config: Config, args) -> int:
+def _submit(config, args) -> int:
+    import yaml
+
     from cluster import jobs
 
+    print(f"nestor: run.dir on the cluster: {config.run.dir} (relative paths resolve against the directory "
+          "nestor runs in; every host must see this path)", file=sys.stderr)
     job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False))
     print(job_id, flush=True)
     if not args.follow:
@@ -85,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     """Returns the argument parser of the `nestor` command."""
     main = argparse.ArgumentParser(prog="nestor", description="Train large Flax models on nested device meshes.")
     commands = main.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a model")
+    train = commands.add_parser("train", help="train a model, or resume it from run.dir")
     explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
     submit = commands.add_parser("submit", help="submit a training job to a running Ray cluster (Jobs API)")
@@ -93,7 +113,8 @@ def parser() -> argparse.ArgumentParser:
     for command, handler in ((train, _train), (explain, _explain), (submit, _submit)):
         command.add_argument("config", help="run YAML, e.g. configs/quickstart.yaml")
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
-                             help="dotted overrides (mesh.tensor=2) or further YAML files layered in order")
+                             help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
+                                  "anywhere on the line")
         command.set_defaults(handler=handler)
     for name, text in (("status", "print a submitted job's status"), ("stop", "stop a submitted job")):
         command = commands.add_parser(name, help=text)
@@ -104,10 +125,32 @@ def parser() -> argparse.ArgumentParser:
     return main
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Returns the parsed command line; KEY=VALUE overrides and YAML layers may come after options too
+    (`nestor submit CONFIG --address URL train.steps=20 --follow`). Exits 2 on anything else."""
+    main = parser()
+    args, extra = main.parse_known_args(argv)
+    if extra and getattr(args, "overrides", None) is not None:
+        strays = [item for item in extra if item.startswith("-") or not ("=" in item or item.endswith((".yaml", ".yml")))]
+        if strays:
+            main.error(f"unrecognized arguments: {' '.join(strays)}")
+        args.overrides += extra
+    elif extra:
+        main.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit code: 2 for a config error, 1 for a cluster error or a diverged run
-    (printed as one message, no trace), 128 + signal when stopped by one."""
-    args = parser().parse_args(argv)
+    """Runs the CLI; returns the exit code: 2 for a config error, 1 for a cluster error, a missing
+    dependency or a diverged run (printed as one message, no trace), 128 + signal when stopped by one."""
+    args = parse(argv)
+    missing = check_dependencies()
+    if missing:
+        print(f"nestor: {missing}", file=sys.stderr)
+        return 1
+    from cluster.rendezvous import ClusterError
+    from orchestrator.config import ConfigError, load
+
     try:
         if args.handler is None:
             return _job_command(args)
@@ -119,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterError as error:
         print(f"nestor: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("nestor: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

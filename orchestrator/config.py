@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 class RunConfig:
     dir: str = "runs/default"
     seed: int = 0
+    compile_cache: str | None = "~/.cache/nestor/xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +162,7 @@ class ClusterConfig:
     tpu_topology: str | None = None
     tpu_type: str | None = None
     dashboard: bool = True
+    worker_logs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +188,7 @@ class Config:
         tree = self.to_dict()
         for key, value in dotted.items():
             _set_dotted(tree, key, value)
-        return _validated(from_dict(tree))
+        return _validated(resolve_paths(from_dict(tree), Path.cwd()))
 
 
 _YAML_NAMES = {"async_save": "async"}
@@ -281,7 +283,28 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         preset_tree = _read_yaml(CONFIGS_DIR / "models" / f"{preset}.yaml", "model.preset")
         tree = _merge(tree, {"model": preset_tree})
     tree = _merge(_merge(tree, user), extra)
-    return _validated(from_dict(tree))
+    return _validated(resolve_paths(from_dict(tree), Path.cwd()))
+
+
+def _absolute(path: str, base: Path) -> str:
+    expanded = Path(path).expanduser()
+    return str(expanded if expanded.is_absolute() else base / expanded)
+
+
+def resolve_paths(config: Config, base: Path) -> Config:
+    """Returns `config` with every path a user writes (run.dir, run.compile_cache, data.paths globs,
+    data.tokenizer) made absolute against `base`, `~` expanded.
+
+    `load` resolves against the directory `nestor` runs in, before the config
+    reaches any other process: a Ray worker's working directory is Ray's, not the user's.
+    """
+    run, data = config.run, config.data
+    return dataclasses.replace(
+        config,
+        run=dataclasses.replace(run, dir=_absolute(run.dir, base),
+                                compile_cache=run.compile_cache and _absolute(run.compile_cache, base)),
+        data=dataclasses.replace(data, paths=tuple(_absolute(p, base) for p in data.paths),
+                                 tokenizer=data.tokenizer and _absolute(data.tokenizer, base)))
 
 
 def _validated(config: Config) -> Config:

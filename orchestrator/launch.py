@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cluster.launcher import ClusterSpec, launch
 from orchestrator.config import Config
+from orchestrator.progress import Console, ForwardingConsole, replay
 
 
 def cluster_spec(config: Config) -> ClusterSpec:
@@ -11,25 +12,36 @@ def cluster_spec(config: Config) -> ClusterSpec:
     c = config.cluster
     return ClusterSpec(hosts=c.hosts, devices_per_host=c.devices_per_host, accelerator=c.accelerator,
                        address=c.address, max_failures=c.max_failures, init_timeout_s=c.init_timeout_s,
-                       tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard)
+                       tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard,
+                       worker_logs=c.worker_logs)
 
 
-def train_on_worker(config: Config) -> None:
-    """The function each Ray worker runs once jax.distributed is up: the ordinary train loop."""
+def train_on_worker(config: Config, send) -> None:
+    """The function each Ray worker runs once jax.distributed is up: the ordinary train loop.
+
+    Process 0 speaks for the run: its console calls travel to the driver
+    through `send`; the other processes say nothing.
+    """
     import jax
 
+    from orchestrator.runtime import enable_compile_cache
     from orchestrator.train import train
 
-    first = jax.process_index() == 0  # one copy of the progress lines, not one per host
-    result = train(config, log=print if first else (lambda *_: None))
-    if first and result.losses:  # a run resumed at its last step trains nothing
-        print(f"trained {len(result.losses)} steps: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    enable_compile_cache(config)
+    console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
+    train(config, console=console)
 
 
-def train_on_ray(config: Config) -> None:
-    """Trains `config` on `cluster.hosts` Ray workers; returns when they finish.
+def train_on_ray(config: Config, console: Console) -> None:
+    """Trains `config` on `cluster.hosts` Ray workers, showing process 0's progress on `console`;
+    returns when they finish.
 
     Raises cluster.launcher.ClusterError (unreachable cluster, too few devices,
-    a rank that never joins, failures past `cluster.max_failures`).
+    a rank that never joins, failures past `cluster.max_failures`) and the
+    workers' own config errors.
     """
-    launch(train_on_worker, config, cluster_spec(config), storage_dir=config.run.dir)
+    try:
+        launch(train_on_worker, config, cluster_spec(config), storage_dir=config.run.dir,
+               on_message=lambda message: replay(console, message))
+    finally:
+        console.close()

@@ -17,7 +17,8 @@ from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.data import DataPipeline
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
-from orchestrator.progress import ProgressReporter
+from orchestrator.progress import Console
+from orchestrator.runtime import check_shared_run_dir
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
 from parallel.mesh import MeshError, build_mesh
@@ -144,30 +145,50 @@ def _sharding_text(job: Job) -> str:
     return sharding_table(param_table(job))
 
 
-def train(config: Config, devices: list[jax.Device] | None = None, log=print) -> TrainResult:
+def _compile(job: Job, state: dict, first_step: int, console: Console):
+    """Returns the train step compiled for `state` and the batches, saying how long it took."""
+    console.compiling()
+    started = time.perf_counter()
+    compiled = job.step_fn.lower(state, job.data.batch(first_step)).compile()
+    console.compiled(time.perf_counter() - started)
+    return compiled
+
+
+def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None) -> TrainResult:
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
     (then returns early with `stopped_by` set). Device values are read one
-    step late, so logging never waits on the step that is running. Returns
-    the losses, final state and logged records. Raises ConfigError for
-    configs that do not fit the devices and TrainingDiverged on a NaN/Inf
-    loss, leaving the last good checkpoint newest.
+    step late, so logging never waits on the step that is running. Progress
+    goes to `console` (default: this terminal). Returns the losses, final
+    state and logged records. Raises ConfigError for configs that do not fit
+    the devices, ClusterError when the processes of a multi-host run do not
+    share run.dir, and TrainingDiverged on a NaN/Inf loss, leaving the last
+    good checkpoint newest.
     """
+    console = console or Console()
+    log = console.log
     job = build_job(config, devices)
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_run_dir(run_dir)
     lead = jax.process_index() == 0
     if lead:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
     checkpointer = Checkpointer(config, job.layout, log)
     first_step, state = _start_state(config, job, checkpointer, log)
+    result = TrainResult([], state, [], first_step)
+    if first_step >= config.train.steps:
+        log(f"nothing to train: the checkpoint in {run_dir} is at step {first_step} = train.steps; "
+            "raise train.steps to train on")
+        checkpointer.close()
+        return result
+    job.step_fn = _compile(job, state, first_step, console)
     throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
     writer = MetricsWriter(config, throughput, enabled=lead)
     writer.start(first_step, _sharding_text(job))
-    progress = ProgressReporter(config.train.steps, first_step, log)
-    result = TrainResult([], state, [], first_step)
+    console.start(config.train.steps, first_step)
 
     def flush(pending) -> None:
         step, metrics, started = pending
@@ -180,17 +201,21 @@ def train(config: Config, devices: list[jax.Device] | None = None, log=print) ->
         if logged:
             record = writer.write(step, values, finished_at - started)
             result.history.append(record)
-            progress.update(record)
+            console.step(record)
 
+    started = time.perf_counter()
     try:
         with StopSignals() as signals:
             result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals)
-        if result.stopped_by is not None:
-            log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}; checkpoint saved")
     finally:
-        progress.close()
+        console.close()
         checkpointer.close()
         writer.close()
+    if result.stopped_by is not None:
+        log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}; checkpoint saved")
+    if result.losses:
+        log(f"trained steps {first_step + 1}..{first_step + len(result.losses)} in "
+            f"{time.perf_counter() - started:.0f} s: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     return result
 
 

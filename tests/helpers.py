@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from orchestrator.config import Config
+from orchestrator.progress import Console
 from orchestrator.train import TrainResult, train
 
 # The meshes the foundation is tested on (tensor4 needs 4 kv heads).
@@ -32,7 +33,7 @@ def mesh_overrides(**degrees: int) -> dict:
 
 def run(config: Config) -> TrainResult:
     """Trains quietly in config.run.dir (resuming from a checkpoint there); returns the result."""
-    return train(config, log=lambda *_: None)
+    return train(config, console=Console.silent())
 
 
 def run_fresh(config: Config) -> TrainResult:

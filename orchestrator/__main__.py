@@ -1,0 +1,7 @@
+"""`python -m orchestrator ...` is `nestor ...` (the entrypoint of submitted jobs)."""
+
+import sys
+
+from orchestrator.cli import main
+
+sys.exit(main())

@@ -1,0 +1,80 @@
+"""Setting up this process's JAX for a run: platform, simulated devices, compilation cache."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from pathlib import Path
+
+from cluster.rendezvous import ClusterError
+from orchestrator.config import Config
+
+_HOSTNAME_BYTES = 64  # a host's name as it travels in the run.dir check
+
+
+def configure_jax(config: Config) -> None:
+    """Points this single process's jax at the configured platform and turns the compilation cache on.
+
+    On CPU it simulates the devices of all `cluster.hosts` hosts, so the mesh
+    has the shape it will have on the cluster. Must run before jax creates
+    its backends (the first device query); call it before `build_job` or
+    `restore_state` in a script of your own.
+    """
+    import jax
+
+    if config.cluster.accelerator == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        if config.cluster.devices_per_host > 0:
+            jax.config.update("jax_num_cpu_devices", config.cluster.hosts * config.cluster.devices_per_host)
+    enable_compile_cache(config)
+
+
+def enable_compile_cache(config: Config) -> None:
+    """Keeps compiled programs in `run.compile_cache` (null: off), so a second run of the same
+    config (a resume, a rerun) loads the train step instead of compiling it again.
+
+    Any process, any time before its first compile; an unwritable directory leaves the cache off.
+    """
+    import jax
+
+    if not config.run.compile_cache:
+        return
+    try:
+        Path(config.run.compile_cache).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # a cache is an optimisation: never fail a run for it
+    jax.config.update("jax_compilation_cache_dir", config.run.compile_cache)
+
+
+def check_shared_run_dir(run_dir: Path) -> None:
+    """Checks that every process of a multi-host run sees the same `run_dir` (one process: nothing to do).
+
+    Process 0 writes a marker with a fresh random name; after a barrier every
+    process looks for it. A cluster needs run.dir on storage all hosts share
+    (checkpoints written by one host are restored by all); raises ClusterError
+    naming the processes and hosts that do not see the marker.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    token = multihost_utils.broadcast_one_to_all(np.frombuffer(secrets.token_bytes(16), np.uint8))
+    marker = run_dir / f".nestor-shared-{bytes(np.asarray(token)).hex()}"
+    if jax.process_index() == 0:
+        marker.touch()
+    multihost_utils.sync_global_devices("nestor: run.dir marker written")
+    host = socket.gethostname().encode()[:_HOSTNAME_BYTES].ljust(_HOSTNAME_BYTES, b"\0")
+    seen = np.array([marker.exists(), *host], np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(seen))  # [processes, 1 + hostname bytes]
+    multihost_utils.sync_global_devices("nestor: run.dir marker read")
+    if jax.process_index() == 0:
+        marker.unlink()
+    hosts = [bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for row in every]
+    missing = [f"process {index} on {hosts[index]}" for index, row in enumerate(every) if not row[0]]
+    if missing:
+        raise ClusterError(f"run.dir={run_dir} is not the same directory on every host: {', '.join(missing)} "
+                           "cannot see what process 0 wrote there; put run.dir on storage every host shares "
+                           "(NFS, Filestore, GCS FUSE)")

@@ -1,0 +1,174 @@
+"""The path a user walks: the console script, from a fresh copy of the repo, relative paths, the default launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cluster.rendezvous import free_port
+from orchestrator import config as config_lib
+from orchestrator.cli import parse
+from tests.conftest import ROOT
+
+NESTOR = str(Path(sys.executable).parent / "nestor")  # the console script the README's first line installs
+# The README's main command, with every step logged and a schedule that does not depend on train.steps,
+# so that 20 steps then 10 more can be compared with 30 at once.
+QUICKSTART = ["train", "configs/quickstart.yaml", "train.log_every=1", "optimizer.decay_steps=30"]
+
+
+def fresh_copy(destination: Path) -> Path:
+    """Copies the repository's tracked and untracked-but-not-ignored files to `destination` (a user's clone)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    for name in files:
+        if (ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, destination / name)
+    return destination
+
+
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell: none of the test suite's JAX settings."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
+
+
+def console_script(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Runs the installed `nestor` in `cwd` with stdout a pipe (not a terminal); returns it finished."""
+    return subprocess.run([NESTOR, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def quickstart_runs(tmp_path_factory):
+    """The README's main command run as a user would: 20 steps, again with 30 (a resume), and 30 at once."""
+    clone = fresh_copy(tmp_path_factory.mktemp("clone"))
+    first = console_script(*QUICKSTART, "train.steps=20", cwd=clone)
+    second = console_script(*QUICKSTART, "train.steps=30", cwd=clone)
+    reference = console_script(*QUICKSTART, "train.steps=30", "run.dir=runs/reference", cwd=clone)
+    return clone, first, second, reference
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(1200)
+def test_quickstart_twice_resumes_in_the_users_run_dir_bit_for_bit(quickstart_runs):
+    clone, first, second, reference = quickstart_runs
+    for process in (first, second, reference):
+        assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-3000:]
+    run_dir = clone / "runs" / "quickstart"  # run.dir as the config writes it, relative to where nestor ran
+    assert "resumed from checkpoint 20" in second.stdout
+    logged = records(run_dir)
+    assert [r["step"] for r in logged] == list(range(1, 31))
+    uninterrupted = {r["step"]: r["loss"] for r in records(clone / "runs" / "reference")}
+    assert [r["loss"] for r in logged[20:]] == [uninterrupted[step] for step in range(21, 31)]
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    loss_tag = next(tag for tag in events.Tags()["scalars"] if tag.split("/")[-1] == "loss")
+    assert [e.step for e in events.Scalars(loss_tag)] == list(range(1, 31))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(1200)
+def test_main_job_prints_one_clean_stream_off_a_terminal(quickstart_runs):
+    _, first, _, _ = quickstart_runs
+    lines = first.stdout.splitlines()
+    assert "Gloo" not in first.stdout + first.stderr
+    assert "\x1b" not in first.stdout + first.stderr  # no ANSI escapes when stdout is not a terminal
+    assert len(lines) == len(set(lines)), "a line printed twice"
+    assert "compiling the train step ..." in lines and any(re.fullmatch(r"compiled in \d+\.\d s", l) for l in lines)
+    assert "run dir: runs/quickstart  (config.yaml, metrics.jsonl, checkpoints/, tb/)" in lines
+    assert any(l.startswith("TensorBoard: ") and l.endswith("--logdir runs/quickstart/tb") for l in lines)
+    assert len(lines) <= 20 + 10 and first.stderr.strip() == "", first.stderr[-2000:]  # 20 step lines + 10 others
+
+
+def test_relative_paths_resolve_against_the_directory_nestor_runs_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = config_lib.load(None, ["run.dir=runs/a", "data.paths=[corpus/*.txt]", "data.tokenizer=tok.json",
+                                    "run.compile_cache=~/cache"])
+    assert config.run.dir == str(tmp_path / "runs" / "a")
+    assert config.data.paths == (str(tmp_path / "corpus" / "*.txt"),)
+    assert config.data.tokenizer == str(tmp_path / "tok.json")
+    assert config.run.compile_cache == str(Path.home() / "cache")
+    assert config_lib.load(None, ["run.dir=/abs/run"]).run.dir == "/abs/run"
+
+
+@pytest.mark.parametrize("argv", [
+    ["submit", "configs/quickstart.yaml", "--address", "http://127.0.0.1:8265", "train.steps=20", "--follow"],
+    ["submit", "configs/quickstart.yaml", "train.steps=20", "--address", "http://127.0.0.1:8265", "--follow"],
+    ["submit", "--follow", "configs/quickstart.yaml", "--address", "http://127.0.0.1:8265", "train.steps=20"],
+])
+def test_overrides_may_follow_options(argv):
+    args = parse(argv)
+    assert (args.config, args.overrides, args.follow) == ("configs/quickstart.yaml", ["train.steps=20"], True)
+
+
+def test_an_unknown_option_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["train", "configs/quickstart.yaml", "--steps", "20"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_python_without_the_dependencies_says_so_in_one_line():
+    # -S: no site-packages, as a cluster's system Python without nestor installed.
+    process = subprocess.run([sys.executable, "-S", "-m", "orchestrator", "train", "configs/quickstart.yaml"],
+                             cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=60)
+    assert process.returncode == 1
+    assert process.stderr.count("\n") == 1 and "cannot import jax" in process.stderr, process.stderr
+    assert process.stderr.startswith("nestor: this Python (") and "Traceback" not in process.stderr
+
+
+SHARED_RUN_DIR_CHECK = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 2)
+    coordinator, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
+    from pathlib import Path
+    from cluster.rendezvous import ClusterError
+    from orchestrator.runtime import check_shared_run_dir
+    try:
+        check_shared_run_dir(Path(run_dir))
+        print("shared")
+    except ClusterError as error:
+        print(error)
+""")
+
+
+def _check_run_dirs(run_dirs: list[Path]) -> list[str]:
+    coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
+    env = dict(user_env(), PYTHONPATH=str(ROOT))
+    processes = [subprocess.Popen([sys.executable, "-c", SHARED_RUN_DIR_CHECK, coordinator, str(rank), str(path)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank, path in enumerate(run_dirs)]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
+    return [out.strip().splitlines()[-1] for out, _ in outputs]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hosts_that_do_not_share_run_dir_fail_naming_the_process(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    assert _check_run_dirs([shared, shared]) == ["shared", "shared"]
+    assert list(shared.iterdir()) == []  # the marker is removed
+    # Two processes on one machine see one file system; different directories play two hosts' disks.
+    own = [tmp_path / "host0", tmp_path / "host1"]
+    for path in own:
+        path.mkdir()
+    for message in _check_run_dirs(own):  # every process stops, with the same diagnosis
+        assert re.search(r"not the same directory on every host: process 1 on \S+ cannot see", message), message
+        assert "process 0 on" not in message
