@@ -70,6 +70,7 @@ class TrainConfig:
 class OptimizerConfig:
     lr: float = 3e-3
     warmup_steps: int = 10
+    decay_steps: int | None = None
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95

@@ -17,6 +17,7 @@ from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.data import DataPipeline
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
+from orchestrator.optimizer import schedule_change
 from orchestrator.progress import ProgressReporter
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
@@ -135,6 +136,8 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
     step, state, data_state = resumed
     job.data.restore(data_state, log)
     log(f"resumed from checkpoint {step} in {checkpointer.directory}")
+    if change := schedule_change(checkpointer.saved_config(step), config, step):
+        log(change)
     return step, state
 
 

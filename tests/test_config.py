@@ -83,3 +83,10 @@ def test_every_shipped_config_loads():
         config_lib.load(None, [f"model.preset={path.stem}", "train.global_batch=64"])
     for path in sorted((ROOT / "configs/meshes").glob("*.yaml")):
         config_lib.load(ROOT / "configs/quickstart.yaml", [str(path)])
+
+
+def test_decay_steps_is_positive_and_not_shorter_than_warmup():
+    assert error_keys("optimizer.decay_steps=0") == ["optimizer.decay_steps"]
+    assert error_keys("optimizer.decay_steps=5", "optimizer.warmup_steps=10") == ["optimizer.warmup_steps"]
+    assert error_keys("optimizer.decay_steps=0", "optimizer.warmup_steps=-1") == ["optimizer.warmup_steps",
+                                                                                   "optimizer.decay_steps"]
