@@ -36,9 +36,9 @@ class LearningRateSchedule:
         step = jnp.asarray(step, jnp.float32)
         peak, floor = self.lr, self.lr * self.min_lr_ratio
         warm = peak * (step + 1) / max(self.warmup_steps, 1)
-        progress = jnp.clip((step - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1), 0.0, 1.0)
+        progress = (step - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
         cosine = floor + 0.5 * (peak - floor) * (1 + jnp.cos(jnp.pi * progress))
-        return jnp.where(step < self.warmup_steps, warm, cosine)
+        return jnp.where(step < self.warmup_steps, warm, jnp.where(step < self.decay_steps, cosine, floor))
 
 
 def learning_rate(config: Config) -> LearningRateSchedule:

@@ -40,3 +40,7 @@ def test_checkpoint_without_decay_steps_reads_as_train_steps():
     saved = config_lib.load(None, ["train.steps=40"]).to_dict()
     del saved["optimizer"]["decay_steps"]  # written before the key existed
     assert schedule_change(saved, config_lib.load(None, ["train.steps=40"]), 40) is None
+
+
+def test_warmup_as_long_as_the_decay_goes_straight_to_the_floor():
+    assert lrs("train.steps=6", "optimizer.warmup_steps=3", "optimizer.decay_steps=3")[3:] == [pytest.approx(1e-4)] * 3
