@@ -69,6 +69,7 @@ def validate(config: Config) -> Config:
 
 
 def _schedule_problems(config: Config) -> list[tuple[str, str]]:
+    """The learning-rate schedule's lengths; a null decay_steps (train.steps) cuts the warmup instead."""
     opt = config.optimizer
     problems = []
     _check_positive(problems, "optimizer.warmup_steps", opt.warmup_steps, minimum=0)
