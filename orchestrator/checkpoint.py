@@ -137,6 +137,10 @@ class Checkpointer:
                                   config=ocp.args.JsonSave(self.config.to_dict()))
         return self.manager.save(step, args=args, force=True)
 
+    def saved_config(self, step: int) -> dict:
+        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+
     def restore(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step`, the state laid out for the current mesh.
 
@@ -144,8 +148,7 @@ class Checkpointer:
         config (another model, MoE layout or optimizer chain); other settings,
         the mesh included, may change on resume.
         """
-        saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-        _check_fits(self.manager.item_metadata(step).state, saved, self.config, self.layout,
+        _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
                     self.directory / str(step))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)

@@ -71,6 +71,7 @@ class TrainConfig:
 class OptimizerConfig:
     lr: float = 3e-3
     warmup_steps: int = 10
+    decay_steps: int | None = None
     min_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -243,6 +244,20 @@ def _read_yaml(path: Path, key: str) -> dict:
     return data
 
 
+def presets() -> list[str]:
+    """Returns the model preset names: the stems of configs/models/*.yaml."""
+    return sorted(path.stem for path in (CONFIGS_DIR / "models").glob("*.yaml"))
+
+
+def _preset_path(preset: Any) -> Path:
+    # A preset is a name, never a path: `../base` must not reach another YAML file.
+    if preset not in presets():
+        raise ConfigError([("model.preset", f"{preset!r} is not a preset; the presets (configs/models/) are "
+                                            f"{', '.join(presets())}; model keys of your own go in the run "
+                                            "YAML's model: section")])
+    return CONFIGS_DIR / "models" / f"{preset}.yaml"
+
+
 def parse_overrides(overrides: list[str]) -> dict:
     """Returns a nested dict from `a.b=value` strings; values are parsed as YAML."""
     tree: dict = {}
@@ -280,8 +295,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         or (user.get("model") or {}).get("preset")
     )
     if preset:
-        preset_tree = _read_yaml(CONFIGS_DIR / "models" / f"{preset}.yaml", "model.preset")
-        tree = _merge(tree, {"model": preset_tree})
+        tree = _merge(tree, {"model": _read_yaml(_preset_path(preset), "model.preset")})
     tree = _merge(_merge(tree, user), extra)
     return _validated(resolve_paths(from_dict(tree), Path.cwd()))
 

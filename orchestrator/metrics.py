@@ -1,12 +1,12 @@
 """What a run reports: metrics.jsonl, TensorBoard events, throughput and honest MFU.
 
-Every scalar the step returns is logged under its own name (loss, lm_loss,
-grad_norm, param_norm, lr, and whatever the model adds, e.g. moe_aux_loss),
-next to what the loop measures: step_time_s, tokens_per_s,
-tflops_per_device and mfu (only when the device's peak is known). The same
-numbers go to metrics.jsonl and TensorBoard. A `moe_expert_load`
-metric [layers, experts] becomes a heatmap image every `metrics.image_every`
-steps.
+Every scalar the step returns is logged (loss, lm_loss, grad_norm,
+param_norm, lr, and whatever the model adds, e.g. moe_aux_loss), next to
+what the loop measures: step_time_s, tokens_per_s, tflops_per_device and mfu
+(only when the device's peak is known). metrics.jsonl keeps the flat names;
+TensorBoard files the same numbers under groups (`tensorboard_tag`). A
+`moe_expert_load` metric [MoE layers, experts] becomes a heatmap image every
+`metrics.image_every` steps.
 """
 
 from __future__ import annotations
@@ -22,21 +22,73 @@ from orchestrator.config import Config
 from orchestrator.flops import model_flops_per_step, peak_tflops
 
 EXPERT_LOAD = "moe_expert_load"
-_HEATMAP_CELL = 16  # pixels per (layer, expert) cell, so a 4 x 8 table is still visible
+PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu")  # what Throughput measures
+# Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
+_PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval"}
+# Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
+_JSONL_ONLY = ("step", "resumed_from")
 
 
-def expert_load_image(expert_load: np.ndarray) -> np.ndarray:
-    """Returns an RGB uint8 heatmap [layers * 16, experts * 16, 3] of expert load, one row per layer.
+def tensorboard_tag(name: str) -> str:
+    """Returns the TensorBoard tag of metric `name`: `moe_aux_loss` -> `moe/aux_loss`, `eval_*` -> `eval/*`,
+    throughput numbers -> `perf/<name>`, anything else (a model's new metric too) -> `train/<name>`."""
+    for prefix, group in _PREFIX_GROUPS.items():
+        if name.startswith(prefix):
+            return f"{group}/{name[len(prefix):]}"
+    return f"perf/{name}" if name in PERF_METRICS else f"train/{name}"
 
-    Each row is scaled by its own even share (tokens / mean), so white is
-    twice the even load or more, mid-grey is even, black is an idle expert.
-    """
-    load = np.asarray(expert_load, np.float64)
+
+def moe_layer_indices(config: Config, moe_layers: int) -> list[int] | None:
+    """Returns the model layer index of each MoE layer (the last of every `moe.every`), or None
+    when `moe_layers` rows do not match the config's layer stack."""
+    every = config.moe.every
+    if not every or moe_layers * every != config.model.num_layers:
+        return None
+    return [(unit + 1) * every - 1 for unit in range(moe_layers)]
+
+
+def expert_load_figure(expert_load: np.ndarray, step: int, layers: list[int] | None = None):
+    """Returns a matplotlib Figure (Agg canvas, no display) of expert load: experts across, MoE layers
+    down (labelled with `layers`, the model's layer indices, when given), each cell the expert's
+    tokens over the even share of its layer on a fixed scale: 1 (white) is balanced, 0 (blue) idle,
+    2 (red) twice the even load or more; the title names the busiest expert's multiple."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # a dense run never imports matplotlib
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    load = np.asarray(expert_load, np.float64)  # [moe layers, experts], counts or shares
     mean = load.mean(axis=1, keepdims=True)
-    relative = np.clip(np.divide(load, mean, out=np.zeros_like(load), where=mean > 0) / 2, 0.0, 1.0)
-    pixels = np.kron(relative, np.ones((_HEATMAP_CELL, _HEATMAP_CELL)))
-    grey = (pixels * 255).round().astype(np.uint8)
-    return np.stack([grey, grey, grey], axis=-1)
+    relative = np.divide(load, mean, out=np.zeros_like(load), where=mean > 0)
+    rows = len(relative)
+    width, height = 7.0, min(2.0 + 0.3 * rows, 8.0)  # inches
+    figure = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(figure)
+    # Fixed margins (inches) instead of a layout engine, which would triple the drawing time.
+    left, right, bottom, top = 0.75, 1.25, 0.55, 0.35
+    axes = figure.add_axes((left / width, bottom / height, 1 - (left + right) / width, 1 - (bottom + top) / height))
+    colorbar_axes = figure.add_axes((1 - (right - 0.2) / width, bottom / height, 0.15 / width,
+                                     1 - (bottom + top) / height))
+    cells = axes.imshow(relative, cmap="RdBu_r", norm=TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=2.0),
+                        aspect="auto", interpolation="nearest")
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    axes.yaxis.set_major_locator(MaxNLocator(nbins=16, integer=True))
+    axes.set_xlabel("expert")
+    if layers is None:
+        axes.set_ylabel("MoE layer")
+    else:
+        axes.set_ylabel("layer")
+        axes.yaxis.set_major_formatter(lambda row, _: str(layers[int(row)]) if 0 <= row < rows else "")
+    axes.set_title(f"expert load, step {step} (busiest expert: {relative.max():.2f} x even share)")
+    figure.colorbar(cells, cax=colorbar_axes, extend="max", label="tokens / even share")
+    return figure
+
+
+def expert_load_image(expert_load: np.ndarray, step: int, layers: list[int] | None = None) -> np.ndarray:
+    """Returns `expert_load_figure` rendered as an RGB uint8 array [height, width, 3] (HWC)."""
+    figure = expert_load_figure(expert_load, step, layers)
+    figure.canvas.draw()
+    return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 
 
 def split_metrics(values: dict[str, np.ndarray]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
@@ -113,12 +165,13 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             for name, value in record.items():
-                if name != "step" and name not in arrays:
-                    self.tensorboard.add_scalar(name, value, step)
+                if name not in _JSONL_ONLY and name not in arrays:
+                    self.tensorboard.add_scalar(tensorboard_tag(name), value, step)
             every = self.config.metrics.image_every
             if EXPERT_LOAD in arrays and every and step % every == 0:
-                self.tensorboard.add_image(EXPERT_LOAD, expert_load_image(arrays[EXPERT_LOAD]), step,
-                                           dataformats="HWC")
+                load = arrays[EXPERT_LOAD]
+                image = expert_load_image(load, step, moe_layer_indices(self.config, len(load)))
+                self.tensorboard.add_image(tensorboard_tag(EXPERT_LOAD), image, step, dataformats="HWC")
         return record
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.data import DataPipeline
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
+from orchestrator.optimizer import schedule_change
 from orchestrator.progress import Console
 from orchestrator.runtime import check_shared_run_dir
 from orchestrator.state import StateLayout, init_state, state_layout
@@ -136,6 +137,8 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
     step, state, data_state = resumed
     job.data.restore(data_state, log)
     log(f"resumed from checkpoint {step} in {checkpointer.directory}")
+    if change := schedule_change(checkpointer.saved_config(step), config, step):
+        log(change)
     return step, state
 
 

@@ -57,6 +57,7 @@ def validate(config: Config) -> Config:
     _check_positive(problems, "checkpoint.every", config.checkpoint.every, minimum=0)
     _check_positive(problems, "pipeline.microbatches", config.pipeline.microbatches)
     _check_positive(problems, "pipeline.repeats", config.pipeline.repeats)
+    problems += _schedule_problems(config)
     problems += _mesh_problems(config)
     problems += _moe_problems(config, None if problems else _known_degrees(config))
     if not problems:
@@ -65,6 +66,19 @@ def validate(config: Config) -> Config:
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _schedule_problems(config: Config) -> list[tuple[str, str]]:
+    """The learning-rate schedule's lengths; a null decay_steps (train.steps) cuts the warmup instead."""
+    opt = config.optimizer
+    problems = []
+    _check_positive(problems, "optimizer.warmup_steps", opt.warmup_steps, minimum=0)
+    if opt.decay_steps is not None:
+        _check_positive(problems, "optimizer.decay_steps", opt.decay_steps)
+        if opt.warmup_steps > opt.decay_steps >= 1:
+            problems.append(("optimizer.warmup_steps", f"{opt.warmup_steps} exceeds optimizer.decay_steps="
+                                                       f"{opt.decay_steps}; warm up for at most the decay steps"))
+    return problems
 
 
 def _mesh_problems(config: Config) -> list[tuple[str, str]]:

@@ -83,3 +83,25 @@ def test_every_shipped_config_loads():
         config_lib.load(None, [f"model.preset={path.stem}", "train.global_batch=64"])
     for path in sorted((ROOT / "configs/meshes").glob("*.yaml")):
         config_lib.load(ROOT / "configs/quickstart.yaml", [str(path)])
+
+
+def test_decay_steps_is_positive_and_not_shorter_than_warmup():
+    assert error_keys("optimizer.decay_steps=0") == ["optimizer.decay_steps"]
+    assert error_keys("optimizer.decay_steps=5", "optimizer.warmup_steps=10") == ["optimizer.warmup_steps"]
+    assert error_keys("optimizer.decay_steps=0", "optimizer.warmup_steps=-1") == ["optimizer.warmup_steps",
+                                                                                   "optimizer.decay_steps"]
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ConfigError) as caught:
+        config_lib.load(None, ["model.preset=7b"])
+    assert [key for key, _ in caught.value.problems] == ["model.preset"]
+    assert {"tiny", "125m", "1b"} <= set(config_lib.presets())
+    assert ", ".join(config_lib.presets()) in str(caught.value) and "not found" not in str(caught.value)
+
+
+def test_preset_is_a_name_never_a_path():
+    for path in ("../base", "models/tiny", "/etc/passwd"):
+        with pytest.raises(ConfigError, match="is not a preset; the presets") as caught:
+            config_lib.load(None, [f"model.preset={path}"])
+        assert [key for key, _ in caught.value.problems] == ["model.preset"]

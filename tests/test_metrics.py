@@ -8,12 +8,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from orchestrator.explain import compile_step, cost_flops
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step, peak_tflops
-from orchestrator.metrics import EXPERT_LOAD, MetricsWriter, Throughput, expert_load_image
+from orchestrator.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,
+                                  tensorboard_tag)
 from orchestrator.train import build_job
+from tests.conftest import ROOT
 from tests.helpers import run
 
 SCALARS = ("loss", "lm_loss", "lr", "grad_norm", "param_norm", "step_time_s", "tokens_per_s",
            "tflops_per_device", "mfu")
+MOE = ("moe.num_experts=4", "moe.every=2", "moe.top_k=2")
 
 
 def read_events(tb_dir) -> EventAccumulator:
@@ -28,13 +31,21 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tiny_config):
     run(config)
     records = [json.loads(line) for line in open(f"{config.run.dir}/metrics.jsonl")]
     events = read_events(f"{config.run.dir}/tb")
-    assert set(SCALARS) <= set(events.Tags()["scalars"])
-    for tag in SCALARS:
-        logged = {e.step: e.value for e in events.Scalars(tag)}
+    assert sorted(events.Tags()["scalars"]) == sorted(tensorboard_tag(name) for name in SCALARS)
+    for name in SCALARS:
+        logged = {e.step: e.value for e in events.Scalars(tensorboard_tag(name))}
         assert sorted(logged) == [1, 2, 3, 4]
-        np.testing.assert_allclose([logged[r["step"]] for r in records], [r[tag] for r in records], rtol=1e-6)
+        np.testing.assert_allclose([logged[r["step"]] for r in records], [r[name] for r in records], rtol=1e-6)
     texts = set(events.Tags()["tensors"])  # tensorboardX text summaries read back as tensors
     assert {"config/text_summary", "sharding/text_summary"} <= texts
+
+
+def test_tensorboard_tags_are_grouped_and_new_metrics_get_one():
+    assert [tensorboard_tag(name) for name in ("loss", "lr", "grad_norm", "mfu", "step_time_s")] == [
+        "train/loss", "train/lr", "train/grad_norm", "perf/mfu", "perf/step_time_s"]
+    assert [tensorboard_tag(name) for name in ("moe_aux_loss", "moe_expert_load", "eval_loss")] == [
+        "moe/aux_loss", "moe/expert_load", "eval/loss"]
+    assert tensorboard_tag("attention_entropy") == "train/attention_entropy"  # a metric no table names
 
 
 def test_expert_load_heatmap_is_logged_every_image_every_steps(tiny_config):
@@ -45,17 +56,51 @@ def test_expert_load_heatmap_is_logged_every_image_every_steps(tiny_config):
     for step in (1, 2, 3, 4):
         writer.write(step, {"loss": np.float32(1.0), EXPERT_LOAD: load}, 0.5)
     writer.close()
-    images = read_events(f"{config.run.dir}/tb").Images(EXPERT_LOAD)
+    images = read_events(f"{config.run.dir}/tb").Images("moe/expert_load")
     assert [image.step for image in images] == [2, 4]
-    assert (images[0].height, images[0].width) == (3 * 16, 4 * 16)
-    pixels = expert_load_image(load)[::16, ::16, 0]  # one pixel per (layer, expert)
-    assert pixels[1].tolist() == [128] * 4  # even load is mid-grey
-    assert pixels[0, 1] == 0 and pixels[2, 3] == 255  # idle expert black, overloaded white
+    assert (images[0].height, images[0].width, 3) == expert_load_image(load, 2).shape
     # metrics.jsonl keeps the per-layer numbers the image shows
     assert json.loads(open(f"{config.run.dir}/metrics.jsonl").readline())[EXPERT_LOAD][1] == [4.0] * 4
 
 
-@pytest.mark.parametrize("model", [(), ("moe.num_experts=4", "moe.every=2", "moe.top_k=2")], ids=["dense", "moe"])
+def test_expert_load_heatmap_colours_cells_by_load_with_axes_and_colour_bar():
+    load = np.array([[10, 0, 5, 1], [4, 4, 4, 4], [0, 0, 0, 16]], np.float32)  # [MoE layers, experts]
+    figure = expert_load_figure(load, 7, layers=[1, 3, 5])
+    figure.canvas.draw()
+    pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].astype(int)
+    assert 200 <= pixels.shape[0] <= 1200 and 400 <= pixels.shape[1] <= 1200
+    heatmap, colour_bar = figure.axes
+
+    def cell(layer, expert):
+        x, y = heatmap.transData.transform((expert, layer))  # a cell's centre, from the bottom left
+        return pixels[pixels.shape[0] - round(y), round(x)]
+
+    idle, even, overloaded = cell(0, 1), cell(1, 2), cell(2, 3)
+    assert idle[2] > idle[0] + 50 and overloaded[0] > overloaded[2] + 50  # blue vs red
+    assert even.min() > 200  # balanced is near white
+    shown = [label.get_text() for label in heatmap.get_yticklabels() if label.get_text()]
+    assert shown == ["1", "3", "5"]  # the model's layer index of each MoE layer
+    assert heatmap.get_xlabel() == "expert" and "step 7" in heatmap.get_title()
+    assert colour_bar.get_ylabel() == "tokens / even share"
+    rendered = expert_load_image(load, 7, layers=[1, 3, 5])
+    assert rendered.dtype == np.uint8 and np.array_equal(rendered, pixels)
+
+
+def test_every_tag_and_metrics_key_of_a_moe_run_is_documented(tiny_config):
+    config = tiny_config("train.steps=2", "metrics.peak_tflops=1.0", "metrics.image_every=1", *MOE)
+    run(config)
+    events = read_events(f"{config.run.dir}/tb")
+    tags = {tag for kind in ("scalars", "images", "tensors") for tag in events.Tags()[kind]}
+    keys = {key for line in open(f"{config.run.dir}/metrics.jsonl") for key in json.loads(line)}
+    resumed = MetricsWriter(config, Throughput(config, 8, "cpu"), enabled=False)  # what a resume adds, untrained
+    resumed.start(2, "")
+    keys |= set(resumed.write(3, {"loss": np.float32(1.0)}, 0.5))
+    assert {"moe/expert_load", "perf/mfu", "moe/aux_loss"} <= tags and {"resumed_from", EXPERT_LOAD} <= keys
+    docs = (ROOT / "docs/monitoring.md").read_text()
+    assert sorted(name for name in tags | keys if f"`{name}`" not in docs) == []
+
+
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
 def test_analytic_flops_match_xla_cost_analysis(tiny_config, model):
     # XLA's cost analysis counts a loop body once, so the step is compiled with its loops unrolled.
     # XLA also multiplies the whole masked T x T attention and GShard's dispatch/combine einsums over
