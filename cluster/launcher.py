@@ -30,7 +30,8 @@ from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 LOCALHOST = "127.0.0.1"
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-UPLOAD_EXCLUDES = [".git", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs"]
+UPLOAD_EXCLUDES = [".git", ".venv", "venv", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
+                   "bench"]
 
 
 @dataclasses.dataclass(frozen=True)

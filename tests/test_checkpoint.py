@@ -15,6 +15,7 @@ import pytest
 
 from orchestrator import config as config_lib
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
+from orchestrator.progress import Console
 from orchestrator.train import TrainingDiverged, build_job, train
 from tests.helpers import mesh_overrides, run
 
@@ -199,7 +200,7 @@ def test_resume_to_more_steps_within_decay_steps_is_bit_exact(tmp_path):
     reference = run(load(tmp_path / "reference", "train.steps=8", "optimizer.decay_steps=8"))
     first = run(load(tmp_path / "run", "train.steps=4", "optimizer.decay_steps=8"))
     lines = []
-    second = train(load(tmp_path / "run", "train.steps=8", "optimizer.decay_steps=8"), log=lines.append)
+    second = train(load(tmp_path / "run", "train.steps=8", "optimizer.decay_steps=8"), console=Console(log=lines.append))
     assert second.first_step == 4
     assert first.losses + second.losses == reference.losses
     assert not any("schedule" in line for line in lines)  # the schedule is the checkpoint's
@@ -208,7 +209,7 @@ def test_resume_to_more_steps_within_decay_steps_is_bit_exact(tmp_path):
 def test_resume_that_moves_the_end_of_the_lr_schedule_says_so_in_one_line(tmp_path):
     run(load(tmp_path / "run", "train.steps=2"))
     lines = []
-    train(load(tmp_path / "run", "train.steps=3"), log=lines.append)
+    train(load(tmp_path / "run", "train.steps=3"), console=Console(log=lines.append))
     changes = [line for line in lines if "schedule" in line]
     assert len(changes) == 1
     assert "optimizer.decay_steps 2 -> 3" in changes[0] and "train.steps" in changes[0]

@@ -190,13 +190,17 @@ def ray_head(tmp_path_factory):
 @pytest.mark.timeout(400)
 def test_submit_follow_trains_to_completion(ray_head, tmp_path):
     url, _ = ray_head
-    process = nestor("submit", "configs/quickstart.yaml", *TINY, "train.steps=3", "cluster.hosts=2",
-                     "cluster.devices_per_host=4", f"run.dir={tmp_path}", "--address", url, "--follow",
-                     timeout=300)
+    # Overrides after the options, as the docs write them.
+    process = nestor("submit", "configs/quickstart.yaml", "--address", url, *TINY, "train.steps=3", "cluster.hosts=2",
+                     "cluster.devices_per_host=4", f"run.dir={tmp_path}", "--follow", timeout=300)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     job_id = process.stdout.splitlines()[0]
     assert job_id.startswith("raysubmit_")
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    for step in (1, 2, 3):  # each step line once: no worker line reaches the job's log, the driver prints it
+        assert len(re.findall(rf"^step +{step} +loss", process.stdout, re.M)) == 1, process.stdout
+    assert "Traceback" not in process.stdout + process.stderr and "Gloo" not in process.stdout
+    assert f"run.dir on the cluster: {tmp_path}" in process.stderr
     assert nestor("status", job_id, "--address", url).stdout.strip() == "SUCCEEDED"
 
 
@@ -316,3 +320,14 @@ def test_kuberay_rayjob_names_image_entrypoint_and_resources():
     assert f"cluster.hosts={hosts}" in job["spec"]["entrypoint"]
     assert "cluster.devices_per_host=4" in job["spec"]["entrypoint"]
     assert all(e.get("valueFrom") for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_jobs_api_errors_are_one_line(ray_head):
+    url, _ = ray_head
+    for command in ("status", "stop"):
+        process = nestor(command, "raysubmit_doesnotexist", "--address", url, timeout=100)
+        lines = process.stderr.strip().splitlines()
+        assert process.returncode == 1 and len(lines) == 1, process.stderr
+        assert lines[0].startswith(f"nestor: --address {url}: job raysubmit_doesnotexist failed: ")
