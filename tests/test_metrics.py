@@ -10,9 +10,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from orchestrator import config as config_lib
-from orchestrator.explain import compile_step, cost_flops, explain, step_flops
+from orchestrator.explain import compile_step, cost_flops, explain, format_report, step_flops
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step, peak_tflops
-from orchestrator.metrics import EXPERT_LOAD, MetricsWriter, Throughput, expert_load_image
+from orchestrator.metrics import EXPERT_LOAD, MetricsWriter, Throughput, expert_load_image, spec_text
 from orchestrator.train import build_job
 from tests.conftest import TINY
 from tests.helpers import run
@@ -102,9 +102,10 @@ def test_one_compile_flops_match_xla_on_the_unrolled_step(tiny_config, monkeypat
 
 @pytest.fixture(scope="module")
 def moe_explained(tmp_path_factory):
-    """Returns (report, compiles of the train step) of `explain` on a tiny MoE model."""
+    """Returns (report, compiles of the train step) of `explain` on a tiny MoE model without a pipeline,
+    its embed axis split over two mesh axes."""
     config = config_lib.load(None, [*TINY, f"run.dir={tmp_path_factory.mktemp('run')}", *MOE, "mesh.data=2",
-                                    "mesh.expert=2", "mesh.tensor=2"])
+                                    "mesh.expert=2", "mesh.tensor=2", "mesh.rules.embed=[fsdp,data]"])
     compiles = []
 
     def count(event: str, duration: float, **kwargs) -> None:
@@ -122,3 +123,43 @@ def moe_explained(tmp_path_factory):
 def test_explain_compiles_the_train_step_once(moe_explained):
     _, compiles = moe_explained
     assert compiles == 1
+
+
+def test_explain_json_gives_specs_as_lists_and_no_pipeline_without_one(moe_explained):
+    report, _ = moe_explained
+    report = json.loads(json.dumps(report))
+    specs = {row["name"]: row["spec"] for row in report["params"]}
+    assert specs["blocks/expert_layer/mlp/up"] == ["pipeline", "expert", ["fsdp", "data"], "tensor"]
+    assert specs["final_norm/scale"] == [None]
+    assert report["pipeline"] is None
+    assert "pipeline:" not in format_report(report)
+
+
+def test_explain_parameter_table_columns_line_up_whatever_their_widths(moe_explained):
+    report, _ = moe_explained
+    lines = format_report(report).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["name", "shape"])
+    rows = lines[header + 1:header + 1 + len(report["params"])]
+    spec_column, bytes_column = lines[header].index("spec"), lines[header].index("per device")
+    for line, row in zip(rows, report["params"]):
+        assert line.index(spec_text(row["spec"]), spec_column) == spec_column, line
+        assert line[bytes_column - 2:bytes_column] == "  " and line[bytes_column] != " ", line
+
+
+def test_peak_table_knows_accelerators_and_refuses_to_guess():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bfloat16") == 756.0
+    assert peak_tflops("TPU v5 lite", "bfloat16") == 197.0
+    assert peak_tflops("TPU v5p", "bfloat16") == 459.0
+    assert peak_tflops("cpu", "float32") is None
+    assert peak_tflops("TPU v4", "float32") is None
+    assert peak_tflops("cpu", "float32", override=2.5) == 2.5
+
+
+def test_mfu_is_flops_over_peak_and_absent_on_cpu(tiny_config):
+    config = tiny_config()
+    per_device = model_flops_per_step(config) / 8 / 1e12 / 0.5
+    assert "mfu" not in Throughput(config, 8, "cpu").measure(0.5)
+    measured = Throughput(config, 8, "NVIDIA H100 80GB HBM3").measure(0.5)
+    assert measured["tflops_per_device"] == pytest.approx(per_device)
+    assert measured["mfu"] == pytest.approx(per_device / 67.0)  # tiny_config is float32
