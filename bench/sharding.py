@@ -116,8 +116,9 @@ READING = (
     "Reading: bytes per device are exact (shard shapes; XLA's memory analysis for temporaries); the ideal splits "
     "every parameter a mesh shards at all over every device, so data parallelism, which replicates by design, is "
     "its own ideal and data2 x fsdp2 x tensor2 sits at twice it. Collectives are read from the compiled HLO with "
-    "loop bodies counted once per iteration. XLA FLOPs count the step compiled with its loops unrolled (XLA counts "
-    "a loop body once) and include the masked half of causal attention and the optimizer, hence the ratio above 1. "
+    "loop bodies counted once per iteration. XLA FLOPs are XLA's cost analysis of the compiled step with each loop "
+    "body counted once per iteration (XLA alone counts it once; `nestor explain` scales it by its trip count) and "
+    "include the masked half of causal attention and the optimizer, hence the ratio above 1. "
     "Step times are 8 simulated devices sharing 2 cores: the ratio shows the cost of the extra collectives and "
     "smaller matmuls, not a speed-up.")
 

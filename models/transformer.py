@@ -172,14 +172,12 @@ class BlockGroup(nnx.Module):
         return self.expert_layer(x, train=train, routing_key=routing_key)
 
 
-def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, *, unroll: bool = False) -> tuple[jax.Array, Stats]:
+def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array) -> tuple[jax.Array, Stats]:
     """Runs `layer_fn` over the leading `layers` dimension of `stacked_params`.
 
     Returns the final activations and each layer's stats stacked `[layers, ...]`.
-    `unroll=True` traces every layer (for XLA's cost analysis, which counts a
-    loop body once).
     """
-    return jax.lax.scan(lambda carry, params: layer_fn(params, carry), x, stacked_params, unroll=unroll)
+    return jax.lax.scan(lambda carry, params: layer_fn(params, carry), x, stacked_params)
 
 
 class Transformer(nnx.Module):

@@ -1,5 +1,6 @@
-"""`nestor explain`: compile the train step without running it and report
-layout, memory, communication and FLOPs, all read from XLA's own analyses."""
+"""`nestor explain`: compile the train step once, without running it, and report
+layout, memory, communication and FLOPs, all read from XLA's own analyses and
+the compiled HLO."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import numpy as np
 
 from orchestrator.config import Config
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
+from orchestrator.metrics import spec_text
 from orchestrator.step import pipeline_schedule
 from orchestrator.train import Job, build_job
-from parallel.hlo import collectives
+from parallel.hlo import collectives, flops_per_run
 from parallel.rules import is_logical_axes
 
 
@@ -32,14 +34,21 @@ def _flatten(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
 
 
+def _spec_entries(leaf: jax.ShapeDtypeStruct) -> list[str | list[str] | None]:
+    """Returns the PartitionSpec of `leaf` as JSON: per dimension None, a mesh axis, or a list of axes."""
+    spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
+    return [list(entry) if isinstance(entry, tuple) else entry for entry in spec]
+
+
 def param_table(job: Job) -> list[dict[str, Any]]:
-    """Returns one row per parameter: name, shape, logical axes, PartitionSpec, bytes per device."""
+    """Returns one row per parameter: name, shape, logical axes, PartitionSpec (see `_spec_entries`),
+    bytes per device and in all."""
     logical = dict(_flatten(job.layout.logical, is_leaf=is_logical_axes))
     rows = []
     for name, leaf in _flatten(job.layout.abstract["params"]):
         rows.append({
             "name": name, "shape": list(leaf.shape), "logical_axes": list(logical[name]),
-            "spec": str(tuple(leaf.sharding.spec)), "bytes_per_device": _per_device_bytes(leaf),
+            "spec": _spec_entries(leaf), "bytes_per_device": _per_device_bytes(leaf),
             "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
         })
     return rows
@@ -48,8 +57,8 @@ def param_table(job: Job) -> list[dict[str, Any]]:
 def cost_flops(compiled) -> float:
     """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
 
-    XLA counts a loop body once, whatever its trip count: compile the job with
-    `unroll_loops=True` for a per-step figure.
+    XLA counts a loop body once, whatever its trip count: `step_flops` counts
+    it once per iteration.
     """
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
@@ -57,25 +66,31 @@ def cost_flops(compiled) -> float:
     return float(cost.get("flops", math.nan))
 
 
-def pipeline_report(job: Job) -> dict[str, Any]:
-    """Returns the pipeline schedule of `job`: name, iterations, microbatches, stages, repeats, bubble_fraction."""
+def step_flops(compiled) -> float:
+    """Returns the FLOPs per device of one run of `compiled` with every loop body counted once per
+    iteration: XLA's cost analysis, its loop bodies scaled by their trip counts (parallel.hlo.flops_per_run)."""
+    return flops_per_run(compiled.as_text(), cost_flops(compiled))
+
+
+def pipeline_report(job: Job) -> dict[str, Any] | None:
+    """Returns the pipeline schedule of `job` (name, iterations, microbatches, stages, repeats,
+    bubble_fraction), or None when the mesh has a single stage (`mesh.pipeline=1`)."""
     schedule = pipeline_schedule(job.config, job.mesh)
     if schedule is None:
-        return {"schedule": "none", "iterations": 1, "microbatches": 1, "stages": 1, "repeats": 1,
-                "bubble_fraction": 0.0}
+        return None
     return {"schedule": schedule.name, "iterations": schedule.iterations, "microbatches": schedule.microbatches,
             "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction}
 
 
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
-    """Returns the report `nestor explain --json` prints."""
+    """Returns the report `nestor explain --json` prints; the train step is compiled once."""
     job = job or build_job(config)
     compiled = compile_step(job)
     memory = compiled.memory_analysis()
     params = param_table(job)
     optimizer_bytes = sum(_per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
     devices = job.mesh.devices.size
-    xla_flops = cost_flops(compile_step(build_job(config, unroll_loops=True)))
+    xla_flops = step_flops(compiled)
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.mesh.devices.flat[0].platform},
         "params": params,
@@ -107,25 +122,29 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Returns `rows` (the first is the header) as lines whose columns are as wide as their widest cell."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """Returns the human-readable form of an explain report."""
     mesh = report["mesh"]
     lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
              f"({mesh['devices']} {mesh['platform']} devices)", "",
              f"parameters: {report['param_count']:,}"]
-    width = max(len(row["name"]) for row in report["params"])
-    lines.append(f"  {'name':<{width}}  {'shape':<18} {'logical axes':<34} {'spec':<34} per device")
-    for row in report["params"]:
-        lines.append(f"  {row['name']:<{width}}  {str(tuple(row['shape'])):<18} "
-                     f"{str(tuple(row['logical_axes'])):<34} {row['spec']:<34} {_fmt_bytes(row['bytes_per_device'])}")
+    lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [
+        (row["name"], str(tuple(row["shape"])), str(tuple(row["logical_axes"])), spec_text(row["spec"]),
+         _fmt_bytes(row["bytes_per_device"])) for row in report["params"]])
     lines += ["", "memory per device (XLA memory analysis):"]
     lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
     lines += ["", "collectives per step (compiled HLO):"]
     lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
-    p = report["pipeline"]
-    lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
-                  f"{p['microbatches']} micro-batches, {p['iterations']} iterations, "
-                  f"bubble {p['bubble_fraction']:.1%}"]
-    lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, all devices); "
-                  f"model FLOPs {report['model_flops_per_step']:.4g} (analytic)"]
+    if (p := report["pipeline"]) is not None:
+        lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
+                      f"{p['microbatches']} micro-batches, {p['iterations']} iterations, "
+                      f"bubble {p['bubble_fraction']:.1%}"]
+    lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
+                  f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)"]
     return "\n".join(lines)

@@ -180,9 +180,15 @@ class MetricsWriter:
             self.tensorboard.close()
 
 
+def spec_text(spec: list) -> str:
+    """Returns a PartitionSpec given as JSON (per dimension None, a mesh axis, or a list of axes)
+    written as its Python tuple, e.g. "('pipeline', ('data', 'expert'), None)"."""
+    return str(tuple(tuple(entry) if isinstance(entry, list) else entry for entry in spec))
+
+
 def sharding_table(rows: list[dict]) -> str:
     """Returns a Markdown table of parameters: name, shape, logical axes, PartitionSpec, bytes per device."""
     lines = ["| parameter | shape | logical axes | spec | bytes/device |", "|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['shape']} | {r['logical_axes']} | {r['spec']} | {r['bytes_per_device']} |"
+    lines += [f"| {r['name']} | {r['shape']} | {r['logical_axes']} | {spec_text(r['spec'])} | {r['bytes_per_device']} |"
               for r in rows]
     return "\n".join(lines)

@@ -59,8 +59,8 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
     return loss_fn
 
 
-def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array, accum: int, constrain,
-                       unroll: bool) -> tuple[Any, Metrics]:
+def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array, accum: int,
+                       constrain) -> tuple[Any, Metrics]:
     """Returns (grads, metrics) averaged over `accum` micro-batches; micro-batch i routes
     with `fold_in(key, i)`, so no two micro-batches draw the same routing noise."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -80,7 +80,7 @@ def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array,
         functools.partial(grad_fn, routing_key=key), params, micro[0])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          (grads_shape, {"loss": loss_shape, **metrics_shape}))
-    (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro), unroll=unroll)
+    (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 
 
@@ -90,23 +90,20 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     return None if stages == 1 else schedule_for(config, stages)
 
 
-def stack_runner_for(config: Config, mesh: Mesh, rules: Rules, *, unroll: bool = False) -> StackRunner:
+def stack_runner_for(config: Config, mesh: Mesh, rules: Rules) -> StackRunner:
     """Returns how the layer stack runs: pipelined when `mesh.pipeline > 1`, else a scan."""
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
-        return functools.partial(scan_layers, unroll=unroll)
-    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED), unroll=unroll)
+        return scan_layers
+    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
 
 
-def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, *, unroll_loops: bool = False):
+def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
     """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
 
     The layer stack runs through `stack_runner_for(config, mesh, rules)`.
-    `unroll_loops=True` builds the same computation with every loop unrolled,
-    for FLOP counting only: XLA's cost analysis counts a loop body once.
     """
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules, unroll=unroll_loops),
-                           config.moe)
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
@@ -114,7 +111,7 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
         key = routing_key(config.run.seed, state["step"])
-        grads, metrics = _accumulated_grads(loss_fn, params, tokens, key, accum, constrain, unroll_loops)
+        grads, metrics = _accumulated_grads(loss_fn, params, tokens, key, accum, constrain)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),

@@ -70,15 +70,12 @@ class Job:
     data: DataPipeline
 
 
-def build_job(config: Config, devices: list[jax.Device] | None = None, *, unroll_loops: bool = False) -> Job:
-    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet.
-
-    `unroll_loops=True` gives a step for FLOP counting only (see make_train_step).
-    """
+def build_job(config: Config, devices: list[jax.Device] | None = None) -> Job:
+    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet."""
     mesh = make_mesh(config, devices)
     rules = resolve_rules(config.mesh.rules)
     layout = state_layout(config, mesh, rules)
-    step_fn = make_train_step(config, layout, mesh, rules, unroll_loops=unroll_loops)
+    step_fn = make_train_step(config, layout, mesh, rules)
     data = DataPipeline(config, batch_sharding(mesh, rules))
     return Job(config, mesh, rules, layout, step_fn, data)
 

@@ -101,12 +101,12 @@ def _remat_policy(remat: str):
     return getattr(jax.checkpoint_policies, remat)
 
 
-def _stage_fn(layer_fn: LayerFn, remat: str, unroll: bool):
+def _stage_fn(layer_fn: LayerFn, remat: str):
     """Returns f(stage_params [R, layers_per_stage, ...], repeat, x) -> (x, stats [layers_per_stage, ...])."""
 
     def stage(stage_params: Any, repeat: jax.Array, x: jax.Array):
         params = jax.tree.map(lambda leaf: leaf[repeat], stage_params)  # [layers_per_stage, ...]
-        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, h), x, params, unroll=unroll)
+        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, h), x, params)
 
     return jax.checkpoint(stage, policy=_remat_policy(remat), prevent_cse=False)
 
@@ -154,16 +154,14 @@ def _stage_view(stacked_params: Any, schedule: Schedule, layout: _Layout) -> Any
     return jax.tree.map(view, stacked_params)
 
 
-def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...], *,
-                    unroll: bool = False):
+def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...]):
     """Returns runner(layer_fn, stacked_params, x) -> (x, stats) that pipelines a layer stack.
 
     `stacked_params` leaves are `[layers, ...]`; `x` is `[batch, ...]` with
     logical axes `activation_axes`; `layer_fn(layer_params, x) -> (x, stats)`.
     The runner returns the stack's output and each layer's stats stacked
     `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
-    `unroll=True` unrolls every loop (for XLA's FLOP count, which counts a loop
-    body once). Raises ValueError when the batch does not split into
+    Raises ValueError when the batch does not split into
     micro-batches or the layers into stages x repeats.
     """
     layout = _Layout(mesh, rules, activation_axes)
@@ -178,14 +176,13 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
             raise ValueError("; ".join(problems))
         params = _stage_view(stacked_params, schedule, layout)
         buffer = jax.lax.with_sharding_constraint(to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
-        stage_fn = jax.vmap(_stage_fn(layer_fn, schedule.remat, unroll), in_axes=(1, 0, 0),
+        stage_fn = jax.vmap(_stage_fn(layer_fn, schedule.remat), in_axes=(1, 0, 0),
                             spmd_axis_name=layout.stage_axes or None)
         state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)  # [S, mb, ...]: each stage's last output
         stats_shape = jax.eval_shape(stage_fn, params, jnp.zeros((stages,), jnp.int32), state)[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
         iteration = _iteration_fn(schedule, layout, lambda *args: stage_fn(params, *args))
-        (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations),
-                                              unroll=unroll)
+        (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
         out = jax.lax.with_sharding_constraint(_from_microbatches(buffer), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
         stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), totals)

@@ -17,14 +17,15 @@ from orchestrator import config as config_lib  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+TINY = ("model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2")
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     """Returns a loader: tiny_config(*overrides) -> Config for the tiny model in a temp run dir."""
 
     def make(*overrides: str, **dotted):
-        base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
-                f"run.dir={tmp_path / 'run'}", "optimizer.warmup_steps=2"]
-        config = config_lib.load(None, base + list(overrides))
+        config = config_lib.load(None, [*TINY, f"run.dir={tmp_path / 'run'}", *overrides])
         return config.replace(**dotted) if dotted else config
 
     return make

@@ -36,8 +36,9 @@ def test_explain_json_on_quickstart_mesh():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["mesh"]["devices"] == 8
-    names = {row["name"] for row in report["params"]}
-    assert {"embedding", "blocks/expert_layer/mlp/router", "blocks/dense/0/mlp/up"} <= names, names
+    specs = {row["name"]: row["spec"] for row in report["params"]}
+    assert {"embedding", "blocks/expert_layer/mlp/router", "blocks/dense/0/mlp/up"} <= set(specs), specs
+    assert specs["blocks/expert_layer/mlp/up"] == ["pipeline", "expert", "fsdp", "tensor"]  # one entry per dimension
     assert report["pipeline"]["stages"] == 2
     assert report["flops_per_step"] > 0 and report["memory_per_device_bytes"]["temporaries"] > 0
 

@@ -1,6 +1,11 @@
-"""Collective accounting on HLO text."""
+"""Collective and FLOP accounting on HLO text."""
 
-from parallel.hlo import collectives
+import jax
+import jax.numpy as jnp
+import pytest
+
+from orchestrator.explain import cost_flops
+from parallel.hlo import collectives, estimated_flops, flops_per_run
 
 _ELEMENT = "f32[1,2,40,128]{3,2,1,0}"
 
@@ -14,3 +19,50 @@ def _module(operands: int) -> str:
 def test_tuple_collectives_of_any_width_are_counted_with_all_their_bytes():
     for operands in (2, 8):
         assert collectives(_module(operands))["all-to-all"] == {"count": 1, "bytes": operands * 2 * 40 * 128 * 4}
+
+
+def _nested_scans(unroll: bool):
+    """Returns a jitted f(x [8, 32], w [32, 32]): 3 outer x 4 inner iterations of tanh(x @ w), then a sum."""
+
+    def inner(x, w):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w) + 1.0, None), x, None, length=4, unroll=unroll)[0]
+
+    def f(x, w):
+        y = jax.lax.scan(lambda h, _: (inner(h, w) * 0.5, None), x, None, length=3, unroll=unroll)[0]
+        return jnp.sum(y * y)
+
+    return jax.jit(f)
+
+
+def _compiled_scans(unroll: bool):
+    return _nested_scans(unroll).lower(jnp.ones((8, 32)), jnp.ones((32, 32))).compile()
+
+
+def _compiled_convolutions():
+    """Returns the compiled gradients of a strided, padded, dilated, grouped 2-D convolution."""
+
+    def f(x, kernel):  # x [batch, features, height, width], kernel [out, in / groups, 3, 3]
+        y = jax.lax.conv_general_dilated(x, kernel, (2, 1), ((1, 2), (0, 1)), rhs_dilation=(1, 2),
+                                         feature_group_count=2)
+        return jnp.sum(jnp.tanh(y))
+
+    return jax.jit(jax.grad(f, argnums=(0, 1))).lower(jnp.ones((2, 8, 17, 16)), jnp.ones((8, 4, 3, 3))).compile()
+
+
+PROGRAMS = {"scans": lambda: _compiled_scans(False), "unrolled": lambda: _compiled_scans(True),
+            "convolutions": _compiled_convolutions}
+
+
+@pytest.mark.parametrize("program", PROGRAMS.values(), ids=PROGRAMS.keys())
+def test_hlo_flop_estimate_equals_xla_cost_analysis_of_the_same_program(program):
+    compiled = program()
+    assert estimated_flops(compiled.as_text(), loop_iterations=False) == pytest.approx(cost_flops(compiled), rel=1e-5)
+
+
+def test_flops_per_run_counts_each_nested_loop_body_once_per_iteration():
+    rolled, unrolled = _compiled_scans(False), _compiled_scans(True)
+    assert rolled.as_text().count(" while(") == 2 and " while(" not in unrolled.as_text()
+    dots = 3 * 4 * 2 * 8 * 32 * 32  # 12 runs of an [8, 32] x [32, 32] matmul
+    assert cost_flops(rolled) < dots / 6 < dots < cost_flops(unrolled)  # XLA alone counts each body once
+    # Only the rolled program's loop counters and conditions (a few dozen FLOPs) are extra.
+    assert flops_per_run(rolled.as_text(), cost_flops(rolled)) == pytest.approx(cost_flops(unrolled), rel=1e-3)
