@@ -1,7 +1,7 @@
 """Submitting a training job to a running Ray cluster through Ray's Jobs API.
 
-The project directory travels as the job's working dir, with the resolved
-config written into a copy of it, so the cluster runs exactly what was
+The project's packages and configs travel as the job's working dir, with the
+resolved config written beside them, so the cluster runs exactly what was
 submitted. Token authentication stays on: the token comes from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or Ray's token file, and is never
 printed or written anywhere by nestor.
@@ -10,18 +10,23 @@ printed or written anywhere by nestor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from cluster.launcher import PROJECT_ROOT, UPLOAD_EXCLUDES
+from cluster.launcher import PROJECT_ROOT
 from cluster.rendezvous import ClusterError
 
 SUBMITTED_CONFIG = ".nestor/config.yaml"
+# What a job needs of the project: its packages and configs, no run dirs, venvs or docs.
+JOB_FILES = ("pyproject.toml", "configs", "orchestrator", "parallel", "models", "cluster")
+AGENT_WAIT_S = 60.0  # how long a submission waits for a just-started head's job agent
 # The job's Python: the first of python3, python on the head's PATH (POSIX sh).
 ENTRYPOINT_PYTHON = '"$(command -v python3 || command -v python)"'
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
@@ -83,14 +88,29 @@ def submit(address: str, config_yaml: str, command: str = "train") -> str:
     jobs = client(address)
     with tempfile.TemporaryDirectory(prefix="nestor-submit-") as staging:
         working_dir = Path(staging) / "project"
-        shutil.copytree(PROJECT_ROOT, working_dir, ignore=shutil.ignore_patterns(
-            *(pattern.split("/")[-1] for pattern in UPLOAD_EXCLUDES)))
+        for name in JOB_FILES:
+            source, target = PROJECT_ROOT / name, working_dir / name
+            if source.is_dir():
+                shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
         (working_dir / SUBMITTED_CONFIG).parent.mkdir(exist_ok=True)
         (working_dir / SUBMITTED_CONFIG).write_text(config_yaml)
-        return _jobs_call(address, "submitting the job", lambda: jobs.submit_job(
-            entrypoint=f"{ENTRYPOINT_PYTHON} -m orchestrator {command} {SUBMITTED_CONFIG}",
-            runtime_env={"working_dir": str(working_dir)},
-        ))
+        submit_job = functools.partial(
+            jobs.submit_job, entrypoint=f"{ENTRYPOINT_PYTHON} -m orchestrator {command} {SUBMITTED_CONFIG}",
+            runtime_env={"working_dir": str(working_dir)})
+        deadline = time.monotonic() + AGENT_WAIT_S
+        while True:
+            try:
+                return submit_job()
+            except RuntimeError as error:
+                # A head that has just started serves the Jobs API a few seconds before its job agent.
+                if "No available agent" not in str(error) or time.monotonic() > deadline:
+                    raise ClusterError(f"--address {address}: submitting the job failed: {_one_line(error)}") from None
+                time.sleep(1.0)
+            except Exception as error:
+                raise ClusterError(f"--address {address}: submitting the job failed: {_one_line(error)}") from None
 
 
 def follow(address: str, job_id: str, out=sys.stdout) -> str:
