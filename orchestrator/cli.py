@@ -80,10 +80,10 @@ def _submit(config, args) -> int:
 
     from cluster import jobs
 
-    print(f"nestor: run.dir on the cluster: {config.run.dir} (relative paths resolve against the directory "
-          "nestor runs in; every host must see this path)", file=sys.stderr)
     job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False))
     print(job_id, flush=True)
+    print(f"nestor: run.dir on the cluster: {config.run.dir} (relative paths resolve against the directory "
+          "nestor runs in; every host must see this path)", file=sys.stderr, flush=True)
     if not args.follow:
         return 0
     final = jobs.follow(args.address, job_id)

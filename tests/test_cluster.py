@@ -24,6 +24,7 @@ from tests.helpers import mesh_overrides, run
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 RAY = str(Path(PYTHON).parent / "ray")
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"  # the file the Ray runs below layer their overrides on
 # The quickstart's model and mesh, made dense, single-stage and small.
 TINY = ["model.preset=tiny", "data.source=synthetic", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
         "optimizer.warmup_steps=2", "model.num_kv_heads=4", "train.log_every=1", "moe.num_experts=0", "moe.every=0",
@@ -53,7 +54,7 @@ def one_process_losses(tmp_path_factory):
     """Losses of the tiny model on 1 process x 8 devices, data2 x fsdp2 x tensor2."""
     from orchestrator import config as config_lib
 
-    config = config_lib.load(None, TINY + [f"run.dir={tmp_path_factory.mktemp('one')}"])
+    config = config_lib.load(QUICKSTART, TINY + [f"run.dir={tmp_path_factory.mktemp('one')}"])
     return run(config.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
 
 
@@ -169,7 +170,8 @@ def ray_head(tmp_path_factory):
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         "--num-cpus=3", "--disable-usage-stats"],
+         # its own agent port: the default (52365) may be held by another Ray node on this machine
+         f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--num-cpus=3", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
     try:
@@ -257,7 +259,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_loss(ray_head, tmp_path)
 
     # Long enough that the kill lands mid-run, well after the first checkpoint (step 2).
     longer = ["train.steps=40", "checkpoint.every=2"]
-    reference = config_lib.load(None, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
+    reference = config_lib.load(QUICKSTART, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
     reference_losses = run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
     run_dir = tmp_path / "restarted"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

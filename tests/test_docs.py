@@ -95,8 +95,12 @@ def test_doc_block_runs_as_written(block, tmp_path_factory):
         command = [sys.executable, "-"]
     else:
         command = ["bash", "-euo", "pipefail", "-c", text]
-    process = subprocess.run(command, input=text if block.language == "python" else None, cwd=clone, env=env,
-                             capture_output=True, text=True, timeout=840)
+    try:
+        process = subprocess.run(command, input=text if block.language == "python" else None, cwd=clone, env=env,
+                                 capture_output=True, text=True, timeout=840)
+    finally:
+        if "ray start" in text:  # a block that failed half-way must not leave its head to later tests
+            subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
     assert process.returncode == 0, (f"{block.id} failed (exit {process.returncode}):\n{text}\n--- stdout\n"
                                      f"{process.stdout[-3000:]}\n--- stderr\n{process.stderr[-3000:]}")
 

@@ -184,7 +184,7 @@ def test_each_accumulated_micro_batch_draws_its_own_routing_noise():
         return jnp.sum(params["w"] * tokens), {"draw": jax.random.uniform(routing_key)}
 
     key, tokens = jax.random.key(3), jnp.ones((4, 3))
-    _, metrics = _accumulated_grads(loss_fn, {"w": jnp.ones(())}, tokens, key, 2, lambda x, _: x, False)
+    _, metrics = _accumulated_grads(loss_fn, {"w": jnp.ones(())}, tokens, key, 2, lambda x, _: x)
     draws = [jax.random.uniform(jax.random.fold_in(key, i)) for i in range(2)]
     assert draws[0] != draws[1]
     np.testing.assert_allclose(metrics["draw"], np.mean(draws), rtol=1e-6)
