@@ -5,7 +5,7 @@ times the train step over M micro-batches as a ratio to the same model's
 non-pipelined step (the same devices as a data mesh), the two interleaved step by step,
 next to the theory (R*M + S - 1) / (R*M): every iteration runs all stages, so
 the bubble's share of the work is the share of the time. Also reads XLA's
-per-device temporary bytes over M with and without per-stage remat.
+per-device temporary bytes over M with and without remat (model.remat, per layer).
 
     python -m bench.pipeline            # prints the table, writes docs/pipeline.png
                                         # and its section of docs/benchmarks.md
@@ -92,7 +92,7 @@ def paired_seconds(pipelined: Stepper, baseline: Stepper, steps: int) -> tuple[f
 def _pipelined(microbatches: int, repeats: int, remat: str = "none"):
     schedule = "circular" if repeats > 1 else "gpipe"
     return _config(f"mesh.pipeline={STAGES}", "mesh.data=1", f"pipeline.microbatches={microbatches}",
-                   f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}", f"pipeline.remat={remat}")
+                   f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}", f"model.remat={remat}")
 
 
 def run_bench(steps: int) -> tuple[float, list[dict]]:
@@ -165,8 +165,8 @@ def write_markdown(baseline: float, rows: list[dict], steps: int) -> None:
               "a ratio moves by about 0.2 from run to run (below theory means noise). R = 1 runs two layers "
               "per stage in an inner loop whose per-iteration cost on CPU shows here (unrolling it took R=1, "
               "M=16 from 1.65 to 1.42 in a separate A/B run); R = 2 has one layer per stage group. Temp bytes "
-              "fall with M (smaller micro-batches, same residuals per layer) and remat=full keeps only each "
-              "stage's input per iteration."]
+              "fall with M (smaller micro-batches, same residuals per layer) and model.remat=full keeps only each "
+              "layer's input per iteration."]
     write_section("pipeline", "\n".join(lines))
 
 

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from models import axes
+from models import axes, remat_names
 from models.axes import constrain
 from models.params import param
 
@@ -199,9 +200,12 @@ class MoEFeedForward(nnx.Module):
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
         dtype = self.dtype
-        gate = jnp.einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype))
-        up = jnp.einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype))
-        hidden = constrain(jax.nn.silu(gate) * up, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
+        gate = checkpoint_name(jnp.einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
+                               remat_names.MLP_GATE)
+        up = checkpoint_name(jnp.einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
+                             remat_names.MLP_UP)
+        hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+        hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
         return jnp.einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
 
     def __call__(self, x: jax.Array, *, train: bool = True,
@@ -219,7 +223,8 @@ class MoEFeedForward(nnx.Module):
         routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key if train else None)
 
         expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(x.dtype), grouped)
-        expert_outputs = self.experts(exchange(expert_inputs, to_experts=True))
+        expert_inputs = checkpoint_name(exchange(expert_inputs, to_experts=True), remat_names.EXPERT_INPUTS)
+        expert_outputs = self.experts(expert_inputs)
         output = jnp.einsum("gsec,egcm->gsm", routing.combine.astype(x.dtype), exchange(expert_outputs, to_experts=False))
         output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED))
         return output.reshape(batch, length, dim), routing.stats

@@ -8,8 +8,13 @@ With `moe.every = k`, every k-th feed-forward is a Mixture of Experts
 The units are one module whose parameters are stacked `[layers, ...]`
 (built with `nnx.vmap`), run by a `scan` so compile time does not grow with
 depth. Whoever calls the model may run that stack differently (a pipeline) by
-passing `stack_runner`. Every parameter names its dimensions with logical axes
-(models.axes); activations are constrained by logical name at block boundaries.
+passing `stack_runner`, and may rematerialise each unit: the tensors a remat
+policy can keep are tagged by name (models.remat_names). Every parameter names
+its dimensions with logical axes (models.axes); activations are constrained by
+logical name at block boundaries.
+
+Packed sequences: `segment_ids` [batch, length] (equal ids = one document)
+keep attention inside each document; the caller decides where documents start.
 """
 
 from __future__ import annotations
@@ -22,15 +27,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from models import axes
+from models import axes, remat_names
 from models.axes import constrain
 from models.moe import MoEFeedForward, MoELayerConfig
 from models.params import param
 
 Stats = dict[str, jax.Array]
-LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, Stats]]
-StackRunner = Callable[[LayerFn, Any, jax.Array], tuple[jax.Array, Stats]]
+# layer_fn(unit_params, x, row_inputs) -> (x, stats); row_inputs are per-row tensors that every
+# unit reads unchanged (the segment ids), or None.
+LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Stats]]
+StackRunner = Callable[[LayerFn, Any, jax.Array, Any], tuple[jax.Array, Stats]]
+RematPolicy = Callable[..., Any]  # a jax.checkpoint policy
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,7 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"
+    attention: str = "xla"    # jax.nn.dot_product_attention's implementation: xla | cudnn
     moe: MoELayerConfig = MoELayerConfig()
 
     @property
@@ -82,8 +93,18 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+def document_mask(segment_ids: jax.Array) -> jax.Array:
+    """Returns the boolean mask [batch, 1, length, length]: query t may see key s of the same segment."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
 class Attention(nnx.Module):
-    """Causal self-attention; `num_kv_heads` key/value heads shared by groups of query heads."""
+    """Causal self-attention; `num_kv_heads` key/value heads shared by groups of query heads.
+
+    `jax.nn.dot_product_attention` takes the key/value heads as they are
+    (grouped-query attention without repeating them): query head h reads
+    key/value head h // (num_heads / num_kv_heads).
+    """
 
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
         d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -94,27 +115,23 @@ class Attention(nnx.Module):
         self.out = param(rngs, (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), out_std)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]
+        no token attends to a token of another segment."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.query[...].astype(dtype))
-        k = jnp.einsum("btd,dgk->btgk", x, self.key[...].astype(dtype))
-        v = jnp.einsum("btd,dgk->btgk", x, self.value[...].astype(dtype))
+        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
+        k = checkpoint_name(jnp.einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
+        v = checkpoint_name(jnp.einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
         q = constrain(rotary(q, cfg.rope_theta), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
         k = constrain(rotary(k, cfg.rope_theta), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
-
-        batch, length = x.shape[:2]
-        groups, per_group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(batch, length, groups, per_group, cfg.head_dim)  # [b, t, kv_heads, per_group, head_dim]
-        scores = jnp.einsum("btgrk,bsgk->bgrts", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(cfg.head_dim)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [b, kv_heads, per_group, t, s]
-        context = jnp.einsum("bgrts,bsgk->btgrk", probs, v).reshape(batch, length, cfg.num_heads, cfg.head_dim)
-        context = constrain(context, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        return jnp.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype))
+        # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand.
+        mask = None if segment_ids is None else document_mask(segment_ids)
+        context = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=cfg.attention)
+        context = constrain(checkpoint_name(context, remat_names.ATTENTION_CONTEXT),
+                            (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+        return checkpoint_name(jnp.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype)), remat_names.OUT_PROJ)
 
 
 class MLP(nnx.Module):
@@ -132,9 +149,10 @@ class MLP(nnx.Module):
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (output, no stats): the feed-forward interface MoEFeedForward shares."""
         del train, routing_key  # a dense feed-forward neither routes nor changes in eval
-        gate = x @ self.gate[...].astype(self.dtype)
-        up = x @ self.up[...].astype(self.dtype)
-        hidden = constrain(jax.nn.silu(gate) * up, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
+        gate = checkpoint_name(x @ self.gate[...].astype(self.dtype), remat_names.MLP_GATE)
+        up = checkpoint_name(x @ self.up[...].astype(self.dtype), remat_names.MLP_UP)
+        hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+        hidden = constrain(hidden, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
         return hidden @ self.down[...].astype(self.dtype), {}
 
 
@@ -147,9 +165,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.mlp = MoEFeedForward(cfg, rngs) if mixture_of_experts else MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, *, train: bool = True,
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
-        x = x + self.attention(self.attention_norm(x))
+        x = x + self.attention(self.attention_norm(x), segment_ids)
         feed_forward, stats = self.mlp(self.mlp_norm(x), train=train, routing_key=routing_key)
         return constrain(x + feed_forward, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), stats
 
@@ -165,19 +183,25 @@ class BlockGroup(nnx.Module):
         self.dense = nnx.List([Block(cfg, rngs) for _ in range(cfg.moe.every - 1)])
         self.expert_layer = Block(cfg, rngs, mixture_of_experts=True)
 
-    def __call__(self, x: jax.Array, *, train: bool = True,
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         for block in self.dense:
-            x, _ = block(x)
-        return self.expert_layer(x, train=train, routing_key=routing_key)
+            x, _ = block(x, segment_ids=segment_ids)
+        return self.expert_layer(x, segment_ids=segment_ids, train=train, routing_key=routing_key)
 
 
-def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array) -> tuple[jax.Array, Stats]:
+def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None, *,
+                remat_policy: RematPolicy | None = None) -> tuple[jax.Array, Stats]:
     """Runs `layer_fn` over the leading `layers` dimension of `stacked_params`.
 
-    Returns the final activations and each layer's stats stacked `[layers, ...]`.
+    With a `remat_policy` every unit runs under `jax.checkpoint` with it: the
+    backward pass keeps each unit's input and what the policy saves, and
+    recomputes the rest; None keeps everything. Returns the final activations
+    and each layer's stats stacked `[layers, ...]`.
     """
-    return jax.lax.scan(lambda carry, params: layer_fn(params, carry), x, stacked_params)
+    if remat_policy is not None:
+        layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)  # no CSE to fear in a scan
+    return jax.lax.scan(lambda carry, params: layer_fn(params, carry, row_inputs), x, stacked_params)
 
 
 class Transformer(nnx.Module):
@@ -199,10 +223,13 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembedding = param(rngs, (cfg.embed_dim, cfg.vocab_size), (axes.EMBED, axes.VOCAB), cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, *, stack_runner: StackRunner = scan_layers, train: bool = True,
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 stack_runner: StackRunner = scan_layers, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (logits float32 [batch, length, vocab], per-unit stats stacked [units, ...]).
 
+        `segment_ids` [batch, length] (None = one document per row) keep
+        attention within each segment; they reach every unit as its row inputs.
         `train` picks the MoE capacity factor (training or eval) and enables
         random routing; `routing_key` seeds that routing, split into one key per
         stacked unit, which then travels with the unit's parameters as
@@ -222,11 +249,11 @@ class Transformer(nnx.Module):
                 raise ValueError("moe.second_expert_policy=random needs a routing_key in training")
             stacked = (stacked, jax.random.split(routing_key, cfg.stacked_units))
 
-        def layer_fn(unit_inputs: Any, h: jax.Array) -> tuple[jax.Array, Stats]:
+        def layer_fn(unit_inputs: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
             params, key = unit_inputs if random_routing else (unit_inputs, None)
-            return nnx.merge(block_def, params)(h, train=train, routing_key=key)
+            return nnx.merge(block_def, params)(h, segment_ids=unit_segment_ids, train=train, routing_key=key)
 
-        x, stats = stack_runner(layer_fn, stacked, x)
+        x, stats = stack_runner(layer_fn, stacked, x, segment_ids)
         x = self.final_norm(x)
         unembedding = self.embedding[...].T if cfg.tie_embeddings else self.unembedding[...]
         logits = jnp.einsum("btd,dv->btv", x, unembedding.astype(cfg.compute_dtype),

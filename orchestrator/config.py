@@ -56,6 +56,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"
+    attention: str = "auto"
+    remat: str = "none"
+    remat_names: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,7 @@ class DataConfig:
     source: str = "synthetic"
     paths: tuple[str, ...] = ()
     tokenizer: str | None = None
+    document_mask: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +124,7 @@ class PipelineConfig:
     microbatches: int = 1
     schedule: str = "gpipe"
     repeats: int = 1
-    remat: str = "none"
+    remat: str | None = None  # deprecated alias of model.remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,9 +326,9 @@ def resolve_paths(config: Config, base: Path) -> Config:
 
 
 def _validated(config: Config) -> Config:
-    from orchestrator.validation import validate  # validation imports this module's types
+    from orchestrator.validation import validate, without_deprecated_keys  # they import this module's types
 
-    return validate(config)
+    return without_deprecated_keys(validate(config))
 
 
 def from_dict(tree: dict) -> Config:

@@ -12,7 +12,9 @@ Sources:
 - `text`: files matched by `data.paths` globs (default: the Python standard
   library's own `*.py`), sorted, tokenized (bytes, or a tokenizer file),
   packed end to end with a separator into windows of seq_len + 1 tokens;
-  windows are visited in a seeded permutation, reshuffled every epoch.
+  windows are visited in a seeded permutation, reshuffled every epoch. With
+  `data.document_mask` (default) the loss function derives segment ids from
+  the separators (`document_ids`) so that no token attends across documents.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sysconfig
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -33,6 +36,18 @@ from orchestrator.tokenizer import load_tokenizer
 # Packed documents are separated by token 0: NUL never occurs in text files, and
 # a separator stops the model from learning to continue one file into the next.
 DOCUMENT_SEPARATOR = 0
+
+
+def document_ids(tokens: jax.Array) -> jax.Array:
+    """Returns int32 segment ids [batch, length] for packed `tokens`: the number of separators up to
+    and including each position.
+
+    A separator opens the document after it (it plays the part of a beginning-of-
+    document token): at its position the model predicts the next document's first
+    token from the separator alone, and the last token of a document, which
+    predicts the separator, still sees its whole document.
+    """
+    return jnp.cumsum(tokens == DOCUMENT_SEPARATOR, axis=-1, dtype=jnp.int32)
 
 
 class SyntheticSource:

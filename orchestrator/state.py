@@ -17,26 +17,43 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.transformer import Transformer, TransformerConfig
-from orchestrator.config import Config
+from orchestrator.config import Config, ConfigError
 from orchestrator.moe import moe_layer_config
 from orchestrator.optimizer import make_optimizer
 from parallel.rules import Rules, tree_shardings
 
 
-def model_config(config: Config) -> TransformerConfig:
-    """Returns the model's own config from the run config."""
+def attention_implementation(choice: str, platform: str, dtype: str) -> str:
+    """Returns `jax.nn.dot_product_attention`'s implementation for `model.attention` on `platform`.
+
+    `auto` is cuDNN flash attention on GPUs in bfloat16 or float16 and XLA
+    everywhere else (CPU, TPU, float32). Raises ConfigError when `cudnn` is asked
+    for on a platform without it.
+    """
+    gpu = platform in ("gpu", "cuda", "rocm")
+    if choice == "auto":
+        return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "xla"
+    if choice == "cudnn" and not gpu:
+        raise ConfigError([("model.attention", f"cudnn needs a GPU, the devices are {platform}; use auto or xla")])
+    return choice
+
+
+def model_config(config: Config, platform: str | None = None) -> TransformerConfig:
+    """Returns the model's own config from the run config, attention resolved for `platform`
+    (a jax platform name; default: jax's default backend)."""
     m = config.model
+    attention = attention_implementation(m.attention, platform or jax.default_backend(), m.dtype)
     return TransformerConfig(
         vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
+        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, attention=attention, moe=moe_layer_config(config),
     )
 
 
-def build_model(config: Config, seed: int) -> Transformer:
-    """Returns a freshly initialised model (call under jit or eval_shape for big ones)."""
-    return Transformer(model_config(config), nnx.Rngs(params=seed))
+def build_model(config: Config, seed: int, platform: str | None = None) -> Transformer:
+    """Returns a freshly initialised model for `platform` (call under jit or eval_shape for big ones)."""
+    return Transformer(model_config(config, platform), nnx.Rngs(params=seed))
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:
@@ -62,7 +79,8 @@ class StateLayout:
 
 def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
     """Returns the abstract, sharded layout of the train state for `mesh`."""
-    abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
+    platform = mesh.devices.flat[0].platform
+    abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed, platform))
     graphdef, abstract_params = nnx.split(abstract_model)
     flat = nnx.to_flat_state(abstract_params)
     logical = _nest({tuple(path): var.get_metadata()["logical_axes"] for path, var in flat})
@@ -85,7 +103,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
 def init_state(config: Config, layout: StateLayout) -> dict:
     """Returns the train state initialised directly into its shardings (no full copy anywhere)."""
 
-    def init() -> dict:
+    def init() -> dict:  # only the parameters are kept: attention's implementation does not matter here
         params = nnx.to_pure_dict(nnx.state(build_model(config, config.run.seed)))
         return {"step": jnp.zeros((), jnp.int32), "params": params,
                 "opt_state": layout.optimizer.init(params)}

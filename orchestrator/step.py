@@ -21,8 +21,10 @@ from models import axes
 from models.axes import activation_sharding
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
+from orchestrator.data import document_ids
 from orchestrator.moe import moe_loss_and_metrics, routing_key
 from orchestrator.optimizer import learning_rate
+from orchestrator.remat import remat_policy
 from orchestrator.state import StateLayout
 from orchestrator.validation import schedule_for
 from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
@@ -43,15 +45,19 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
-                 moe: MoEConfig = MoEConfig()) -> Callable[..., tuple[jax.Array, Metrics]]:
+                 moe: MoEConfig = MoEConfig(), document_mask: bool = False) -> Callable[..., tuple[jax.Array, Metrics]]:
     """Returns loss(params, tokens [b, t+1], routing_key=None) -> (loss, metrics) with activations
-    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`)."""
+    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`).
+    With `document_mask`, no token attends across a document separator (`data.document_ids`)."""
     constrainer = activation_constrainer(mesh, rules)
 
     def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(layout.graphdef, params)
+        inputs = tokens[:, :-1]
+        segment_ids = document_ids(inputs) if document_mask else None
         with activation_sharding(constrainer):
-            logits, stats = model(tokens[:, :-1], stack_runner=stack_runner, routing_key=routing_key)
+            logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
+                                  routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
         moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
         return loss + moe_loss, {"lm_loss": loss, **moe_metrics}
@@ -91,11 +97,13 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
 
 
 def stack_runner_for(config: Config, mesh: Mesh, rules: Rules) -> StackRunner:
-    """Returns how the layer stack runs: pipelined when `mesh.pipeline > 1`, else a scan."""
+    """Returns how the layer stack runs: pipelined when `mesh.pipeline > 1`, else a scan; either
+    way each unit is rematerialised by `model.remat`."""
+    policy = remat_policy(config, mesh.devices.flat[0].platform)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
-        return scan_layers
-    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+        return functools.partial(scan_layers, remat_policy=policy)
+    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED), policy)
 
 
 def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
@@ -103,7 +111,8 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
 
     The layer stack runs through `stack_runner_for(config, mesh, rules)`.
     """
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe)
+    document_mask = config.data.document_mask and config.data.source == "text"  # synthetic rows are one document
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe, document_mask)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum

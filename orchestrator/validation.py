@@ -6,11 +6,16 @@ over the product of the mesh axes its logical name maps to.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
+from models import remat_names
 from models.moe import expert_capacity
+from models.transformer import ATTENTION_IMPLEMENTATIONS
 from orchestrator.config import Config, ConfigError
-from parallel.pipeline import REMAT_POLICIES, Schedule
+from orchestrator.remat import NAMED_POLICIES, PIPELINE_REMAT_ALIASES, POLICIES
+from parallel.pipeline import Schedule
 from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
 
 
@@ -43,7 +48,11 @@ def validate(config: Config) -> Config:
         problems.append(("model.num_kv_heads", f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}"))
     _check_choice(problems, "data.source", config.data.source, ("synthetic", "text"))
     _check_choice(problems, "pipeline.schedule", config.pipeline.schedule, ("gpipe", "circular"))
-    _check_choice(problems, "pipeline.remat", config.pipeline.remat, REMAT_POLICIES)
+    problems += _remat_problems(config)
+    _check_choice(problems, "model.attention", m.attention, ("auto", *ATTENTION_IMPLEMENTATIONS))
+    if m.attention == "cudnn" and m.dtype == "float32":
+        problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
+                                            "use auto or xla for float32"))
     _check_choice(problems, "moe.second_expert_policy", config.moe.second_expert_policy, ("all", "random"))
     _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
     _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
@@ -66,6 +75,41 @@ def validate(config: Config) -> Config:
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _remat_problems(config: Config) -> list[tuple[str, str]]:
+    """model.remat and its names; pipeline.remat, its deprecated alias, may not contradict it."""
+    m, old = config.model, config.pipeline.remat
+    problems = []
+    _check_choice(problems, "model.remat", m.remat, POLICIES)
+    for index, name in enumerate(m.remat_names):
+        if name not in remat_names.ALL:
+            problems.append((f"model.remat_names[{index}]", f"{name!r} is not a named activation; the names are "
+                                                            f"{', '.join(remat_names.ALL)}"))
+    if m.remat_names and m.remat not in NAMED_POLICIES:
+        problems.append(("model.remat_names", f"model.remat={m.remat} does not save by name; names apply to "
+                                              f"{' and '.join(NAMED_POLICIES)}"))
+    if old is not None:
+        _check_choice(problems, "pipeline.remat", old, tuple(PIPELINE_REMAT_ALIASES))
+        mapped = PIPELINE_REMAT_ALIASES.get(old)
+        if mapped and m.remat != "none" and m.remat != mapped:
+            problems.append(("pipeline.remat", f"is a deprecated alias of model.remat ({old} means model.remat="
+                                               f"{mapped}) and contradicts model.remat={m.remat}; delete "
+                                               "pipeline.remat"))
+    return problems
+
+
+def without_deprecated_keys(config: Config) -> Config:
+    """Returns a validated `config` with deprecated keys moved to their new homes, warning once:
+    `pipeline.remat` becomes `model.remat` (it now applies to the scanned stack too)."""
+    old = config.pipeline.remat
+    if old is None:
+        return config
+    mapped = PIPELINE_REMAT_ALIASES[old]
+    warnings.warn(f"pipeline.remat is deprecated: it now sets model.remat={mapped}, which applies to every "
+                  "layer stack, scanned or pipelined; write model.remat instead", FutureWarning, stacklevel=3)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, remat=mapped),
+                               pipeline=dataclasses.replace(config.pipeline, remat=None))
 
 
 def _schedule_problems(config: Config) -> list[tuple[str, str]]:
@@ -211,7 +255,7 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
 def schedule_for(config: Config, stages: int) -> Schedule:
     """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
     p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1, p.remat)
+    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1)
 
 
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:

@@ -18,7 +18,10 @@ parallelism compose with the pipeline unchanged.
 
 The layer stack keeps its canonical layout `[layers, ...]` outside; it is
 viewed as `[repeats, stages, layers_per_stage, ...]` only inside the step.
-Nothing here knows what a layer computes: the runner takes a callable.
+Nothing here knows what a layer computes: the runner takes a callable, and
+the rematerialisation policy as a plain `jax.checkpoint` policy.
+Per-row inputs that every layer reads unchanged (segment ids) are split into
+the same micro-batches as the activations; each stage reads its own.
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel.rules import Rules, partition_spec
 
 STAGE = "stage"  # logical name of the stage dimension (a rule maps it to mesh axes)
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+_LAYER_INPUT = "pipeline_layer_input"  # names each layer's input inside a stage: always saved
 
-LayerFn = Callable[[Any, jax.Array], tuple[jax.Array, dict]]
+LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]
+RematPolicy = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,6 @@ class Schedule:
     stages: int
     microbatches: int
     repeats: int = 1
-    remat: str = "none"
 
     @property
     def name(self) -> str:
@@ -84,31 +88,36 @@ _DATA_MOVEMENT = frozenset({"dynamic_slice", "slice", "gather", "squeeze", "resh
                             "transpose", "convert_element_type"})
 
 
-def _save_all_but_data_movement(primitive, *_, **__) -> bool:
-    # "No remat" inside the loop: save every computed value, but not what only views the weights
-    # (each iteration's slice of the stack, its casts and broadcasts). Saving those would keep a
-    # copy of a stage's weights for every iteration; instead they are re-sliced from the stack.
-    # (jax 0.10's save_anything_except_these_names ignores its names, so a named slice would not do.)
-    return primitive.name not in _DATA_MOVEMENT
+def _stage_policy(remat_policy: RematPolicy | None) -> RematPolicy:
+    """Returns the policy of the checkpoint around a stage: `remat_policy` per layer, weights never saved.
+
+    Even without remat the stage runs under `jax.checkpoint`: saving what only views the weights
+    (each iteration's slice of the stack, its casts and broadcasts) would keep a copy of a stage's
+    weights for every iteration; instead they are re-sliced from the stack. (jax 0.10's
+    save_anything_except_these_names ignores its names, so a named slice would not do.)
+    A checkpoint nested inside this one would be ruled by this policy, not its own, so the
+    layer policy is applied here, and each layer's input is saved as a scan would save it.
+    """
+
+    def saveable(primitive, *args, **params):
+        if primitive.name in _DATA_MOVEMENT:
+            return False
+        if remat_policy is None or (primitive.name == "name" and params.get("name") == _LAYER_INPUT):
+            return True
+        return remat_policy(primitive, *args, **params)
+
+    return saveable
 
 
-def _remat_policy(remat: str):
-    # Even remat=none runs under jax.checkpoint: the policy is what keeps weights out of the residuals.
-    if remat == "none":
-        return _save_all_but_data_movement
-    if remat == "full":
-        return jax.checkpoint_policies.nothing_saveable
-    return getattr(jax.checkpoint_policies, remat)
+def _stage_fn(layer_fn: LayerFn, remat_policy: RematPolicy | None):
+    """Returns f(stage_params [R, layers_per_stage, ...], repeat, x, row_inputs) -> (x, stats [layers_per_stage, ...])."""
 
-
-def _stage_fn(layer_fn: LayerFn, remat: str):
-    """Returns f(stage_params [R, layers_per_stage, ...], repeat, x) -> (x, stats [layers_per_stage, ...])."""
-
-    def stage(stage_params: Any, repeat: jax.Array, x: jax.Array):
+    def stage(stage_params: Any, repeat: jax.Array, x: jax.Array, row_inputs: Any):
         params = jax.tree.map(lambda leaf: leaf[repeat], stage_params)  # [layers_per_stage, ...]
-        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, h), x, params)
+        return jax.lax.scan(lambda h, layer_params: layer_fn(layer_params, checkpoint_name(h, _LAYER_INPUT),
+                                                             row_inputs), x, params)
 
-    return jax.checkpoint(stage, policy=_remat_policy(remat), prevent_cse=False)
+    return jax.checkpoint(stage, policy=_stage_policy(remat_policy), prevent_cse=False)
 
 
 class _Layout:
@@ -116,10 +125,18 @@ class _Layout:
 
     def __init__(self, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...]):
         self.mesh = mesh
+        self.rules = rules
+        self.activation_axes = activation_axes
         self.stage_axes = tuple(rules[STAGE])
         self.state = NamedSharding(mesh, partition_spec((STAGE, *activation_axes), rules))
         self.buffer = NamedSharding(mesh, partition_spec((None, *activation_axes), rules))
         self.activation = NamedSharding(mesh, partition_spec(activation_axes, rules))
+
+    def rows(self, leaf: jax.Array, leading: str | None) -> jax.Array:
+        """Returns a row input [leading, mb, ...] pinned like the activations' leading dims
+        (`leading` = STAGE for per-stage rows, None for the micro-batch buffer)."""
+        spec = partition_spec((leading, *self.activation_axes[:leaf.ndim - 1]), self.rules)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
 
     def stage_params(self, leaf: jax.Array) -> jax.Array:
         """Returns `leaf` [repeats, stages, ...] with its stage dim on the stage axes, the rest left to GSPMD."""
@@ -154,11 +171,16 @@ def _stage_view(stacked_params: Any, schedule: Schedule, layout: _Layout) -> Any
     return jax.tree.map(view, stacked_params)
 
 
-def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...]):
-    """Returns runner(layer_fn, stacked_params, x) -> (x, stats) that pipelines a layer stack.
+def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...],
+                    remat_policy: RematPolicy | None = None):
+    """Returns runner(layer_fn, stacked_params, x, row_inputs=None) -> (x, stats) that pipelines a layer stack.
 
     `stacked_params` leaves are `[layers, ...]`; `x` is `[batch, ...]` with
-    logical axes `activation_axes`; `layer_fn(layer_params, x) -> (x, stats)`.
+    logical axes `activation_axes`; `row_inputs` a pytree of `[batch, ...]`
+    arrays laid out like the leading dims of `x` (or None);
+    `layer_fn(layer_params, x, row_inputs) -> (x, stats)` sees the rows of its micro-batch.
+    `remat_policy` (a `jax.checkpoint` policy; None = save everything) decides
+    what each layer keeps for the backward pass besides its input.
     The runner returns the stack's output and each layer's stats stacked
     `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
     Raises ValueError when the batch does not split into
@@ -167,7 +189,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     layout = _Layout(mesh, rules, activation_axes)
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
 
-    def runner(layer_fn: LayerFn, stacked_params: Any, x: jax.Array):
+    def runner(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None):
         num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
         problems = [message for _, message in schedule.problems(num_layers)]
         if x.shape[0] % micro:
@@ -176,12 +198,14 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
             raise ValueError("; ".join(problems))
         params = _stage_view(stacked_params, schedule, layout)
         buffer = jax.lax.with_sharding_constraint(to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
-        stage_fn = jax.vmap(_stage_fn(layer_fn, schedule.remat), in_axes=(1, 0, 0),
+        rows = jax.tree.map(lambda leaf: layout.rows(to_microbatches(leaf, micro), None), row_inputs)
+        stage_fn = jax.vmap(_stage_fn(layer_fn, remat_policy), in_axes=(1, 0, 0, 0),
                             spmd_axis_name=layout.stage_axes or None)
         state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)  # [S, mb, ...]: each stage's last output
-        stats_shape = jax.eval_shape(stage_fn, params, jnp.zeros((stages,), jnp.int32), state)[1]
+        no_work = jnp.zeros((stages,), jnp.int32)
+        stats_shape = jax.eval_shape(stage_fn, params, no_work, state, _stage_rows(rows, no_work, layout))[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
-        iteration = _iteration_fn(schedule, layout, lambda *args: stage_fn(params, *args))
+        iteration = _iteration_fn(schedule, layout, rows, lambda *args: stage_fn(params, *args))
         (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
         out = jax.lax.with_sharding_constraint(_from_microbatches(buffer), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
@@ -191,12 +215,18 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     return runner
 
 
-def _iteration_fn(schedule: Schedule, layout: _Layout, run_stages: Callable):
+def _stage_rows(rows: Any, micro_index: jax.Array, layout: _Layout) -> Any:
+    """Returns each stage's row inputs [S, mb, ...]: stage s reads micro-batch `micro_index[s]` of `rows` [M, mb, ...]."""
+    return jax.tree.map(lambda leaf: layout.rows(leaf[micro_index], STAGE), rows)
+
+
+def _iteration_fn(schedule: Schedule, layout: _Layout, rows: Any, run_stages: Callable):
     """Returns the scan body: one clock tick of every stage, carry (state, buffer, stats totals).
 
     `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and
     receives it back from the last stage, so after the last iteration it holds the outputs
-    (and, for R > 1, feeds each micro-batch's next round to stage 0).
+    (and, for R > 1, feeds each micro-batch's next round to stage 0). `rows` [M, mb, ...]
+    stay put: each stage reads those of the micro-batch it works on.
     """
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_ids = jnp.arange(stages)
@@ -210,7 +240,8 @@ def _iteration_fn(schedule: Schedule, layout: _Layout, run_stages: Callable):
         # Bubble stages compute on zeros: finite, and their outputs are never read.
         incoming = jax.lax.with_sharding_constraint(jnp.where(_expand(valid, state), incoming, 0), layout.state)
         repeat = jnp.clip(item // micro, 0, repeats - 1)
-        state, stats = run_stages(repeat, incoming)  # [S, mb, ...], stats [S, layers_per_stage, ...]
+        stage_rows = _stage_rows(rows, jnp.maximum(item, 0) % micro, layout)
+        state, stats = run_stages(repeat, incoming, stage_rows)  # [S, mb, ...], stats [S, layers_per_stage, ...]
         state = jax.lax.with_sharding_constraint(state, layout.state)
         finished = t - (stages - 1)  # the item the last stage just completed
         slot = finished % micro

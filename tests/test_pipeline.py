@@ -23,7 +23,7 @@ PIPELINED = {
     "pipeline2_data4_circular": (dict(pipeline=2, data=4), ["pipeline.microbatches=4", "pipeline.schedule=circular",
                                                             "pipeline.repeats=2", "model.num_layers=8"]),
     "pipeline2_fsdp2_tensor2_remat": (dict(pipeline=2, fsdp=2, tensor=2), ["pipeline.microbatches=4",
-                                                                           "pipeline.remat=full"]),
+                                                                           "model.remat=full"]),
 }
 INVOLUNTARY = "Involuntary full rematerialization"
 
@@ -134,7 +134,7 @@ def test_explain_reports_circular_schedule_and_bubble_fraction(tiny_config):
     assert "bubble 11.1%" in format_report(report)
 
 
-def _toy_layer(w, x):
+def _toy_layer(w, x, rows=None):
     """A layer whose stats depend on the micro-batch, so averaging and bubble masking show."""
     y = jnp.tanh(x * w + 0.1)
     return y, {"mean": jnp.mean(y), "rows": jnp.asarray(x.shape[0], jnp.float32)}
@@ -166,18 +166,40 @@ def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repe
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
-def _matmul_layer(w, x):
+def _matmul_layer(w, x, rows=None):
     return jnp.tanh(x @ w), {}
 
 
-@pytest.mark.parametrize("remat", ["none", "dots_saveable", "full"])
+def _row_layer(w, x, rows):
+    """A layer that adds its row inputs, so a micro-batch reading another's rows shows."""
+    return jnp.tanh(x * w + rows["offset"]), {}
+
+
+@pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
+def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats):
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None))
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    rows = {"offset": jax.random.normal(jax.random.key(2), (16, 8))}
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
+    with jax.set_mesh(mesh):
+        out, _ = jax.jit(lambda w, x, rows: runner(_row_layer, w, x, rows))(w, x, rows)
+    want, _ = jax.lax.scan(lambda h, wl: _row_layer(wl, h, rows), x, w)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
+            "full": jax.checkpoint_policies.nothing_saveable}
+
+
+@pytest.mark.parametrize("remat", POLICIES)
 @pytest.mark.parametrize("repeats", [1, 2])
 def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats, capsys):
     from jax.ad_checkpoint import print_saved_residuals  # the public form of jax's residual listing
 
     mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
-    runner = pipeline_runner(Schedule(2, microbatches=4, repeats=repeats, remat=remat), mesh, DEFAULT_RULES,
-                             ("batch", None))
+    runner = pipeline_runner(Schedule(2, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
+                             POLICIES[remat])
     w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))  # activations [micro-batch 4, 32] never end in (32, 32)
     capsys.readouterr()
     with jax.set_mesh(mesh):

@@ -1,0 +1,117 @@
+"""Attention through jax.nn.dot_product_attention: the numbers of the einsum it replaced, grouped-query
+heads as they are, and a document mask that keeps packed documents apart."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.transformer import Attention, Transformer, TransformerConfig, rotary
+from orchestrator.data import DOCUMENT_SEPARATOR, document_ids
+from orchestrator.state import attention_implementation
+from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
+
+CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           mlp_dim=64, init_std=0.2)
+
+
+def einsum_attention(self: Attention, x: jax.Array, segment_ids=None) -> jax.Array:
+    """The model's attention before jax.nn.dot_product_attention: grouped heads by hand, causal mask by hand."""
+    assert segment_ids is None
+    cfg = self.cfg
+    q = rotary(jnp.einsum("btd,dhk->bthk", x, self.query[...]), cfg.rope_theta)
+    k = rotary(jnp.einsum("btd,dgk->btgk", x, self.key[...]), cfg.rope_theta)
+    v = jnp.einsum("btd,dgk->btgk", x, self.value[...])
+    batch, length = x.shape[:2]
+    q = q.reshape(batch, length, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    scores = jnp.einsum("btgrk,bsgk->bgrts", q, k) / math.sqrt(cfg.head_dim)
+    scores = jnp.where(jnp.tril(jnp.ones((length, length), bool)), scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    context = jnp.einsum("bgrts,bsgk->btgrk", probs, v).reshape(batch, length, cfg.num_heads, cfg.head_dim)
+    return jnp.einsum("bthk,hkd->btd", context, self.out[...])
+
+
+def tokens_without_separator(shape=(3, 24), seed=0) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), shape, 1, CONFIG.vocab_size)
+
+
+def test_dot_product_attention_equals_the_einsum_it_replaced(monkeypatch):
+    model = Transformer(CONFIG, nnx.Rngs(params=0))
+    tokens = tokens_without_separator()
+    logits, _ = model(tokens)
+    monkeypatch.setattr(Attention, "__call__", einsum_attention)
+    reference, _ = model(tokens)
+    np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mask_of_one_document_changes_nothing():
+    model = Transformer(CONFIG, nnx.Rngs(params=0))
+    tokens = tokens_without_separator()
+    unmasked, _ = model(tokens)
+    masked, _ = model(tokens, segment_ids=document_ids(tokens))
+    np.testing.assert_array_equal(masked, unmasked)
+
+
+def test_document_ids_open_a_segment_at_each_separator():
+    tokens = jnp.array([[5, 6, DOCUMENT_SEPARATOR, 7, DOCUMENT_SEPARATOR, DOCUMENT_SEPARATOR, 8]])
+    np.testing.assert_array_equal(document_ids(tokens), [[0, 0, 1, 1, 2, 3, 3]])
+
+
+def two_documents(first_seed: int) -> jax.Array:
+    """Returns rows [first document (10 tokens), separator, second document (13 tokens)]: the first varies."""
+    first = tokens_without_separator((2, 10), seed=first_seed)
+    second = tokens_without_separator((2, 13), seed=100)
+    return jnp.concatenate([first, jnp.full((2, 1), DOCUMENT_SEPARATOR), second], axis=1)
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
+def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(masked):
+    model = Transformer(CONFIG, nnx.Rngs(params=0))
+    logits = []
+    for seed in (1, 2):
+        tokens = two_documents(seed)
+        logits.append(model(tokens, segment_ids=document_ids(tokens) if masked else None)[0])
+    second = slice(10, None)  # the separator and the second document
+    assert not np.array_equal(logits[0][:, :10], logits[1][:, :10])
+    if masked:
+        np.testing.assert_array_equal(logits[0][:, second], logits[1][:, second])
+    else:
+        assert np.abs(logits[0][:, second] - logits[1][:, second]).max() > 1e-3
+
+
+def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision():
+    assert attention_implementation("auto", "cpu", "bfloat16") == "xla"
+    assert attention_implementation("auto", "gpu", "float32") == "xla"
+    assert attention_implementation("auto", "tpu", "bfloat16") == "xla"
+    assert attention_implementation("auto", "gpu", "bfloat16") == "cudnn"
+    assert attention_implementation("auto", "gpu", "float16") == "cudnn"
+    assert attention_implementation("xla", "gpu", "bfloat16") == "xla"
+
+
+def test_cudnn_in_float32_names_model_attention(tiny_config):
+    from orchestrator.config import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        tiny_config("model.attention=cudnn")
+    assert [key for key, _ in error.value.problems] == ["model.attention"]
+
+
+@pytest.fixture
+def short_documents(tmp_path):
+    """Returns a glob of 40 text files of 3 to 40 bytes: every 33-token row holds several documents."""
+    rng = np.random.default_rng(0)
+    for index in range(40):
+        text = "".join(rng.choice(list("abcdefghij =()\n"), size=int(rng.integers(3, 41))))
+        (tmp_path / f"doc{index:02d}.txt").write_text(text)
+    return str(tmp_path / "*.txt")
+
+
+def test_pipelined_stages_mask_the_documents_of_their_own_micro_batch(tiny_config, short_documents):
+    config = tiny_config("data.source=text", f"data.paths=[{short_documents}]", "pipeline.microbatches=4")
+    reference = run_fresh(config.replace(**ONE_DEVICE))
+    unmasked = run_fresh(config.replace(**ONE_DEVICE, **{"data.document_mask": False}))
+    assert abs(reference.losses[-1] - unmasked.losses[-1]) > 1e-4  # the mask is on and matters
+    assert_same_training(run_fresh(config.replace(**mesh_overrides(pipeline=2, data=2, tensor=2))), reference)
