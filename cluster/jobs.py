@@ -100,17 +100,20 @@ def submit(address: str, config_yaml: str, command: str = "train") -> str:
         submit_job = functools.partial(
             jobs.submit_job, entrypoint=f"{ENTRYPOINT_PYTHON} -m orchestrator {command} {SUBMITTED_CONFIG}",
             runtime_env={"working_dir": str(working_dir)})
-        deadline = time.monotonic() + AGENT_WAIT_S
-        while True:
-            try:
-                return submit_job()
-            except RuntimeError as error:
-                # A head that has just started serves the Jobs API a few seconds before its job agent.
-                if "No available agent" not in str(error) or time.monotonic() > deadline:
-                    raise ClusterError(f"--address {address}: submitting the job failed: {_one_line(error)}") from None
-                time.sleep(1.0)
-            except Exception as error:
-                raise ClusterError(f"--address {address}: submitting the job failed: {_one_line(error)}") from None
+        return _jobs_call(address, "submitting the job", lambda: _when_agent_ready(submit_job))
+
+
+def _when_agent_ready(call):
+    """Returns call(), retried for up to AGENT_WAIT_S while the cluster answers that it has no job agent yet
+    (a head that has just started serves the Jobs API a few seconds before its agent)."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return call()
+        except RuntimeError as error:
+            if "No available agent" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def follow(address: str, job_id: str, out=sys.stdout) -> str:

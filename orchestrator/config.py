@@ -193,7 +193,7 @@ class Config:
         tree = self.to_dict()
         for key, value in dotted.items():
             _set_dotted(tree, key, value)
-        return _validated(resolve_paths(from_dict(tree), Path.cwd()))
+        return _validated(from_dict(tree))
 
 
 _YAML_NAMES = {"async_save": "async"}
@@ -301,7 +301,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     if preset:
         tree = _merge(tree, {"model": _read_yaml(_preset_path(preset), "model.preset")})
     tree = _merge(_merge(tree, user), extra)
-    return _validated(resolve_paths(from_dict(tree), Path.cwd()))
+    return _validated(from_dict(tree))
 
 
 def _absolute(path: str, base: Path) -> str:
@@ -326,9 +326,10 @@ def resolve_paths(config: Config, base: Path) -> Config:
 
 
 def _validated(config: Config) -> Config:
+    """Returns `config` with its paths resolved against the working directory, validated."""
     from orchestrator.validation import validate, without_deprecated_keys  # they import this module's types
 
-    return without_deprecated_keys(validate(config))
+    return without_deprecated_keys(validate(resolve_paths(config, Path.cwd())))
 
 
 def from_dict(tree: dict) -> Config:
