@@ -168,6 +168,8 @@ class ClusterConfig:
     tpu_type: str | None = None
     dashboard: bool = True
     worker_logs: bool = False
+    device_kind: str | None = None
+    device_memory_gb: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +264,17 @@ def _preset_path(preset: Any) -> Path:
     return CONFIGS_DIR / "models" / f"{preset}.yaml"
 
 
+def preset_sections(preset: Any) -> dict:
+    """Returns the config sections model preset `preset` sets: its model keys, and its `moe:` mapping
+    when it has one (an MoE architecture is part of the model; a run YAML may still override it).
+
+    Raises ConfigError when `preset` is not a preset name.
+    """
+    keys = _read_yaml(_preset_path(preset), "model.preset")
+    moe = keys.pop("moe", None)
+    return {"model": keys} if moe is None else {"model": keys, "moe": moe}
+
+
 def parse_overrides(overrides: list[str]) -> dict:
     """Returns a nested dict from `a.b=value` strings; values are parsed as YAML."""
     tree: dict = {}
@@ -299,7 +312,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         or (user.get("model") or {}).get("preset")
     )
     if preset:
-        tree = _merge(tree, {"model": _read_yaml(_preset_path(preset), "model.preset")})
+        tree = _merge(tree, preset_sections(preset))
     tree = _merge(_merge(tree, user), extra)
     return _validated(from_dict(tree))
 

@@ -5,12 +5,14 @@ the compiled HLO."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import jax
 import numpy as np
 
 from orchestrator.config import Config
+from orchestrator.fit import GIB, fit_report
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.metrics import spec_text
 from orchestrator.step import pipeline_schedule
@@ -23,6 +25,13 @@ def compile_step(job: Job):
     """Returns the compiled train step for abstract inputs (nothing is allocated)."""
     batch = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=job.data.sharding)
     return job.step_fn.lower(job.layout.abstract, batch).compile()
+
+
+def timed_compile(job: Job):
+    """Returns (the compiled train step, seconds spent tracing, lowering and compiling it)."""
+    start = time.perf_counter()
+    compiled = compile_step(job)
+    return compiled, time.perf_counter() - start
 
 
 def _per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:
@@ -85,26 +94,32 @@ def pipeline_report(job: Job) -> dict[str, Any] | None:
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     """Returns the report `nestor explain --json` prints; the train step is compiled once."""
     job = job or build_job(config)
-    compiled = compile_step(job)
+    compiled, compile_s = timed_compile(job)
     memory = compiled.memory_analysis()
     params = param_table(job)
+    params_bytes = sum(row["bytes_per_device"] for row in params)
     optimizer_bytes = sum(_per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
+    peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                  + memory.temp_size_in_bytes)
+    device = job.mesh.devices.flat[0]
     devices = job.mesh.devices.size
     xla_flops = step_flops(compiled)
     return {
-        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.mesh.devices.flat[0].platform},
+        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": device.platform},
         "params": params,
         "param_count": sum(math.prod(row["shape"]) for row in params),
         "memory_per_device_bytes": {
-            "params": sum(row["bytes_per_device"] for row in params),
+            "params": params_bytes,
             "optimizer": optimizer_bytes,
             "arguments": memory.argument_size_in_bytes,
             "outputs": memory.output_size_in_bytes,
             "aliased": memory.alias_size_in_bytes,
             "temporaries": memory.temp_size_in_bytes,
-            "peak_estimate": memory.argument_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
+            "peak_estimate": peak_bytes,
         },
+        "fit": fit_report(config, device.platform, device.device_kind, params_bytes + optimizer_bytes,
+                          memory.temp_size_in_bytes, peak_bytes),
+        "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job),
         "flops_per_step": xla_flops * devices,
@@ -128,6 +143,16 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
 
 
+def fit_line(fit: dict[str, Any]) -> str:
+    """Returns the one line that answers "will it fit?" for explain's `fit` entry."""
+    parts = (f"parameters + optimizer {fit['state_bytes'] / GIB:.2f} GiB, temporaries "
+             f"{fit['temporaries_bytes'] / GIB:.2f} GiB, total {fit['total_bytes'] / GIB:.2f} GiB")
+    if fit["device_memory_bytes"] is None:
+        return f"per device: {parts}; {fit['verdict']}"
+    return (f"per device: {parts} of {fit['device_memory_bytes'] / GIB:.0f} GiB "
+            f"({fit['device_kind'] or 'cluster.device_memory_gb'}): {fit['verdict']}")
+
+
 def format_report(report: dict[str, Any]) -> str:
     """Returns the human-readable form of an explain report."""
     mesh = report["mesh"]
@@ -139,6 +164,7 @@ def format_report(report: dict[str, Any]) -> str:
          _fmt_bytes(row["bytes_per_device"])) for row in report["params"]])
     lines += ["", "memory per device (XLA memory analysis):"]
     lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
+    lines += ["", fit_line(report["fit"])]
     lines += ["", "collectives per step (compiled HLO):"]
     lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
     if (p := report["pipeline"]) is not None:
@@ -146,5 +172,6 @@ def format_report(report: dict[str, Any]) -> str:
                       f"{p['microbatches']} micro-batches, {p['iterations']} iterations, "
                       f"bubble {p['bubble_fraction']:.1%}"]
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
-                  f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)"]
+                  f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",
+              f"compiled in {report['compile_s']:.1f} s"]
     return "\n".join(lines)

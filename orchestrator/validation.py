@@ -14,6 +14,7 @@ from models import remat_names
 from models.moe import expert_capacity
 from models.transformer import ATTENTION_IMPLEMENTATIONS
 from orchestrator.config import Config, ConfigError
+from orchestrator.fit import DEVICE_MEMORY_GIB, table_entry
 from orchestrator.remat import NAMED_POLICIES, PIPELINE_REMAT_ALIASES, POLICIES
 from parallel.pipeline import Schedule
 from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
@@ -62,6 +63,7 @@ def validate(config: Config) -> Config:
         problems.append(("cluster.init_timeout_s", f"must be > 0 seconds, got {config.cluster.init_timeout_s:g}"))
     if config.cluster.devices_per_host == 0 or config.cluster.devices_per_host < -1:
         problems.append(("cluster.devices_per_host", "must be a positive count or -1 (all local devices)"))
+    problems += _device_memory_problems(config)
     _check_positive(problems, "checkpoint.keep", config.checkpoint.keep)
     _check_positive(problems, "checkpoint.every", config.checkpoint.every, minimum=0)
     _check_positive(problems, "pipeline.microbatches", config.pipeline.microbatches)
@@ -75,6 +77,18 @@ def validate(config: Config) -> Config:
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _device_memory_problems(config: Config) -> list[tuple[str, str]]:
+    """cluster.device_memory_gb is positive; cluster.device_kind names a device of the memory table
+    unless device_memory_gb gives the memory itself."""
+    kind, memory = config.cluster.device_kind, config.cluster.device_memory_gb
+    if memory is not None and memory <= 0:
+        return [("cluster.device_memory_gb", f"must be > 0 GiB, got {memory:g}")]
+    if kind is not None and memory is None and table_entry(kind) is None:
+        return [("cluster.device_kind", f"{kind!r} is not in the device memory table "
+                                        f"({', '.join(DEVICE_MEMORY_GIB)}); pick one or set cluster.device_memory_gb")]
+    return []
 
 
 def _remat_problems(config: Config) -> list[tuple[str, str]]:

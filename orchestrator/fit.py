@@ -1,0 +1,70 @@
+"""Will it fit? A compiled step's memory per device against the memory of one accelerator.
+
+Device memory is quoted in GiB (2^30 bytes; an "80 GB" H100 holds 80 GiB of
+HBM), so every figure here is in GiB. The device is `cluster.device_kind` (a
+name of the table below, or a jax `device_kind` string), by default the
+accelerators present; `cluster.device_memory_gb` overrides the table. On CPU
+there is no limit unless one of the two is given.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from orchestrator.config import Config
+
+GIB = 2**30
+
+# GiB of memory per device, from vendor datasheets: NVIDIA H100 SXM/PCIe 80, H200 141,
+# A100 40 or 80; Google Cloud TPU pages: v4 32, v5e 16, v5p 95 (HBM per chip).
+DEVICE_MEMORY_GIB = {"h100": 80.0, "h200": 141.0, "a100-40gb": 40.0, "a100-80gb": 80.0,
+                     "tpu-v4": 32.0, "tpu-v5e": 16.0, "tpu-v5p": 95.0}
+
+# The words that identify each table entry in a device kind, as a user writes it ("a100-80gb") or as
+# jax reports it ("NVIDIA A100-SXM4-80GB", "TPU v5 lite"); the entry with most matching words wins.
+_KIND_WORDS = [
+    (("h100",), "h100"), (("h200",), "h200"), (("a100",), "a100-40gb"), (("a100", "80gb"), "a100-80gb"),
+    (("tpu", "v4"), "tpu-v4"), (("tpu", "v5e"), "tpu-v5e"), (("tpu", "v5", "lite"), "tpu-v5e"),
+    (("tpu", "v5p"), "tpu-v5p"), (("tpu", "v5"), "tpu-v5p"),
+]
+
+
+def table_entry(device_kind: str) -> str | None:
+    """Returns the DEVICE_MEMORY_GIB entry `device_kind` names (case, `-`, `_` and spaces ignored),
+    or None when it names none (CPU, an accelerator not in the table)."""
+    words = set(re.split(r"[\s_-]+", device_kind.lower()))
+    matches = [(len(needed), entry) for needed, entry in _KIND_WORDS if set(needed) <= words]
+    return max(matches)[1] if matches else None
+
+
+def device_memory(config: Config, platform: str, device_kind: str) -> tuple[str | None, float | None]:
+    """Returns (the device checked against, its memory in GiB) for devices of `platform` and
+    `device_kind`: `cluster.device_kind` or, on accelerators, the devices' own kind; the memory is
+    `cluster.device_memory_gb` or the table's. (None, None) on CPU with neither key set."""
+    cluster = config.cluster
+    kind = cluster.device_kind or (device_kind if platform != "cpu" else None)
+    if cluster.device_memory_gb is not None:
+        return kind, cluster.device_memory_gb
+    entry = table_entry(kind) if kind else None
+    return kind, DEVICE_MEMORY_GIB[entry] if entry else None
+
+
+def verdict(total_bytes: int, capacity_gib: float | None) -> str:
+    """Returns `fits`, `does not fit, short by X GiB`, or, with no known capacity, what to set."""
+    if capacity_gib is None:
+        return "no device memory limit known; name one with cluster.device_kind or cluster.device_memory_gb"
+    short = total_bytes / GIB - capacity_gib
+    return "fits" if short <= 0 else f"does not fit, short by {short:.1f} GiB"
+
+
+def fit_report(config: Config, platform: str, device_kind: str, state_bytes: int, temporaries_bytes: int,
+               total_bytes: int) -> dict[str, Any]:
+    """Returns explain's `fit` entry: per device the state (parameters + optimizer), XLA's temporaries
+    and the total, in bytes, the device checked against, its memory and the verdict (`fits` is None
+    when the memory is unknown)."""
+    kind, capacity_gib = device_memory(config, platform, device_kind)
+    return {"state_bytes": state_bytes, "temporaries_bytes": temporaries_bytes, "total_bytes": total_bytes,
+            "device_kind": kind, "device_memory_bytes": None if capacity_gib is None else int(capacity_gib * GIB),
+            "fits": None if capacity_gib is None else total_bytes <= capacity_gib * GIB,
+            "verdict": verdict(total_bytes, capacity_gib)}

@@ -1,0 +1,102 @@
+"""Will it fit? Real-size presets compiled abstractly on simulated CPU devices, and the verdict."""
+
+import json
+
+import pytest
+
+from orchestrator.config import ConfigError, load
+from orchestrator.explain import explain, fit_line
+from orchestrator.fit import GIB, device_memory, table_entry, verdict
+from tests.test_cli import nestor
+
+# The issue's command: llama3-8b at seq 8192 on fsdp8 (1 sequence per device), quickstart's
+# MoE and pipeline turned off, checked against an H100; no compile cache, so compile_s is a compile.
+LLAMA3_8B_FSDP8 = ("configs/quickstart.yaml", "model.preset=llama3-8b", "train.seq_len=8192", "train.global_batch=8",
+                   "model.dtype=bfloat16", "mesh.fsdp=8", "mesh.data=1", "mesh.pipeline=1", "mesh.expert=1",
+                   "mesh.tensor=1", "moe.num_experts=0", "moe.every=0", "pipeline.microbatches=1",
+                   "cluster.device_kind=h100", "run.compile_cache=null", "--json")
+# Measured here (2 shared cores): 9-12 s compile for remat=full, 14-30 s for none; the bound only catches a hang
+# or a compile that grows with depth (unrolled layers take minutes).
+COMPILE_BOUND_S = 120
+
+
+@pytest.mark.parametrize("kind, entry", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("h100", "h100"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("a100-80gb", "a100-80gb"),
+    ("TPU v4", "tpu-v4"), ("TPU v5 lite", "tpu-v5e"), ("tpu-v5e", "tpu-v5e"), ("TPU v5p", "tpu-v5p"),
+    ("TPU v5", "tpu-v5p"), ("cpu", None), ("NVIDIA L4", None),
+])
+def test_device_kind_finds_its_memory_table_entry(kind, entry):
+    assert table_entry(kind) == entry
+
+
+def test_verdict_says_fits_or_by_how_much_it_is_short():
+    assert verdict(int(79.9 * GIB), 80.0) == "fits"
+    assert verdict(80 * GIB, 80.0) == "fits"
+    assert verdict(int(81.25 * GIB), 80.0) == "does not fit, short by 1.2 GiB"
+    assert verdict(200 * GIB, 141.0) == "does not fit, short by 59.0 GiB"
+    assert "cluster.device_kind" in verdict(GIB, None)
+
+
+def test_device_memory_comes_from_the_kind_the_platform_or_the_override():
+    assert device_memory(load(None, []), "cpu", "cpu") == (None, None)  # CPU: no limit unless asked
+    assert device_memory(load(None, ["cluster.device_kind=a100-80gb"]), "cpu", "cpu") == ("a100-80gb", 80.0)
+    assert device_memory(load(None, []), "gpu", "NVIDIA H200") == ("NVIDIA H200", 141.0)
+    assert device_memory(load(None, ["cluster.device_memory_gb=24"]), "gpu", "NVIDIA H200") == ("NVIDIA H200", 24.0)
+    assert device_memory(load(None, ["cluster.device_kind=L4", "cluster.device_memory_gb=24"]), "cpu", "cpu") == \
+        ("L4", 24.0)
+
+
+@pytest.mark.parametrize("override, key", [("cluster.device_kind=h800", "cluster.device_kind"),
+                                           ("cluster.device_memory_gb=0", "cluster.device_memory_gb")])
+def test_unknown_device_or_no_memory_is_a_config_error(override, key):
+    with pytest.raises(ConfigError) as error:
+        load(None, [override])
+    assert [problem[0] for problem in error.value.problems] == [key]
+
+
+def test_fit_line_names_state_temporaries_total_and_verdict():
+    fit = {"state_bytes": 11 * GIB, "temporaries_bytes": 75 * GIB, "total_bytes": 86 * GIB, "device_kind": "h100",
+           "device_memory_bytes": 80 * GIB, "fits": False, "verdict": verdict(86 * GIB, 80.0)}
+    assert fit_line(fit) == ("per device: parameters + optimizer 11.00 GiB, temporaries 75.00 GiB, total 86.00 GiB "
+                             "of 80 GiB (h100): does not fit, short by 6.0 GiB")
+
+
+def test_moe_preset_sets_its_experts_below_the_run_yaml():
+    assert (load(None, ["model.preset=mixtral-8x7b"]).moe.num_experts, load(None, ["model.preset=moe-1b"]).moe.every) \
+        == (8, 1)
+    quickstart = load("configs/quickstart.yaml", ["model.preset=mixtral-8x7b"])  # its moe: section wins
+    assert (quickstart.moe.num_experts, quickstart.moe.every, quickstart.model.mlp_dim) == (4, 2, 14336)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, params, experts", [("mixtral-8x7b", 46.70e9, 8), ("moe-1b", 0.92e9, 8)])
+def test_moe_preset_compiles_abstractly_with_experts_in_every_layer(preset, params, experts):
+    config = load(None, [f"model.preset={preset}", "mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16",
+                         "train.global_batch=8", "train.seq_len=32", "model.remat=full", "run.compile_cache=null"])
+    report = explain(config)
+    assert report["param_count"] == pytest.approx(params, rel=0.01)
+    names = [row["name"] for row in report["params"]]
+    assert "blocks/expert_layer/mlp/up" in names and not any(name.startswith("blocks/dense") for name in names)
+    up = next(row for row in report["params"] if row["name"] == "blocks/expert_layer/mlp/up")
+    assert up["shape"][:2] == [config.model.num_layers, experts]  # [layers, experts, ...]: MoE in every layer
+    # AdamW: float32 parameters plus two float32 moments, split 8 ways by fsdp.
+    state = report["fit"]["state_bytes"]
+    assert state == pytest.approx(report["param_count"] * 12 / 8, rel=0.01)
+    assert report["fit"]["total_bytes"] >= state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_llama3_8b_at_8192_fits_an_h100_on_fsdp8_with_full_remat_only():
+    reports = {}
+    for remat in ("full", "none"):
+        result = nestor("explain", *LLAMA3_8B_FSDP8, f"model.remat={remat}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        reports[remat] = json.loads(result.stdout)
+        assert reports[remat]["compile_s"] < COMPILE_BOUND_S
+    full, none = reports["full"]["fit"], reports["none"]["fit"]
+    assert reports["full"]["param_count"] == 8_030_261_248
+    assert full["fits"] and full["verdict"] == "fits" and full["total_bytes"] < 80 * GIB
+    assert none["temporaries_bytes"] > 4 * full["temporaries_bytes"]
+    assert not none["fits"] and none["verdict"].startswith("does not fit, short by")
