@@ -163,12 +163,17 @@ class TextSource:
         return np.stack([self.window(self.window_index(step, row)) for row in rows]).astype(np.int32)
 
 
+def batch_shape(config: Config) -> tuple[int, int]:
+    """Returns the shape of one global batch of tokens: [train.global_batch, train.seq_len + 1]."""
+    return config.train.global_batch, config.train.seq_len + 1
+
+
 class DataPipeline:
     """The run's input: global batch `step` as one sharded array, plus a checkpointable position."""
 
     def __init__(self, config: Config, sharding: NamedSharding):
         self.source = SyntheticSource(config) if config.data.source == "synthetic" else TextSource(config)
-        self.shape = (config.train.global_batch, config.train.seq_len + 1)
+        self.shape = batch_shape(config)
         self.sharding = sharding
         self.next_step = 0
 

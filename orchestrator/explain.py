@@ -12,18 +12,19 @@ import jax
 import numpy as np
 
 from orchestrator.config import Config
+from orchestrator.data import batch_shape
 from orchestrator.fit import GIB, fit_report
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.metrics import spec_text
-from orchestrator.step import pipeline_schedule
+from orchestrator.step import batch_sharding, pipeline_schedule
 from orchestrator.train import Job, build_job
 from parallel.hlo import collectives, flops_per_run
 from parallel.rules import is_logical_axes
 
 
 def compile_step(job: Job):
-    """Returns the compiled train step for abstract inputs (nothing is allocated)."""
-    batch = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=job.data.sharding)
+    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
+    batch = jax.ShapeDtypeStruct(batch_shape(job.config), np.int32, sharding=batch_sharding(job.mesh, job.rules))
     return job.step_fn.lower(job.layout.abstract, batch).compile()
 
 
@@ -93,7 +94,7 @@ def pipeline_report(job: Job) -> dict[str, Any] | None:
 
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     """Returns the report `nestor explain --json` prints; the train step is compiled once."""
-    job = job or build_job(config)
+    job = job or build_job(config, with_data=False)
     compiled, compile_s = timed_compile(job)
     memory = compiled.memory_analysis()
     params = param_table(job)

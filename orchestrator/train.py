@@ -67,16 +67,20 @@ class Job:
     rules: Rules
     layout: StateLayout
     step_fn: object
-    data: DataPipeline
+    data: DataPipeline | None  # None when built without data (explain)
 
 
-def build_job(config: Config, devices: list[jax.Device] | None = None) -> Job:
-    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet."""
+def build_job(config: Config, devices: list[jax.Device] | None = None, with_data: bool = True) -> Job:
+    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet.
+
+    `with_data=False` leaves the data source unopened (no file listed, no tokenizer loaded), for a
+    job that is only compiled.
+    """
     mesh = make_mesh(config, devices)
     rules = resolve_rules(config.mesh.rules)
     layout = state_layout(config, mesh, rules)
     step_fn = make_train_step(config, layout, mesh, rules)
-    data = DataPipeline(config, batch_sharding(mesh, rules))
+    data = DataPipeline(config, batch_sharding(mesh, rules)) if with_data else None
     return Job(config, mesh, rules, layout, step_fn, data)
 
 

@@ -2,10 +2,12 @@
 
 import json
 
+import jax
 import pytest
 
 from orchestrator.config import ConfigError, load
 from orchestrator.explain import explain, fit_line
+from orchestrator.train import build_job
 from orchestrator.fit import GIB, device_memory, table_entry, verdict
 from tests.test_cli import nestor
 
@@ -69,12 +71,21 @@ def test_moe_preset_sets_its_experts_below_the_run_yaml():
     assert (quickstart.moe.num_experts, quickstart.moe.every, quickstart.model.mlp_dim) == (4, 2, 14336)
 
 
+def test_a_job_built_for_explain_reads_no_data(tiny_config, tmp_path):
+    config = tiny_config("data.source=text", f"data.paths=[{tmp_path / 'none' / '*.txt'}]")
+    with pytest.raises(ConfigError, match="no file matches"):
+        build_job(config)  # training opens the source before anything compiles
+    assert build_job(config, with_data=False).data is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, params, experts", [("mixtral-8x7b", 46.70e9, 8), ("moe-1b", 0.92e9, 8)])
 def test_moe_preset_compiles_abstractly_with_experts_in_every_layer(preset, params, experts):
     config = load(None, [f"model.preset={preset}", "mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16",
                          "train.global_batch=8", "train.seq_len=32", "model.remat=full", "run.compile_cache=null"])
+    live_before = sum(array.nbytes for array in jax.live_arrays())
     report = explain(config)
+    assert sum(array.nbytes for array in jax.live_arrays()) - live_before < 2**20  # nothing of model size allocated
     assert report["param_count"] == pytest.approx(params, rel=0.01)
     names = [row["name"] for row in report["params"]]
     assert "blocks/expert_layer/mlp/up" in names and not any(name.startswith("blocks/dense") for name in names)
