@@ -146,8 +146,8 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 
 def fit_line(fit: dict[str, Any]) -> str:
     """Returns the one line that answers "will it fit?" for explain's `fit` entry."""
-    parts = (f"parameters + optimizer {fit['state_bytes'] / GIB:.2f} GiB, temporaries "
-             f"{fit['temporaries_bytes'] / GIB:.2f} GiB, total {fit['total_bytes'] / GIB:.2f} GiB")
+    parts = (f"parameters + optimizer {_fmt_bytes(fit['state_bytes'])}, temporaries "
+             f"{_fmt_bytes(fit['temporaries_bytes'])}, total {_fmt_bytes(fit['total_bytes'])}")
     if fit["device_memory_bytes"] is None:
         return f"per device: {parts}; {fit['verdict']}"
     return (f"per device: {parts} of {fit['device_memory_bytes'] / GIB:.0f} GiB "

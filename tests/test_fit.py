@@ -60,8 +60,11 @@ def test_unknown_device_or_no_memory_is_a_config_error(override, key):
 def test_fit_line_names_state_temporaries_total_and_verdict():
     fit = {"state_bytes": 11 * GIB, "temporaries_bytes": 75 * GIB, "total_bytes": 86 * GIB, "device_kind": "h100",
            "device_memory_bytes": 80 * GIB, "fits": False, "verdict": verdict(86 * GIB, 80.0)}
-    assert fit_line(fit) == ("per device: parameters + optimizer 11.00 GiB, temporaries 75.00 GiB, total 86.00 GiB "
+    assert fit_line(fit) == ("per device: parameters + optimizer 11.0 GiB, temporaries 75.0 GiB, total 86.0 GiB "
                              "of 80 GiB (h100): does not fit, short by 6.0 GiB")
+    fit.update(state_bytes=3 * 2**20, device_kind=None, device_memory_bytes=None, fits=None, verdict=verdict(1, None))
+    assert fit_line(fit).startswith("per device: parameters + optimizer 3.0 MiB, temporaries 75.0 GiB, total 86.0 GiB; "
+                                    "no device memory limit known")
 
 
 def test_moe_preset_sets_its_experts_below_the_run_yaml():
@@ -79,14 +82,14 @@ def test_a_job_built_for_explain_reads_no_data(tiny_config, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, params, experts", [("mixtral-8x7b", 46.70e9, 8), ("moe-1b", 0.92e9, 8)])
+@pytest.mark.parametrize("preset, params, experts", [("mixtral-8x7b", 46_702_792_704, 8), ("moe-1b", 914_523_136, 8)])
 def test_moe_preset_compiles_abstractly_with_experts_in_every_layer(preset, params, experts):
     config = load(None, [f"model.preset={preset}", "mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16",
                          "train.global_batch=8", "train.seq_len=32", "model.remat=full", "run.compile_cache=null"])
     live_before = sum(array.nbytes for array in jax.live_arrays())
     report = explain(config)
     assert sum(array.nbytes for array in jax.live_arrays()) - live_before < 2**20  # nothing of model size allocated
-    assert report["param_count"] == pytest.approx(params, rel=0.01)
+    assert report["param_count"] == params
     names = [row["name"] for row in report["params"]]
     assert "blocks/expert_layer/mlp/up" in names and not any(name.startswith("blocks/dense") for name in names)
     up = next(row for row in report["params"] if row["name"] == "blocks/expert_layer/mlp/up")
