@@ -9,6 +9,7 @@ there is no limit unless one of the two is given.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -55,7 +56,8 @@ def verdict(total_bytes: int, capacity_gib: float | None) -> str:
     if capacity_gib is None:
         return "no device memory limit known; name one with cluster.device_kind or cluster.device_memory_gb"
     short = total_bytes / GIB - capacity_gib
-    return "fits" if short <= 0 else f"does not fit, short by {short:.1f} GiB"
+    # Rounded up, so that a config short by a few bytes never reads "short by 0.0 GiB".
+    return "fits" if short <= 0 else f"does not fit, short by {math.ceil(short * 10) / 10:.1f} GiB"
 
 
 def fit_report(config: Config, platform: str, device_kind: str, state_bytes: int, temporaries_bytes: int,

@@ -35,7 +35,8 @@ def test_device_kind_finds_its_memory_table_entry(kind, entry):
 def test_verdict_says_fits_or_by_how_much_it_is_short():
     assert verdict(int(79.9 * GIB), 80.0) == "fits"
     assert verdict(80 * GIB, 80.0) == "fits"
-    assert verdict(int(81.25 * GIB), 80.0) == "does not fit, short by 1.2 GiB"
+    assert verdict(int(81.25 * GIB), 80.0) == "does not fit, short by 1.3 GiB"  # rounded up
+    assert verdict(80 * GIB + 1, 80.0) == "does not fit, short by 0.1 GiB"
     assert verdict(200 * GIB, 141.0) == "does not fit, short by 59.0 GiB"
     assert "cluster.device_kind" in verdict(GIB, None)
 
