@@ -17,9 +17,9 @@ LLAMA3_8B_FSDP8 = ("configs/quickstart.yaml", "model.preset=llama3-8b", "train.s
                    "model.dtype=bfloat16", "mesh.fsdp=8", "mesh.data=1", "mesh.pipeline=1", "mesh.expert=1",
                    "mesh.tensor=1", "moe.num_experts=0", "moe.every=0", "pipeline.microbatches=1",
                    "cluster.device_kind=h100", "run.compile_cache=null", "--json")
-# Measured here (2 shared cores): 9-12 s compile for remat=full, 14-30 s for none; the bound only catches a hang
-# or a compile that grows with depth (unrolled layers take minutes).
-COMPILE_BOUND_S = 120
+# compile_s measured on 2 cores shared with other work (load 10-20): remat=full 36-45 s, none 59 s (11-12 s of
+# CPU either way, bench.compile_depth); 4x headroom for a busier host. It catches a hang, not a regression.
+COMPILE_BOUND_S = 240
 
 
 @pytest.mark.parametrize("kind, entry", [
