@@ -7,8 +7,8 @@ import pytest
 
 from orchestrator.config import ConfigError, load
 from orchestrator.explain import explain, fit_line
-from orchestrator.train import build_job
 from orchestrator.fit import GIB, device_memory, table_entry, verdict
+from orchestrator.train import build_job
 from tests.test_cli import nestor
 
 # The command: llama3-8b at seq 8192 on fsdp8 (1 sequence per device), quickstart's
@@ -83,6 +83,7 @@ def test_a_job_built_for_explain_reads_no_data(tiny_config, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset, params, experts", [("mixtral-8x7b", 46_702_792_704, 8), ("moe-1b", 914_523_136, 8)])
 def test_moe_preset_compiles_abstractly_with_experts_in_every_layer(preset, params, experts):
     config = load(None, [f"model.preset={preset}", "mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16",
