@@ -9,6 +9,7 @@ from orchestrator.config import ConfigError, load
 from orchestrator.explain import explain, fit_line
 from orchestrator.fit import GIB, device_memory, table_entry, verdict
 from orchestrator.train import build_job
+from tests.conftest import ROOT
 from tests.test_cli import nestor
 
 # The command: llama3-8b at seq 8192 on fsdp8 (1 sequence per device), quickstart's
@@ -71,7 +72,7 @@ def test_fit_line_names_state_temporaries_total_and_verdict():
 def test_moe_preset_sets_its_experts_below_the_run_yaml():
     assert (load(None, ["model.preset=mixtral-8x7b"]).moe.num_experts, load(None, ["model.preset=moe-1b"]).moe.every) \
         == (8, 1)
-    quickstart = load("configs/quickstart.yaml", ["model.preset=mixtral-8x7b"])  # its moe: section wins
+    quickstart = load(ROOT / "configs/quickstart.yaml", ["model.preset=mixtral-8x7b"])  # its moe: section wins
     assert (quickstart.moe.num_experts, quickstart.moe.every, quickstart.model.mlp_dim) == (4, 2, 14336)
 
 
