@@ -22,6 +22,7 @@ from orchestrator.progress import Console
 from orchestrator.runtime import check_shared_run_dir
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
+from orchestrator.validation import mesh_axes_key
 from parallel.mesh import MeshError, build_mesh
 from parallel.rules import Rules, resolve_rules
 
@@ -55,7 +56,8 @@ def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
         return build_mesh(config.mesh.ici_shape(), config.mesh.dcn_shape(),
                           devices if devices is not None else select_devices(config))
     except MeshError as error:
-        raise ConfigError([(error.key, str(error).split(": ", 1)[1])]) from None
+        key = mesh_axes_key(config) if error.key == "mesh" else error.key
+        raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
 
 
 @dataclasses.dataclass
