@@ -179,12 +179,12 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_shared_run_dir(run_dir)
-    with _holding_run_dir(run_dir, lock, console.log):
+    with holding_run_dir(run_dir, lock, console.log):
         return _train(config, job, console)
 
 
 @contextlib.contextmanager
-def _holding_run_dir(run_dir: Path, lock: bool, log):
+def holding_run_dir(run_dir: Path, lock: bool, log):
     """Holds run.dir's lock on process 0 for the run (nothing without `lock`). In a multi-process run
     every process learns whether process 0 got it, so none goes on alone; raises ConfigError if not."""
     with contextlib.ExitStack() as stack:
