@@ -140,4 +140,4 @@ def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path)
         assert process.returncode == 2, stderr[-2000:]
         assert f"  {key}: " in stderr and "Traceback" not in stderr, stderr[-2000:]
         assert len(stderr.strip().splitlines()) == 2, stderr  # "invalid config:" and the one problem
-    assert time.perf_counter() - started < 45
+    assert time.perf_counter() - started < 90  # 4 processes at once; ~25 s on 2 loaded cores
