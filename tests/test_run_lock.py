@@ -5,14 +5,12 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from cluster.rendezvous import free_port
 from orchestrator.config import ConfigError
 from orchestrator.run_lock import LOCK_NAME, RunDirLock
-from tests.conftest import ROOT
+from tests.helpers import last_lines_of_two_processes
 
 
 def _write_lock(run_dir, pid: int) -> None:
@@ -56,14 +54,7 @@ def test_a_live_pid_on_this_host_is_refused_even_without_a_flock(tmp_path):
     assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["pid"] == alive.pid  # left as it was
 
 
-AGREE_ON_THE_LOCK = textwrap.dedent("""
-    import sys
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 1)
-    coordinator, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
-    from pathlib import Path
+AGREE_ON_THE_LOCK = """
     from orchestrator.config import ConfigError
     from orchestrator.train import holding_run_dir
     try:
@@ -71,21 +62,13 @@ AGREE_ON_THE_LOCK = textwrap.dedent("""
             print("held")
     except ConfigError as error:
         print(error.problems[0][0], error.problems[0][1])
-""")
+"""
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_every_process_of_a_multi_process_run_stops_when_process_0_is_refused(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = str(ROOT)
     with RunDirLock(tmp_path / "run", log=lambda line: None):
-        coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-        processes = [subprocess.Popen([sys.executable, "-c", AGREE_ON_THE_LOCK, coordinator, str(rank),
-                                       str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for rank in range(2)]
-        outputs = [process.communicate(timeout=200) for process in processes]
-    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
-    last = [out.strip().splitlines()[-1] for out, _ in outputs]
+        last = last_lines_of_two_processes(AGREE_ON_THE_LOCK, [tmp_path / "run"] * 2)
     assert last[0].startswith("run.dir ") and f"pid {os.getpid()} on host" in last[0]  # process 0 says whose
     assert last[1].startswith("run.dir ") and "in use by another run" in last[1]  # process 1 stops as well

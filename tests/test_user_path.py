@@ -8,16 +8,15 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cluster.rendezvous import free_port
 from orchestrator import config as config_lib
 from orchestrator.cli import parse
 from tests.conftest import ROOT
+from tests.helpers import last_lines_of_two_processes
 
 NESTOR = str(Path(sys.executable).parent / "nestor")  # the console script the README's first line installs
 # The README's main command with every step logged. Its schedule does not depend on train.steps
@@ -135,14 +134,7 @@ def test_a_python_without_the_dependencies_says_so_in_one_line():
     assert process.stderr.startswith("nestor: this Python (") and "Traceback" not in process.stderr
 
 
-SHARED_RUN_DIR_CHECK = textwrap.dedent("""
-    import sys
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 2)
-    coordinator, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
-    from pathlib import Path
+SHARED_RUN_DIR_CHECK = """
     from cluster.rendezvous import ClusterError
     from orchestrator.runtime import check_shared_run_dir
     try:
@@ -150,18 +142,7 @@ SHARED_RUN_DIR_CHECK = textwrap.dedent("""
         print("shared")
     except ClusterError as error:
         print(error)
-""")
-
-
-def _check_run_dirs(run_dirs: list[Path]) -> list[str]:
-    coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-    env = dict(user_env(), PYTHONPATH=str(ROOT))
-    processes = [subprocess.Popen([sys.executable, "-c", SHARED_RUN_DIR_CHECK, coordinator, str(rank), str(path)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank, path in enumerate(run_dirs)]
-    outputs = [process.communicate(timeout=120) for process in processes]
-    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
-    return [out.strip().splitlines()[-1] for out, _ in outputs]
+"""
 
 
 @pytest.mark.multiprocess
@@ -169,12 +150,12 @@ def _check_run_dirs(run_dirs: list[Path]) -> list[str]:
 def test_hosts_that_do_not_share_run_dir_fail_naming_the_process(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
-    assert _check_run_dirs([shared, shared]) == ["shared", "shared"]
+    assert last_lines_of_two_processes(SHARED_RUN_DIR_CHECK, [shared, shared]) == ["shared", "shared"]
     assert list(shared.iterdir()) == []  # the marker is removed
     # Two processes on one machine see one file system; different directories play two hosts' disks.
     own = [tmp_path / "host0", tmp_path / "host1"]
     for path in own:
         path.mkdir()
-    for message in _check_run_dirs(own):  # every process stops, with the same diagnosis
+    for message in last_lines_of_two_processes(SHARED_RUN_DIR_CHECK, own):  # every process stops, with the same diagnosis
         assert re.search(r"not the same directory on every host: process 1 on \S+ cannot see", message), message
         assert "process 0 on" not in message
