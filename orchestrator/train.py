@@ -21,7 +21,7 @@ from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.progress import Console
 from orchestrator.run_lock import RunDirLock
-from orchestrator.runtime import check_shared_run_dir
+from orchestrator.runtime import check_shared_run_dir, wait_for_every_process
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
 from orchestrator.validation import mesh_axes_key
@@ -155,6 +155,7 @@ def _compile(job: Job, state: dict, first_step: int, console: Console):
     started = time.perf_counter()
     compiled = job.step_fn.lower(state, job.data.batch(first_step)).compile()
     console.compiled(time.perf_counter() - started)
+    wait_for_every_process(f"step {first_step} compiled")  # the first step's collectives start together
     return compiled
 
 
