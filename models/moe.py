@@ -118,7 +118,7 @@ def load_balancing_loss(probs: jax.Array, first_choice: jax.Array) -> jax.Array:
     num_experts = probs.shape[-1]
     token_share = jnp.mean(first_choice, axis=1)  # [groups, experts]
     mean_probability = jnp.mean(probs, axis=1)    # [groups, experts]
-    return jnp.mean(token_share * mean_probability) * num_experts**2
+    return jnp.mean(token_share * mean_probability) * float(num_experts) ** 2  # a Python int overflows int32
 
 
 def router_z_loss(logits: jax.Array) -> jax.Array:

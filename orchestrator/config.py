@@ -9,6 +9,8 @@ problem with its key path.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -16,6 +18,9 @@ from typing import Any
 
 import yaml
 
+from models import remat_names
+from models.transformer import ATTENTION_IMPLEMENTATIONS
+from orchestrator.remat import PIPELINE_REMAT_ALIASES, POLICIES as REMAT_POLICIES
 from parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -34,81 +39,158 @@ class ConfigError(ValueError):
         return ConfigError, (self.problems,)
 
 
+INT32_MAX = 2**31 - 1  # steps, sizes and counts live in int32 on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What one config key may hold, declared beside its default.
+
+    base.yaml's comment for the key is `comment()` (tests/test_config_table.py
+    checks every line), so the comment, the type and the range cannot drift.
+    Integers are at most INT32_MAX unless `maximum` says otherwise; floats are
+    finite. For a list key, `choices` applies to each element.
+    """
+
+    doc: str
+    minimum: float | None = None  # inclusive
+    maximum: float | None = None  # inclusive
+    above: float | None = None    # exclusive lower bound
+    below: float | None = None    # exclusive upper bound
+    also: tuple = ()              # values allowed outside the range, e.g. -1 = fill the mesh
+    choices: tuple = ()
+
+    def bounds(self) -> str:
+        """Returns the range as base.yaml shows it, e.g. `[>= 1 or -1]`; empty when unbounded."""
+        parts = [f"{sign} {_number(bound)}" for sign, bound in
+                 ((">=", self.minimum), (">", self.above), ("<=", self.maximum), ("<", self.below))
+                 if bound is not None]
+        if not parts:
+            return ""
+        return "[" + ", ".join(parts) + "".join(f" or {_number(v)}" for v in self.also) + "]"
+
+    def comment(self) -> str:
+        """Returns the key's comment in base.yaml: the doc, then the range."""
+        return " ".join(part for part in (self.doc, self.bounds()) if part)
+
+    def problem(self, value: Any) -> str | None:
+        """Returns what is wrong with a value of the right type, or None."""
+        if self.choices and value not in self.choices:
+            return f"{value!r} is not one of {', '.join(map(str, self.choices))}"
+        if value in self.also or isinstance(value, (bool, str)):
+            return None
+        maximum = self.maximum if self.maximum is not None or not isinstance(value, int) else INT32_MAX
+        failed = [text for text, broken in (
+            (f">= {_number(self.minimum)}", self.minimum is not None and value < self.minimum),
+            (f"> {_number(self.above)}", self.above is not None and value <= self.above),
+            (f"<= {_number(maximum)}", maximum is not None and value > maximum),
+            (f"< {_number(self.below)}", self.below is not None and value >= self.below)) if broken]
+        if not failed:
+            return None
+        allowed = "".join(f" or {_number(v)}" for v in self.also)
+        return f"must be {' and '.join(failed)}{allowed}, got {value:g}" if isinstance(value, float) \
+            else f"must be {' and '.join(failed)}{allowed}, got {value}"
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def key(default: Any, doc: str, **limits: Any) -> Any:
+    """Returns a dataclass field with `default` and its Key (doc, range, choices) as metadata."""
+    factory = {"default_factory": type(default)} if isinstance(default, dict) else {"default": default}
+    return dataclasses.field(**factory, metadata={"key": Key(doc, **limits)})
+
+
+_POSITIVE = dict(minimum=1)
+_DEGREE = dict(minimum=1, also=(-1,))
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/default"
-    seed: int = 0
-    compile_cache: str | None = "~/.cache/nestor/xla"
+    dir: str = key("runs/default", "run directory: config.yaml, checkpoints/, tb/, metrics.jsonl (relative: to "
+                   "where nestor runs); one run at a time (run.dir/nestor.lock)")
+    seed: int = key(0, "seeds parameters, data order and routing noise", minimum=0, maximum=2**32 - 1)
+    compile_cache: str | None = key("~/.cache/nestor/xla", "persistent XLA compilation cache: a rerun or resume "
+                                    "loads the step; null = off")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    preset: str | None = None
-    vocab_size: int = 256
-    embed_dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    mlp_dim: int = 128
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    dtype: str = "float32"
-    attention: str = "auto"
-    remat: str = "none"
-    remat_names: tuple[str, ...] = ()
+    preset: str | None = key(None, "configs/models/<preset>.yaml, applied before the keys below")
+    vocab_size: int = key(256, "byte-level by default", **_POSITIVE)
+    embed_dim: int = key(64, "width of the residual stream", **_POSITIVE)
+    num_layers: int = key(2, "transformer blocks", **_POSITIVE)
+    num_heads: int = key(4, "query heads", **_POSITIVE)
+    num_kv_heads: int = key(2, "key/value heads (grouped-query attention); divides num_heads", **_POSITIVE)
+    head_dim: int = key(16, "width of one attention head; even (RoPE)", **_POSITIVE)
+    mlp_dim: int = key(128, "hidden width of the SwiGLU feed-forward", **_POSITIVE)
+    tie_embeddings: bool = key(False, "unembed with the transposed token embedding")
+    rope_theta: float = key(10000.0, "RoPE base frequency", above=0)
+    norm_eps: float = key(1e-6, "RMSNorm epsilon", minimum=0)
+    init_std: float = key(0.02, "stddev of the normal initialiser", above=0)
+    dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16; params stay float32",
+                     choices=("float32", "bfloat16", "float16"))
+    attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla) | xla | "
+                         "cudnn", choices=("auto", *ATTENTION_IMPLEMENTATIONS))
+    remat: str = key("none", "per stacked unit, scanned or pipelined: none | full | dots | minimal | offload "
+                     "(CPU: = minimal)", choices=REMAT_POLICIES)
+    remat_names: tuple[str, ...] = key((), "minimal/offload: activations to keep (models/remat_names.py); empty = "
+                                       "the policy's default set", choices=remat_names.ALL)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
-    global_batch: int = 16
-    seq_len: int = 64
-    grad_accum: int = 1
-    log_every: int = 1
+    steps: int = key(100, "optimizer steps", **_POSITIVE)
+    global_batch: int = key(16, "sequences per step, over all devices", **_POSITIVE)
+    seq_len: int = key(64, "tokens per sequence", **_POSITIVE)
+    grad_accum: int = key(1, "micro-batches accumulated into one optimizer step", **_POSITIVE)
+    log_every: int = key(1, "write metrics every N steps", **_POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    decay_steps: int | None = None
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    lr: float = key(3e-3, "peak learning rate", above=0)
+    warmup_steps: int = key(10, "linear warmup from 0; at most decay_steps (when null, cut at train.steps)",
+                            minimum=0)
+    decay_steps: int | None = key(None, "cosine decay ends here, then lr stays at lr * min_lr_ratio; null = "
+                                  "train.steps", **_POSITIVE)
+    min_lr_ratio: float = key(0.1, "cosine decays to lr * min_lr_ratio at decay_steps", minimum=0, maximum=1)
+    b1: float = key(0.9, "Adam decay of the first moment", minimum=0, below=1)
+    b2: float = key(0.95, "Adam decay of the second moment", minimum=0, below=1)
+    eps: float = key(1e-8, "Adam denominator epsilon", above=0)
+    weight_decay: float = key(0.1, "AdamW decoupled decay (not applied to norm scales)", minimum=0)
+    clip_norm: float = key(1.0, "global gradient-norm clip; 0 disables", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"
-    paths: tuple[str, ...] = ()
-    tokenizer: str | None = None
-    document_mask: bool = True
+    source: str = key("synthetic", "synthetic | text", choices=("synthetic", "text"))
+    paths: tuple[str, ...] = key((), "text: globs of text files (no NUL bytes); empty = the Python standard "
+                                 "library's sources")
+    tokenizer: str | None = key(None, "text: path to a tokenizers JSON or SentencePiece model; null = bytes")
+    document_mask: bool = key(True, "text: no token attends across a document separator (token 0); synthetic: "
+                              "no-op")
 
 
 @dataclasses.dataclass(frozen=True)
 class DcnConfig:
-    pipeline: int = 1
-    data: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
+    pipeline: int = key(1, "pipeline stages across slices", **_POSITIVE)
+    data: int = key(1, "data-parallel replicas across slices", **_POSITIVE)
+    fsdp: int = key(1, "fully-sharded data parallelism across slices", **_POSITIVE)
+    expert: int = key(1, "expert parallelism across slices", **_POSITIVE)
+    tensor: int = key(1, "tensor parallelism across slices", **_POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    pipeline: int = 1
-    data: int = -1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
+    pipeline: int = key(1, "pipeline stages", **_DEGREE)
+    data: int = key(-1, "data-parallel replicas", **_DEGREE)
+    fsdp: int = key(1, "fully-sharded data parallelism: parameters split, gathered per layer", **_DEGREE)
+    expert: int = key(1, "expert parallelism: MoE experts split over it (it also splits the batch)", **_DEGREE)
+    tensor: int = key(1, "tensor parallelism: heads and MLP width split, innermost", **_DEGREE)
     dcn: DcnConfig = DcnConfig()
-    rules: dict = dataclasses.field(default_factory=dict)
+    rules: dict = key({}, "logical axis -> mesh axes overrides, e.g. {embed: null, mlp: [tensor, fsdp]}")
 
     def ici_shape(self) -> dict[str, int]:
         """Returns the per-slice degrees by axis name, -1 still unresolved."""
@@ -121,55 +203,62 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    microbatches: int = 1
-    schedule: str = "gpipe"
-    repeats: int = 1
-    remat: str | None = None  # deprecated alias of model.remat
+    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline",
+                            **_POSITIVE)
+    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1))",
+                        choices=("gpipe", "circular"))
+    repeats: int = key(1, "circular: non-adjacent layer groups per stage (R); num_layers % (S*R) == 0", **_POSITIVE)
+    remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "
+                            "dots_with_no_batch_dims_saveable (= minimal)", choices=tuple(PIPELINE_REMAT_ALIASES))
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    num_experts: int = 0
-    every: int = 0
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    eval_capacity_factor: float = 2.0
-    group_size: int = 0
-    second_expert_policy: str = "all"
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
+    num_experts: int = key(0, "0 = dense model", minimum=0)
+    every: int = key(0, "an MoE feed-forward every k-th layer (divides model.num_layers); 0 = dense", minimum=0)
+    top_k: int = key(2, "experts per token; at most num_experts", **_POSITIVE)
+    capacity_factor: float = key(1.25, "training capacity factor", above=0)
+    eval_capacity_factor: float = key(2.0, "capacity factor outside training", above=0)
+    group_size: int = key(0, "tokens per routing group (divides the tokens per device); 0 = one per sequence",
+                          minimum=0)
+    second_expert_policy: str = key("all", "all | random (GShard's random routing of the 2nd expert; pipeline "
+                                    "micro-batches share one draw)", choices=("all", "random"))
+    aux_loss_weight: float = key(0.01, "GShard load-balancing loss weight", minimum=0)
+    z_loss_weight: float = key(0.001, "ST-MoE router z-loss weight", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0
-    keep: int = 3
+    every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
+    keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
     # `async` is a Python keyword, so the field is `async_save`; the YAML key stays `async`.
-    async_save: bool = True
+    async_save: bool = key(True, "save in the background while training continues")
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
-    tensorboard: bool = True
-    image_every: int = 100
-    peak_tflops: float | None = None
+    tensorboard: bool = key(True, "write TensorBoard events to run.dir/tb")
+    image_every: int = key(100, "expert-load heatmap every N steps (MoE only); 0 = never", minimum=0)
+    peak_tflops: float | None = key(None, "per-device peak for MFU; null = look up the device kind", above=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    launcher: str = "ray"
-    address: str | None = None
-    hosts: int = 1
-    devices_per_host: int = 8
-    accelerator: str = "cpu"
-    max_failures: int = 0
-    init_timeout_s: float = 120.0
-    tpu_topology: str | None = None
-    tpu_type: str | None = None
-    dashboard: bool = True
-    worker_logs: bool = False
-    device_kind: str | None = None
-    device_memory_gb: float | None = None
+    launcher: str = key("ray", "ray (an embedded local cluster unless cluster.address) | inprocess",
+                        choices=("ray", "inprocess"))
+    address: str | None = key(None, "Ray cluster address; null = start an embedded local cluster")
+    hosts: int = key(1, "JAX processes (one per host)", **_POSITIVE)
+    devices_per_host: int = key(8, "devices each process uses; on CPU, the number simulated; -1 = all", **_DEGREE)
+    accelerator: str = key("cpu", "cpu | gpu | tpu", choices=("cpu", "gpu", "tpu"))
+    max_failures: int = key(0, "worker-group restarts before the run fails; -1 = no limit", minimum=-1)
+    init_timeout_s: float = key(120.0, "seconds to wait for every process to join jax.distributed", above=0)
+    tpu_topology: str | None = key(None, "tpu: slice topology per host group, e.g. 2x2x2 (v4/v5p) or 4x4 (v5e)")
+    tpu_type: str | None = key(None, "tpu: Ray accelerator type, e.g. TPU-V4, TPU-V5LITEPOD, TPU-V5P")
+    dashboard: bool = key(True, "embedded cluster: serve Ray's dashboard and state API on 127.0.0.1")
+    worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
+    device_kind: str | None = key(None, "explain's memory check: a device in its table (h100, h200, a100-40gb, "
+                                  "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present (CPU: no limit)")
+    device_memory_gb: float | None = key(None, "explain's memory check: GiB per device, overrides the table", above=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,15 +325,31 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def _read_yaml(path: Path, key: str) -> dict:
+# libyaml's loader where PyYAML was built with it: the same safe YAML 1.1, ~10x faster.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _read_yaml(path: Path, key: str, empty_ok: bool = True) -> dict:
+    """Returns the mapping a YAML file holds; anything else (missing, a directory, not UTF-8, not YAML,
+    not a mapping, empty unless `empty_ok`) raises a one-line ConfigError naming `key`."""
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError([(key, f"file not found: {path}")]) from None
+    except IsADirectoryError:
+        raise ConfigError([(key, f"{path} is a directory; give a YAML file")]) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError([(key, f"{path} is not UTF-8 text (byte {error.start}); give a YAML file")]) from None
+    except OSError as error:
+        raise ConfigError([(key, f"cannot read {path}: {error.strerror}")]) from None
+    try:
+        data = yaml.load(text, Loader=_SAFE_LOADER)
     except yaml.YAMLError as error:
-        raise ConfigError([(key, f"{path} is not valid YAML: {error}")]) from None
-    if data is None:
+        raise ConfigError([(key, f"{path} is not valid YAML: {' '.join(str(error).split())}")]) from None
+    if data is None and empty_ok:
         return {}
+    if data is None:
+        raise ConfigError([(key, f"{path} is empty; write `{{}}` to train on base.yaml's defaults")])
     if not isinstance(data, dict):
         raise ConfigError([(key, f"{path} must hold a mapping of sections")])
     return data
@@ -300,17 +405,15 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     override or the combination is invalid.
     """
     tree = _read_yaml(CONFIGS_DIR / "base.yaml", "base.yaml")
-    user = _read_yaml(Path(path), "CONFIG") if path is not None else {}
+    user = _read_yaml(Path(path), "CONFIG", empty_ok=False) if path is not None else {}
     if isinstance(overrides, list):
         # Further YAML files (e.g. configs/meshes/fsdp8.yaml) layer over CONFIG in order.
         for layer in [item for item in overrides if "=" not in item and item.endswith((".yaml", ".yml"))]:
             user = _merge(user, _read_yaml(Path(layer), layer))
         overrides = [item for item in overrides if not ("=" not in item and item.endswith((".yaml", ".yml")))]
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
-    preset = (
-        (extra.get("model") or {}).get("preset")
-        or (user.get("model") or {}).get("preset")
-    )
+    preset = next((layer["model"].get("preset") for layer in (extra, user)
+                   if isinstance(layer.get("model"), dict) and layer["model"].get("preset")), None)
     if preset:
         tree = _merge(tree, preset_sections(preset))
     tree = _merge(_merge(tree, user), extra)
@@ -345,6 +448,27 @@ def _validated(config: Config) -> Config:
     return without_deprecated_keys(validate(resolve_paths(config, Path.cwd())))
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def key_table(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, Any, Any, Key], ...]:
+    """Returns (dotted path, type hint, default, Key) for every config key, in base.yaml's order."""
+    cls = cls or Config
+    rows = ()
+    for field in dataclasses.fields(cls):
+        path = prefix + _YAML_NAMES.get(field.name, field.name)
+        hint = _hints(cls)[field.name]
+        if dataclasses.is_dataclass(hint):
+            rows += key_table(hint, path + ".")
+        else:
+            default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+            rows += ((path, hint, default, field.metadata["key"]),)
+    return rows
+
+
 def from_dict(tree: dict) -> Config:
     """Returns a Config built from nested plain data; unknown keys and wrong types raise."""
     problems: list[tuple[str, str]] = []
@@ -359,7 +483,7 @@ def _build(cls: type, tree: Any, prefix: str, problems: list) -> Any:
         problems.append((prefix.rstrip(".") or "<root>", "must be a mapping"))
         return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for key, raw in tree.items():
         name = _FIELD_NAMES.get(key, key)
@@ -394,14 +518,17 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
             return value, None
         return None, f"expected an integer, got {value!r}"
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), None
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value) if abs(value) < 2**1023 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value), None
+                number = float(value)
             except ValueError:
                 pass
-        return None, f"expected a number, got {value!r}"
+        if number is not None and math.isfinite(number):
+            return number, None
+        return None, f"expected a finite number, got {value!r}"
     if hint is str:
         return (value, None) if isinstance(value, str) else (None, f"expected a string, got {value!r}")
     if origin is tuple:

@@ -75,15 +75,25 @@ class SyntheticSource:
         return out
 
 
+TEXT_PROBE_BYTES = 8192  # as much of each file as is read to tell text from binary, like git does
+
+
 def text_files(patterns: tuple[str, ...]) -> list[Path]:
     """Returns the sorted files matched by the globs (default: the standard library's `*.py`).
 
-    Raises ConfigError when nothing matches.
+    Raises ConfigError when nothing matches or a file is not text: a NUL byte
+    (the document separator) in its first TEXT_PROBE_BYTES.
     """
     patterns = patterns or (str(Path(sysconfig.get_paths()["stdlib"]) / "*.py"),)
     files = sorted({Path(p) for pattern in patterns for p in glob.glob(pattern, recursive=True) if Path(p).is_file()})
     if not files:
         raise ConfigError([("data.paths", f"no file matches {list(patterns)}; give globs of text files")])
+    for file in files:
+        with file.open("rb") as f:
+            head = f.read(TEXT_PROBE_BYTES)
+        if b"\0" in head:
+            raise ConfigError([("data.paths", f"{file} is not text (a NUL byte at offset {head.index(0)}; NUL "
+                                              "separates documents); narrow the globs to text files")])
     return files
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from cluster.launcher import ClusterSpec, launch
 from orchestrator.config import Config
 from orchestrator.progress import Console, ForwardingConsole, replay
+from orchestrator.run_lock import RunDirLock
 
 
 def cluster_spec(config: Config) -> ClusterSpec:
@@ -29,7 +30,7 @@ def train_on_worker(config: Config, send) -> None:
 
     enable_compile_cache(config)
     console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
-    train(config, console=console)
+    train(config, console=console, lock=False)  # the driver holds run.dir's lock (train_on_ray)
 
 
 def train_on_ray(config: Config, console: Console) -> None:
@@ -38,10 +39,13 @@ def train_on_ray(config: Config, console: Console) -> None:
 
     Raises cluster.launcher.ClusterError (unreachable cluster, too few devices,
     a rank that never joins, failures past `cluster.max_failures`) and the
-    workers' own config errors.
+    workers' own config errors; ConfigError when another run holds run.dir.
+    The lock is held here, in the driver, for the whole run: it outlives
+    worker-group restarts, and a refused run never starts Ray.
     """
     try:
-        launch(train_on_worker, config, cluster_spec(config), storage_dir=config.run.dir,
-               on_message=lambda message: replay(console, message))
+        with RunDirLock(config.run.dir, console.log):
+            launch(train_on_worker, config, cluster_spec(config), storage_dir=config.run.dir,
+                   on_message=lambda message: replay(console, message))
     finally:
         console.close()

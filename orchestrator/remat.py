@@ -23,12 +23,14 @@ what else is; everything else is recomputed in the backward pass.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from models import remat_names
-from orchestrator.config import Config
+
+if TYPE_CHECKING:  # orchestrator.config declares its keys' choices with this module's names
+    from orchestrator.config import Config
 
 POLICIES = ("none", "full", "dots", "minimal", "offload")
 NAMED_POLICIES = ("minimal", "offload")  # the policies `model.remat_names` applies to

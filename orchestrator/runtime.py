@@ -78,3 +78,30 @@ def check_shared_run_dir(run_dir: Path) -> None:
         raise ClusterError(f"run.dir={run_dir} is not the same directory on every host: {', '.join(missing)} "
                            "cannot see what process 0 wrote there; put run.dir on storage every host shares "
                            "(NFS, Filestore, GCS FUSE)")
+
+
+# How long one process may wait for the others to finish compiling. On CPU a
+# process other than 0 never loads the step from the compilation cache (JAX
+# writes entries from process 0 only, and its CPU cache key differs per
+# process), so the others can compile long after process 0 is done.
+COMPILED_BARRIER_TIMEOUT_S = 3600
+
+
+def wait_for_every_process(name: str, timeout_s: float = COMPILED_BARRIER_TIMEOUT_S) -> None:
+    """Returns once every process of a multi-host run has called this with `name` (one process: at once).
+
+    A barrier of jax.distributed's coordination service, not a collective: the
+    first collective of a step sets up its Gloo/NCCL communicators with a fixed
+    deadline (30 s for Gloo on CPU), which a process still compiling would miss.
+    Raises ClusterError when a process has not arrived within `timeout_s`.
+    """
+    import jax
+    from jax._src import distributed  # the coordination client; no public API has its barrier
+
+    if jax.process_count() == 1:
+        return
+    try:
+        distributed.global_state.client.wait_at_barrier(f"nestor: {name}", int(timeout_s * 1000))
+    except jax.errors.JaxRuntimeError as error:
+        raise ClusterError(f"not every process reached '{name}' within {timeout_s:g} s: "
+                           f"{str(error).splitlines()[0]}") from error

@@ -15,12 +15,20 @@ from orchestrator.config import ConfigError
 Tokenizer = Callable[[str], list[int]]
 
 
+def _unreadable(path: Path, kind: str, error: Exception) -> ConfigError:
+    reason = " ".join(str(error).split())[:200] or type(error).__name__
+    return ConfigError([("data.tokenizer", f"{path} does not load as {kind}: {reason}")])
+
+
 def _huggingface(path: Path) -> tuple[Tokenizer, int]:
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
         raise ConfigError([("data.tokenizer", f"{path} needs the `tokenizers` package: pip install tokenizers")]) from None
-    tokenizer = HFTokenizer.from_file(str(path))
+    try:
+        tokenizer = HFTokenizer.from_file(str(path))
+    except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
+        raise _unreadable(path, "a tokenizers JSON", error) from None
     return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size()
 
 
@@ -30,15 +38,18 @@ def _sentencepiece(path: Path) -> tuple[Tokenizer, int]:
     except ImportError:
         raise ConfigError([("data.tokenizer", f"{path} needs the `sentencepiece` package: "
                                               "pip install sentencepiece")]) from None
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
+        raise _unreadable(path, "a SentencePiece model", error) from None
     return processor.encode, processor.get_piece_size()
 
 
 def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer | None:
     """Returns text -> token ids for a `.json` (tokenizers) or `.model` (SentencePiece) file; None = bytes.
 
-    Raises ConfigError when the file is absent, of an unknown kind, its library
-    is missing, or its vocabulary does not fit `model.vocab_size`.
+    Raises ConfigError when the file is absent, of an unknown kind, does not
+    parse (empty, truncated), its library is missing, or its vocabulary does not fit `model.vocab_size`.
     """
     if path is None:
         if vocab_size < 256:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import threading
@@ -19,9 +20,11 @@ from orchestrator.data import DataPipeline
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.progress import Console
-from orchestrator.runtime import check_shared_run_dir
+from orchestrator.run_lock import RunDirLock
+from orchestrator.runtime import check_shared_run_dir, wait_for_every_process
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
+from orchestrator.validation import mesh_axes_key
 from parallel.mesh import MeshError, build_mesh
 from parallel.rules import Rules, resolve_rules
 
@@ -55,7 +58,8 @@ def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
         return build_mesh(config.mesh.ici_shape(), config.mesh.dcn_shape(),
                           devices if devices is not None else select_devices(config))
     except MeshError as error:
-        raise ConfigError([(error.key, str(error).split(": ", 1)[1])]) from None
+        key = mesh_axes_key(config) if error.key == "mesh" else error.key
+        raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
 
 
 @dataclasses.dataclass
@@ -155,33 +159,69 @@ def _compile(job: Job, state: dict, first_step: int, console: Console):
     started = time.perf_counter()
     compiled = job.step_fn.lower(state, job.data.batch(first_step)).compile()
     console.compiled(time.perf_counter() - started)
+    wait_for_every_process(f"step {first_step} compiled")  # the first step's collectives start together
     return compiled
 
 
-def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None) -> TrainResult:
+def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None,
+          lock: bool = True) -> TrainResult:
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
     (then returns early with `stopped_by` set). Device values are read one
     step late, so logging never waits on the step that is running. Progress
-    goes to `console` (default: this terminal). Returns the losses, final
-    state and logged records. Raises ConfigError for configs that do not fit
-    the devices, ClusterError when the processes of a multi-host run do not
-    share run.dir, and TrainingDiverged on a NaN/Inf loss, leaving the last
-    good checkpoint newest.
+    goes to `console` (default: this terminal). With `lock`, process 0 holds
+    run.dir's lock for the run (the Ray launcher holds it in the driver and
+    passes False). Returns the losses, final state and logged records. Raises
+    ConfigError for configs that do not fit the devices, a checkpoint that
+    does not fit the config (run.dir left as it was) or a run.dir another run
+    holds; ClusterError when the processes of a multi-host run do not share
+    run.dir, and TrainingDiverged on a NaN/Inf loss, leaving the last good
+    checkpoint newest.
     """
     console = console or Console()
-    log = console.log
     job = build_job(config, devices)
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_shared_run_dir(run_dir)
+    with holding_run_dir(run_dir, lock, console.log):
+        return _train(config, job, console)
+
+
+@contextlib.contextmanager
+def holding_run_dir(run_dir: Path, lock: bool, log):
+    """Holds run.dir's lock on process 0 for the run (nothing without `lock`). In a multi-process run
+    every process learns whether process 0 got it, so none goes on alone; raises ConfigError if not."""
+    with contextlib.ExitStack() as stack:
+        refusal = None
+        if lock and jax.process_index() == 0:
+            try:
+                stack.enter_context(RunDirLock(run_dir, log))
+            except ConfigError as error:
+                refusal = error
+        if lock and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)) and refusal is None:
+                refusal = ConfigError([("run.dir", f"{run_dir} is in use by another run (process 0 says whose)")])
+        if refusal is not None:
+            raise refusal
+        yield
+
+
+def _train(config: Config, job: Job, console: Console) -> TrainResult:
+    log = console.log
+    run_dir = Path(config.run.dir)
     lead = jax.process_index() == 0
-    if lead:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
     checkpointer = Checkpointer(config, job.layout, log)
-    first_step, state = _start_state(config, job, checkpointer, log)
+    try:
+        first_step, state = _start_state(config, job, checkpointer, log)
+    except BaseException:
+        checkpointer.close()
+        raise
+    if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     result = TrainResult([], state, [], first_step)
     if first_step >= config.train.steps:
         log(f"nothing to train: the checkpoint in {run_dir} is at step {first_step} = train.steps; "

@@ -10,64 +10,53 @@ import dataclasses
 import math
 import warnings
 
-from models import remat_names
 from models.moe import expert_capacity
-from models.transformer import ATTENTION_IMPLEMENTATIONS
-from orchestrator.config import Config, ConfigError
+from orchestrator.config import Config, ConfigError, key_table
 from orchestrator.fit import DEVICE_MEMORY_GIB, table_entry
-from orchestrator.remat import NAMED_POLICIES, PIPELINE_REMAT_ALIASES, POLICIES
+from orchestrator.remat import NAMED_POLICIES, PIPELINE_REMAT_ALIASES
 from parallel.pipeline import Schedule
 from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
 
 
-def _check_choice(problems, key, value, choices):
-    if value not in choices:
-        problems.append((key, f"{value!r} is not one of {', '.join(choices)}"))
-
-
-def _check_positive(problems, key, value, minimum=1):
-    if value < minimum:
-        problems.append((key, f"must be >= {minimum}, got {value}"))
+def table_problems(config: Config) -> list[tuple[str, str]]:
+    """Returns (key path, message) for every value outside its key's declared range or choices."""
+    plain = config.to_dict()
+    problems = []
+    for path, _, _, spec in key_table():
+        value = plain
+        for part in path.split("."):
+            value = value[part]
+        if value is None or isinstance(value, dict):
+            continue
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if (message := spec.problem(item)) is not None:
+                problems.append((path if index is None else f"{path}[{index}]", message))
+    return problems
 
 
 def validate(config: Config) -> Config:
     """Returns `config` unchanged if it is consistent; otherwise raises ConfigError listing every problem.
 
-    Checks that need the device count (the mesh product) are done here when the
-    mesh has no -1 or when `cluster.hosts * cluster.devices_per_host` is known.
+    First every key against its own range and choices (the key table in
+    orchestrator.config); only when all hold, the checks across keys, which
+    rely on them. Checks that need the device count (the mesh product) are
+    done here when the mesh has no -1 or when `cluster.hosts *
+    cluster.devices_per_host` is known.
     """
-    problems: list[tuple[str, str]] = []
-    m, t = config.model, config.train
-    for key in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-        _check_positive(problems, f"model.{key}", getattr(m, key))
-    for key in ("steps", "global_batch", "seq_len", "grad_accum", "log_every"):
-        _check_positive(problems, f"train.{key}", getattr(t, key))
-    _check_choice(problems, "model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    problems = table_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    m = config.model
     if m.head_dim % 2:
         problems.append(("model.head_dim", f"RoPE needs an even head_dim, got {m.head_dim}"))
-    if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+    if m.num_heads % m.num_kv_heads:
         problems.append(("model.num_kv_heads", f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}"))
-    _check_choice(problems, "data.source", config.data.source, ("synthetic", "text"))
-    _check_choice(problems, "pipeline.schedule", config.pipeline.schedule, ("gpipe", "circular"))
     problems += _remat_problems(config)
-    _check_choice(problems, "model.attention", m.attention, ("auto", *ATTENTION_IMPLEMENTATIONS))
     if m.attention == "cudnn" and m.dtype == "float32":
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
-    _check_choice(problems, "moe.second_expert_policy", config.moe.second_expert_policy, ("all", "random"))
-    _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
-    _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
-    _check_positive(problems, "cluster.hosts", config.cluster.hosts)
-    _check_positive(problems, "cluster.max_failures", config.cluster.max_failures, minimum=-1)
-    if config.cluster.init_timeout_s <= 0:
-        problems.append(("cluster.init_timeout_s", f"must be > 0 seconds, got {config.cluster.init_timeout_s:g}"))
-    if config.cluster.devices_per_host == 0 or config.cluster.devices_per_host < -1:
-        problems.append(("cluster.devices_per_host", "must be a positive count or -1 (all local devices)"))
     problems += _device_memory_problems(config)
-    _check_positive(problems, "checkpoint.keep", config.checkpoint.keep)
-    _check_positive(problems, "checkpoint.every", config.checkpoint.every, minimum=0)
-    _check_positive(problems, "pipeline.microbatches", config.pipeline.microbatches)
-    _check_positive(problems, "pipeline.repeats", config.pipeline.repeats)
     problems += _schedule_problems(config)
     problems += _mesh_problems(config)
     problems += _moe_problems(config, None if problems else _known_degrees(config))
@@ -80,11 +69,9 @@ def validate(config: Config) -> Config:
 
 
 def _device_memory_problems(config: Config) -> list[tuple[str, str]]:
-    """cluster.device_memory_gb is positive; cluster.device_kind names a device of the memory table
-    unless device_memory_gb gives the memory itself."""
+    """cluster.device_kind names a device of the memory table unless cluster.device_memory_gb gives the
+    memory itself."""
     kind, memory = config.cluster.device_kind, config.cluster.device_memory_gb
-    if memory is not None and memory <= 0:
-        return [("cluster.device_memory_gb", f"must be > 0 GiB, got {memory:g}")]
     if kind is not None and memory is None and table_entry(kind) is None:
         return [("cluster.device_kind", f"{kind!r} is not in the device memory table "
                                         f"({', '.join(DEVICE_MEMORY_GIB)}); pick one or set cluster.device_memory_gb")]
@@ -92,21 +79,16 @@ def _device_memory_problems(config: Config) -> list[tuple[str, str]]:
 
 
 def _remat_problems(config: Config) -> list[tuple[str, str]]:
-    """model.remat and its names; pipeline.remat, its deprecated alias, may not contradict it."""
+    """model.remat_names need a policy that saves by name; pipeline.remat, model.remat's deprecated alias,
+    may not contradict it."""
     m, old = config.model, config.pipeline.remat
     problems = []
-    _check_choice(problems, "model.remat", m.remat, POLICIES)
-    for index, name in enumerate(m.remat_names):
-        if name not in remat_names.ALL:
-            problems.append((f"model.remat_names[{index}]", f"{name!r} is not a named activation; the names are "
-                                                            f"{', '.join(remat_names.ALL)}"))
     if m.remat_names and m.remat not in NAMED_POLICIES:
         problems.append(("model.remat_names", f"model.remat={m.remat} does not save by name; names apply to "
                                               f"{' and '.join(NAMED_POLICIES)}"))
     if old is not None:
-        _check_choice(problems, "pipeline.remat", old, tuple(PIPELINE_REMAT_ALIASES))
-        mapped = PIPELINE_REMAT_ALIASES.get(old)
-        if mapped and m.remat != "none" and m.remat != mapped:
+        mapped = PIPELINE_REMAT_ALIASES[old]
+        if m.remat != "none" and m.remat != mapped:
             problems.append(("pipeline.remat", f"is a deprecated alias of model.remat ({old} means model.remat="
                                                f"{mapped}) and contradicts model.remat={m.remat}; delete "
                                                "pipeline.remat"))
@@ -130,10 +112,8 @@ def _schedule_problems(config: Config) -> list[tuple[str, str]]:
     """The learning-rate schedule's lengths; a null decay_steps (train.steps) cuts the warmup instead."""
     opt = config.optimizer
     problems = []
-    _check_positive(problems, "optimizer.warmup_steps", opt.warmup_steps, minimum=0)
     if opt.decay_steps is not None:
-        _check_positive(problems, "optimizer.decay_steps", opt.decay_steps)
-        if opt.warmup_steps > opt.decay_steps >= 1:
+        if opt.warmup_steps > opt.decay_steps:
             problems.append(("optimizer.warmup_steps", f"{opt.warmup_steps} exceeds optimizer.decay_steps="
                                                        f"{opt.decay_steps}; warm up for at most the decay steps"))
     return problems
@@ -145,12 +125,6 @@ def _mesh_problems(config: Config) -> list[tuple[str, str]]:
     fills = [axis for axis, size in mesh.ici_shape().items() if size == -1]
     if len(fills) > 1:
         problems.append((f"mesh.{fills[1]}", f"only one mesh axis may be -1; found {', '.join('mesh.' + a for a in fills)}"))
-    for axis, size in mesh.ici_shape().items():
-        if size == 0 or size < -1:
-            problems.append((f"mesh.{axis}", f"must be a positive degree or -1, got {size}"))
-    for axis, size in mesh.dcn_shape().items():
-        if size < 1:
-            problems.append((f"mesh.dcn.{axis}", f"must be >= 1, got {size}"))
     problems += unknown_rule_problems(mesh.rules)
     devices = total_devices(config)
     if devices is not None and not problems:
@@ -165,9 +139,18 @@ def _mesh_problems(config: Config) -> list[tuple[str, str]]:
             if fills and per_slice % known:
                 problems.append((f"mesh.{fills[0]}", f"the other axes multiply to {known}, which does not divide {per_slice} devices per slice"))
             elif not fills and known != per_slice:
-                problems.append(("mesh", f"the axes multiply to {known} but each slice has {per_slice} devices "
-                                         f"({devices} devices / {dcn} slices); set one axis to -1 or fix the degrees"))
+                problems.append((mesh_axes_key(config), f"multiply to {known} but each slice has {per_slice} "
+                                 f"devices (cluster.hosts={config.cluster.hosts} x cluster.devices_per_host="
+                                 f"{config.cluster.devices_per_host} / {dcn} slices); set one axis to -1, change "
+                                 "a degree or cluster.devices_per_host"))
     return problems
+
+
+def mesh_axes_key(config: Config) -> str:
+    """Returns the keys of the mesh axes that split the devices (degree > 1), e.g. `mesh.data, mesh.tensor`:
+    what to change when their product does not fit the devices."""
+    split = [f"mesh.{axis}" for axis, size in config.mesh.ici_shape().items() if size != 1]
+    return ", ".join(split or [f"mesh.{axis}" for axis in MESH_AXES])
 
 
 def total_devices(config: Config) -> int | None:
@@ -201,9 +184,6 @@ def _known_degrees(config: Config) -> dict[str, int] | None:
 def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
     """Returns the problems of the `moe` section; checks against the mesh need its `degrees`."""
     moe, m, t = config.moe, config.model, config.train
-    if moe.num_experts < 0 or moe.every < 0 or moe.group_size < 0:
-        key = next(k for k in ("num_experts", "every", "group_size") if getattr(moe, k) < 0)
-        return [(f"moe.{key}", f"must be >= 0, got {getattr(moe, key)}")]
     if (moe.num_experts > 0) != (moe.every > 0):
         return [("moe.every", f"moe.every={moe.every} and moe.num_experts={moe.num_experts}: set both > 0 for an "
                               "MoE model or both 0 for a dense one")]
@@ -213,13 +193,13 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
     if m.num_layers % moe.every:
         problems.append(("moe.every", f"{moe.every} does not divide model.num_layers={m.num_layers}; "
                                       "the stacked unit is moe.every layers, so pick a divisor"))
-    if not 1 <= moe.top_k <= moe.num_experts:
-        problems.append(("moe.top_k", f"must be between 1 and moe.num_experts={moe.num_experts}, got {moe.top_k}"))
+    if moe.top_k > moe.num_experts:
+        problems.append(("moe.top_k", f"must be at most moe.num_experts={moe.num_experts}, got {moe.top_k}"))
     tokens_per_group = moe.group_size or t.seq_len
     for key in ("capacity_factor", "eval_capacity_factor"):
         factor = getattr(moe, key)
-        if factor <= 0 or expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
-            problems.append((f"moe.{key}", f"{factor} gives experts no capacity; use a positive factor"))
+        if expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
+            problems.append((f"moe.{key}", f"{factor:g} gives experts no capacity (under one token per group); raise it"))
     if degrees is None:
         return problems
     if moe.num_experts % degrees["expert"]:

@@ -54,10 +54,14 @@ def _as_axes(value: Any) -> tuple[str, ...]:
 
 
 def unknown_rule_problems(overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Returns (key path, message) for every override that names no mesh axis or repeats one."""
+    """Returns (key path, message) for every override of an unknown logical axis, or that names no mesh
+    axis or repeats one."""
     problems = []
     for name, value in overrides.items():
         key = f"mesh.rules.{name}"
+        if name not in DEFAULT_RULES:
+            problems.append((key, f"{name!r} is not a logical axis; the logical axes are {', '.join(DEFAULT_RULES)}"))
+            continue
         if value is not None and not isinstance(value, (str, list, tuple)):
             problems.append((key, f"expected null, a mesh axis or a list of them, got {value!r}"))
             continue

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
+import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -48,3 +53,31 @@ def assert_same_training(result: TrainResult, reference: TrainResult, loss_rtol=
     want = jax.tree.map(np.asarray, reference.state["params"])
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=param_tol, atol=param_tol, err_msg=jax.tree_util.keystr(path))
+
+
+_TWO_PROCESSES = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 2)
+    coordinator, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
+    from pathlib import Path
+""")
+
+
+def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
+    """Runs `body` in two jax.distributed CPU processes (`rank`, `run_dir` = run_dirs[rank] and `Path`
+    defined) from this checkout; asserts both exit 0 and returns the last line each printed."""
+    from cluster.rendezvous import free_port
+
+    coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    script = _TWO_PROCESSES + textwrap.dedent(body)
+    processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank, path in enumerate(run_dirs)]
+    outputs = [process.communicate(timeout=200) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
+    return [out.strip().splitlines()[-1] for out, _ in outputs]

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -169,12 +170,41 @@ def test_sigterm_saves_the_current_step_before_exit(tmp_path):
     assert saved[0] == max(logged_losses(run_dir))  # the saved state is the last one logged
 
 
-def test_checkpoint_of_another_model_is_a_config_error_not_a_torn_save(tmp_path):
+def _files(run_dir: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untouched(tmp_path):
     run(load(tmp_path / "run", "train.steps=2"))
+    before, config_yaml = _files(tmp_path / "run"), (tmp_path / "run" / "config.yaml").read_text()
     wider = load(tmp_path / "run", "train.steps=4", "model.mlp_dim=256")
     with pytest.raises(config_lib.ConfigError, match="model.mlp_dim"):
         run(wider)
     assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
+    assert _files(tmp_path / "run") == before and (tmp_path / "run" / "config.yaml").read_text() == config_yaml
+
+
+@pytest.mark.timeout(240)
+def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
+    run_dir = tmp_path / "run"
+    first = cli(run_dir, "train.steps=100000", "checkpoint.every=2", "checkpoint.keep=2")
+    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.05)
+    second = cli(run_dir, "train.steps=100000", "cluster.launcher=ray")  # the default launcher: its driver
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "nestor.lock" in err and f"pid {first.pid} on host {socket.gethostname()}" in err, err
+    assert first.poll() is None  # still training
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))  # one run's steps, each once
+    saved = sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit())
+    assert len(saved) <= 2 and saved[-1] == steps[-1]
+    assert not (run_dir / "nestor.lock").exists()
 
 
 def test_checkpoint_with_other_experts_is_a_config_error_naming_them(tmp_path):

@@ -12,8 +12,11 @@ def error_keys(*overrides: str) -> list[str]:
     return [key for key, _ in caught.value.problems]
 
 
-def test_wrong_device_product_names_mesh():
-    assert error_keys("mesh.data=2", "mesh.tensor=2") == ["mesh"]
+def test_wrong_device_product_names_the_mesh_axes_and_devices_per_host():
+    with pytest.raises(ConfigError) as caught:
+        config_lib.load(None, ["model.preset=tiny", "mesh.data=2", "mesh.tensor=2"])
+    [(key, message)] = caught.value.problems
+    assert key == "mesh.data, mesh.tensor" and "cluster.devices_per_host=8" in message
 
 
 def test_two_fill_axes_name_the_second():

@@ -1,5 +1,6 @@
 """Data: the same global batches on any mesh and host count; the text source reads the real files."""
 
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -67,6 +68,19 @@ def test_missing_text_or_tokenizer_is_a_config_error(tiny_config, tmp_path):
         TextSource(tiny_config("data.source=text", f"data.paths=[{tmp_path}/*.none]"))
     with pytest.raises(ConfigError, match="data.tokenizer"):
         TextSource(tiny_config("data.source=text", f"data.tokenizer={tmp_path}/absent.json"))
+
+
+def test_a_tokenizer_that_does_not_parse_and_a_binary_data_file_are_config_errors(tiny_config, tmp_path):
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "truncated.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vo')
+    (tmp_path / "doc.txt").write_text("text " * 100)
+    for name in ("empty.json", "truncated.json"):
+        with pytest.raises(ConfigError, match=f"data.tokenizer: .*{name} does not load as a tokenizers JSON"):
+            TextSource(tiny_config("data.source=text", f"data.paths=['{tmp_path}/*.txt']",
+                                   f"data.tokenizer={tmp_path / name}"))
+    (tmp_path / "program.txt").write_bytes(Path(sys.executable).read_bytes()[:20000])
+    with pytest.raises(ConfigError, match=r"data.paths: .*program.txt is not text \(a NUL byte at offset \d+"):
+        TextSource(tiny_config("data.source=text", f"data.paths=['{tmp_path}/*.txt']"))
 
 
 def test_a_tokenizers_json_file_tokenizes_the_text_source(tiny_config, tmp_path):

@@ -1,0 +1,104 @@
+"""One run at a time on a run.dir: the lock file `run.dir/nestor.lock`.
+
+Two runs on one run.dir would interleave metrics.jsonl and fight over the
+checkpoints. The process that speaks for a run (the `nestor` process under
+the Ray launcher, which outlives worker restarts; process 0 otherwise) holds
+an exclusive `flock` on the lock file for as long as the run lasts and writes
+its pid, host and start time into it. The kernel drops a flock when its
+holder dies, `kill -9` included, so a lock file whose flock is free was left
+by a run that is gone: it is taken over, saying whose it was. A file system
+that ignores flock still refuses a holder on this host whose pid is alive.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from orchestrator.config import ConfigError
+
+LOCK_NAME = "nestor.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _holder(fd: int) -> dict | None:
+    """Returns what the lock file says about its holder, or None when it says nothing readable."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+
+
+def _describe(holder: dict | None) -> str:
+    if holder is None:
+        return "a run that left no pid"
+    return f"pid {holder['pid']} on host {holder.get('host', '?')} (since {holder.get('started', '?')})"
+
+
+class RunDirLock:
+    """The lock on a run.dir; use as a context manager around the run.
+
+    Raises ConfigError (key run.dir) on entry when another live run holds it.
+    """
+
+    def __init__(self, run_dir: str | Path, log=print):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.log = log
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise self._refusal(holder) from None
+            try:
+                current = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                break
+            os.close(fd)  # its holder removed the file between our open and flock: try the new one
+        holder = _holder(fd)
+        if holder and holder.get("host") == socket.gethostname() and holder["pid"] != os.getpid() \
+                and _alive(holder["pid"]):
+            os.close(fd)
+            raise self._refusal(holder)
+        if holder:
+            self.log(f"took over {self.path} from a run that is gone: {_describe(holder)}")
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+        return self
+
+    def _refusal(self, holder: dict | None) -> ConfigError:
+        return ConfigError([("run.dir", f"{self.path.parent} is in use by another run: {self.path} is held by "
+                                        f"{_describe(holder)}; wait for that run to end, stop it, or choose "
+                                        "another run.dir")])
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is None:
+            return
+        # Remove the file before unlocking, so a waiter that opened it sees it replaced and tries again.
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None

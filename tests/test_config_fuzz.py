@@ -1,0 +1,143 @@
+"""Fuzz: every bad value of every config key is one config error naming the key, never a traceback.
+
+The bad values are generated from the key table (orchestrator.config.key_table),
+so a new key is fuzzed as soon as it is declared. Every case is validated in
+process through `load`, the function the CLI calls; a few go through the real
+console script to show exit code 2 and no traceback.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
+from tests.conftest import ROOT
+
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def _wrong_type(hint) -> str:
+    text = str(hint)
+    if "bool" in text:
+        return "5"
+    if "int" in text or "float" in text:
+        return "fast"
+    return "{a: 1}" if "tuple" in text or text == "<class 'str'>" or "str |" in text else "5"
+
+
+def bad_values(hint, spec: Key) -> list[str]:
+    """Returns YAML texts a key of type `hint` and limits `spec` must refuse."""
+    values = [_wrong_type(hint)]
+    text = str(hint)
+    if "float" in text:
+        values += [".nan", ".inf", "-.inf"]
+    if "int" in text and "float" not in text:
+        values += [str(2**70), str(INT32_MAX + 1 if spec.maximum is None else spec.maximum + 1)]
+    if spec.minimum is not None:
+        below = spec.minimum - 1
+        values.append(str(below - 1 if below in spec.also else below))
+    if spec.above is not None:
+        values.append(str(spec.above))
+    if spec.below is not None:
+        values.append(str(spec.below))
+    if spec.maximum is not None and "float" in text:
+        values.append(str(spec.maximum + 0.5))
+    if spec.choices:
+        values.append("[not-a-choice]" if "tuple" in text else "not-a-choice")
+    return values
+
+
+def generated_cases() -> list[tuple[str, str]]:
+    """Returns (override, the key its error must name) for every bad value of every key and section."""
+    cases = [(f"{path}={value}", path) for path, hint, _, spec in key_table() for value in bad_values(hint, spec)]
+    sections = sorted({path.split(".")[0] for path, *_ in key_table()})
+    cases += [(f"{section}=5", section) for section in sections]
+    cases += [(f"{section}.no_such_key=1", f"{section}.no_such_key") for section in sections]
+    return cases
+
+
+# What the issue saw as tracebacks or silent acceptance (issue 16, "What was seen"), kept by name.
+SEEN = [("model=5", "model"), ("train.steps=1000000000000", "train.steps"),
+        ("model.vocab_size=1099511627776", "model.vocab_size"),
+        ("run.seed=1180591620717411303424", "run.seed"), ("moe.capacity_factor=nan", "moe.capacity_factor"),
+        ("moe.capacity_factor=.inf", "moe.capacity_factor"), ("optimizer.lr=0", "optimizer.lr"),
+        ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"), ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
+        ("optimizer.b1=-0.1", "optimizer.b1"), ("optimizer.b1=1", "optimizer.b1"), ("optimizer.b2=1", "optimizer.b2"),
+        ("optimizer.eps=0", "optimizer.eps"), ("optimizer.weight_decay=-1", "optimizer.weight_decay"),
+        ("optimizer.clip_norm=-1", "optimizer.clip_norm"), ("model.rope_theta=0", "model.rope_theta"),
+        ("model.norm_eps=-1", "model.norm_eps"), ("model.init_std=0", "model.init_std"), ("run.seed=-1", "run.seed"),
+        ("moe.aux_loss_weight=-1", "moe.aux_loss_weight"), ("metrics.image_every=-1", "metrics.image_every"),
+        ("metrics.peak_tflops=0", "metrics.peak_tflops"), ("checkpoint.keep=1000000000", "checkpoint.keep"),
+        ("mesh.rules={embd: fsdp}", "mesh.rules.embd"), ("model.preset=../base", "model.preset"),
+        ("mesh.tensor=3", "mesh.pipeline, mesh.expert, mesh.tensor")]
+
+
+def test_every_generated_bad_value_is_a_config_error_naming_its_key():
+    cases = generated_cases() + SEEN
+    started = time.perf_counter()
+    missed = []
+    for override, key in cases:
+        try:
+            load(QUICKSTART, [override])
+            missed.append(f"{override}: accepted")
+        except ConfigError as error:
+            if not any(problem == key or problem.startswith(key + "[") for problem, _ in error.problems):
+                missed.append(f"{override}: names {[problem for problem, _ in error.problems]}, not {key}")
+    elapsed = time.perf_counter() - started
+    assert not missed, "\n".join(missed)
+    assert len(cases) > 300 and elapsed < 20, (len(cases), elapsed)
+
+
+def test_a_new_key_is_fuzzed_from_its_declaration():
+    spec = Key("a made-up fraction", minimum=0, maximum=1)
+    assert bad_values(float, spec) == ["fast", ".nan", ".inf", "-.inf", "-1", "1.5"]
+    assert bad_values(int, Key("a degree", minimum=1, also=(-1,))) == ["fast", str(2**70), str(INT32_MAX + 1), "0"]
+
+
+def _bad_files(tmp_path: Path) -> dict[str, str]:
+    """Returns the config files the issue saw as tracebacks or silence, by what is wrong with them."""
+    (tmp_path / "latin1.yaml").write_bytes("run:\n  dir: caf\xe9\n".encode("latin-1"))
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "broken.yaml").write_text("run: [dir\n")
+    (tmp_path / "scalar.yaml").write_text("5\n")
+    (tmp_path / "directory.yaml").mkdir()
+    return {name: str(tmp_path / f"{name}.yaml") for name in ("latin1", "empty", "broken", "scalar", "directory")}
+
+
+def test_bad_config_files_are_one_line_errors_naming_the_config(tmp_path):
+    expected = {"latin1": "is not UTF-8 text", "empty": "write `{}`", "broken": "is not valid YAML",
+                "scalar": "must hold a mapping", "directory": "is a directory"}
+    for name, path in _bad_files(tmp_path).items():
+        with pytest.raises(ConfigError) as caught:
+            load(path)
+        [(key, message)] = caught.value.problems
+        assert key == "CONFIG" and path in message and expected[name] in message and "\n" not in message, message
+
+
+def _console_script() -> list[str]:
+    script = Path(sys.executable).parent / "nestor"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+
+
+@pytest.mark.timeout(120)
+def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path):
+    files = _bad_files(tmp_path)
+    runs = [(["explain", QUICKSTART, "model=5"], "model"),
+            (["explain", QUICKSTART, "moe.capacity_factor=.nan"], "moe.capacity_factor"),
+            (["train", QUICKSTART, "run.seed=1180591620717411303424"], "run.seed"),
+            (["train", files["directory"]], "CONFIG")]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout before the editable install
+    started = time.perf_counter()
+    processes = [(subprocess.Popen([*_console_script(), *args], cwd=tmp_path, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE), key) for args, key in runs]
+    for process, key in processes:
+        _, stderr = process.communicate(timeout=100)
+        assert process.returncode == 2, stderr[-2000:]
+        assert f"  {key}: " in stderr and "Traceback" not in stderr, stderr[-2000:]
+        assert len(stderr.strip().splitlines()) == 2, stderr  # "invalid config:" and the one problem
+    assert time.perf_counter() - started < 90  # 4 processes at once; ~25 s on 2 loaded cores
