@@ -156,6 +156,12 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int = 0
+    steps: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     launcher: str = "ray"
     address: str | None = None
@@ -182,6 +188,7 @@ class Config:
     moe: MoEConfig = MoEConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     def to_dict(self) -> dict[str, Any]:

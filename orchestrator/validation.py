@@ -64,6 +64,7 @@ def validate(config: Config) -> Config:
         problems.append(("cluster.devices_per_host", "must be a positive count or -1 (all local devices)"))
     _check_positive(problems, "checkpoint.keep", config.checkpoint.keep)
     _check_positive(problems, "checkpoint.every", config.checkpoint.every, minimum=0)
+    problems += _profile_problems(config)
     _check_positive(problems, "pipeline.microbatches", config.pipeline.microbatches)
     _check_positive(problems, "pipeline.repeats", config.pipeline.repeats)
     problems += _schedule_problems(config)
@@ -75,6 +76,19 @@ def validate(config: Config) -> Config:
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _profile_problems(config: Config) -> list[tuple[str, str]]:
+    profile, steps = config.profile, config.train.steps
+    problems: list[tuple[str, str]] = []
+    _check_positive(problems, "profile.start_step", profile.start_step, minimum=0)
+    _check_positive(problems, "profile.steps", profile.steps)
+    if profile.start_step > steps:
+        problems.append(("profile.start_step", f"step {profile.start_step} is past train.steps={steps}"))
+    elif profile.start_step and profile.start_step + profile.steps - 1 > steps:
+        problems.append(("profile.steps", f"steps {profile.start_step}..{profile.start_step + profile.steps - 1} "
+                                          f"run past train.steps={steps}; trace at most {steps - profile.start_step + 1}"))
+    return problems
 
 
 def _remat_problems(config: Config) -> list[tuple[str, str]]:
