@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -60,11 +61,13 @@ def one_process_losses(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def embedded_run(tmp_path_factory):
-    """`nestor train` on an embedded Ray cluster, 2 processes x 4 devices; (process, run dir, daemons before)."""
+    """`nestor train` on an embedded Ray cluster, 2 processes x 4 devices, steps 3..4 profiled;
+    (process, run dir, daemons before)."""
     run_dir = tmp_path_factory.mktemp("two")
     before = ray_daemons()
     started = time.perf_counter()
-    process = nestor("train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS, f"run.dir={run_dir}")
+    process = nestor("train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS, f"run.dir={run_dir}",
+                     "profile.start_step=3", "profile.steps=2")
     print(f"embedded 2-host run: {time.perf_counter() - started:.1f}s")
     return process, run_dir, before
 
@@ -81,6 +84,18 @@ def test_two_processes_under_ray_match_one_process(embedded_run, one_process_los
     assert output.count("over 8 cpu devices") == 1  # each line once: Ray Train's print patch is off
     # No Orbax INFO chatter, and Ray Train's placement-group cleaner reaches the state API.
     assert "CheckpointManager" not in output and "Failed to query" not in output, output[-3000:]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_profile_under_ray_traces_the_requested_steps_once(embedded_run):
+    process, run_dir, _ = embedded_run
+    assert process.returncode == 0, process.stderr[-3000:]
+    [trace_dir] = (run_dir / "tb" / "plugins" / "profile").iterdir()  # process 0's; the other traces nothing
+    [trace] = trace_dir.glob("*.trace.json.gz")
+    events = json.load(gzip.open(trace))["traceEvents"]
+    assert sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train") == [3, 4]
+    assert process.stdout.count("profiled steps 3..4") == 1
 
 
 @pytest.mark.ray

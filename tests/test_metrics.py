@@ -239,3 +239,22 @@ def test_mfu_is_flops_over_peak_and_absent_on_cpu(tiny_config):
     measured = Throughput(config, 8, "NVIDIA H100 80GB HBM3").measure(0.5)
     assert measured["tflops_per_device"] == pytest.approx(per_device)
     assert measured["mfu"] == pytest.approx(per_device / 67.0)  # tiny_config is float32
+
+
+def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak():
+    from bench import mfu
+
+    printed = []
+    model = "tiny train.global_batch=8 train.seq_len=32"
+    row, failed = mfu.rows([model], ["full"], ["xla", "cudnn"], "float32", steps=2, warmup=1, peak_override=2.0,
+                           report=printed.append)
+    config = mfu.model_config(model, "full", "xla", "float32", 2)
+    assert row["devices"] == 8 and row["flops_per_step"] == model_flops_per_step(config)
+    assert row["tflops_per_device"] == pytest.approx(row["flops_per_step"] * 2 / row["seconds"] / 8 / 1e12)
+    assert row["tokens_per_s"] == pytest.approx(8 * 32 * 2 / row["seconds"])
+    assert row["mfu"] == pytest.approx(row["tflops_per_device"] / 2.0)
+    assert 0 < row["temp_gib"] < 1
+    cells = [cell.strip() for cell in printed[0].strip("|").split("|")]
+    assert float(cells[3].replace(",", "")) == pytest.approx(row["tokens_per_s"], abs=0.5)
+    assert float(cells[5].rstrip("%")) == pytest.approx(100 * row["mfu"], abs=0.05)
+    assert "model.attention" in failed["error"]  # cuDNN in float32 is refused with the config key, the row kept
