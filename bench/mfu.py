@@ -78,7 +78,7 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
 def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str, steps: int, warmup: int,
          peak_override: float | None, report=print) -> list[dict]:
     """Returns a row per model x remat x attention; a config that fails (too big, no cuDNN) gets its
-    error's first line instead of numbers. `report` receives each row as it is measured."""
+    error, on one line, instead of numbers. `report` receives each row as it is measured."""
     out = []
     for model in models:
         for remat in remats:
@@ -87,7 +87,7 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
                 try:
                     row |= measure(model_config(model, remat, attention, dtype, steps), steps, warmup, peak_override)
                 except Exception as error:  # a row that cannot run says why; the others still run
-                    row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+                    row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
                 report(row_line(row))
                 out.append(row)
     return out
