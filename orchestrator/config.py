@@ -243,6 +243,13 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int = key(0, "first traced step, numbered as in metrics.jsonl (1 = the first); 0 = no trace",
+                          minimum=0)
+    steps: int = key(3, "steps traced from start_step on", **_POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     launcher: str = key("ray", "ray (an embedded local cluster unless cluster.address) | inprocess",
                         choices=("ray", "inprocess"))
@@ -273,6 +280,7 @@ class Config:
     moe: MoEConfig = MoEConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     def to_dict(self) -> dict[str, Any]:

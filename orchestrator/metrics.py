@@ -3,7 +3,9 @@
 Every scalar the step returns is logged (loss, lm_loss, grad_norm,
 param_norm, lr, and whatever the model adds, e.g. moe_aux_loss), next to
 what the loop measures: step_time_s, tokens_per_s, tflops_per_device and mfu
-(only when the device's peak is known). metrics.jsonl keeps the flat names;
+(only when the device's peak is known), and on the record after them the
+seconds spent compiling the step (compile_s) and blocking in a checkpoint
+save (checkpoint_s). metrics.jsonl keeps the flat names;
 TensorBoard files the same numbers under groups (`tensorboard_tag`). A
 `moe_expert_load` metric [MoE layers, experts] becomes a heatmap image every
 `metrics.image_every` steps.
@@ -22,7 +24,8 @@ from orchestrator.config import Config
 from orchestrator.flops import model_flops_per_step, peak_tflops
 
 EXPERT_LOAD = "moe_expert_load"
-PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu")  # what Throughput measures
+# What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves.
+PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
 _PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval"}
 # Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
@@ -152,10 +155,11 @@ class MetricsWriter:
                                       + "```", resumed_step)
             self.tensorboard.add_text("sharding", sharding_table, resumed_step)
 
-    def write(self, step: int, values: dict, step_time_s: float) -> dict:
-        """Logs one step; returns the record (step, every scalar metric, throughput numbers)."""
+    def write(self, step: int, values: dict, step_time_s: float, timings: dict[str, float] | None = None) -> dict:
+        """Logs one step; returns the record (step, every scalar metric, throughput numbers, and
+        `timings`: seconds the loop spent since the previous record, e.g. compile_s, checkpoint_s)."""
         scalars, arrays = split_metrics(values)
-        record = {"step": step, **scalars, **self.throughput.measure(step_time_s),
+        record = {"step": step, **scalars, **self.throughput.measure(step_time_s), **(timings or {}),
                   **{name: value.tolist() for name, value in arrays.items()}}
         if self.resumed_from is not None:
             record["resumed_from"], self.resumed_from = self.resumed_from, None

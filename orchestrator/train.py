@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from orchestrator.checkpoint import Checkpointer
 from orchestrator.data import DataPipeline
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
+from orchestrator.profiler import StepProfiler
 from orchestrator.progress import Console
 from orchestrator.run_lock import RunDirLock
 from orchestrator.runtime import check_shared_run_dir, wait_for_every_process
@@ -153,14 +155,15 @@ def _sharding_text(job: Job) -> str:
     return sharding_table(param_table(job))
 
 
-def _compile(job: Job, state: dict, first_step: int, console: Console):
-    """Returns the train step compiled for `state` and the batches, saying how long it took."""
+def _compile(job: Job, state: dict, first_step: int, console: Console) -> tuple[object, float]:
+    """Returns the train step compiled for `state` and the batches, and the seconds it took (said too)."""
     console.compiling()
     started = time.perf_counter()
     compiled = job.step_fn.lower(state, job.data.batch(first_step)).compile()
-    console.compiled(time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    console.compiled(seconds)
     wait_for_every_process(f"step {first_step} compiled")  # the first step's collectives start together
-    return compiled
+    return compiled, seconds
 
 
 def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None,
@@ -228,30 +231,40 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             "raise train.steps to train on")
         checkpointer.close()
         return result
-    job.step_fn = _compile(job, state, first_step, console)
+    job.step_fn, compile_s = _compile(job, state, first_step, console)
     throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
     writer = MetricsWriter(config, throughput, enabled=lead)
     writer.start(first_step, _sharding_text(job))
     console.start(config.train.steps, first_step)
+    timings = {"compile_s": compile_s}  # one-off times, logged with the next record
 
-    def flush(pending) -> None:
+    def flush(pending, save=None) -> None:
+        """Reads a finished step's values, checks them, runs `save` (the step's checkpoint) and logs."""
         step, metrics, started = pending
-        logged = step % config.train.log_every == 0 or step == config.train.steps
+        logged = step % config.train.log_every == 0 or step == config.train.steps or save is not None
         # Off logging steps, only what every step needs comes to the host.
         values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
         finished_at = time.perf_counter()
-        _check_finite(step, values)
+        _check_finite(step, values)  # before the state goes to disk
         result.losses.append(float(values["loss"]))
+        if save is not None:
+            saving = time.perf_counter()
+            save()
+            timings["checkpoint_s"] = time.perf_counter() - saving
         if logged:
-            record = writer.write(step, values, finished_at - started)
+            record = writer.write(step, values, finished_at - started, timings)
+            timings.clear()
             result.history.append(record)
             console.step(record)
 
+    profiler = StepProfiler(config, enabled=lead, log=log)
     started = time.perf_counter()
     try:
         with StopSignals() as signals:
-            result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals)
+            result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
+                                                    profiler)
     finally:
+        profiler.stop()
         console.close()
         checkpointer.close()
         writer.close()
@@ -264,14 +277,17 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
 
 
 def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
-          flush, signals: StopSignals) -> tuple[dict, int | None]:
+          flush, signals: StopSignals, profiler: StepProfiler) -> tuple[dict, int | None]:
     """Runs the steps; returns (final state, the stop signal or None). Saves only verified states."""
     pending = None  # (step, device metrics, start time) of the step whose values are not read yet
     last = time.perf_counter()
     for step in range(first_step, config.train.steps):
         if signals.received is not None:
             break
-        state, metrics = job.step_fn(state, job.data.batch(step))
+        profiler.before(step + 1, state)
+        with profiler.annotation(step + 1):
+            state, metrics = job.step_fn(state, job.data.batch(step))
+        profiler.after(step + 1, (state, metrics))
         if pending is not None:
             jax.block_until_ready(pending[1])
             flush(pending)
@@ -279,14 +295,13 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
         pending = (step + 1, metrics, last)
         every = config.checkpoint.every
         if every and (step + 1) % every == 0:
-            # Check this step's loss and parameters before its state goes to disk.
             jax.block_until_ready(metrics)
-            flush(pending)
-            checkpointer.save(step + 1, state, job.data.state())
+            flush(pending, save=functools.partial(checkpointer.save, step + 1, state, job.data.state()))
             pending, last = None, time.perf_counter()
-    if pending is not None:
-        jax.block_until_ready(pending[1])
-        flush(pending)
     jax.block_until_ready(state)
-    checkpointer.save(int(state["step"]), state, job.data.state(), force=True)
+    final_save = functools.partial(checkpointer.save, int(state["step"]), state, job.data.state(), force=True)
+    if pending is None:
+        final_save()  # the state is the restored one or already saved: nothing new unless no step ran
+    else:
+        flush(pending, save=final_save)
     return state, signals.received

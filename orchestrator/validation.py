@@ -57,6 +57,7 @@ def validate(config: Config) -> Config:
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
     problems += _device_memory_problems(config)
+    problems += _profile_problems(config)
     problems += _schedule_problems(config)
     problems += _mesh_problems(config)
     problems += _moe_problems(config, None if problems else _known_degrees(config))
@@ -76,6 +77,17 @@ def _device_memory_problems(config: Config) -> list[tuple[str, str]]:
         return [("cluster.device_kind", f"{kind!r} is not in the device memory table "
                                         f"({', '.join(DEVICE_MEMORY_GIB)}); pick one or set cluster.device_memory_gb")]
     return []
+
+
+def _profile_problems(config: Config) -> list[tuple[str, str]]:
+    profile, steps = config.profile, config.train.steps
+    problems: list[tuple[str, str]] = []
+    if profile.start_step > steps:
+        problems.append(("profile.start_step", f"step {profile.start_step} is past train.steps={steps}"))
+    elif profile.start_step and profile.start_step + profile.steps - 1 > steps:
+        problems.append(("profile.steps", f"steps {profile.start_step}..{profile.start_step + profile.steps - 1} "
+                                          f"run past train.steps={steps}; trace at most {steps - profile.start_step + 1}"))
+    return problems
 
 
 def _remat_problems(config: Config) -> list[tuple[str, str]]:

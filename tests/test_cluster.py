@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -110,12 +111,18 @@ def ray_head(tmp_path_factory):
 
 @pytest.mark.ray
 @pytest.mark.timeout(400)
-def test_train_by_address_uploads_the_code_and_two_processes_resume_past_a_torn_checkpoint(ray_head, tmp_path):
+def test_train_by_address_uploads_the_code_profiles_on_process_0_and_resumes_past_a_torn_checkpoint(ray_head, tmp_path):
     _, gcs_address = ray_head
     on_the_cluster = [*TINY, *TWO_HOSTS, f"cluster.address={gcs_address}", f"run.dir={tmp_path}"]
-    process = nestor("train", "configs/quickstart.yaml", *on_the_cluster, "train.steps=3", timeout=200)
+    process = nestor("train", "configs/quickstart.yaml", *on_the_cluster, "train.steps=3", "profile.start_step=2",
+                     "profile.steps=2", timeout=200)
     assert process.returncode == 0, process.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    [trace_dir] = (tmp_path / "tb" / "plugins" / "profile").iterdir()  # process 0's; the other traces nothing
+    [trace] = trace_dir.glob("*.trace.json.gz")
+    events = json.load(gzip.open(trace))["traceEvents"]
+    assert sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train") == [2, 3]
+    assert process.stdout.count("profiled steps 2..3") == 1
     torn = tmp_path / "checkpoints" / "9"  # newer than the good step 3, but its save never finished
     shutil.copytree(tmp_path / "checkpoints" / "3", torn)
     (torn / "_CHECKPOINT_METADATA").unlink()

@@ -95,6 +95,13 @@ def test_decay_steps_is_positive_and_not_shorter_than_warmup():
                                                                                    "optimizer.decay_steps"]
 
 
+def test_profiled_steps_lie_within_the_run():
+    assert error_keys("train.steps=10", "profile.start_step=11") == ["profile.start_step"]
+    assert error_keys("train.steps=10", "profile.start_step=9", "profile.steps=3") == ["profile.steps"]
+    assert error_keys("profile.start_step=-1", "profile.steps=0") == ["profile.start_step", "profile.steps"]
+    assert config_lib.load(None, ["train.steps=10", "profile.start_step=8", "profile.steps=3"]).profile.steps == 3
+
+
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ConfigError) as caught:
         config_lib.load(None, ["model.preset=7b"])

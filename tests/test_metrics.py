@@ -2,7 +2,9 @@
 `nestor explain` compiles once and reports what it compiled."""
 
 import functools
+import gzip
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ from orchestrator.train import build_job
 from tests.conftest import ROOT, TINY
 from tests.helpers import run
 
+TIMINGS = {"compile_s": [1], "checkpoint_s": [2, 4]}  # logged steps of the loop's one-off times in traced_run
 SCALARS = ("loss", "lm_loss", "lr", "grad_norm", "param_norm", "step_time_s", "tokens_per_s",
            "tflops_per_device", "mfu")
 MOE = ("moe.num_experts=4", "moe.every=2", "moe.top_k=2")
@@ -29,19 +32,51 @@ def read_events(tb_dir) -> EventAccumulator:
     return events
 
 
-def test_tensorboard_scalars_equal_metrics_jsonl(tiny_config):
-    # A made-up peak gives CPU an MFU so the tag can be checked; a real CPU run logs none.
-    config = tiny_config("train.steps=4", "metrics.peak_tflops=1.0")
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    """Returns the config of a finished tiny run of 4 steps: steps 2..3 traced, a checkpoint every 2 steps,
+    and a made-up peak that gives CPU an MFU so the tag can be checked (a real CPU run logs none)."""
+    config = config_lib.load(None, [*TINY, f"run.dir={tmp_path_factory.mktemp('run')}", "train.steps=4",
+                                    "metrics.peak_tflops=1.0", "profile.start_step=2", "profile.steps=2",
+                                    "checkpoint.every=2"])
     run(config)
-    records = [json.loads(line) for line in open(f"{config.run.dir}/metrics.jsonl")]
-    events = read_events(f"{config.run.dir}/tb")
-    assert sorted(events.Tags()["scalars"]) == sorted(tensorboard_tag(name) for name in SCALARS)
-    for name in SCALARS:
+    return config
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl(traced_run):
+    records = [json.loads(line) for line in open(f"{traced_run.run.dir}/metrics.jsonl")]
+    events = read_events(f"{traced_run.run.dir}/tb")
+    assert sorted(events.Tags()["scalars"]) == sorted(tensorboard_tag(name) for name in (*SCALARS, *TIMINGS))
+    for name in (*SCALARS, *TIMINGS):
         logged = {e.step: e.value for e in events.Scalars(tensorboard_tag(name))}
-        assert sorted(logged) == [1, 2, 3, 4]
-        np.testing.assert_allclose([logged[r["step"]] for r in records], [r[name] for r in records], rtol=1e-6)
+        assert sorted(logged) == TIMINGS.get(name, [1, 2, 3, 4])
+        np.testing.assert_allclose([logged[r["step"]] for r in records if name in r],
+                                   [r[name] for r in records if name in r], rtol=1e-6)
     texts = set(events.Tags()["tensors"])  # tensorboardX text summaries read back as tensors
     assert {"config/text_summary", "sharding/text_summary"} <= texts
+
+
+def test_compile_and_checkpoint_seconds_are_logged_where_they_were_spent(traced_run):
+    records = {r["step"]: r for r in map(json.loads, open(f"{traced_run.run.dir}/metrics.jsonl"))}
+    assert 0 < records[1]["compile_s"] < 300  # the step is compiled before step 1 runs
+    assert [step for step, r in records.items() if "checkpoint_s" in r] == [2, 4]  # checkpoint.every=2
+    assert all(0 < records[step]["checkpoint_s"] < 60 for step in (2, 4))
+
+
+def test_profile_plugin_lists_a_trace_of_exactly_the_requested_steps(traced_run):
+    import argparse
+
+    from tensorboard.plugins.base_plugin import TBContext
+    from xprof.profile_plugin import ProfilePlugin
+
+    tb_dir = Path(traced_run.run.dir) / "tb"
+    plugin = ProfilePlugin(TBContext(logdir=str(tb_dir), flags=argparse.Namespace(master_tpu_unsecure_channel="")))
+    [profile_run] = plugin.runs_imp()  # one trace, at the TensorBoard run the scalars are in
+    assert {"trace_viewer@", "overview_page", "op_profile"} <= set(plugin.run_tools_imp(profile_run))
+    [trace] = (tb_dir / "plugins/profile" / profile_run).glob("*.trace.json.gz")
+    events = json.load(gzip.open(trace))["traceEvents"]
+    steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train")
+    assert steps == [2, 3]  # profile.start_step=2, profile.steps=2
 
 
 def test_tensorboard_tags_are_grouped_and_new_metrics_get_one():
@@ -204,3 +239,22 @@ def test_mfu_is_flops_over_peak_and_absent_on_cpu(tiny_config):
     measured = Throughput(config, 8, "NVIDIA H100 80GB HBM3").measure(0.5)
     assert measured["tflops_per_device"] == pytest.approx(per_device)
     assert measured["mfu"] == pytest.approx(per_device / 67.0)  # tiny_config is float32
+
+
+def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak():
+    from bench import mfu
+
+    printed = []
+    model = "tiny train.global_batch=8 train.seq_len=32 cluster.devices_per_host=2"  # 2 devices: a cheaper compile
+    row, failed = mfu.rows([model], ["full"], ["xla", "cudnn"], "float32", steps=2, warmup=1, peak_override=2.0,
+                           report=printed.append)
+    config = mfu.model_config(model, "full", "xla", "float32", 2)
+    assert row["devices"] == 2 and row["flops_per_step"] == model_flops_per_step(config)
+    assert row["tflops_per_device"] == pytest.approx(row["flops_per_step"] * 2 / row["seconds"] / 2 / 1e12)
+    assert row["tokens_per_s"] == pytest.approx(8 * 32 * 2 / row["seconds"])
+    assert row["mfu"] == pytest.approx(row["tflops_per_device"] / 2.0)
+    assert 0 < row["temp_gib"] < 1
+    cells = [cell.strip() for cell in printed[0].strip("|").split("|")]
+    assert float(cells[3].replace(",", "")) == pytest.approx(row["tokens_per_s"], abs=0.5)
+    assert float(cells[5].rstrip("%")) == pytest.approx(100 * row["mfu"], abs=0.05)
+    assert "model.attention" in failed["error"]  # cuDNN in float32 is refused with the config key, the row kept
