@@ -20,5 +20,7 @@ def test_bare_step_matches_nestor_step_on_the_pipeline_mesh():
     bare_state, loss = bare_step(jax.device_put(init_state(config, job.layout), shardings),
                                  jax.device_put(tokens, batch))
     np.testing.assert_allclose(float(loss), float(metrics["loss"]), rtol=1e-5)
+    # Adam's first update is about lr * sign(grad) = 3e-4 per weight; where a gradient is ~eps the
+    # two summation orders may round it differently, so parameters agree to a small share of that.
     for got, want in zip(jax.tree.leaves(bare_state["params"]), jax.tree.leaves(nestor_state["params"])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
