@@ -10,9 +10,11 @@ What the bare step is: the same transformer written here in plain jax
 `jax.value_and_grad`, and the same optax chain (clip + AdamW on the same
 schedule) applied to the same parameter tree, jitted with the same parameter
 shardings and the batch split over the data-parallel axes. It has none of
-nestor's layer: no NNX module, no activation constraints, no remat tags, no
-metrics beyond the loss, no data pipeline (its batches are built before
-timing). On the pipeline mesh the bare step has no pipeline: the pipeline
+nestor's layer: no NNX module, no activation constraints but one (the
+residual stream keeps the batch split between layers; without it GSPMD lays
+the residual out like the fsdp-split weights and the step runs ~3x slower),
+no remat tags, no metrics beyond the loss, no data pipeline (its batches are
+built before timing). On the pipeline mesh the bare step has no pipeline: the pipeline
 axis splits the batch instead, so that row's ratio includes the pipeline's
 bubble and its loop.
 
@@ -20,6 +22,7 @@ nestor's side is timed as its training loop runs a step: the batch built by
 its data pipeline, then the compiled step, every metric returned.
 
     python -m bench.step --rounds 8 --steps 1   # prints the table, writes its section of docs/benchmarks.md
+    python -m bench.step --programs             # compile only: XLA's FLOPs, bytes, temporaries, collectives
 
 Timing alternates: each round runs `--steps` steps of one side then of the
 other (the order flips every round), blocking at the end of each run, and
@@ -30,8 +33,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import statistics
+import sys
 import time
 
 MESHES = {
@@ -143,6 +146,36 @@ def make_bare_step(config, job):
     return jitted, shardings, batch
 
 
+def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
+    """Returns, for nestor's and the bare step compiled for abstract inputs on `mesh` (nothing run),
+    XLA's FLOPs per device (loop bodies scaled by their trip counts), bytes accessed as XLA reports
+    them (loop bodies once), temporaries and the collectives per step."""
+    import jax
+    import numpy as np
+
+    from orchestrator.explain import compile_step, step_flops
+    from orchestrator.runtime import enable_compile_cache
+    from orchestrator.train import build_job
+    from parallel.hlo import collectives
+
+    config = bench_config(mesh)
+    enable_compile_cache(config)
+    job = build_job(config)
+    bare, shardings, batch = make_bare_step(config, job)
+    abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            job.layout.abstract, shardings)
+    tokens = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=batch)
+    programs = {"nestor": compile_step(job), "bare": bare.lower(abstract, tokens).compile()}
+    out = {}
+    for name, compiled in programs.items():
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        counts = {kind: c["count"] for kind, c in collectives(compiled.as_text()).items() if c["count"]}
+        out[name] = {"flops": step_flops(compiled), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                     "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "collectives": counts}
+    return out
+
+
 def _time(run, steps: int) -> float:
     import jax
 
@@ -212,9 +245,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per mesh")
     parser.add_argument("--steps", type=int, default=1, help="steps per side per round")
     parser.add_argument("--meshes", nargs="*", default=list(MESHES), choices=list(MESHES))
+    parser.add_argument("--programs", action="store_true",
+                        help="compare the compiled programs (FLOPs, bytes, temporaries, collectives) instead of timing")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    if args.programs:
+        for mesh in args.meshes:
+            print(mesh, compiled_programs(MESHES[mesh]), flush=True)
+        return
     rows = {}
     for mesh in args.meshes:
         rows[mesh] = measure(MESHES[mesh], args.rounds, args.steps)
@@ -233,8 +272,8 @@ def section(rows: dict[str, dict], args) -> str:
     model = " ".join(MODEL[:-2])
     command = f"python -m bench.step --rounds {args.rounds} --steps {args.steps}"
     return (f"## Step time on CPU\n\nCommand: `{command}` (8 simulated {jax.devices()[0].platform} devices on a "
-            f"shared 2-core host, jax {jax.__version__}; {args.rounds} alternating rounds of {args.steps} step(s) per side "
-            f"per mesh).\n\nModel: {model}; float32 weights.\n\n{table(rows)}\n\n{READING}")
+            f"shared 2-core host, jax {jax.__version__}; {args.rounds} alternating rounds of {args.steps} step(s) "
+            f"per side per mesh).\n\nModel: {model}; float32 weights.\n\n{table(rows)}\n\n{READING}")
 
 
 if __name__ == "__main__":
