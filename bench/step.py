@@ -1,0 +1,280 @@
+"""Orchestration overhead: nestor's train step against a bare `jax.jit` step of the same model.
+
+The model (issue 12's CPU comparison): embed 256, 4 heads x 64, SwiGLU 1024,
+4 layers, vocab 1024, seq 256, global batch 8, bfloat16 activations, float32
+weights, on 8 simulated CPU devices over three meshes.
+
+What the bare step is: the same transformer written here in plain jax
+(embedding, RMSNorm, RoPE, `jax.nn.dot_product_attention`, SwiGLU, a
+`lax.scan` over the stacked layers, float32 logits and cross-entropy),
+`jax.value_and_grad`, and the same optax chain (clip + AdamW on the same
+schedule) applied to the same parameter tree, jitted with the same parameter
+shardings and the batch split over the data-parallel axes. It has none of
+nestor's layer: no NNX module, no activation constraints but one (the
+residual stream keeps the batch split between layers; without it GSPMD lays
+the residual out like the fsdp-split weights and the step runs ~3x slower),
+no remat tags, no metrics beyond the loss, no data pipeline (its batches are
+built before timing). On the pipeline mesh the bare step has no pipeline: the pipeline
+axis splits the batch instead, so that row's ratio includes the pipeline's
+bubble and its loop.
+
+nestor's side is timed as its training loop runs a step: the batch built by
+its data pipeline, then the compiled step, every metric returned.
+
+    python -m bench.step --rounds 8 --steps 1   # prints the table, writes its section of docs/benchmarks.md
+    python -m bench.step --programs             # compile only: XLA's FLOPs, bytes, temporaries, collectives
+
+Timing alternates: each round runs `--steps` steps of one side then of the
+other (the order flips every round), blocking at the end of each run, and
+the ratio is the median over rounds of nestor / bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+MESHES = {
+    "fsdp8": {"mesh.fsdp": 8},
+    "fsdp4 x tensor2": {"mesh.fsdp": 4, "mesh.tensor": 2},
+    "pipeline2 x fsdp2 x tensor2": {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+}
+MODEL = ("model.embed_dim=256", "model.num_heads=4", "model.num_kv_heads=4", "model.head_dim=64",
+         "model.mlp_dim=1024", "model.num_layers=4", "model.vocab_size=1024", "model.dtype=bfloat16",
+         "train.seq_len=256", "train.global_batch=8", "pipeline.microbatches=4", "cluster.devices_per_host=8",
+         "run.dir=/tmp/nestor-bench-step")
+READING = (
+    "Bare: the same transformer, loss and optax chain in plain jax, jitted with the same parameter shardings and "
+    "the residual stream pinned to the batch split between layers; no NNX module, no activation constraints "
+    "inside the layer, no metrics but the loss, batches built before timing (the module docstring of "
+    "`bench/step.py` has the details). On the pipeline mesh the bare step has no pipeline (the pipeline axis "
+    "splits the batch): that row's ratio includes the GPipe bubble, (M + S - 1) / M = 1.25 for M = 4, S = 2, as "
+    "extra work on simulated devices. The interquartile range of the per-round ratios shows the noise of the "
+    "shared host."
+)
+
+
+def bench_config(mesh: dict[str, int], *overrides: str):
+    """Returns the benchmark's config on `mesh` (mesh.<axis> -> degree, the other axes 1)."""
+    from orchestrator.config import load
+
+    degrees = {f"mesh.{axis}": 1 for axis in ("pipeline", "data", "fsdp", "expert", "tensor")} | mesh
+    return load(None, [*MODEL, *(f"{key}={value}" for key, value in degrees.items()), *overrides])
+
+
+def _rms_norm(x, scale, eps):
+    import jax
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def bare_loss(params: dict, tokens, cfg, residual=None):
+    """Returns the mean next-token cross-entropy of the model in plain jax; `params` is nestor's
+    parameter tree (layers stacked), `cfg` a models.transformer.TransformerConfig, `residual` the
+    sharding the residual stream [batch, length, embed] is pinned to between layers (None: free)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from models.transformer import rotary
+
+    dtype = cfg.compute_dtype
+    pin = (lambda x: x) if residual is None else (lambda x: jax.lax.with_sharding_constraint(x, residual))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def layer(x, p):
+        attention, mlp = p["attention"], p["mlp"]
+        h = _rms_norm(x, p["attention_norm"]["scale"], cfg.norm_eps)
+        q, k, v = (jnp.einsum("btd,dhk->bthk", h, attention[name].astype(dtype)) for name in ("query", "key", "value"))
+        q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
+        context = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = x + jnp.einsum("bthk,hkd->btd", context, attention["out"].astype(dtype))
+        h = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
+        hidden = jax.nn.silu(h @ mlp["gate"].astype(dtype)) * (h @ mlp["up"].astype(dtype))
+        return pin(x + hidden @ mlp["down"].astype(dtype)), None
+
+    x = pin(params["embedding"][inputs].astype(dtype))
+    x, _ = jax.lax.scan(layer, x, params["blocks"])
+    x = _rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
+    logits = jnp.einsum("btd,dv->btv", x, params["unembedding"].astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+
+
+def _without_pipeline(sharding):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def drop(entry):
+        if entry == "pipeline":
+            return None
+        if isinstance(entry, tuple):
+            kept = tuple(axis for axis in entry if axis != "pipeline")
+            return kept or None
+        return entry
+
+    return NamedSharding(sharding.mesh, PartitionSpec(*(drop(entry) for entry in sharding.spec)))
+
+
+def make_bare_step(config, job):
+    """Returns (step(state, tokens) -> (state, loss), state sharding, batch sharding): the bare
+    jitted step over nestor's state layout, with the pipeline axis (if any) splitting the batch."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from orchestrator.state import model_config
+
+    cfg = model_config(config, job.mesh.devices.flat[0].platform)
+    optimizer = job.layout.optimizer
+    shardings = jax.tree.map(_without_pipeline, job.layout.shardings)
+    batch_axes = tuple(axis for axis in ("pipeline", "data", "fsdp") if job.mesh.shape[axis] > 1)
+    batch = NamedSharding(job.mesh, PartitionSpec(batch_axes or None))
+    residual = NamedSharding(job.mesh, PartitionSpec(batch_axes or None, None, None))
+
+    def step(state, tokens):
+        loss, grads = jax.value_and_grad(bare_loss)(state["params"], tokens, cfg, residual)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state}, loss
+
+    jitted = jax.jit(step, in_shardings=(shardings, batch),
+                     out_shardings=(shardings, NamedSharding(job.mesh, PartitionSpec())), donate_argnums=0)
+    return jitted, shardings, batch
+
+
+def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
+    """Returns, for nestor's and the bare step compiled for abstract inputs on `mesh` (nothing run),
+    XLA's FLOPs per device (loop bodies scaled by their trip counts), bytes accessed as XLA reports
+    them (loop bodies once), temporaries and the collectives per step."""
+    import jax
+    import numpy as np
+
+    from orchestrator.explain import compile_step, step_flops
+    from orchestrator.runtime import enable_compile_cache
+    from orchestrator.train import build_job
+    from parallel.hlo import collectives
+
+    config = bench_config(mesh)
+    enable_compile_cache(config)
+    job = build_job(config)
+    bare, shardings, batch = make_bare_step(config, job)
+    abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            job.layout.abstract, shardings)
+    tokens = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=batch)
+    programs = {"nestor": compile_step(job), "bare": bare.lower(abstract, tokens).compile()}
+    out = {}
+    for name, compiled in programs.items():
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        counts = {kind: c["count"] for kind, c in collectives(compiled.as_text()).items() if c["count"]}
+        out[name] = {"flops": step_flops(compiled), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                     "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "collectives": counts}
+    return out
+
+
+def _time(run, steps: int) -> float:
+    import jax
+
+    start = time.perf_counter()
+    out = None
+    for step in range(steps):
+        out = run(step)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
+    """Returns medians over `rounds` alternating rounds: nestor's and the bare step's seconds per step,
+    the ratio nestor / bare per round (median, and its quartiles) on `mesh`."""
+    import jax
+
+    from orchestrator.runtime import enable_compile_cache
+    from orchestrator.state import init_state
+    from orchestrator.train import build_job
+
+    config = bench_config(mesh)
+    enable_compile_cache(config)
+    job = build_job(config)
+    nestor_state = init_state(config, job.layout)
+    nestor_step = job.step_fn.lower(nestor_state, job.data.batch(0)).compile()
+    bare_step, bare_shardings, bare_batch = make_bare_step(config, job)
+    bare_state = jax.device_put(init_state(config, job.layout), bare_shardings)
+    batches = [jax.device_put(job.data.batch(step), bare_batch) for step in range(steps)]
+    bare_step = bare_step.lower(bare_state, batches[0]).compile()
+    state = {"nestor": nestor_state, "bare": bare_state}
+
+    def run_nestor(step):
+        state["nestor"], metrics = nestor_step(state["nestor"], job.data.batch(step))
+        return metrics
+
+    def run_bare(step):
+        state["bare"], loss = bare_step(state["bare"], batches[step % steps])
+        return loss
+
+    _time(run_nestor, 2), _time(run_bare, 2)  # warm-up
+    times = {"nestor": [], "bare": []}
+    for index in range(rounds):
+        if index:
+            print(f"round {index}: nestor / bare {times['nestor'][-1] / times['bare'][-1]:.3f}", file=sys.stderr,
+                  flush=True)
+        order = (("nestor", run_nestor), ("bare", run_bare))
+        for name, run in order if index % 2 == 0 else order[::-1]:
+            times[name].append(_time(run, steps))
+    ratios = sorted(a / b for a, b in zip(times["nestor"], times["bare"]))
+    quartiles = statistics.quantiles(ratios, n=4)
+    return {"nestor_ms": 1e3 * statistics.median(times["nestor"]), "bare_ms": 1e3 * statistics.median(times["bare"]),
+            "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
+
+
+def table(rows: dict[str, dict]) -> str:
+    """Returns the measurements as a Markdown table, one row per mesh."""
+    lines = ["| mesh | nestor ms/step | bare jax.jit ms/step | nestor / bare (median) | interquartile range |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for mesh, r in rows.items():
+        lines.append(f"| {mesh} | {r['nestor_ms']:.1f} | {r['bare_ms']:.1f} | {r['ratio']:.3f} "
+                     f"| {r['q1']:.3f}-{r['q3']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per mesh")
+    parser.add_argument("--steps", type=int, default=1, help="steps per side per round")
+    parser.add_argument("--meshes", nargs="*", default=list(MESHES), choices=list(MESHES))
+    parser.add_argument("--programs", action="store_true",
+                        help="compare the compiled programs (FLOPs, bytes, temporaries, collectives) instead of timing")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    if args.programs:
+        for mesh in args.meshes:
+            print(mesh, compiled_programs(MESHES[mesh]), flush=True)
+        return
+    rows = {}
+    for mesh in args.meshes:
+        rows[mesh] = measure(MESHES[mesh], args.rounds, args.steps)
+        print(mesh, rows[mesh], flush=True)
+    print(table(rows))
+    if not args.no_write:
+        from bench.report import write_section
+
+        write_section("step", section(rows, args))
+
+
+def section(rows: dict[str, dict], args) -> str:
+    """Returns the docs/benchmarks.md section for the measured rows."""
+    import jax
+
+    model = " ".join(MODEL[:-2])
+    command = f"python -m bench.step --rounds {args.rounds} --steps {args.steps}"
+    return (f"## Step time on CPU\n\nCommand: `{command}` (8 simulated {jax.devices()[0].platform} devices on a "
+            f"shared 2-core host, jax {jax.__version__}; {args.rounds} alternating rounds of {args.steps} step(s) "
+            f"per side per mesh).\n\nModel: {model}; float32 weights.\n\n{table(rows)}\n\n{READING}")
+
+
+if __name__ == "__main__":
+    main()
