@@ -6,10 +6,17 @@ tokens per group (first choices are placed before second choices, each in
 token order, by a cumulative sum), and tokens past capacity are dropped: they
 leave the layer with zero output and travel on through the residual only.
 
-Dispatch and combine are einsums with one-hot tensors
-`[groups, tokens, experts, capacity]`, so the layer is static-shaped and the
-partitioner turns the change of sharded axis (groups over the batch devices ->
-experts over the `expert` devices) into all-to-alls, as in GShard. Besides
+Routing decides each assignment's (expert, slot) once; two dispatches carry
+it out with the same decisions. `einsum` is GShard's: one-hot tensors
+`[groups, tokens, experts, capacity]` dispatch and combine by einsum, costing
+2 x tokens x experts x capacity x embed FLOPs each. `sort` places tokens by
+index: a per-group table of which token fills each of the experts x capacity
+slots (the inverse of sorting the assignments by expert and slot) gathers the
+expert inputs, and each token gathers back its k outputs, weighted by its
+gates; no tensor has both a token and a slot dimension. Either way the layer
+is static-shaped and the partitioner turns the change of sharded axis (groups
+over the batch devices -> experts over the `expert` devices) into
+all-to-alls, as in GShard. Besides
 the output, the layer reports GShard's load-balancing loss, the router z-loss
 of ST-MoE (arXiv 2202.08906), the fraction of routed slots dropped and the
 tokens routed to each expert.
@@ -47,6 +54,7 @@ class MoELayerConfig:
     eval_capacity_factor: float = 2.0
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
+    dispatch: str = "sort"            # sort | einsum
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +69,15 @@ class MoELayerConfig:
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Returns the slots each expert has per group: ceil(k * capacity_factor * tokens_per_group / experts)."""
     return math.ceil(top_k * capacity_factor * tokens_per_group / num_experts)
+
+
+class Assignment(NamedTuple):
+    """Routing decisions, one entry per choice (first choices first), each [groups, tokens]."""
+    experts: list[jax.Array]  # int32 expert of the choice
+    slots: list[jax.Array]    # int32 slot in that expert's capacity; meaningless where dropped
+    kept: list[jax.Array]     # float32 1 where the assignment got a slot, 0 where dropped (or not routed)
+    gates: list[jax.Array]    # float32 gate of the choice
+    stats: Stats
 
 
 class Routing(NamedTuple):
@@ -126,8 +143,9 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
 
 
-def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Routing:
-    """Returns the dispatch and combine tensors and statistics for router `logits` [groups, tokens, experts].
+def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Assignment:
+    """Returns each choice's expert, slot, kept flag and gate, and the statistics, for router `logits`
+    [groups, tokens, experts].
 
     Slots are filled choice by choice (every token's first choice before any
     second choice), each in token order; an assignment whose slot would be
@@ -144,25 +162,67 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arra
         masks = random_routing(masks, gates, routing_key)
 
     filled = jnp.zeros((probs.shape[0], probs.shape[2]), jnp.float32)  # [groups, experts] slots taken
-    dispatch = combine = jnp.zeros((*probs.shape, capacity), jnp.float32)
-    routed = kept = 0.0
-    for mask, gate in zip(masks, gates):
+    experts, slots, kept = [], [], []
+    routed = kept_count = 0.0
+    for mask in masks:
         position = jnp.cumsum(mask, axis=1) - 1 + filled[:, None, :]  # [groups, tokens, experts]
         kept_mask = mask * (position < capacity)
-        slot = jax.nn.one_hot(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32), capacity, dtype=jnp.float32)  # [g, s, c]
-        choice_dispatch = kept_mask[..., None] * slot[:, :, None, :]  # [groups, tokens, experts, capacity]
-        dispatch = dispatch + choice_dispatch
-        combine = combine + gate[..., None, None] * choice_dispatch
+        experts.append(jnp.argmax(mask, axis=-1).astype(jnp.int32))
+        slots.append(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32))
+        kept.append(jnp.sum(kept_mask, axis=-1))
         filled = filled + jnp.sum(kept_mask, axis=1)
-        routed, kept = routed + jnp.sum(mask), kept + jnp.sum(kept_mask)
+        routed, kept_count = routed + jnp.sum(mask), kept_count + jnp.sum(kept_mask)
 
     stats = {
         "moe_aux_loss": load_balancing_loss(probs, masks[0]),
         "moe_z_loss": router_z_loss(logits),
-        "moe_dropped_fraction": 1.0 - kept / jnp.maximum(routed, 1.0),
+        "moe_dropped_fraction": 1.0 - kept_count / jnp.maximum(routed, 1.0),
         "moe_tokens_per_expert": jnp.sum(sum(masks), axis=(0, 1)),
     }
-    return Routing(dispatch, combine, stats)
+    return Assignment(experts, slots, kept, gates, stats)
+
+
+def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Routing:
+    """Returns GShard's one-hot dispatch and combine tensors, and the statistics, of `assign`'s decisions."""
+    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key)
+    num_experts = logits.shape[-1]
+    dispatch = combine = jnp.zeros((*logits.shape, capacity), jnp.float32)
+    for expert, slot, kept, gate in zip(assignment.experts, assignment.slots, assignment.kept, assignment.gates):
+        kept_mask = jax.nn.one_hot(expert, num_experts, dtype=jnp.float32) * kept[..., None]  # [g, s, e]
+        slot_mask = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # [g, s, c]
+        choice_dispatch = kept_mask[..., None] * slot_mask[:, :, None, :]  # [groups, tokens, experts, capacity]
+        dispatch = dispatch + choice_dispatch
+        combine = combine + gate[..., None, None] * choice_dispatch
+    return Routing(dispatch, combine, assignment.stats)
+
+
+def flat_slots(assignment: Assignment, num_experts: int, capacity: int) -> jax.Array:
+    """Returns [groups, choices, tokens] int32: each assignment's index into its group's slots flattened
+    to [experts x capacity], and experts x capacity (one past the last slot) where it was dropped."""
+    return jnp.stack([jnp.where(kept > 0, expert * capacity + slot, num_experts * capacity)
+                      for expert, slot, kept in zip(assignment.experts, assignment.slots, assignment.kept)], axis=1)
+
+
+def gather_into_slots(grouped: jax.Array, slots: jax.Array, num_slots: int) -> jax.Array:
+    """Returns [groups, num_slots, embed]: the token of `grouped` [groups, tokens, embed] that fills
+    each slot, zeros in slots no token took; `slots` [groups, choices, tokens] from `flat_slots`."""
+    _, choices, tokens = slots.shape
+
+    def one_group(x: jax.Array, group_slots: jax.Array) -> jax.Array:
+        token_of_choice = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (choices, tokens))
+        # every kept assignment owns its slot alone; dropped ones point past the end and are left out
+        token_of_slot = jnp.full((num_slots,), tokens, jnp.int32).at[group_slots.reshape(-1)].set(
+            token_of_choice.reshape(-1), mode="drop")
+        return x.at[token_of_slot].get(mode="fill", fill_value=0)  # empty slots point past the tokens
+
+    return jax.vmap(one_group)(grouped, slots)
+
+
+def combine_from_slots(outputs: jax.Array, slots: jax.Array, gates: jax.Array) -> jax.Array:
+    """Returns [groups, tokens, embed]: each token's k slot outputs of `outputs` [groups, slots, embed]
+    summed with its `gates` [groups, choices, tokens]; a dropped assignment contributes zero."""
+    gathered = jax.vmap(lambda y, s: y.at[s].get(mode="fill", fill_value=0))(outputs, slots)  # [g, k, s, m]
+    return jnp.einsum("gks,gksm->gsm", gates, gathered)
 
 
 def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
@@ -220,11 +280,38 @@ class MoEFeedForward(nnx.Module):
         # groups stay on the batch devices (expert included) until dispatch
         grouped = constrain(x.reshape(groups, tokens_per_group, dim), (axes.BATCH, None, axes.ACT_EMBED))
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
-        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key if train else None)
-
-        expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(x.dtype), grouped)
-        expert_inputs = checkpoint_name(exchange(expert_inputs, to_experts=True), remat_names.EXPERT_INPUTS)
-        expert_outputs = self.experts(expert_inputs)
-        output = jnp.einsum("gsec,egcm->gsm", routing.combine.astype(x.dtype), exchange(expert_outputs, to_experts=False))
+        key = routing_key if train else None
+        if self.moe.dispatch == "einsum":
+            output, stats = self.einsum_dispatch(grouped, logits, capacity, key)
+        else:
+            output, stats = self.sort_dispatch(grouped, logits, capacity, key)
         output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED))
-        return output.reshape(batch, length, dim), routing.stats
+        return output.reshape(batch, length, dim), stats
+
+    def einsum_dispatch(self, grouped: jax.Array, logits: jax.Array, capacity: int,
+                        routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
+        """Returns (output [groups, tokens, embed], stats) through GShard's one-hot dispatch and combine einsums."""
+        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key)
+        expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(grouped.dtype), grouped)
+        expert_outputs = self.experts_across_devices(expert_inputs)
+        return jnp.einsum("gsec,egcm->gsm", routing.combine.astype(grouped.dtype), expert_outputs), routing.stats
+
+    def sort_dispatch(self, grouped: jax.Array, logits: jax.Array, capacity: int,
+                      routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
+        """Returns (output [groups, tokens, embed], stats) with tokens placed in and taken from slots by index."""
+        groups, _, dim = grouped.shape
+        experts = self.moe.num_experts
+        assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key)
+        slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
+        slot_inputs = gather_into_slots(grouped, slots, experts * capacity)  # [groups, experts x capacity, embed]
+        expert_inputs = slot_inputs.reshape(groups, experts, capacity, dim).transpose(1, 0, 2, 3)
+        expert_outputs = self.experts_across_devices(expert_inputs).transpose(1, 0, 2, 3)
+        gates = jnp.stack(assignment.gates, axis=1).astype(grouped.dtype)  # [groups, choices, tokens]
+        output = combine_from_slots(expert_outputs.reshape(groups, experts * capacity, dim), slots, gates)
+        return output, assignment.stats
+
+    def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:
+        """Returns the experts' outputs for `expert_inputs` [experts, groups, capacity, embed] (routing
+        layout), moved to the experts' devices and back by all-to-all."""
+        expert_inputs = checkpoint_name(exchange(expert_inputs, to_experts=True), remat_names.EXPERT_INPUTS)
+        return exchange(self.experts(expert_inputs), to_experts=False)

@@ -136,6 +136,7 @@ class MoEConfig:
     eval_capacity_factor: float = 2.0
     group_size: int = 0
     second_expert_policy: str = "all"
+    dispatch: str = "sort"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 

@@ -54,6 +54,7 @@ def validate(config: Config) -> Config:
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
     _check_choice(problems, "moe.second_expert_policy", config.moe.second_expert_policy, ("all", "random"))
+    _check_choice(problems, "moe.dispatch", config.moe.dispatch, ("sort", "einsum"))
     _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
     _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
     _check_positive(problems, "cluster.hosts", config.cluster.hosts)
