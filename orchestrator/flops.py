@@ -59,9 +59,10 @@ def executed_flops_per_step(config: Config) -> float:
     """Returns the FLOPs the implementation executes per step, to compare with XLA's cost analysis.
 
     Beyond the model FLOPs: full (masked) T x T attention, and for MoE layers
-    GShard's one-hot dispatch and combine einsums ([tokens, experts, capacity]
-    x embed each) and expert FFNs over every capacity slot rather than only
-    the routed tokens. This is cost, not useful work: MFU uses model_flops_per_step.
+    the dispatch and combine (GShard's one-hot einsums, [tokens, experts,
+    capacity] x embed each, with `moe.dispatch=einsum`; the gate-weighted sum
+    of each token's k outputs with `sort`) and expert FFNs over every capacity
+    slot rather than only the routed tokens. This is cost, not useful work: MFU uses model_flops_per_step.
     """
     flops = train_flops_per_step(config, causal=False)
     m, moe, t = config.model, config.moe, config.train
@@ -71,8 +72,10 @@ def executed_flops_per_step(config: Config) -> float:
     capacity = expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, moe.capacity_factor)
     slots_per_token = moe.num_experts * capacity / tokens_per_group
     expert_mlp = 3 * m.embed_dim * m.mlp_dim
-    # each token meets every slot of its group in both one-hot einsums: multiply-accumulates per token
-    dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
+    if moe.dispatch == "einsum":  # each token meets every slot of its group in both one-hot einsums
+        dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
+    else:  # gathers move tokens; only the gate-weighted sum of a token's k outputs multiplies
+        dispatch_and_combine = moe.top_k * m.embed_dim
     padding = (slots_per_token - moe.top_k) * expert_mlp
     moe_layers = m.num_layers // moe.every
     tokens = t.global_batch * t.seq_len

@@ -194,8 +194,9 @@ def compiled_text(config) -> str:
     return compile_step(build_job(config)).as_text()
 
 
-def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd):
-    config = tiny_config(*MOE).replace(**mesh_overrides(expert=4, data=2))
+@pytest.mark.parametrize("dispatch", ["sort", "einsum"])
+def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd, dispatch):
+    config = tiny_config(*MOE, f"moe.dispatch={dispatch}").replace(**mesh_overrides(expert=4, data=2))
     found = collectives(compiled_text(config))
     capacity = expert_capacity(32, EXPERTS, 2, 1.25)
     slots_per_device_bytes = EXPERTS * 16 * capacity * 64 * 4 // 8  # [experts, groups, capacity, embed] f32
