@@ -55,10 +55,17 @@ class MoELayerConfig:
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
     dispatch: str = "sort"            # sort | einsum
+    router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
+    expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
+    shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0 and self.every > 0
+
+    def expert_width(self, mlp_dim: int) -> int:
+        """Returns each expert's hidden width: `expert_mlp_dim`, or the model's `mlp_dim` when it is 0."""
+        return self.expert_mlp_dim or mlp_dim
 
     @property
     def needs_routing_key(self) -> bool:
@@ -89,7 +96,8 @@ class Routing(NamedTuple):
 def top_k_gates(probs: jax.Array, top_k: int) -> tuple[list[jax.Array], list[jax.Array]]:
     """Returns (masks, gates): per choice, the one-hot chosen expert [g, s, e] and its gate [g, s].
 
-    Choices come in order of probability. With k > 1 the gates are renormalised
+    `probs` are router scores in [0, 1] (softmax probabilities or sigmoids).
+    Choices come in order of score. With k > 1 the gates are renormalised
     to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
     the gate stays the router probability, as in the Switch Transformer (arXiv
     2101.03961), since a renormalised single gate would always be 1 and the
@@ -143,7 +151,23 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
 
 
-def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Assignment:
+def router_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
+    """Returns (scores that select and weigh experts, probabilities [.., experts] for the balancing loss).
+
+    softmax: both are the softmax. sigmoid (DeepSeek-V3, arXiv 2412.19437):
+    each expert's score is its own sigmoid, and the balancing loss sees the
+    scores normalised to sum to one over the experts, as in its sequence-wise
+    auxiliary loss.
+    """
+    if router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        return scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return probs, probs
+
+
+def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
+           router: str = "softmax") -> Assignment:
     """Returns each choice's expert, slot, kept flag and gate, and the statistics, for router `logits`
     [groups, tokens, experts].
 
@@ -154,10 +178,11 @@ def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arr
     `moe_z_loss`, `moe_dropped_fraction` (dropped assignments / routed
     assignments; for k = 1 the share of tokens dropped) and
     `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
+    `router` picks the scores (see `router_scores`).
     """
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)  # [groups, tokens, experts]
-    masks, gates = top_k_gates(probs, top_k)
+    scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
+    masks, gates = top_k_gates(scores, top_k)
     if routing_key is not None and top_k > 1:
         masks = random_routing(masks, gates, routing_key)
 
@@ -182,9 +207,10 @@ def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arr
     return Assignment(experts, slots, kept, gates, stats)
 
 
-def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Routing:
+def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
+          router: str = "softmax") -> Routing:
     """Returns GShard's one-hot dispatch and combine tensors, and the statistics, of `assign`'s decisions."""
-    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key)
+    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router)
     num_experts = logits.shape[-1]
     dispatch = combine = jnp.zeros((*logits.shape, capacity), jnp.float32)
     for expert, slot, kept, gate in zip(assignment.experts, assignment.slots, assignment.kept, assignment.gates):
@@ -244,16 +270,20 @@ class MoEFeedForward(nnx.Module):
 
     Expert weights are `[expert, embed, mlp]` named ("expert", "embed", "mlp");
     the router `[embed, experts]` leaves its expert dimension unsharded, since
-    every device routes its own tokens to all experts.
+    every device routes its own tokens to all experts. `shared_experts`, a
+    dense feed-forward the caller builds (x -> (y, stats)), sees every token
+    and is added to the routed output, as DeepSeekMoE's shared experts
+    (arXiv 2401.06066).
     """
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
-        d, m, e = cfg.embed_dim, cfg.mlp_dim, cfg.moe.num_experts
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, shared_experts: nnx.Module | None = None):
+        d, m, e = cfg.embed_dim, cfg.moe.expert_width(cfg.mlp_dim), cfg.moe.num_experts
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.router = param(rngs, (d, e), (axes.EMBED, None), std)
         self.gate = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
         self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), out_std)
+        self.shared_experts = shared_experts
         self.moe = cfg.moe
         self.dtype = cfg.compute_dtype
 
@@ -285,13 +315,16 @@ class MoEFeedForward(nnx.Module):
             output, stats = self.einsum_dispatch(grouped, logits, capacity, key)
         else:
             output, stats = self.sort_dispatch(grouped, logits, capacity, key)
-        output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED))
-        return output.reshape(batch, length, dim), stats
+        output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED)).reshape(batch, length, dim)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(x, train=train)[0]
+        return output, stats
 
     def einsum_dispatch(self, grouped: jax.Array, logits: jax.Array, capacity: int,
                         routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
         """Returns (output [groups, tokens, embed], stats) through GShard's one-hot dispatch and combine einsums."""
-        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key)
+        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
+                        router=self.moe.router)
         expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(grouped.dtype), grouped)
         expert_outputs = self.experts_across_devices(expert_inputs)
         return jnp.einsum("gsec,egcm->gsm", routing.combine.astype(grouped.dtype), expert_outputs), routing.stats
@@ -301,7 +334,8 @@ class MoEFeedForward(nnx.Module):
         """Returns (output [groups, tokens, embed], stats) with tokens placed in and taken from slots by index."""
         groups, _, dim = grouped.shape
         experts = self.moe.num_experts
-        assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key)
+        assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
+                            router=self.moe.router)
         slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
         slot_inputs = gather_into_slots(grouped, slots, experts * capacity)  # [groups, experts x capacity, embed]
         expert_inputs = slot_inputs.reshape(groups, experts, capacity, dim).transpose(1, 0, 2, 3)

@@ -137,6 +137,9 @@ class MoEConfig:
     group_size: int = 0
     second_expert_policy: str = "all"
     dispatch: str = "sort"
+    router: str = "softmax"
+    expert_mlp_dim: int = 0
+    shared_experts: int = 0
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 

@@ -55,6 +55,7 @@ def validate(config: Config) -> Config:
                                             "use auto or xla for float32"))
     _check_choice(problems, "moe.second_expert_policy", config.moe.second_expert_policy, ("all", "random"))
     _check_choice(problems, "moe.dispatch", config.moe.dispatch, ("sort", "einsum"))
+    _check_choice(problems, "moe.router", config.moe.router, ("softmax", "sigmoid"))
     _check_choice(problems, "cluster.launcher", config.cluster.launcher, ("ray", "inprocess"))
     _check_choice(problems, "cluster.accelerator", config.cluster.accelerator, ("cpu", "gpu", "tpu"))
     _check_positive(problems, "cluster.hosts", config.cluster.hosts)
@@ -188,8 +189,9 @@ def _known_degrees(config: Config) -> dict[str, int] | None:
 def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
     """Returns the problems of the `moe` section; checks against the mesh need its `degrees`."""
     moe, m, t = config.moe, config.model, config.train
-    if moe.num_experts < 0 or moe.every < 0 or moe.group_size < 0:
-        key = next(k for k in ("num_experts", "every", "group_size") if getattr(moe, k) < 0)
+    counts = ("num_experts", "every", "group_size", "expert_mlp_dim", "shared_experts")
+    if any(getattr(moe, k) < 0 for k in counts):
+        key = next(k for k in counts if getattr(moe, k) < 0)
         return [(f"moe.{key}", f"must be >= 0, got {getattr(moe, key)}")]
     if (moe.num_experts > 0) != (moe.every > 0):
         return [("moe.every", f"moe.every={moe.every} and moe.num_experts={moe.num_experts}: set both > 0 for an "
@@ -209,6 +211,10 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
             problems.append((f"moe.{key}", f"{factor} gives experts no capacity; use a positive factor"))
     if degrees is None:
         return problems
+    mlp_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("mlp") or ())
+    if moe.expert_mlp_dim % mlp_shards:
+        problems.append(("moe.expert_mlp_dim", f"{moe.expert_mlp_dim} is not divisible by the {mlp_shards} devices "
+                                               "'mlp' is sharded over; use a multiple of it"))
     if moe.num_experts % degrees["expert"]:
         problems.append(("moe.num_experts", f"{moe.num_experts} is not divisible by mesh.expert={degrees['expert']}; "
                                             "use a multiple of it or a smaller mesh.expert"))
