@@ -31,6 +31,7 @@ from bench.report import write_section
 
 EXPERT_COUNTS = (8, 32, 128)
 DISPATCHES = ("einsum", "sort")
+WIDE_TOP_K = 8  # the routing share only (no timing) at the top-k of fine-grained models
 DEVICES = 8
 TOP_K = 2
 MODEL = ["model.preset=tiny", "model.num_layers=4", "model.embed_dim=128", "model.mlp_dim=256",
@@ -147,6 +148,22 @@ def _row(config, steps: int, tokens: int, dense_seconds: float) -> dict:
     }
 
 
+def wide_top_k_shares() -> list[dict]:
+    """Returns the routing share at top_k=WIDE_TOP_K for each expert count and dispatch (cost analysis only)."""
+    return [{"experts": experts, "dispatch": dispatch,
+             "routing_share": routing_flop_share(_config(*_moe_overrides(experts, dispatch), f"moe.top_k={WIDE_TOP_K}"))}
+            for experts in EXPERT_COUNTS for dispatch in DISPATCHES]
+
+
+def share_table(rows: list[dict]) -> str:
+    """Returns the top_k=WIDE_TOP_K routing shares as a Markdown table, one column per dispatch."""
+    shares = {(r["experts"], r["dispatch"]): r["routing_share"] for r in rows}
+    lines = [f"| experts | {' | '.join(DISPATCHES)} |", "|---:|" + "---:|" * len(DISPATCHES)]
+    for experts in EXPERT_COUNTS:
+        lines.append(f"| {experts} | " + " | ".join(f"{shares[experts, d]:.1%}" for d in DISPATCHES) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """Returns the rows as a Markdown table."""
     lines = ["| experts | dispatch | routing+dispatch+combine FLOPs / expert FFN FLOPs | all-to-all MiB/step | analytic minimum MiB "
@@ -171,11 +188,15 @@ def main() -> None:
     import jax
 
     rows = measure(args.steps)
+    wide = wide_top_k_shares()
     device = jax.devices()[0]
     setup = (f"Model: {' '.join(MODEL)}; MoE every 2nd layer, top_k={TOP_K}, capacity_factor 1.25, one group "
              f"per sequence; mesh expert={DEVICES} ({DEVICES} simulated {device.platform} devices); "
              f"median of {args.steps} steps after one warm-up; jax {jax.__version__}.")
-    text = "\n".join(["## MoE (GShard routing; einsum and sort dispatch)", "", f"Command: `{COMMAND}`", "", setup, "", table(rows), "", READING, ""])
+    wide_heading = (f"Routing+dispatch+combine FLOPs / expert FFN FLOPs at top_k={WIDE_TOP_K} (same model, "
+                    "cost analysis only):")
+    text = "\n".join(["## MoE (GShard routing; einsum and sort dispatch)", "", f"Command: `{COMMAND}`", "", setup, "",
+                      table(rows), "", wide_heading, "", share_table(wide), "", READING, ""])
     print(text)
     write_section("moe", text)
 

@@ -1,10 +1,11 @@
 """Mixture-of-Experts feed-forward with GShard routing (arXiv 2006.16668).
 
-Tokens are split into groups; within a group a float32 softmax router picks
-each token's top-k experts, every expert takes at most `expert_capacity`
-tokens per group (first choices are placed before second choices, each in
-token order, by a cumulative sum), and tokens past capacity are dropped: they
-leave the layer with zero output and travel on through the residual only.
+Tokens are split into groups; within a group a float32 router (softmax, or
+sigmoid as in DeepSeek-V3) picks each token's top-k experts, every expert
+takes at most `expert_capacity` tokens per group (first choices are placed
+before second choices, each in token order, by a cumulative sum), and tokens
+past capacity are dropped: they leave the layer with zero output and travel
+on through the residual only.
 
 Routing decides each assignment's (expert, slot) once; two dispatches carry
 it out with the same decisions. `einsum` is GShard's: one-hot tensors
@@ -54,7 +55,7 @@ class MoELayerConfig:
     eval_capacity_factor: float = 2.0
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
-    dispatch: str = "sort"            # sort | einsum
+    dispatch: str = "einsum"          # einsum | sort
     router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
     expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
@@ -229,26 +230,53 @@ def flat_slots(assignment: Assignment, num_experts: int, capacity: int) -> jax.A
                       for expert, slot, kept in zip(assignment.experts, assignment.slots, assignment.kept)], axis=1)
 
 
-def gather_into_slots(grouped: jax.Array, slots: jax.Array, num_slots: int) -> jax.Array:
+@jax.custom_vjp
+def take_rows(values: jax.Array, rows: jax.Array, readers: jax.Array) -> jax.Array:
+    """Returns values[rows] ([len(rows), ...], zeros where a row index is out of range), with a
+    backward pass that gathers too: `readers` [len(values), r] lists the output rows that read
+    each value row (out of range where fewer than r do), so its gradient is their sum, gathered
+    rather than scatter-added (jax's own transpose of a gather).
+    """
+    return values.at[rows].get(mode="fill", fill_value=0)
+
+
+def _take_rows_forward(values, rows, readers):
+    return take_rows(values, rows, readers), readers
+
+
+def _take_rows_backward(readers, cotangent):
+    return jnp.sum(cotangent.at[readers].get(mode="fill", fill_value=0), axis=1), None, None
+
+
+take_rows.defvjp(_take_rows_forward, _take_rows_backward)
+
+
+def slot_owners(slots: jax.Array, num_slots: int) -> jax.Array:
+    """Returns [groups, num_slots] int32: the flattened [choices x tokens] assignment that fills each
+    slot, choices x tokens where none does; `slots` [groups, choices, tokens] from `flat_slots`."""
+    groups, choices, tokens = slots.shape
+    assignments = jnp.broadcast_to(jnp.arange(choices * tokens, dtype=jnp.int32), (groups, choices * tokens))
+    empty = jnp.full((groups, num_slots), choices * tokens, jnp.int32)
+    # every kept assignment owns its slot alone; dropped ones point past the last slot and are left out
+    return jax.vmap(lambda table, index, value: table.at[index].set(value, mode="drop"))(
+        empty, slots.reshape(groups, -1), assignments)
+
+
+def gather_into_slots(grouped: jax.Array, slots: jax.Array, owners: jax.Array) -> jax.Array:
     """Returns [groups, num_slots, embed]: the token of `grouped` [groups, tokens, embed] that fills
-    each slot, zeros in slots no token took; `slots` [groups, choices, tokens] from `flat_slots`."""
+    each slot, zeros in empty slots; `slots` from `flat_slots`, `owners` from `slot_owners`."""
     _, choices, tokens = slots.shape
-
-    def one_group(x: jax.Array, group_slots: jax.Array) -> jax.Array:
-        token_of_choice = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (choices, tokens))
-        # every kept assignment owns its slot alone; dropped ones point past the end and are left out
-        token_of_slot = jnp.full((num_slots,), tokens, jnp.int32).at[group_slots.reshape(-1)].set(
-            token_of_choice.reshape(-1), mode="drop")
-        return x.at[token_of_slot].get(mode="fill", fill_value=0)  # empty slots point past the tokens
-
-    return jax.vmap(one_group)(grouped, slots)
+    token_of_slot = jnp.where(owners < choices * tokens, owners % tokens, tokens)
+    # a token is read by the slots of its k choices
+    return jax.vmap(take_rows)(grouped, token_of_slot, slots.transpose(0, 2, 1))
 
 
-def combine_from_slots(outputs: jax.Array, slots: jax.Array, gates: jax.Array) -> jax.Array:
+def combine_from_slots(outputs: jax.Array, slots: jax.Array, owners: jax.Array, gates: jax.Array) -> jax.Array:
     """Returns [groups, tokens, embed]: each token's k slot outputs of `outputs` [groups, slots, embed]
     summed with its `gates` [groups, choices, tokens]; a dropped assignment contributes zero."""
-    gathered = jax.vmap(lambda y, s: y.at[s].get(mode="fill", fill_value=0))(outputs, slots)  # [g, k, s, m]
-    return jnp.einsum("gks,gksm->gsm", gates, gathered)
+    groups, choices, tokens = slots.shape
+    gathered = jax.vmap(take_rows)(outputs, slots.reshape(groups, -1), owners[..., None])  # [g, k x s, m]
+    return jnp.einsum("gks,gksm->gsm", gates, gathered.reshape(groups, choices, tokens, -1))
 
 
 def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
@@ -337,11 +365,12 @@ class MoEFeedForward(nnx.Module):
         assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
                             router=self.moe.router)
         slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
-        slot_inputs = gather_into_slots(grouped, slots, experts * capacity)  # [groups, experts x capacity, embed]
+        owners = slot_owners(slots, experts * capacity)  # [groups, experts x capacity]
+        slot_inputs = gather_into_slots(grouped, slots, owners)  # [groups, experts x capacity, embed]
         expert_inputs = slot_inputs.reshape(groups, experts, capacity, dim).transpose(1, 0, 2, 3)
         expert_outputs = self.experts_across_devices(expert_inputs).transpose(1, 0, 2, 3)
         gates = jnp.stack(assignment.gates, axis=1).astype(grouped.dtype)  # [groups, choices, tokens]
-        output = combine_from_slots(expert_outputs.reshape(groups, experts * capacity, dim), slots, gates)
+        output = combine_from_slots(expert_outputs.reshape(groups, experts * capacity, dim), slots, owners, gates)
         return output, assignment.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:

@@ -136,7 +136,7 @@ class MoEConfig:
     eval_capacity_factor: float = 2.0
     group_size: int = 0
     second_expert_policy: str = "all"
-    dispatch: str = "sort"
+    dispatch: str = "einsum"
     router: str = "softmax"
     expert_mlp_dim: int = 0
     shared_experts: int = 0

@@ -21,6 +21,7 @@ from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_
 
 EXPERTS = 4
 MOE = ("moe.num_experts=4", "moe.every=2")
+DEEPSEEK_STYLE = ("moe.num_experts=8", "moe.top_k=4", "moe.expert_mlp_dim=32", "moe.shared_experts=1", "moe.router=sigmoid")
 
 
 def moe_layer(top_k: int, capacity_factor: float, groups_of: int = 0, eval_capacity_factor: float = 2.0):
@@ -196,6 +197,23 @@ def test_losses_and_params_match_one_device(one_device_runs, mesh, top_k):
     assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
 
 
+SORTED = ("moe.dispatch=sort",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, overrides", [("expert4_data2", SORTED), ("expert2_tensor2_data2", SORTED + DEEPSEEK_STYLE),
+                                             ("expert2_fsdp2_pipeline2", SORTED + DEEPSEEK_STYLE)],
+                         ids=["expert4_data2_sort", "expert2_tensor2_data2_sort_shared_sigmoid",
+                              "expert2_fsdp2_pipeline2_sort_shared_sigmoid"])
+def test_sort_dispatch_and_shared_sigmoid_experts_match_one_device(one_device_runs, mesh, overrides):
+    make, reference = one_device_runs
+    pipelined = ("pipeline.microbatches=2",) if MESHES[mesh].get("pipeline") else ()
+    result = run_fresh(make(*overrides, *pipelined).replace(**mesh_overrides(**MESHES[mesh])))
+    assert_same_training(result, reference(*overrides))
+    assert 0.0 < result.history[-1]["moe_dropped_fraction"] < 0.5
+    assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
+
+
 @pytest.mark.slow
 def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs):
     make, reference = one_device_runs
@@ -233,9 +251,6 @@ def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd, di
     assert found["all-to-all"] == {"count": 8, "bytes": 8 * slots_per_device_bytes}
     assert found["all-gather"]["count"] == 0
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
-
-
-DEEPSEEK_STYLE = ("moe.top_k=4", "moe.expert_mlp_dim=32", "moe.shared_experts=1", "moe.router=sigmoid")
 
 
 @pytest.mark.parametrize("mesh, experts", [(dict(expert=2, tensor=2, data=2), ()), (dict(expert=2, fsdp=2, tensor=2), ()),
@@ -287,8 +302,8 @@ def test_flops_count_router_and_top_k_experts_only(tiny_config):
 def test_flops_count_fine_grained_and_shared_experts(tiny_config):
     dense = matmul_params_per_token(tiny_config())
     moe = matmul_params_per_token(tiny_config(*MOE, *DEEPSEEK_STYLE))
-    # per MoE layer: 4 routed + 1 shared experts 32 wide replace one 128-wide feed-forward; plus the router
-    assert moe - dense == 2 * (5 * 3 * 64 * 32 - 3 * 64 * 128 + 64 * EXPERTS)
+    # per MoE layer: 4 routed + 1 shared experts 32 wide replace one 128-wide feed-forward; plus the 8-expert router
+    assert moe - dense == 2 * (5 * 3 * 64 * 32 - 3 * 64 * 128 + 64 * 8)
 
 
 def test_pipeline_stages_split_units_of_moe_every_layers():
