@@ -49,7 +49,8 @@ READING = (
     "token, which grows with the expert count) and the [tokens, experts] gating arithmetic. Both dispatches fill "
     "the same capacity slots, so they move the same all-to-all bytes. The all-to-all moves capacity slots, not tokens, so its ratio to the minimum is the "
     "capacity factor, rounded up per expert (ceil(2 x 1.25 x 128 / 128) = 3 slots where 2.5 were asked for "
-    "at 128 experts). Tokens/s on shared simulated CPU devices is indicative only."
+    "at 128 experts). Tokens/s on shared simulated CPU devices is indicative only, and absolute values move "
+    "with whatever else the host runs: compare rows of one run."
 )
 
 
