@@ -1,9 +1,10 @@
-"""MoE overheads for E = 8, 32, 128 experts (GShard top-2, arXiv 2006.16668).
+"""MoE overheads for E = 8, 32, 128 experts (GShard top-2, arXiv 2006.16668), per dispatch.
 
-For each expert count, in one run:
+For each expert count and each `moe.dispatch` (einsum: GShard's one-hot
+einsums; sort: tokens placed in slots by index), in one run:
 - routing share: XLA's forward FLOPs of the whole MoE layer minus those of
-  its expert feed-forwards alone (router, top-k gating, one-hot dispatch and
-  combine einsums), as a share of the expert feed-forwards' FLOPs, both from
+  its expert feed-forwards alone (router, top-k gating, dispatch and
+  combine), as a share of the expert feed-forwards' FLOPs, both from
   `compiled.cost_analysis()` on one device;
 - all-to-all bytes of one train step over all devices (compiled HLO on an
   expert mesh), against the analytic minimum: every routed token's embedding
@@ -29,6 +30,8 @@ import time
 from bench.report import write_section
 
 EXPERT_COUNTS = (8, 32, 128)
+DISPATCHES = ("einsum", "sort")
+WIDE_TOP_K = 8  # the routing share only (no timing) at the top-k of fine-grained models
 DEVICES = 8
 TOP_K = 2
 MODEL = ["model.preset=tiny", "model.num_layers=4", "model.embed_dim=128", "model.mlp_dim=256",
@@ -38,12 +41,16 @@ BASE = MODEL + ["train.steps=100", "run.dir=/tmp/nestor-bench-moe", f"cluster.de
                 "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=8", f"moe.top_k={TOP_K}"]
 COMMAND = "python -m bench.moe"
 READING = (
-    "Reading: each one-hot einsum (dispatch, combine) costs 2 x group x experts x capacity x embed FLOPs, and "
+    "Reading: with einsum dispatch each one-hot einsum (dispatch, combine) costs 2 x group x experts x capacity x embed FLOPs, and "
     "experts x capacity ~ k x capacity_factor x group, so against the SwiGLU experts (6 x experts x capacity x "
     "embed x mlp) the pair costs about 2 x group / (3 x mlp) whatever the expert count: smaller groups make "
-    "routing cheaper. The all-to-all moves capacity slots, not tokens, so its ratio to the minimum is the "
+    "routing cheaper. Sort dispatch moves tokens by gather instead (no FLOPs) and multiplies only in the "
+    "gate-weighted sum of each token's k outputs; what is left is the router matmul (2 x embed x experts per "
+    "token, which grows with the expert count) and the [tokens, experts] gating arithmetic. Both dispatches fill "
+    "the same capacity slots, so they move the same all-to-all bytes. The all-to-all moves capacity slots, not tokens, so its ratio to the minimum is the "
     "capacity factor, rounded up per expert (ceil(2 x 1.25 x 128 / 128) = 3 slots where 2.5 were asked for "
-    "at 128 experts). Tokens/s on shared simulated CPU devices is indicative only."
+    "at 128 experts). Tokens/s on shared simulated CPU devices is indicative only, and absolute values move "
+    "with whatever else the host runs: compare rows of one run."
 )
 
 
@@ -53,8 +60,8 @@ def _config(*overrides: str):
     return load(None, BASE + list(overrides))
 
 
-def _moe_overrides(experts: int) -> list[str]:
-    return [f"moe.num_experts={experts}", "moe.every=2"]
+def _moe_overrides(experts: int, dispatch: str) -> list[str]:
+    return [f"moe.num_experts={experts}", "moe.every=2", f"moe.dispatch={dispatch}"]
 
 
 def routing_flop_share(config) -> float:
@@ -117,32 +124,54 @@ def minimum_all_to_all_bytes(config) -> int:
 
 
 def measure(steps: int) -> list[dict]:
-    """Returns one row per expert count; the dense baseline is timed once in the same run."""
+    """Returns one row per expert count and dispatch; the dense baseline is timed once in the same run."""
     base = _config()
     tokens = base.train.global_batch * base.train.seq_len
     dense_seconds, _ = step_measurements(_config(f"model.mlp_dim={base.model.mlp_dim * TOP_K}"), steps)
     rows = []
     for experts in EXPERT_COUNTS:
-        config = _config(*_moe_overrides(experts))
-        seconds, all_to_all = step_measurements(config, steps)
-        rows.append({
-            "experts": experts,
-            "routing_share": routing_flop_share(config),
-            "all_to_all_mib": all_to_all / 2**20,
-            "minimum_mib": minimum_all_to_all_bytes(config) / 2**20,
-            "moe_tokens_per_s": tokens / seconds,
-            "dense_tokens_per_s": tokens / dense_seconds,
-        })
+        for dispatch in DISPATCHES:
+            rows.append(_row(_config(*_moe_overrides(experts, dispatch)), steps, tokens, dense_seconds))
     return rows
+
+
+def _row(config, steps: int, tokens: int, dense_seconds: float) -> dict:
+    """Returns one MoE config's measurements next to the dense baseline's tokens/s."""
+    seconds, all_to_all = step_measurements(config, steps)
+    return {
+        "experts": config.moe.num_experts,
+        "dispatch": config.moe.dispatch,
+        "routing_share": routing_flop_share(config),
+        "all_to_all_mib": all_to_all / 2**20,
+        "minimum_mib": minimum_all_to_all_bytes(config) / 2**20,
+        "moe_tokens_per_s": tokens / seconds,
+        "dense_tokens_per_s": tokens / dense_seconds,
+    }
+
+
+def wide_top_k_shares() -> list[dict]:
+    """Returns the routing share at top_k=WIDE_TOP_K for each expert count and dispatch (cost analysis only)."""
+    return [{"experts": experts, "dispatch": dispatch,
+             "routing_share": routing_flop_share(_config(*_moe_overrides(experts, dispatch), f"moe.top_k={WIDE_TOP_K}"))}
+            for experts in EXPERT_COUNTS for dispatch in DISPATCHES]
+
+
+def share_table(rows: list[dict]) -> str:
+    """Returns the top_k=WIDE_TOP_K routing shares as a Markdown table, one column per dispatch."""
+    shares = {(r["experts"], r["dispatch"]): r["routing_share"] for r in rows}
+    lines = [f"| experts | {' | '.join(DISPATCHES)} |", "|---:|" + "---:|" * len(DISPATCHES)]
+    for experts in EXPERT_COUNTS:
+        lines.append(f"| {experts} | " + " | ".join(f"{shares[experts, d]:.1%}" for d in DISPATCHES) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
     """Returns the rows as a Markdown table."""
-    lines = ["| experts | routing+dispatch+combine FLOPs / expert FFN FLOPs | all-to-all MiB/step | analytic minimum MiB "
+    lines = ["| experts | dispatch | routing+dispatch+combine FLOPs / expert FFN FLOPs | all-to-all MiB/step | analytic minimum MiB "
              "| ratio | MoE tokens/s | dense (mlp x 2 in every layer) tokens/s | MoE / dense |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['experts']} | {r['routing_share']:.1%} | {r['all_to_all_mib']:.2f} | {r['minimum_mib']:.2f} "
+        lines.append(f"| {r['experts']} | {r['dispatch']} | {r['routing_share']:.1%} | {r['all_to_all_mib']:.2f} | {r['minimum_mib']:.2f} "
                      f"| {r['all_to_all_mib'] / r['minimum_mib']:.2f} | {r['moe_tokens_per_s']:,.0f} "
                      f"| {r['dense_tokens_per_s']:,.0f} | {r['moe_tokens_per_s'] / r['dense_tokens_per_s']:.2f} |")
     return "\n".join(lines)
@@ -160,11 +189,15 @@ def main() -> None:
     import jax
 
     rows = measure(args.steps)
+    wide = wide_top_k_shares()
     device = jax.devices()[0]
     setup = (f"Model: {' '.join(MODEL)}; MoE every 2nd layer, top_k={TOP_K}, capacity_factor 1.25, one group "
              f"per sequence; mesh expert={DEVICES} ({DEVICES} simulated {device.platform} devices); "
              f"median of {args.steps} steps after one warm-up; jax {jax.__version__}.")
-    text = "\n".join(["## MoE (GShard)", "", f"Command: `{COMMAND}`", "", setup, "", table(rows), "", READING, ""])
+    wide_heading = (f"Routing+dispatch+combine FLOPs / expert FFN FLOPs at top_k={WIDE_TOP_K} (same model, "
+                    "cost analysis only):")
+    text = "\n".join(["## MoE (GShard routing; einsum and sort dispatch)", "", f"Command: `{COMMAND}`", "", setup, "",
+                      table(rows), "", wide_heading, "", share_table(wide), "", READING, ""])
     print(text)
     write_section("moe", text)
 

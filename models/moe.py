@@ -1,15 +1,23 @@
 """Mixture-of-Experts feed-forward with GShard routing (arXiv 2006.16668).
 
-Tokens are split into groups; within a group a float32 softmax router picks
-each token's top-k experts, every expert takes at most `expert_capacity`
-tokens per group (first choices are placed before second choices, each in
-token order, by a cumulative sum), and tokens past capacity are dropped: they
-leave the layer with zero output and travel on through the residual only.
+Tokens are split into groups; within a group a float32 router (softmax, or
+sigmoid as in DeepSeek-V3) picks each token's top-k experts, every expert
+takes at most `expert_capacity` tokens per group (first choices are placed
+before second choices, each in token order, by a cumulative sum), and tokens
+past capacity are dropped: they leave the layer with zero output and travel
+on through the residual only.
 
-Dispatch and combine are einsums with one-hot tensors
-`[groups, tokens, experts, capacity]`, so the layer is static-shaped and the
-partitioner turns the change of sharded axis (groups over the batch devices ->
-experts over the `expert` devices) into all-to-alls, as in GShard. Besides
+Routing decides each assignment's (expert, slot) once; two dispatches carry
+it out with the same decisions. `einsum` is GShard's: one-hot tensors
+`[groups, tokens, experts, capacity]` dispatch and combine by einsum, costing
+2 x tokens x experts x capacity x embed FLOPs each. `sort` places tokens by
+index: a per-group table of which token fills each of the experts x capacity
+slots (the inverse of sorting the assignments by expert and slot) gathers the
+expert inputs, and each token gathers back its k outputs, weighted by its
+gates; no tensor has both a token and a slot dimension. Either way the layer
+is static-shaped and the partitioner turns the change of sharded axis (groups
+over the batch devices -> experts over the `expert` devices) into
+all-to-alls, as in GShard. Besides
 the output, the layer reports GShard's load-balancing loss, the router z-loss
 of ST-MoE (arXiv 2202.08906), the fraction of routed slots dropped and the
 tokens routed to each expert.
@@ -47,10 +55,18 @@ class MoELayerConfig:
     eval_capacity_factor: float = 2.0
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
+    dispatch: str = "einsum"          # einsum | sort
+    router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
+    expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
+    shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0 and self.every > 0
+
+    def expert_width(self, mlp_dim: int) -> int:
+        """Returns each expert's hidden width: `expert_mlp_dim`, or the model's `mlp_dim` when it is 0."""
+        return self.expert_mlp_dim or mlp_dim
 
     @property
     def needs_routing_key(self) -> bool:
@@ -63,6 +79,15 @@ def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacit
     return math.ceil(top_k * capacity_factor * tokens_per_group / num_experts)
 
 
+class Assignment(NamedTuple):
+    """Routing decisions, one entry per choice (first choices first), each [groups, tokens]."""
+    experts: list[jax.Array]  # int32 expert of the choice
+    slots: list[jax.Array]    # int32 slot in that expert's capacity; meaningless where dropped
+    kept: list[jax.Array]     # float32 1 where the assignment got a slot, 0 where dropped (or not routed)
+    gates: list[jax.Array]    # float32 gate of the choice
+    stats: Stats
+
+
 class Routing(NamedTuple):
     dispatch: jax.Array   # [groups, tokens, experts, capacity] 1 where a token fills a slot
     combine: jax.Array    # [groups, tokens, experts, capacity] the token's gate in that slot
@@ -72,7 +97,8 @@ class Routing(NamedTuple):
 def top_k_gates(probs: jax.Array, top_k: int) -> tuple[list[jax.Array], list[jax.Array]]:
     """Returns (masks, gates): per choice, the one-hot chosen expert [g, s, e] and its gate [g, s].
 
-    Choices come in order of probability. With k > 1 the gates are renormalised
+    `probs` are router scores in [0, 1] (softmax probabilities or sigmoids).
+    Choices come in order of score. With k > 1 the gates are renormalised
     to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
     the gate stays the router probability, as in the Switch Transformer (arXiv
     2101.03961), since a renormalised single gate would always be 1 and the
@@ -126,8 +152,25 @@ def router_z_loss(logits: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
 
 
-def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None) -> Routing:
-    """Returns the dispatch and combine tensors and statistics for router `logits` [groups, tokens, experts].
+def router_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]:
+    """Returns (scores that select and weigh experts, probabilities [.., experts] for the balancing loss).
+
+    softmax: both are the softmax. sigmoid (DeepSeek-V3, arXiv 2412.19437):
+    each expert's score is its own sigmoid, and the balancing loss sees the
+    scores normalised to sum to one over the experts, as in its sequence-wise
+    auxiliary loss.
+    """
+    if router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        return scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return probs, probs
+
+
+def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
+           router: str = "softmax") -> Assignment:
+    """Returns each choice's expert, slot, kept flag and gate, and the statistics, for router `logits`
+    [groups, tokens, experts].
 
     Slots are filled choice by choice (every token's first choice before any
     second choice), each in token order; an assignment whose slot would be
@@ -136,33 +179,104 @@ def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arra
     `moe_z_loss`, `moe_dropped_fraction` (dropped assignments / routed
     assignments; for k = 1 the share of tokens dropped) and
     `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
+    `router` picks the scores (see `router_scores`).
     """
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)  # [groups, tokens, experts]
-    masks, gates = top_k_gates(probs, top_k)
+    scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
+    masks, gates = top_k_gates(scores, top_k)
     if routing_key is not None and top_k > 1:
         masks = random_routing(masks, gates, routing_key)
 
     filled = jnp.zeros((probs.shape[0], probs.shape[2]), jnp.float32)  # [groups, experts] slots taken
-    dispatch = combine = jnp.zeros((*probs.shape, capacity), jnp.float32)
-    routed = kept = 0.0
-    for mask, gate in zip(masks, gates):
+    experts, slots, kept = [], [], []
+    routed = kept_count = 0.0
+    for mask in masks:
         position = jnp.cumsum(mask, axis=1) - 1 + filled[:, None, :]  # [groups, tokens, experts]
         kept_mask = mask * (position < capacity)
-        slot = jax.nn.one_hot(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32), capacity, dtype=jnp.float32)  # [g, s, c]
-        choice_dispatch = kept_mask[..., None] * slot[:, :, None, :]  # [groups, tokens, experts, capacity]
-        dispatch = dispatch + choice_dispatch
-        combine = combine + gate[..., None, None] * choice_dispatch
+        experts.append(jnp.argmax(mask, axis=-1).astype(jnp.int32))
+        slots.append(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32))
+        kept.append(jnp.sum(kept_mask, axis=-1))
         filled = filled + jnp.sum(kept_mask, axis=1)
-        routed, kept = routed + jnp.sum(mask), kept + jnp.sum(kept_mask)
+        routed, kept_count = routed + jnp.sum(mask), kept_count + jnp.sum(kept_mask)
 
     stats = {
         "moe_aux_loss": load_balancing_loss(probs, masks[0]),
         "moe_z_loss": router_z_loss(logits),
-        "moe_dropped_fraction": 1.0 - kept / jnp.maximum(routed, 1.0),
+        "moe_dropped_fraction": 1.0 - kept_count / jnp.maximum(routed, 1.0),
         "moe_tokens_per_expert": jnp.sum(sum(masks), axis=(0, 1)),
     }
-    return Routing(dispatch, combine, stats)
+    return Assignment(experts, slots, kept, gates, stats)
+
+
+def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
+          router: str = "softmax") -> Routing:
+    """Returns GShard's one-hot dispatch and combine tensors, and the statistics, of `assign`'s decisions."""
+    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router)
+    num_experts = logits.shape[-1]
+    dispatch = combine = jnp.zeros((*logits.shape, capacity), jnp.float32)
+    for expert, slot, kept, gate in zip(assignment.experts, assignment.slots, assignment.kept, assignment.gates):
+        kept_mask = jax.nn.one_hot(expert, num_experts, dtype=jnp.float32) * kept[..., None]  # [g, s, e]
+        slot_mask = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # [g, s, c]
+        choice_dispatch = kept_mask[..., None] * slot_mask[:, :, None, :]  # [groups, tokens, experts, capacity]
+        dispatch = dispatch + choice_dispatch
+        combine = combine + gate[..., None, None] * choice_dispatch
+    return Routing(dispatch, combine, assignment.stats)
+
+
+def flat_slots(assignment: Assignment, num_experts: int, capacity: int) -> jax.Array:
+    """Returns [groups, choices, tokens] int32: each assignment's index into its group's slots flattened
+    to [experts x capacity], and experts x capacity (one past the last slot) where it was dropped."""
+    return jnp.stack([jnp.where(kept > 0, expert * capacity + slot, num_experts * capacity)
+                      for expert, slot, kept in zip(assignment.experts, assignment.slots, assignment.kept)], axis=1)
+
+
+@jax.custom_vjp
+def take_rows(values: jax.Array, rows: jax.Array, readers: jax.Array) -> jax.Array:
+    """Returns values[rows] ([len(rows), ...], zeros where a row index is out of range), with a
+    backward pass that gathers too: `readers` [len(values), r] lists the output rows that read
+    each value row (out of range where fewer than r do), so its gradient is their sum, gathered
+    rather than scatter-added (jax's own transpose of a gather).
+    """
+    return values.at[rows].get(mode="fill", fill_value=0)
+
+
+def _take_rows_forward(values, rows, readers):
+    return take_rows(values, rows, readers), readers
+
+
+def _take_rows_backward(readers, cotangent):
+    return jnp.sum(cotangent.at[readers].get(mode="fill", fill_value=0), axis=1), None, None
+
+
+take_rows.defvjp(_take_rows_forward, _take_rows_backward)
+
+
+def slot_owners(slots: jax.Array, num_slots: int) -> jax.Array:
+    """Returns [groups, num_slots] int32: the flattened [choices x tokens] assignment that fills each
+    slot, choices x tokens where none does; `slots` [groups, choices, tokens] from `flat_slots`."""
+    groups, choices, tokens = slots.shape
+    assignments = jnp.broadcast_to(jnp.arange(choices * tokens, dtype=jnp.int32), (groups, choices * tokens))
+    empty = jnp.full((groups, num_slots), choices * tokens, jnp.int32)
+    # every kept assignment owns its slot alone; dropped ones point past the last slot and are left out
+    return jax.vmap(lambda table, index, value: table.at[index].set(value, mode="drop"))(
+        empty, slots.reshape(groups, -1), assignments)
+
+
+def gather_into_slots(grouped: jax.Array, slots: jax.Array, owners: jax.Array) -> jax.Array:
+    """Returns [groups, num_slots, embed]: the token of `grouped` [groups, tokens, embed] that fills
+    each slot, zeros in empty slots; `slots` from `flat_slots`, `owners` from `slot_owners`."""
+    _, choices, tokens = slots.shape
+    token_of_slot = jnp.where(owners < choices * tokens, owners % tokens, tokens)
+    # a token is read by the slots of its k choices
+    return jax.vmap(take_rows)(grouped, token_of_slot, slots.transpose(0, 2, 1))
+
+
+def combine_from_slots(outputs: jax.Array, slots: jax.Array, owners: jax.Array, gates: jax.Array) -> jax.Array:
+    """Returns [groups, tokens, embed]: each token's k slot outputs of `outputs` [groups, slots, embed]
+    summed with its `gates` [groups, choices, tokens]; a dropped assignment contributes zero."""
+    groups, choices, tokens = slots.shape
+    gathered = jax.vmap(take_rows)(outputs, slots.reshape(groups, -1), owners[..., None])  # [g, k x s, m]
+    return jnp.einsum("gks,gksm->gsm", gates, gathered.reshape(groups, choices, tokens, -1))
 
 
 def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
@@ -184,16 +298,20 @@ class MoEFeedForward(nnx.Module):
 
     Expert weights are `[expert, embed, mlp]` named ("expert", "embed", "mlp");
     the router `[embed, experts]` leaves its expert dimension unsharded, since
-    every device routes its own tokens to all experts.
+    every device routes its own tokens to all experts. `shared_experts`, a
+    dense feed-forward the caller builds (x -> (y, stats)), sees every token
+    and is added to the routed output, as DeepSeekMoE's shared experts
+    (arXiv 2401.06066).
     """
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
-        d, m, e = cfg.embed_dim, cfg.mlp_dim, cfg.moe.num_experts
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, shared_experts: nnx.Module | None = None):
+        d, m, e = cfg.embed_dim, cfg.moe.expert_width(cfg.mlp_dim), cfg.moe.num_experts
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.router = param(rngs, (d, e), (axes.EMBED, None), std)
         self.gate = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
         self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), out_std)
+        self.shared_experts = shared_experts
         self.moe = cfg.moe
         self.dtype = cfg.compute_dtype
 
@@ -220,11 +338,43 @@ class MoEFeedForward(nnx.Module):
         # groups stay on the batch devices (expert included) until dispatch
         grouped = constrain(x.reshape(groups, tokens_per_group, dim), (axes.BATCH, None, axes.ACT_EMBED))
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
-        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key if train else None)
+        key = routing_key if train else None
+        if self.moe.dispatch == "einsum":
+            output, stats = self.einsum_dispatch(grouped, logits, capacity, key)
+        else:
+            output, stats = self.sort_dispatch(grouped, logits, capacity, key)
+        output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED)).reshape(batch, length, dim)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(x, train=train)[0]
+        return output, stats
 
-        expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(x.dtype), grouped)
+    def einsum_dispatch(self, grouped: jax.Array, logits: jax.Array, capacity: int,
+                        routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
+        """Returns (output [groups, tokens, embed], stats) through GShard's one-hot dispatch and combine einsums."""
+        routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
+                        router=self.moe.router)
+        expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(grouped.dtype), grouped)
+        expert_outputs = self.experts_across_devices(expert_inputs)
+        return jnp.einsum("gsec,egcm->gsm", routing.combine.astype(grouped.dtype), expert_outputs), routing.stats
+
+    def sort_dispatch(self, grouped: jax.Array, logits: jax.Array, capacity: int,
+                      routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
+        """Returns (output [groups, tokens, embed], stats) with tokens placed in and taken from slots by index."""
+        groups, _, dim = grouped.shape
+        experts = self.moe.num_experts
+        assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
+                            router=self.moe.router)
+        slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
+        owners = slot_owners(slots, experts * capacity)  # [groups, experts x capacity]
+        slot_inputs = gather_into_slots(grouped, slots, owners)  # [groups, experts x capacity, embed]
+        expert_inputs = slot_inputs.reshape(groups, experts, capacity, dim).transpose(1, 0, 2, 3)
+        expert_outputs = self.experts_across_devices(expert_inputs).transpose(1, 0, 2, 3)
+        gates = jnp.stack(assignment.gates, axis=1).astype(grouped.dtype)  # [groups, choices, tokens]
+        output = combine_from_slots(expert_outputs.reshape(groups, experts * capacity, dim), slots, owners, gates)
+        return output, assignment.stats
+
+    def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:
+        """Returns the experts' outputs for `expert_inputs` [experts, groups, capacity, embed] (routing
+        layout), moved to the experts' devices and back by all-to-all."""
         expert_inputs = checkpoint_name(exchange(expert_inputs, to_experts=True), remat_names.EXPERT_INPUTS)
-        expert_outputs = self.experts(expert_inputs)
-        output = jnp.einsum("gsec,egcm->gsm", routing.combine.astype(x.dtype), exchange(expert_outputs, to_experts=False))
-        output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED))
-        return output.reshape(batch, length, dim), routing.stats
+        return exchange(self.experts(expert_inputs), to_experts=False)

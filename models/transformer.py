@@ -135,10 +135,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward (arXiv 2002.05202): down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward (arXiv 2002.05202): down(silu(gate(x)) * up(x)); hidden `width` (default mlp_dim)."""
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
-        d, m = cfg.embed_dim, cfg.mlp_dim
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, m = cfg.embed_dim, width or cfg.mlp_dim
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.gate = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
         self.up = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
@@ -156,6 +156,13 @@ class MLP(nnx.Module):
         return hidden @ self.down[...].astype(self.dtype), {}
 
 
+def shared_experts(cfg: TransformerConfig, rngs: nnx.Rngs) -> MLP | None:
+    """Returns the MoE layer's always-on experts as one SwiGLU of `shared_experts` x expert width, or None."""
+    if not cfg.moe.shared_experts:
+        return None
+    return MLP(cfg, rngs, width=cfg.moe.shared_experts * cfg.moe.expert_width(cfg.mlp_dim))
+
+
 class Block(nnx.Module):
     """One pre-norm transformer layer. Returns (x, stats); dense layers report no stats."""
 
@@ -163,7 +170,7 @@ class Block(nnx.Module):
         self.attention_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.attention = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.mlp = MoEFeedForward(cfg, rngs) if mixture_of_experts else MLP(cfg, rngs)
+        self.mlp = MoEFeedForward(cfg, rngs, shared_experts(cfg, rngs)) if mixture_of_experts else MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:

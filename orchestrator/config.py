@@ -223,6 +223,14 @@ class MoEConfig:
                           minimum=0)
     second_expert_policy: str = key("all", "all | random (GShard's random routing of the 2nd expert; pipeline "
                                     "micro-batches share one draw)", choices=("all", "random"))
+    dispatch: str = key("einsum", "einsum (GShard's one-hot einsums) | sort (tokens placed in expert slots by index)",
+                        choices=("einsum", "sort"))
+    router: str = key("softmax", "softmax | sigmoid (DeepSeek-V3: per-expert sigmoid scores, gates renormalised over "
+                      "the top k)", choices=("softmax", "sigmoid"))
+    expert_mlp_dim: int = key(0, "hidden width of each routed expert (fine-grained experts); 0 = model.mlp_dim",
+                              minimum=0)
+    shared_experts: int = key(0, "always-on experts added to the routed output (DeepSeekMoE), each expert_mlp_dim "
+                              "wide", minimum=0)
     aux_loss_weight: float = key(0.01, "GShard load-balancing loss weight", minimum=0)
     z_loss_weight: float = key(0.001, "ST-MoE router z-loss weight", minimum=0)
 

@@ -18,14 +18,15 @@ def matmul_params_per_token(config: Config) -> int:
     """Returns the weights one token multiplies through in one forward pass.
 
     An MoE layer counts only the active experts: its router plus the top_k
-    expert feed-forwards a token is routed to (dropped tokens are counted as
+    expert feed-forwards a token is routed to and the shared experts (dropped tokens are counted as
     routed: capacity is a budget, not the model).
     """
     m, moe = config.model, config.moe
     attention = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     mlp = 3 * m.embed_dim * m.mlp_dim
+    expert_mlp = 3 * m.embed_dim * (moe.expert_mlp_dim or m.mlp_dim)
     moe_layers = m.num_layers // moe.every if moe.num_experts and moe.every else 0
-    moe_feed_forward = moe.top_k * mlp + m.embed_dim * moe.num_experts
+    moe_feed_forward = (moe.top_k + moe.shared_experts) * expert_mlp + m.embed_dim * moe.num_experts
     dense_layers = m.num_layers - moe_layers
     return (m.num_layers * attention + dense_layers * mlp + moe_layers * moe_feed_forward
             + m.embed_dim * m.vocab_size)
@@ -59,9 +60,10 @@ def executed_flops_per_step(config: Config) -> float:
     """Returns the FLOPs the implementation executes per step, to compare with XLA's cost analysis.
 
     Beyond the model FLOPs: full (masked) T x T attention, and for MoE layers
-    GShard's one-hot dispatch and combine einsums ([tokens, experts, capacity]
-    x embed each) and expert FFNs over every capacity slot rather than only
-    the routed tokens. This is cost, not useful work: MFU uses model_flops_per_step.
+    the dispatch and combine (GShard's one-hot einsums, [tokens, experts,
+    capacity] x embed each, with `moe.dispatch=einsum`; the gate-weighted sum
+    of each token's k outputs with `sort`) and expert FFNs over every capacity
+    slot rather than only the routed tokens. This is cost, not useful work: MFU uses model_flops_per_step.
     """
     flops = train_flops_per_step(config, causal=False)
     m, moe, t = config.model, config.moe, config.train
@@ -70,9 +72,11 @@ def executed_flops_per_step(config: Config) -> float:
     tokens_per_group = moe.group_size or t.seq_len
     capacity = expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, moe.capacity_factor)
     slots_per_token = moe.num_experts * capacity / tokens_per_group
-    expert_mlp = 3 * m.embed_dim * m.mlp_dim
-    # each token meets every slot of its group in both one-hot einsums: multiply-accumulates per token
-    dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
+    expert_mlp = 3 * m.embed_dim * (moe.expert_mlp_dim or m.mlp_dim)
+    if moe.dispatch == "einsum":  # each token meets every slot of its group in both one-hot einsums
+        dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
+    else:  # gathers move tokens; only the gate-weighted sum of a token's k outputs multiplies
+        dispatch_and_combine = moe.top_k * m.embed_dim
     padding = (slots_per_token - moe.top_k) * expert_mlp
     moe_layers = m.num_layers // moe.every
     tokens = t.global_batch * t.seq_len

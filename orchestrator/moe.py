@@ -23,7 +23,8 @@ def moe_layer_config(config: Config) -> MoELayerConfig:
     return MoELayerConfig(
         num_experts=moe.num_experts, every=moe.every, top_k=moe.top_k, capacity_factor=moe.capacity_factor,
         eval_capacity_factor=moe.eval_capacity_factor, group_size=moe.group_size,
-        second_expert_policy=moe.second_expert_policy,
+        second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
+        expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
     )
 
 

@@ -214,6 +214,10 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
             problems.append((f"moe.{key}", f"{factor:g} gives experts no capacity (under one token per group); raise it"))
     if degrees is None:
         return problems
+    mlp_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("mlp") or ())
+    if moe.expert_mlp_dim % mlp_shards:
+        problems.append(("moe.expert_mlp_dim", f"{moe.expert_mlp_dim} is not divisible by the {mlp_shards} devices "
+                                               "'mlp' is sharded over; use a multiple of it"))
     if moe.num_experts % degrees["expert"]:
         problems.append(("moe.num_experts", f"{moe.num_experts} is not divisible by mesh.expert={degrees['expert']}; "
                                             "use a multiple of it or a smaller mesh.expert"))
