@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,8 +44,11 @@ def run(config: Config) -> TrainResult:
 
 
 def run_fresh(config: Config) -> TrainResult:
-    """Trains quietly from scratch in a new run dir, so no other run's checkpoint is resumed."""
-    return run(config.replace(**{"run.dir": tempfile.mkdtemp(prefix="nestor-run-")}))
+    """Trains quietly from scratch in a new run dir (removed when the tests end), so no other run's
+    checkpoint is resumed."""
+    run_dir = tempfile.mkdtemp(prefix="nestor-run-")
+    atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
+    return run(config.replace(**{"run.dir": run_dir}))
 
 
 def assert_same_training(result: TrainResult, reference: TrainResult, loss_rtol=1e-5, param_tol=1e-4) -> None:
