@@ -24,14 +24,27 @@ from orchestrator.config import ConfigError
 LOCK_NAME = "nestor.lock"
 
 
-def _alive(pid: int) -> bool:
+def _start_ticks(pid: int) -> int | None:
+    """Returns when process `pid` started (clock ticks after boot, /proc/PID/stat field 22), or None
+    where /proc does not say; with the pid, it names a process even after its pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # the fields after "(command)" start at field 3
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the process the lock file names still runs (not another that got its pid since)."""
+    pid = holder["pid"]
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
-        return True
-    return True
+        pass
+    recorded = holder.get("start_ticks")
+    return recorded is None or _start_ticks(pid) in (None, recorded)
 
 
 def _holder(fd: int) -> dict | None:
@@ -61,6 +74,14 @@ class RunDirLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "RunDirLock":
+        try:
+            return self._acquire()
+        except ConfigError:
+            raise
+        except OSError as error:  # a read-only or full run.dir, a file system without locks
+            raise ConfigError([("run.dir", f"cannot take the lock {self.path}: {error.strerror or error}")]) from None
+
+    def _acquire(self) -> "RunDirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -79,12 +100,13 @@ class RunDirLock:
             os.close(fd)  # its holder removed the file between our open and flock: try the new one
         holder = _holder(fd)
         if holder and holder.get("host") == socket.gethostname() and holder["pid"] != os.getpid() \
-                and _alive(holder["pid"]):
+                and _alive(holder):
             os.close(fd)
             raise self._refusal(holder)
         if holder:
             self.log(f"took over {self.path} from a run that is gone: {_describe(holder)}")
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "start_ticks": _start_ticks(os.getpid())}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         self._fd = fd

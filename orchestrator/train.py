@@ -214,60 +214,54 @@ def holding_run_dir(run_dir: Path, lock: bool, log):
 
 def _train(config: Config, job: Job, console: Console) -> TrainResult:
     log = console.log
-    run_dir = Path(config.run.dir)
     lead = jax.process_index() == 0
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
-    checkpointer = Checkpointer(config, job.layout, log)
-    try:
+    # Whatever fails, everything opened so far is closed, newest first (async saves are waited for).
+    with contextlib.ExitStack() as closing:
+        checkpointer = Checkpointer(config, job.layout, log)
+        closing.callback(checkpointer.close)
         first_step, state = _start_state(config, job, checkpointer, log)
-    except BaseException:
-        checkpointer.close()
-        raise
-    if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    result = TrainResult([], state, [], first_step)
-    if first_step >= config.train.steps:
-        log(f"nothing to train: the checkpoint in {run_dir} is at step {first_step} = train.steps; "
-            "raise train.steps to train on")
-        checkpointer.close()
-        return result
-    job.step_fn, compile_s = _compile(job, state, first_step, console)
-    throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
-    writer = MetricsWriter(config, throughput, enabled=lead)
-    writer.start(first_step, _sharding_text(job))
-    console.start(config.train.steps, first_step)
-    timings = {"compile_s": compile_s}  # one-off times, logged with the next record
+        if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
+            (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        result = TrainResult([], state, [], first_step)
+        if first_step >= config.train.steps:
+            log(f"nothing to train: the checkpoint in {config.run.dir} is at step {first_step} = train.steps; "
+                "raise train.steps to train on")
+            return result
+        job.step_fn, compile_s = _compile(job, state, first_step, console)
+        throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
+        writer = MetricsWriter(config, throughput, enabled=lead)
+        closing.callback(writer.close)
+        writer.start(first_step, _sharding_text(job))
+        console.start(config.train.steps, first_step)
+        closing.callback(console.close)
+        timings = {"compile_s": compile_s}  # one-off times, logged with the next record
 
-    def flush(pending, save=None) -> None:
-        """Reads a finished step's values, checks them, runs `save` (the step's checkpoint) and logs."""
-        step, metrics, started = pending
-        logged = step % config.train.log_every == 0 or step == config.train.steps or save is not None
-        # Off logging steps, only what every step needs comes to the host.
-        values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
-        finished_at = time.perf_counter()
-        _check_finite(step, values)  # before the state goes to disk
-        result.losses.append(float(values["loss"]))
-        if save is not None:
-            saving = time.perf_counter()
-            save()
-            timings["checkpoint_s"] = time.perf_counter() - saving
-        if logged:
-            record = writer.write(step, values, finished_at - started, timings)
-            timings.clear()
-            result.history.append(record)
-            console.step(record)
+        def flush(pending, save=None) -> None:
+            """Reads a finished step's values, checks them, runs `save` (the step's checkpoint) and logs."""
+            step, metrics, started = pending
+            logged = step % config.train.log_every == 0 or step == config.train.steps or save is not None
+            # Off logging steps, only what every step needs comes to the host.
+            values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
+            finished_at = time.perf_counter()
+            _check_finite(step, values)  # before the state goes to disk
+            result.losses.append(float(values["loss"]))
+            if save is not None:
+                saving = time.perf_counter()
+                save()
+                timings["checkpoint_s"] = time.perf_counter() - saving
+            if logged:
+                record = writer.write(step, values, finished_at - started, timings)
+                timings.clear()
+                result.history.append(record)
+                console.step(record)
 
-    profiler = StepProfiler(config, enabled=lead, log=log)
-    started = time.perf_counter()
-    try:
+        profiler = StepProfiler(config, enabled=lead, log=log)
+        closing.callback(profiler.stop)
+        started = time.perf_counter()
         with StopSignals() as signals:
             result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
                                                     profiler)
-    finally:
-        profiler.stop()
-        console.close()
-        checkpointer.close()
-        writer.close()
     if result.stopped_by is not None:
         log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}; checkpoint saved")
     if result.losses:

@@ -9,13 +9,14 @@ import sys
 import pytest
 
 from orchestrator.config import ConfigError
-from orchestrator.run_lock import LOCK_NAME, RunDirLock
+from orchestrator.run_lock import LOCK_NAME, RunDirLock, _start_ticks
 from tests.helpers import last_lines_of_two_processes
 
 
-def _write_lock(run_dir, pid: int) -> None:
+def _write_lock(run_dir, pid: int, **more) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "then"}))
+    holder = {"pid": pid, "host": socket.gethostname(), "started": "then", **more}
+    (run_dir / LOCK_NAME).write_text(json.dumps(holder))
 
 
 def test_a_held_lock_refuses_a_second_holder_naming_pid_and_host(tmp_path):
@@ -52,6 +53,28 @@ def test_a_live_pid_on_this_host_is_refused_even_without_a_flock(tmp_path):
         alive.kill()
         alive.wait()
     assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["pid"] == alive.pid  # left as it was
+
+
+def test_a_lock_whose_pid_now_names_another_process_is_taken_over(tmp_path):
+    # A run killed with -9 left its file; its pid now belongs to a live process that started later.
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(tmp_path / "run", later.pid, start_ticks=_start_ticks(later.pid) - 1)
+        said = []
+        with RunDirLock(tmp_path / "run", log=said.append):
+            assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["pid"] == os.getpid()
+    finally:
+        later.kill()
+        later.wait()
+    assert len(said) == 1 and "took over" in said[0] and f"pid {later.pid}" in said[0]
+
+
+def test_a_run_dir_that_cannot_hold_a_lock_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "run").write_text("a file where the run directory should be")
+    with pytest.raises(ConfigError) as refused:
+        RunDirLock(tmp_path / "run").__enter__()
+    [(key, message)] = refused.value.problems
+    assert key == "run.dir" and str(tmp_path / "run" / LOCK_NAME) in message
 
 
 AGREE_ON_THE_LOCK = """
