@@ -73,7 +73,8 @@ _TWO_PROCESSES = textwrap.dedent("""
 
 def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
     """Runs `body` in two jax.distributed CPU processes (`rank`, `run_dir` = run_dirs[rank] and `Path`
-    defined) from this checkout; asserts both exit 0 and returns the last line each printed."""
+    defined) from this checkout; asserts both exit 0 and returns the last line each printed (Gloo's own
+    "[Gloo] Rank N is connected" lines, which its C++ buffer may flush after Python's, left out)."""
     from cluster.rendezvous import free_port
 
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
@@ -85,4 +86,5 @@ def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
                  for rank, path in enumerate(run_dirs)]
     outputs = [process.communicate(timeout=200) for process in processes]
     assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
-    return [out.strip().splitlines()[-1] for out, _ in outputs]
+    return [[line for line in out.splitlines() if line.strip() and not line.startswith("[Gloo]")][-1]
+            for out, _ in outputs]
