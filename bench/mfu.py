@@ -24,7 +24,6 @@ import time
 
 from bench.report import write_section
 
-REMAT_POLICIES = ("none", "full", "dots", "minimal", "offload")
 TINY_MOE = "moe.num_experts=4 moe.every=2 moe.top_k=2"
 DEFAULT_MODELS = {  # per platform: a dense and an MoE model
     "cpu": ("tiny train.global_batch=8 train.seq_len=128", f"tiny train.global_batch=8 train.seq_len=128 {TINY_MOE}"),
@@ -109,6 +108,8 @@ TABLE_HEAD = ("| model | remat | attention | tokens/s | model TFLOP/s per device
 
 def main() -> None:
     """Parses the command line, measures every row, prints the table (and writes it with --write)."""
+    from orchestrator.remat import POLICIES as REMAT_POLICIES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="preset plus overrides, quoted; repeatable")
     parser.add_argument("--remat", nargs="+", default=list(REMAT_POLICIES), choices=REMAT_POLICIES)

@@ -12,20 +12,18 @@ import jax
 import numpy as np
 
 from orchestrator.config import Config
-from orchestrator.data import batch_shape
 from orchestrator.fit import GIB, fit_report
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.metrics import spec_text
-from orchestrator.step import batch_sharding, pipeline_schedule
-from orchestrator.train import Job, build_job
+from orchestrator.step import pipeline_schedule
+from orchestrator.train import Job, abstract_batch, build_job
 from parallel.hlo import collectives, flops_per_run
 from parallel.rules import is_logical_axes
 
 
 def compile_step(job: Job):
     """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
-    batch = jax.ShapeDtypeStruct(batch_shape(job.config), np.int32, sharding=batch_sharding(job.mesh, job.rules))
-    return job.step_fn.lower(job.layout.abstract, batch).compile()
+    return job.step_fn.lower(job.layout.abstract, abstract_batch(job)).compile()
 
 
 def timed_compile(job: Job):

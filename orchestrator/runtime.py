@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import socket
 from pathlib import Path
@@ -85,7 +86,7 @@ def check_shared_run_dir(run_dir: Path) -> None:
 # writes entries from process 0 only, and its CPU cache key differs per
 # process), so the others can compile long after process 0 is done.
 COMPILED_BARRIER_TIMEOUT_S = 3600
-_BARRIERS_PASSED = [0]  # this process's barriers so far; every process counts the same ones
+_BARRIER_NUMBERS = itertools.count(1)  # this process's barriers; every process counts the same ones
 
 
 def wait_for_every_process(name: str, timeout_s: float = COMPILED_BARRIER_TIMEOUT_S) -> None:
@@ -105,9 +106,8 @@ def wait_for_every_process(name: str, timeout_s: float = COMPILED_BARRIER_TIMEOU
     if client is None:
         raise ClusterError(f"'{name}': {jax.process_count()} processes but jax.distributed is not initialized here")
     # A barrier id may be used once per coordination service: number them.
-    _BARRIERS_PASSED[0] += 1
     try:
-        client.wait_at_barrier(f"nestor {_BARRIERS_PASSED[0]}: {name}", int(timeout_s * 1000))
+        client.wait_at_barrier(f"nestor {next(_BARRIER_NUMBERS)}: {name}", int(timeout_s * 1000))
     except jax.errors.JaxRuntimeError as error:
         raise ClusterError(f"not every process reached '{name}' within {timeout_s:g} s: "
                            f"{str(error).splitlines()[0]}") from error

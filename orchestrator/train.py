@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
-from orchestrator.data import DataPipeline
+from orchestrator.data import DataPipeline, batch_shape
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.profiler import StepProfiler
@@ -155,11 +155,16 @@ def _sharding_text(job: Job) -> str:
     return sharding_table(param_table(job))
 
 
+def abstract_batch(job: Job) -> jax.ShapeDtypeStruct:
+    """Returns the shape, dtype and sharding of one global batch: what the step compiles for, no data read."""
+    return jax.ShapeDtypeStruct(batch_shape(job.config), np.int32, sharding=batch_sharding(job.mesh, job.rules))
+
+
 def _compile(job: Job, state: dict, first_step: int, console: Console) -> tuple[object, float]:
     """Returns the train step compiled for `state` and the batches, and the seconds it took (said too)."""
     console.compiling()
     started = time.perf_counter()
-    compiled = job.step_fn.lower(state, job.data.batch(first_step)).compile()
+    compiled = job.step_fn.lower(state, abstract_batch(job)).compile()
     seconds = time.perf_counter() - started
     console.compiled(seconds)
     wait_for_every_process(f"step {first_step} compiled")  # the first step's collectives start together
