@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from models import remat_names
-from orchestrator.errors import ConfigError  # noqa: F401 - defined apart so that data prepare's workers need no JAX
+from orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from models.transformer import ATTENTION_IMPLEMENTATIONS
 from orchestrator.remat import PIPELINE_REMAT_ALIASES, POLICIES as REMAT_POLICIES
 from parallel.rules import MESH_AXES

@@ -117,3 +117,11 @@ def test_training_on_a_mixture_matches_one_device_and_its_tags_are_documented(ti
     docs = (ROOT / "docs/monitoring.md").read_text()
     for name in data_names | {tensorboard_tag(name) for name in data_names}:  # the tags the writer files them under
         assert f"`{re.sub(r'_[0-9]+$', '_<i>', name)}`" in docs, name
+
+
+def test_mixture_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    from orchestrator.config import load
+
+    monkeypatch.chdir(tmp_path)
+    config = load(None, ["data.source=tokens", "data.mixture=[{paths: shards/a, weight: 1}, {paths: [/b, c], weight: 2}]"])
+    assert [entry["paths"] for entry in config.data.mixture] == [[str(tmp_path / "shards/a")], ["/b", str(tmp_path / "c")]]

@@ -38,9 +38,6 @@ from orchestrator.data.shards import DOCUMENT_SEPARATOR
 from orchestrator.data.tokens import TokenSource
 from orchestrator.tokenizer import load_tokenizer
 
-# Packed documents are separated by token 0 (DOCUMENT_SEPARATOR): NUL never occurs in text files, and
-# a separator stops the model from learning to continue one file into the next.
-
 
 def document_ids(tokens: jax.Array) -> jax.Array:
     """Returns int32 segment ids [batch, length] for packed `tokens`: the number of separators up to

@@ -30,7 +30,9 @@ from orchestrator.errors import ConfigError
 FORMAT = "nestor-tokens-1"
 METADATA = "metadata.json"
 SPLITS = ("train", "eval")
-DOCUMENT_SEPARATOR = 0  # packed documents end with it; the loss derives segment ids from it (document_ids)
+# Packed documents are separated by token 0: NUL never occurs in text files, and a separator stops the
+# model from learning to continue one document into the next; the loss derives segment ids from it.
+DOCUMENT_SEPARATOR = 0
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
