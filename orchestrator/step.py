@@ -21,7 +21,7 @@ from models import axes
 from models.axes import activation_sharding
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
-from orchestrator.data.pipeline import document_ids
+from orchestrator.data.pipeline import document_ids, masks_documents
 from orchestrator.moe import moe_loss_and_metrics, routing_key
 from orchestrator.optimizer import learning_rate
 from orchestrator.remat import remat_policy
@@ -45,10 +45,12 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
-                 moe: MoEConfig = MoEConfig(), document_mask: bool = False) -> Callable[..., tuple[jax.Array, Metrics]]:
+                 moe: MoEConfig = MoEConfig(), document_mask: bool = False,
+                 train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
     """Returns loss(params, tokens [b, t+1], routing_key=None) -> (loss, metrics) with activations
     laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`).
-    With `document_mask`, no token attends across a document separator (`data.document_ids`)."""
+    With `document_mask`, no token attends across a document separator (`data.document_ids`);
+    `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing)."""
     constrainer = activation_constrainer(mesh, rules)
 
     def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
@@ -56,7 +58,7 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
         inputs = tokens[:, :-1]
         segment_ids = document_ids(inputs) if document_mask else None
         with activation_sharding(constrainer):
-            logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
+            logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner, train=train,
                                   routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
         moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
@@ -111,8 +113,8 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
 
     The layer stack runs through `stack_runner_for(config, mesh, rules)`.
     """
-    document_mask = config.data.document_mask and config.data.source == "text"  # synthetic rows are one document
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe, document_mask)
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe,
+                           masks_documents(config, config.data.source))
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
