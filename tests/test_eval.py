@@ -11,6 +11,7 @@ from orchestrator.data.prepare import Options, prepare
 from orchestrator.evaluation.commands import restore_newest
 from orchestrator.evaluation.loss import Evaluator, eval_source
 from orchestrator.metrics import tensorboard_tag
+from orchestrator.progress import Console
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, mesh_overrides, prepared_stdlib, run
 
@@ -56,10 +57,15 @@ def test_eval_losses_match_across_a_resume_and_meshes_and_training_ignores_them(
     assert logged["eval_perplexity"] == pytest.approx(np.exp(logged["eval_loss"]), rel=1e-6)
 
 
-def test_eval_tags_are_documented():
+def test_eval_metrics_are_documented_and_shown_on_the_console():
     docs = (ROOT / "docs/monitoring.md").read_text()
     for name in ("eval_loss", "eval_perplexity"):
         assert f"`{name}`" in docs and f"`{tensorboard_tag(name)}`" in docs, name
+    lines = []
+    record = {"step": 4, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0}
+    Console(log=lines.append).step(record)
+    Console(log=lines.append).step({**record, "eval_loss": 2.5, "eval_perplexity": 12.18})
+    assert lines[1] == lines[0] + "  eval_loss 2.5000  eval_perplexity 12.18"
 
 
 def test_eval_data_smaller_than_one_batch_or_missing_is_a_config_error_naming_the_key(tiny_config, tmp_path):
