@@ -90,3 +90,5 @@ def test_eval_data_smaller_than_one_batch_or_missing_is_a_config_error_naming_th
     assert problem("data.source=text")[0] == "eval.source"  # heldout needs prepared shards
     with pytest.raises(ConfigError, match="eval.source: heldout is the eval split"):
         tiny_config("eval.every=5")
+    with pytest.raises(ConfigError, match="run.dir: no checkpoint in"):
+        restore_newest(tiny_config(*ONE_DEVICE_OVERRIDES))
