@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 
 MESHES = {
     "fsdp8": {"mesh.fsdp": 8},
@@ -180,17 +182,31 @@ def make_bare_step(config, job):
     return jitted, shardings, batch
 
 
+def program(compiled) -> dict:
+    """Returns what XLA compiled for one step, per device: FLOPs (loop bodies once per iteration), bytes
+    accessed (loop bodies once), temporaries, collectives per step by kind (parallel.hlo), and how many
+    copy, transpose and convert instructions the program text holds."""
+    from parallel.hlo import collectives, flops_per_run
+
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    opcodes = Counter(re.findall(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w-]*)\(", text))
+    return {"flops": flops_per_run(text, cost["flops"]), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "collectives": {kind: c["count"] for kind, c in collectives(text).items() if c["count"]},
+            **{opcode: opcodes[opcode] for opcode in ("copy", "transpose", "convert")}}
+
+
 def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
-    """Returns, for nestor's and the bare step compiled for abstract inputs on `mesh` (nothing run),
-    XLA's FLOPs per device (loop bodies scaled by their trip counts), bytes accessed as XLA reports
-    them (loop bodies once), temporaries and the collectives per step."""
+    """Returns the `program` of nestor's and of the bare step, compiled for abstract inputs on `mesh`
+    (nothing run)."""
     import jax
     import numpy as np
 
-    from orchestrator.explain import compile_step, step_flops
+    from orchestrator.explain import compile_step
     from orchestrator.runtime import enable_compile_cache
     from orchestrator.train import build_job
-    from parallel.hlo import collectives
 
     config = bench_config(mesh)
     enable_compile_cache(config)
@@ -199,15 +215,7 @@ def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
     abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                             job.layout.abstract, shardings)
     tokens = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=batch)
-    programs = {"nestor": compile_step(job), "bare": bare.lower(abstract, tokens).compile()}
-    out = {}
-    for name, compiled in programs.items():
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        counts = {kind: c["count"] for kind, c in collectives(compiled.as_text()).items() if c["count"]}
-        out[name] = {"flops": step_flops(compiled), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                     "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "collectives": counts}
-    return out
+    return {"nestor": program(compile_step(job)), "bare": program(bare.lower(abstract, tokens).compile())}
 
 
 def _time(run, steps: int) -> float:
