@@ -18,7 +18,7 @@ built before timing). On the pipeline mesh the bare step runs the same GPipe
 schedule written plainly (`_bare_gpipe`: stages as a vmapped dimension, a
 `jnp.roll` between ticks, M + S - 1 ticks), so both sides pay the same bubble;
 an earlier bare step used the pipeline axis for data parallelism instead and
-did 1/1.25 of the work, which made nestor's pipeline look 1.54x slower.
+did 1/1.29 of the FLOPs, which made nestor's pipeline look 1.54x slower.
 
 nestor's side is timed as its training loop runs a step: the batch built by
 its data pipeline, then the compiled step, every metric returned.
