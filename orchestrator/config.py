@@ -20,6 +20,7 @@ import yaml
 
 from models import remat_names
 from models.transformer import ATTENTION_IMPLEMENTATIONS
+from orchestrator.health import HISTORY as HEALTH_HISTORY
 from orchestrator.remat import PIPELINE_REMAT_ALIASES, POLICIES as REMAT_POLICIES
 from parallel.rules import MESH_AXES
 
@@ -239,6 +240,9 @@ class MoEConfig:
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
+    health_factor: float = key(10.0, "save a state only if its loss and parameter norm are at most this factor "
+                               f"x their median over the last {HEALTH_HISTORY} healthy steps (a finite blow-up is never kept); "
+                               "0 = finite is enough", minimum=1, also=(0,))
     # `async` is a Python keyword, so the field is `async_save`; the YAML key stays `async`.
     async_save: bool = key(True, "save in the background while training continues")
 
