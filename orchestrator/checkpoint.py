@@ -43,6 +43,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -213,25 +214,40 @@ def _cause(error: BaseException) -> str:
 
 
 class _OrbaxErrorsAreOurs(logging.Filter):
-    """Drops Orbax's ERROR records (each with a traceback): a failed save or restore is reported
-    once by the Checkpointer instead, as CheckpointWriteError or a quarantine warning."""
+    """Drops ERROR records that Orbax logs or whose traceback runs through Orbax (asyncio's "exception
+    was never retrieved" of its abandoned writes): a failed save or restore is reported once by the
+    Checkpointer instead, as CheckpointWriteError or a quarantine warning."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+        if record.levelno < logging.ERROR:
+            return True
+        trace = record.exc_info[2] if record.exc_info else None
+        files = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace))]
+        return not any(f"{os.sep}orbax{os.sep}" in file for file in files)
 
 
-_QUIET_ORBAX = _OrbaxErrorsAreOurs()
+_ORBAX_ERRORS = _OrbaxErrorsAreOurs()
 
 
-def _ignore_abandoned_writes(previous_hook):
-    """Returns an unraisable-exception hook that drops the "Event loop is closed" errors of array writes
-    Orbax abandoned when a save failed (tensorstore finishing them after Orbax closed their event loop)."""
+class _AbandonedWritesAreOurs:
+    """An unraisable-exception hook that drops the "Event loop is closed" errors of array writes Orbax
+    abandoned when a save failed (tensorstore finishes them after Orbax closed their event loop);
+    passes everything else to the hook it wraps."""
 
-    def hook(unraisable) -> None:
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def __call__(self, unraisable) -> None:
         if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-            previous_hook(unraisable)
+            self.wrapped(unraisable)
 
-    return hook
+
+def _hold_back_orbax_noise() -> None:
+    """Keeps Orbax's own reports of a failed save off the terminal (once per process)."""
+    for logger in ("absl", "asyncio"):
+        logging.getLogger(logger).addFilter(_ORBAX_ERRORS)
+    if not isinstance(sys.unraisablehook, _AbandonedWritesAreOurs):
+        sys.unraisablehook = _AbandonedWritesAreOurs(sys.unraisablehook)
 
 
 def _remove_for_good(paths: list[Path], settle_s: float = 0.5, limit_s: float = 10.0) -> None:
@@ -260,7 +276,7 @@ class Checkpointer:
         self.directory = checkpoint_dir(config.run.dir)
         self.in_flight: int | None = None  # the step being saved in the background
         self.refused: set[int] = set()  # steps whose state failed the health check: never saved
-        logging.getLogger("absl").addFilter(_QUIET_ORBAX)
+        _hold_back_orbax_noise()
         quarantine_incomplete(self.directory, log, remove_unfinished=owner)
         self.manager = self._open()
 
@@ -270,8 +286,11 @@ class Checkpointer:
             max_to_keep=self.config.checkpoint.keep,
             enable_async_checkpointing=asynchronous,
             create=True,
-            # Runs on process 0 once every process's files are written, before the rename that finalizes.
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_in_flight) if asynchronous else None,
+            # The callback runs on process 0 once every process's files are written, before the rename that
+            # finalizes. Directories are made before `save` returns, so a read-only run.dir fails there
+            # (made in the background, a failure leaves Orbax's writer threads waiting for them forever).
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_in_flight,
+                                           create_directories_asynchronously=False) if asynchronous else None,
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler()}
@@ -335,8 +354,7 @@ class Checkpointer:
     def _failed(self, error: BaseException) -> None:
         """Removes what the failed save of the step in flight left (process 0) and raises CheckpointWriteError."""
         step, self.in_flight = self.in_flight, None
-        # Orbax leaves its coroutines and writes behind; their complaints would bury the one line below.
-        sys.unraisablehook = _ignore_abandoned_writes(sys.unraisablehook)
+        # Orbax leaves its coroutines behind; their complaints at exit would bury the one line below.
         warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
         if jax.process_index() == 0:
             _remove_for_good([path for path in self._unfinished(step) + [self.directory / str(step)]
