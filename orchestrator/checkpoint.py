@@ -14,17 +14,13 @@ moved aside to `run.dir/torn_checkpoints/` with a warning before the manager
 counts it, so it neither gets restored nor pushes a good checkpoint out of
 the `keep` window.
 
-Orbax's compressed array files carry no checksum, so a flipped bit would be
-restored as a wrong number. Every step directory therefore holds
-`nestor_manifest.json`: the size and SHA-256 of each of its files, written by
-process 0 once every process's files are on disk. An asynchronous save writes
-it into the temporary directory just before Orbax's rename, so a step
-directory without it was never finished (or predates the manifest) and is
-moved aside like a torn one; a synchronous save (`checkpoint.async=false`)
-writes it right after the rename. Restoring checks every file against it
-first (the processes split the files between them and agree on the first
-mismatch); a mismatch names the file, moves the step aside and the next older
-checkpoint is restored.
+A step directory is complete only with `nestor_manifest.json`, the checksums
+of its files (orchestrator/manifest.py): an asynchronous save writes it into
+the temporary directory just before Orbax's rename, a synchronous one
+(`checkpoint.async=false`) right after. A step directory without it was never
+finished (or predates the manifest) and is moved aside like a torn one;
+restoring checks every file against it first, and a mismatch names the file,
+moves the step aside and the next older checkpoint is restored.
 
 A save that fails (disk full, read-only file system), in the foreground or in
 the background, raises CheckpointWriteError as soon as the loop next asks
@@ -35,8 +31,6 @@ checkpoints are left as they were.
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import re
@@ -49,23 +43,18 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from orchestrator.config import Config, ConfigError
+from orchestrator.manifest import MANIFEST, write_manifest, verify_manifest
 from orchestrator.state import StateLayout
 
 # Orbax writes this file last into a finalized step directory.
 _METADATA_FILE = "_CHECKPOINT_METADATA"
 _ITEMS = ("state", "data", "config")
-MANIFEST = "nestor_manifest.json"
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp[-<suffix>]` and renames it when it is complete.
 _TEMPORARY = ".orbax-checkpoint-tmp"
-
-
-class CorruptCheckpoint(Exception):
-    """A checkpoint's files differ from the sizes and digests recorded when it was saved."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -80,62 +69,6 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 def _is_complete(step_dir: Path) -> bool:
     return all((step_dir / name).is_file() for name in (_METADATA_FILE, MANIFEST)) and \
         all((step_dir / item).is_dir() for item in _ITEMS)
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_manifest(step_dir: Path) -> None:
-    """Records the size and SHA-256 of every file of the items (state, data, config) in `step_dir`'s
-    `nestor_manifest.json` (Orbax's own step metadata changes after the manifest is written).
-
-    Written to a temporary name, synced and renamed, so the manifest is either
-    whole or absent.
-    """
-    files = {str(path.relative_to(step_dir)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-             for item in _ITEMS for path in sorted((step_dir / item).rglob("*")) if path.is_file()}
-    partial = step_dir / f"{MANIFEST}.partial"
-    with partial.open("w") as f:
-        json.dump({"files": files}, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, step_dir / MANIFEST)
-
-
-def _file_problem(step_dir: Path, name: str, recorded: dict) -> str | None:
-    """Returns how file `name` differs from what the manifest recorded, or None when it matches."""
-    path = step_dir / name
-    if not path.is_file():
-        return f"{name} is missing"
-    if (size := path.stat().st_size) != recorded["bytes"]:
-        return f"{name} has {size} bytes, {recorded['bytes']} when saved"
-    if _sha256(path) != recorded["sha256"]:
-        return f"{name} has another SHA-256 than when saved (its bytes changed)"
-    return None
-
-
-def verify_manifest(step_dir: Path) -> None:
-    """Checks every file of `step_dir` against its manifest; raises CorruptCheckpoint naming the first
-    that differs.
-
-    Each process checks every process_count-th file and all agree on the
-    first mismatch, so every process reaches the same verdict while reading
-    only its share of the checkpoint.
-    """
-    try:
-        files = json.loads((step_dir / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({type(error).__name__}: {error})") from None
-    names = sorted(files)
-    mine = range(jax.process_index(), len(names), jax.process_count())
-    problems = {index: problem for index in mine if (problem := _file_problem(step_dir, names[index], files[names[index]]))}
-    first = min(problems, default=len(names))
-    if jax.process_count() > 1:
-        first = int(np.min(multihost_utils.process_allgather(np.int32(first))))
-    if first < len(names):
-        raise CorruptCheckpoint(problems.get(first) or f"{names[first]} differs from when it was saved")
 
 
 def quarantine(step_dir: Path, reason: str, log=print) -> Path:
@@ -214,16 +147,17 @@ def _cause(error: BaseException) -> str:
 
 
 class _OrbaxErrorsAreOurs(logging.Filter):
-    """Drops ERROR records that Orbax logs or whose traceback runs through Orbax (asyncio's "exception
-    was never retrieved" of its abandoned writes): a failed save or restore is reported once by the
-    Checkpointer instead, as CheckpointWriteError or a quarantine warning."""
+    """Drops ERROR records that Orbax logs, or whose exception runs through Orbax or names its
+    temporary directories (asyncio's "exception was never retrieved" of the writes a failed save
+    abandoned): a failed save or restore is reported once by the Checkpointer instead, as
+    CheckpointWriteError or a quarantine warning."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        trace = record.exc_info[2] if record.exc_info else None
-        files = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace))]
-        return not any(f"{os.sep}orbax{os.sep}" in file for file in files)
+        _, exception, trace = record.exc_info or (None, None, None)
+        places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
+        return not any(f"{os.sep}orbax{os.sep}" in place or _TEMPORARY in place for place in places)
 
 
 _ORBAX_ERRORS = _OrbaxErrorsAreOurs()
@@ -305,7 +239,7 @@ class Checkpointer:
         if len(unfinished) != 1:
             raise CheckpointWriteError(f"expected one temporary directory for step {self.in_flight}, found "
                                        f"{[p.name for p in unfinished]}")
-        write_manifest(unfinished[0])
+        write_manifest(unfinished[0], _ITEMS)
 
     def latest_step(self) -> int | None:
         """Returns the newest finalized step, or None when there is none."""
@@ -333,7 +267,7 @@ class Checkpointer:
             saved = self.manager.save(step, args=args, force=True)
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:
-                    write_manifest(self.directory / str(step))
+                    write_manifest(self.directory / str(step), _ITEMS)
                 _all_processes_reach(f"nestor-manifest-{step}")
                 self.in_flight = None
         except Exception as error:  # noqa: BLE001 - whatever stopped the write, the run stops with it named

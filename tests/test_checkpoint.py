@@ -30,16 +30,15 @@ def load(run_dir: Path, *overrides: str):
 
 
 def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "orchestrator.cli"),
-        prefix: tuple[str, ...] = (), preexec_fn=None) -> subprocess.Popen:
+        prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """Starts `nestor train` from this checkout in a fresh process (run YAML: the tiny model): python
-    `entry` (default: the CLI module) after the command `prefix`, `preexec_fn` run in the child first."""
+    `entry` (default: the CLI module), run by the command `prefix` if one is given."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     run_yaml = run_dir.parent / f"{run_dir.name}.yaml"
     run_yaml.write_text("model:\n  preset: tiny\n")
     args = [*prefix, sys.executable, *entry, "train", str(run_yaml), *BASE, f"run.dir={run_dir}", *overrides]
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=preexec_fn)
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
