@@ -73,7 +73,8 @@ def verify_manifest(step_dir: Path) -> None:
         raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({type(error).__name__}: {error})") from None
     names = sorted(files)
     mine = range(jax.process_index(), len(names), jax.process_count())
-    problems = {index: problem for index in mine if (problem := _file_problem(step_dir, names[index], files[names[index]]))}
+    problems = {index: problem for index in mine
+                if (problem := _file_problem(step_dir, names[index], files[names[index]]))}
     first = min(problems, default=len(names))
     if jax.process_count() > 1:
         first = int(np.min(multihost_utils.process_allgather(np.int32(first))))
