@@ -14,6 +14,7 @@ from orchestrator.train import build_job
 from parallel.hlo import collective_lines, collectives
 from parallel.mesh import build_mesh
 from parallel.pipeline import Schedule, pipeline_runner
+from parallel.pipeline_1f1b import one_f_one_b
 from parallel.rules import DEFAULT_RULES
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
@@ -24,6 +25,9 @@ PIPELINED = {
                                                             "pipeline.repeats=2", "model.num_layers=8"]),
     "pipeline2_fsdp2_tensor2_remat": (dict(pipeline=2, fsdp=2, tensor=2), ["pipeline.microbatches=4",
                                                                            "model.remat=full"]),
+    "pipeline2_data2_tensor2_1f1b": (dict(pipeline=2, data=2, tensor=2), ["pipeline.microbatches=4",
+                                                                          "pipeline.schedule=1f1b"]),
+    "pipeline4_fsdp2_1f1b": (dict(pipeline=4, fsdp=2), ["pipeline.microbatches=8", "pipeline.schedule=1f1b"]),
 }
 INVOLUNTARY = "Involuntary full rematerialization"
 
@@ -213,3 +217,44 @@ def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats
         if dims[-2:] == [32, 32] and "from the argument" not in line:
             weight_elements += int(np.prod(dims))
     assert weight_elements <= w.size
+
+
+def _toy_input(h, inputs):
+    return inputs["x"] / h
+
+
+def _toy_head(h, y, inputs):
+    return jnp.mean((y * h - inputs["targets"]) ** 2), {"output_mean": jnp.mean(y)}
+
+
+def _toy_stats_loss(stats):
+    return 0.5 * jnp.sum(stats["mean"])
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (2, 4), (4, 2)])
+def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches):
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    value_and_grad = one_f_one_b(Schedule(stages, microbatches, one_f_one_b=True), mesh, DEFAULT_RULES,
+                                 ("batch", None))
+    inputs = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "targets": jax.random.normal(jax.random.key(2), (16, 8))}
+    w, h = 1 + 0.1 * jax.random.normal(jax.random.key(1), (8, 8)), jnp.linspace(0.5, 1.5, 8)
+
+    def per_microbatch(w, h):  # micro-batch m holds rows r % M == m, as the pipeline splits them
+        for m in range(microbatches):
+            rows = jax.tree.map(lambda leaf: leaf[m::microbatches], inputs)
+            y, stats = jax.lax.scan(lambda carry, wl: _toy_layer(wl, carry), _toy_input(h, rows), w)
+            yield y, stats, _toy_head(h, y, rows)[0] + _toy_stats_loss(stats)
+
+    def reference(w, h):
+        return sum(loss for _, _, loss in per_microbatch(w, h)) / microbatches
+
+    with jax.set_mesh(mesh):
+        (loss, metrics, stats), grads = jax.jit(lambda w, h: value_and_grad(
+            _toy_layer, _toy_input, _toy_head, w, h, inputs, None, _toy_stats_loss))(w, h)
+    want_loss, want_grads = jax.value_and_grad(reference, argnums=(0, 1))(w, h)
+    np.testing.assert_allclose(loss + _toy_stats_loss(stats), want_loss, rtol=1e-6)
+    np.testing.assert_array_equal(stats["rows"], np.full(8, 16 / microbatches))
+    np.testing.assert_allclose(metrics["output_mean"], np.mean([jnp.mean(y) for y, _, _ in per_microbatch(w, h)]),
+                               rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
