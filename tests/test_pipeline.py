@@ -61,23 +61,32 @@ def _pipeline_positions(job) -> dict[int, int]:
     return {device.id: index[axis] for index, device in np.ndenumerate(job.mesh.devices)}
 
 
+def _permute_shifts(job, hlo: str) -> list[set[int]]:
+    """Returns, for each collective-permute, the set of pipeline-position shifts (mod stages) it makes."""
+    position = _pipeline_positions(job)
+    stages = job.mesh.shape["pipeline"]
+    shifts = []
+    for line in collective_lines(hlo, "collective-permute"):
+        pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
+        shifts.append({(position[b] - position[a]) % stages for a, b in pairs})
+    return shifts
+
+
+def _assert_no_all_gather_of_the_stack(job, hlo: str) -> None:
+    stack_shapes = {tuple(row["shape"]) for row in param_table(job) if "layers" in row["logical_axes"]}
+    layers = job.config.model.num_layers
+    for line in collective_lines(hlo, "all-gather"):
+        shape = tuple(int(d) for d in re.search(r"=\s*\(?\w+\[([\d,]*)\]", line).group(1).split(",") if d)
+        assert shape not in stack_shapes and (not shape or shape[0] != layers), line
+
+
 def test_pipelined_step_moves_activations_by_collective_permute_and_never_gathers_the_stack(tiny_config):
     job = build_job(tiny_config("pipeline.microbatches=8", "model.num_layers=8").replace(
         **mesh_overrides(pipeline=4, fsdp=2)))
     hlo = compile_step(job).as_text()
-    position = _pipeline_positions(job)
-    next_stage_permutes = 0
-    for line in collective_lines(hlo, "collective-permute"):
-        pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
-        if all(position[b] == (position[a] + 1) % 4 for a, b in pairs):
-            next_stage_permutes += 1
-    assert next_stage_permutes >= 1
+    assert {1} in _permute_shifts(job, hlo)
     assert collectives(hlo)["collective-permute"]["count"] >= 2 * job.config.pipeline.microbatches
-
-    stack_shapes = {tuple(row["shape"]) for row in param_table(job) if "layers" in row["logical_axes"]}
-    for line in collective_lines(hlo, "all-gather"):
-        shape = tuple(int(d) for d in re.search(r"=\s*\(?\w+\[([\d,]*)\]", line).group(1).split(",") if d)
-        assert shape not in stack_shapes and (not shape or shape[0] != 8), line
+    _assert_no_all_gather_of_the_stack(job, hlo)
 
 
 def test_layer_stack_params_per_device_are_a_quarter_with_four_stages(tiny_config):
@@ -105,6 +114,21 @@ def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same
         _, metrics = job.step_fn(jax.device_put(saved, job.layout.shardings), job.data.batch(2))
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_checkpoint_written_under_gpipe_on_two_stages_resumes_under_1f1b_on_four(tiny_config):
+    import shutil
+
+    from orchestrator.checkpoint import checkpoint_dir
+    from tests.helpers import run
+
+    gpipe = tiny_config("train.steps=3", "checkpoint.every=2", "pipeline.microbatches=4").replace(
+        **mesh_overrides(pipeline=2, data=4))
+    uninterrupted = run(gpipe)
+    shutil.rmtree(checkpoint_dir(gpipe.run.dir) / "3")  # the newest is now the step-2 checkpoint
+    resumed = run(gpipe.replace(**mesh_overrides(pipeline=4, data=2), **{"pipeline.schedule": "1f1b"}))
+    assert resumed.first_step == 2
+    np.testing.assert_allclose(resumed.losses, uninterrupted.losses[2:], rtol=1e-5)
 
 
 INVALID = {
@@ -258,3 +282,36 @@ def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbat
                                rtol=1e-5)
     for got, want in zip(grads, want_grads):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def compiled_by_schedule(tmp_path_factory):
+    """Returns {(schedule, M): (job, compiled step)} on pipeline4 x data2, 2 sequences per micro-batch
+    (global batch 2M), compiled only."""
+    from orchestrator import config as config_lib
+    from tests.conftest import TINY
+
+    compiled = {}
+    for schedule in ("gpipe", "1f1b"):
+        for microbatches in (4, 16, 32):
+            config = config_lib.load(None, [*TINY, f"run.dir={tmp_path_factory.mktemp('run')}",
+                                            f"train.global_batch={2 * microbatches}",
+                                            f"pipeline.microbatches={microbatches}", f"pipeline.schedule={schedule}"])
+            job = build_job(config.replace(**mesh_overrides(pipeline=4, data=2)), with_data=False)
+            compiled[schedule, microbatches] = job, compile_step(job)
+    return compiled
+
+
+def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(compiled_by_schedule):
+    temp = {key: compiled.memory_analysis().temp_size_in_bytes for key, (_, compiled) in compiled_by_schedule.items()}
+    assert temp["1f1b", 32] <= 1.25 * temp["1f1b", 4]
+    assert temp["gpipe", 32] > 2 * temp["gpipe", 4]
+    assert temp["1f1b", 16] < temp["gpipe", 16]
+
+
+def test_1f1b_permutes_both_ways_along_the_pipeline_and_never_gathers_the_stack(compiled_by_schedule):
+    job, compiled = compiled_by_schedule["1f1b", 4]
+    hlo = compiled.as_text()
+    shifts = _permute_shifts(job, hlo)
+    assert {1} in shifts and {job.mesh.shape["pipeline"] - 1} in shifts  # to the next stage and to the previous
+    _assert_no_all_gather_of_the_stack(job, hlo)
