@@ -133,7 +133,8 @@ def test_checkpoint_written_under_gpipe_on_two_stages_resumes_under_1f1b_on_four
 
 INVALID = {
     "model.num_layers": ["mesh.pipeline=4", "mesh.data=2", "model.num_layers=6", "pipeline.microbatches=4"],
-    "pipeline.repeats": ["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4"],
+    "pipeline.repeats": ["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4",
+                         "pipeline.schedule=1f1b"],
     "pipeline.microbatches": ["mesh.pipeline=4", "mesh.data=2", "model.num_layers=8", "pipeline.schedule=circular",
                               "pipeline.repeats=2", "pipeline.microbatches=2"],
     "train.global_batch": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=3"],
@@ -153,13 +154,24 @@ def test_microbatch_that_does_not_split_over_batch_axes_names_microbatches(tiny_
     assert [key for key, _ in error.value.problems] == ["pipeline.microbatches"]
 
 
-def test_explain_reports_circular_schedule_and_bubble_fraction(tiny_config):
-    config = tiny_config("pipeline.microbatches=4", "pipeline.schedule=circular", "pipeline.repeats=2",
-                         "model.num_layers=8").replace(**mesh_overrides(pipeline=2, data=4))
+EXPLAINED = {  # schedule overrides -> ticks, bubble fraction, in flight per stage (pipeline2 x data4, M = 4)
+    "circular": (("pipeline.schedule=circular", "pipeline.repeats=2", "model.num_layers=8"), 9, 1 / 9, [8, 8],
+                 "bubble 11.1%"),
+    "1f1b": (("pipeline.schedule=1f1b",), 6, 1 / 5, [3, 1], "bubble 20.0%, micro-batches in flight per stage 3/1"),
+}
+
+
+@pytest.mark.parametrize("schedule", EXPLAINED)
+def test_explain_reports_ticks_bubble_in_flight_and_temporaries(schedule, tiny_config):
+    overrides, ticks, bubble, in_flight, line = EXPLAINED[schedule]
+    config = tiny_config("pipeline.microbatches=4", *overrides).replace(**mesh_overrides(pipeline=2, data=4))
     report = explain(config)
-    assert report["pipeline"] == {"schedule": "circular", "iterations": 9, "microbatches": 4, "stages": 2,
-                                  "repeats": 2, "bubble_fraction": pytest.approx(1 / 9)}
-    assert "bubble 11.1%" in format_report(report)
+    temporaries = report["memory_per_device_bytes"]["temporaries"]
+    assert report["pipeline"] == {"schedule": schedule, "ticks": ticks, "microbatches": 4, "stages": 2,
+                                  "repeats": 2 if schedule == "circular" else 1,
+                                  "bubble_fraction": pytest.approx(bubble), "in_flight": in_flight,
+                                  "temporaries": temporaries}
+    assert temporaries > 0 and line in format_report(report)
 
 
 def _toy_layer(w, x, rows=None):
