@@ -267,11 +267,11 @@ def _toy_stats_loss(stats):
     return 0.5 * jnp.sum(stats["mean"])
 
 
-@pytest.mark.parametrize("stages,microbatches", [(4, 8), (2, 4), (4, 2)])
-def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches):
+@pytest.mark.parametrize("stages,microbatches,remat", [(4, 8, "none"), (4, 2, "full")])
+def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches, remat):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
     value_and_grad = one_f_one_b(Schedule(stages, microbatches, one_f_one_b=True), mesh, DEFAULT_RULES,
-                                 ("batch", None))
+                                 ("batch", None), POLICIES[remat])
     inputs = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "targets": jax.random.normal(jax.random.key(2), (16, 8))}
     w, h = 1 + 0.1 * jax.random.normal(jax.random.key(1), (8, 8)), jnp.linspace(0.5, 1.5, 8)
 
