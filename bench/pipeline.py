@@ -11,6 +11,8 @@ temporary bytes over M with and without remat (model.remat, per layer).
 
     python -m bench.pipeline            # prints the table, writes docs/pipeline.png
                                         # and its section of docs/benchmarks.md
+    python -m bench.pipeline --memory   # temp bytes of gpipe and 1f1b over M at a fixed
+                                        # micro-batch, compile only (prints only)
 
 On simulated CPU devices the "devices" share the host's cores, so the ratio
 measures total work (bubble included) plus per-iteration overhead, not
@@ -150,7 +152,23 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_markdown(baseline: float, rows: list[dict], steps: int) -> None:
+MEMORY_HEADER = ("| schedule | M | global batch | temp/device, remat none | temp/device, remat full |\n"
+                 "|---|---|---|---|---|")
+
+
+def memory_rows(sequences_per_microbatch: int = 4):
+    """Yields markdown rows of XLA's temp bytes per device for GPipe and 1F1B over M, compile only, with
+    `sequences_per_microbatch` per micro-batch (the global batch grows with M)."""
+    for schedule in ("gpipe", "1f1b"):
+        for micro in MICROBATCHES:
+            batch = sequences_per_microbatch * micro
+            temps = [temp_bytes(_config(f"mesh.pipeline={STAGES}", "mesh.data=1", f"train.global_batch={batch}",
+                                        f"pipeline.microbatches={micro}", f"pipeline.schedule={schedule}",
+                                        f"model.remat={remat}")) / 2**20 for remat in ("none", "full")]
+            yield f"| {schedule} | {micro} | {batch} | {temps[0]:.2f} MiB | {temps[1]:.2f} MiB |"
+
+
+def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[str]) -> None:
     """Writes the table, the setup and the exact command to the pipeline section of docs/benchmarks.md."""
     lines = ["## Pipeline (GPipe, circular, 1F1B)", "",
              f"Command: `{COMMAND} --steps {steps}` (on {DEVICES} simulated CPU devices of a 2-core host).", "",
@@ -171,6 +189,8 @@ def write_markdown(baseline: float, rows: list[dict], steps: int) -> None:
               "and one micro-batch's residuals at a time, so its temp bytes do not grow with M; its backward "
               "tick recomputes the stage forward (one more forward per micro-batch), which its ratio includes "
               "and the bubble theory does not."]
+    lines += ["", f"Temp bytes at a fixed micro-batch of 4 sequences (the global batch grows with M; "
+                  f"`{COMMAND} --memory`, compile only):", "", MEMORY_HEADER, *memory]
     write_section("pipeline", "\n".join(lines))
 
 
@@ -178,15 +198,22 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
+    parser.add_argument("--memory", action="store_true",
+                        help="only print temp bytes of gpipe and 1f1b over M at a fixed micro-batch (compile only)")
     args = parser.parse_args(argv)
     from orchestrator.runtime import configure_jax
 
     configure_jax(_config())
+    if args.memory:
+        print(MEMORY_HEADER, flush=True)
+        for row in memory_rows():
+            print(row, flush=True)
+        return 0
     print(HEADER, flush=True)
     baseline, rows = run_bench(args.steps)
     DOCS.mkdir(exist_ok=True)
     plot(rows, DOCS / "pipeline.png")
-    write_markdown(baseline, rows, args.steps)
+    write_markdown(baseline, rows, args.steps, list(memory_rows()))
     print(f"non-pipelined step: {baseline * 1e3:.1f} ms; wrote {DOCS / 'pipeline.png'} and docs/benchmarks.md")
     return 0
 
