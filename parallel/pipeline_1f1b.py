@@ -45,13 +45,17 @@ InputFn = Callable[[Any, Any], jax.Array]  # input_fn(outer_params, inputs) -> x
 HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]  # head_fn(outer_params, y, inputs) -> (loss, metrics)
 
 
+def _is_floating(leaf: Any) -> bool:
+    return jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
 def _inexact_split(tree: Any) -> tuple[list[jax.Array], Callable[[list], Any]]:
     """Returns (the floating leaves of `tree`, rebuild(floating leaves) -> tree with the other leaves as they were).
 
     Random-routing keys travel with the layer weights and integer counts with the stats; neither has a gradient.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    floating = [jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves]
+    floating = [_is_floating(leaf) for leaf in leaves]
 
     def rebuild(new_leaves: list) -> Any:
         replacements = iter(new_leaves)
@@ -157,8 +161,8 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
         stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), carry["stats"])
         weight_grads = iter(g.reshape(num_layers, *g.shape[3:]) for g in carry["weight_grads"])
         leaves, treedef = jax.tree.flatten(stacked_params)
-        stacked_grads = jax.tree.unflatten(treedef, [next(weight_grads) if jnp.issubdtype(leaf.dtype, jnp.inexact)
-                                                     else None for leaf in leaves])
+        stacked_grads = jax.tree.unflatten(treedef, [next(weight_grads) if _is_floating(leaf) else None
+                                                     for leaf in leaves])
         return (loss, metrics, stats), (stacked_grads, carry["outer_grads"])
 
     return value_and_grad
