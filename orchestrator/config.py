@@ -197,8 +197,9 @@ class MeshConfig:
 class PipelineConfig:
     microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline",
                             **_POSITIVE)
-    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1))",
-                        choices=("gpipe", "circular"))
+    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
+                        "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight)",
+                        choices=("gpipe", "circular", "1f1b"))
     repeats: int = key(1, "circular: non-adjacent layer groups per stage (R); num_layers % (S*R) == 0", **_POSITIVE)
     remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "
                             "dots_with_no_batch_dims_saveable (= minimal)", choices=tuple(PIPELINE_REMAT_ALIASES))
