@@ -66,7 +66,7 @@ def greedy_by_full_forward(graphdef, mesh, rules, params, prompts: jax.Array, ne
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("model", MODELS)
-def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(checkpoints, model, mesh_name):
+def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(checkpoints, model, mesh_name, capfd):
     config = checkpoints[model].replace(**MESHES[mesh_name])
     restored = restore_newest(config)
     mesh, rules, params = restored.mesh, restored.rules, restored.state["params"]
@@ -76,6 +76,7 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(ch
     cached = np.asarray(make_generate(graphdef, mesh, rules, NEW_TOKENS)(params, prompts, jax.random.key(0)))
     assert cached.shape == (2, NEW_TOKENS) and not np.array_equal(cached[0], cached[1])
     np.testing.assert_array_equal(cached, greedy_by_full_forward(graphdef, mesh, rules, params, prompts, NEW_TOKENS))
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err  # the cache keeps its layout
 
 
 def test_nestor_sample_prints_the_prompt_and_its_greedy_continuation_on_any_mesh(checkpoints, capsys, tmp_path):
