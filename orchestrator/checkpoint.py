@@ -24,14 +24,44 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from orchestrator.config import Config, ConfigError
+from orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
 from orchestrator.state import StateLayout
 
 # Orbax writes this file last into a finalized step directory.
 _METADATA_FILE = "_CHECKPOINT_METADATA"
 _ITEMS = ("state", "data", "config")
+# What a process says of its restore of a checkpoint, when not the error it hit.
+_RESTORED, _MISFIT = "restored", "does not fit the config"
+
+
+def _handing_back_failures(handler):
+    """Returns Orbax item `handler` with a `restore` that returns a failed read's exception instead of raising it.
+
+    Orbax's restore ends at a barrier of every process; a process whose own
+    shards fail to read would skip it and leave the others waiting there for
+    ever. `_read` raises the exception once Orbax's restore has returned. (The
+    handler keeps its type: Orbax matches arguments to handlers by exact type.)
+    """
+    read = handler.restore
+
+    def restore(directory, args=None):
+        try:
+            return read(directory, args=args)
+        except Exception as error:  # noqa: BLE001 - raised again by _read, past Orbax's barrier
+            return error
+
+    handler.restore = restore
+    return handler
+
+
+def _read(restored):
+    """Returns Orbax's restored items, raising the first one whose read failed on this process."""
+    for item in restored.values():
+        if isinstance(item, Exception):
+            raise item
+    return restored
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -62,13 +92,8 @@ def quarantine_incomplete(directory: Path, log=print) -> list[Path]:
     if directory.is_dir() and jax.process_index() == 0:
         steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
         moved = [quarantine(p, "missing metadata or items", log) for p in steps if not _is_complete(p)]
-    _all_processes_reach("nestor-quarantine-incomplete")
+    wait_for_every_process("incomplete checkpoints moved aside", VERDICT_TIMEOUT_S)
     return moved
-
-
-def _all_processes_reach(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -113,8 +138,9 @@ class Checkpointer:
             enable_async_checkpointing=self.config.checkpoint.async_save,
             create=True,
         )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                    "config": ocp.JsonCheckpointHandler()}
+        handlers = {"state": _handing_back_failures(ocp.StandardCheckpointHandler()),
+                    "data": _handing_back_failures(ocp.JsonCheckpointHandler()),
+                    "config": _handing_back_failures(ocp.JsonCheckpointHandler())}
         return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
 
     def latest_step(self) -> int | None:
@@ -139,40 +165,57 @@ class Checkpointer:
 
     def saved_config(self, step: int) -> dict:
         """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        return _read(self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))).config
 
     def restore(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step`, the state laid out for the current mesh.
 
         Raises ConfigError when the checkpoint's arrays do not fit the current
         config (another model, MoE layout or optimizer chain); other settings,
-        the mesh included, may change on resume.
+        the mesh included, may change on resume. Every process reads the same
+        files up to the array read and passes Orbax's barrier after it, so a
+        failure that one process meets alone is raised only once all passed.
         """
         _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
                     self.directory / str(step))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=args)
+        restored = _read(self.manager.restore(step, args=args))
         return restored.state, restored.data
 
     def restore_latest(self) -> tuple[int, dict, dict] | None:
         """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
 
-        A checkpoint that fails to restore is moved aside with a warning and
-        the next older one is tried.
+        A checkpoint that fails to restore on any process is moved aside with a
+        warning and every process tries the next older one: the processes share
+        their verdicts first (`every_process_says`), so one whose restore failed
+        never waits at a barrier the others passed. Raises ConfigError when the
+        checkpoint does not fit the config (on any process).
         """
         for step in sorted(self.manager.all_steps(), reverse=True):
+            misfit = None
             try:
                 state, data_state = self.restore(step)
-            except ConfigError:
-                raise
+                verdict = _RESTORED
+            except ConfigError as error:
+                misfit, verdict = error, _MISFIT
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
-                self.manager.close()
-                if jax.process_index() == 0:
-                    quarantine(self.directory / str(step), f"{type(error).__name__}: {error}"[:300], self.log)
-                _all_processes_reach(f"nestor-quarantine-{step}")
-                self.manager = self._open()
-                continue
-            return step, state, data_state
+                verdict = f"{type(error).__name__}: {error}"[:300]
+            verdicts = every_process_says(f"restore {step}", verdict)
+            if misfit is not None:
+                raise misfit
+            if _MISFIT in verdicts:
+                raise ConfigError([("run.dir", f"{self.directory / str(step)} does not fit this config on process "
+                                               f"{verdicts.index(_MISFIT)}, which says how")])
+            failures = [(process, said) for process, said in enumerate(verdicts) if said != _RESTORED]
+            if not failures:
+                return step, state, data_state
+            self.manager.close()
+            if jax.process_index() == 0:
+                reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
+                                   for process, said in failures)
+                quarantine(self.directory / str(step), reason, self.log)
+            wait_for_every_process(f"checkpoint {step} moved aside", VERDICT_TIMEOUT_S)
+            self.manager = self._open()
         return None
 
     def close(self) -> None:

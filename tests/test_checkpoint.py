@@ -18,7 +18,7 @@ from orchestrator import config as config_lib
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
 from orchestrator.train import TrainingDiverged, build_job, train
-from tests.helpers import mesh_overrides, run
+from tests.helpers import last_lines_of_two_processes, mesh_overrides, run
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
@@ -184,6 +184,43 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
     assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
     assert _files(tmp_path / "run") == before and (tmp_path / "run" / "config.yaml").read_text() == config_yaml
 
+
+# Two processes save checkpoints 1 and 2; then only process 0 fails to read 2's arrays, inside Orbax's restore.
+DIFFERING_RESTORES = """
+    from orchestrator.checkpoint import Checkpointer
+    from orchestrator.config import load
+    from orchestrator.state import init_state
+    from orchestrator.train import build_job
+
+    config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
+    layout = build_job(config, with_data=False).layout
+    saver, state = Checkpointer(config, layout, log=print), init_state(config, layout)
+    for step in (1, 2):
+        saver.save(step, state, {"next_step": step}, force=True)
+    saver.close()
+    if rank == 0:
+        import orbax.checkpoint as ocp
+
+        read = ocp.StandardCheckpointHandler.restore
+        def restore(self, directory, args=None):
+            if Path(directory).parent.name == "2":
+                raise OSError("injected read error")
+            return read(self, directory, args=args)
+        ocp.StandardCheckpointHandler.restore = restore
+    restoring = Checkpointer(config, layout, log=print)
+    step, state, data_state = restoring.restore_latest()
+    restoring.close()
+    print(step, data_state["next_step"], sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir()))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_restore_that_fails_on_one_process_only_moves_the_checkpoint_aside_on_all(tmp_path):
+    last = last_lines_of_two_processes(DIFFERING_RESTORES, [tmp_path / "run"] * 2)
+    assert last == ["1 1 ['1']"] * 2  # both go on from the older checkpoint, none waits for the other
+    [moved] = (tmp_path / "run" / "torn_checkpoints").iterdir()
+    assert moved.name.startswith("2-")
 
 @pytest.mark.timeout(240)
 def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
