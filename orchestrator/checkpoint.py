@@ -32,8 +32,8 @@ from orchestrator.state import StateLayout
 # Orbax writes this file last into a finalized step directory.
 _METADATA_FILE = "_CHECKPOINT_METADATA"
 _ITEMS = ("state", "data", "config")
-# What a process says of its restore of a checkpoint, when not the error it hit.
-_RESTORED, _MISFIT = "restored", "does not fit the config"
+# What a process says of its check or read of a checkpoint, when not the error it hit.
+_DONE, _MISFIT = "done", "does not fit the config"
 
 
 def _handing_back_failures(handler):
@@ -139,8 +139,7 @@ class Checkpointer:
             create=True,
         )
         handlers = {"state": _handing_back_failures(ocp.StandardCheckpointHandler()),
-                    "data": _handing_back_failures(ocp.JsonCheckpointHandler()),
-                    "config": _handing_back_failures(ocp.JsonCheckpointHandler())}
+                    "data": _handing_back_failures(ocp.JsonCheckpointHandler()), "config": ocp.JsonCheckpointHandler()}
         return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
 
     def latest_step(self) -> int | None:
@@ -164,51 +163,76 @@ class Checkpointer:
         return self.manager.save(step, args=args, force=True)
 
     def saved_config(self, step: int) -> dict:
-        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
-        return _read(self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))).config
+        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`.
 
-    def restore(self, step: int) -> tuple[dict, dict]:
-        """Returns (state, data_state) of `step`, the state laid out for the current mesh.
+        Read by this process alone: through Orbax's item handler, not the
+        manager, whose restore ends at a barrier of every process.
+        """
+        return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
 
-        Raises ConfigError when the checkpoint's arrays do not fit the current
-        config (another model, MoE layout or optimizer chain); other settings,
-        the mesh included, may change on resume. Every process reads the same
-        files up to the array read and passes Orbax's barrier after it, so a
-        failure that one process meets alone is raised only once all passed.
+    def check(self, step: int) -> None:
+        """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
+        model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
+
+        Reads no array and waits for no other process.
         """
         _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
                     self.directory / str(step))
+
+    def read(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step`, the state laid out for the current mesh.
+
+        Every process must call it: Orbax's restore ends at a barrier of all. A
+        read that fails on this process is raised once every process passed it.
+        """
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
         restored = _read(self.manager.restore(step, args=args))
         return restored.state, restored.data
 
+    def restore(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step` (`read`) once `check` found that it fits."""
+        self.check(step)
+        return self.read(step)
+
     def restore_latest(self) -> tuple[int, dict, dict] | None:
         """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
 
-        A checkpoint that fails to restore on any process is moved aside with a
-        warning and every process tries the next older one: the processes share
-        their verdicts first (`every_process_says`), so one whose restore failed
-        never waits at a barrier the others passed. Raises ConfigError when the
-        checkpoint does not fit the config (on any process).
+        A checkpoint that fails its check or its read on any process is moved
+        aside with a warning and every process tries the next older one. Raises
+        ConfigError when the checkpoint does not fit the config (on any process).
         """
         for step in sorted(self.manager.all_steps(), reverse=True):
-            misfit = None
-            try:
-                state, data_state = self.restore(step)
-                verdict = _RESTORED
-            except ConfigError as error:
-                misfit, verdict = error, _MISFIT
-            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
-                verdict = f"{type(error).__name__}: {error}"[:300]
-            verdicts = every_process_says(f"restore {step}", verdict)
-            if misfit is not None:
-                raise misfit
-            if _MISFIT in verdicts:
-                raise ConfigError([("run.dir", f"{self.directory / str(step)} does not fit this config on process "
-                                               f"{verdicts.index(_MISFIT)}, which says how")])
-            failures = [(process, said) for process, said in enumerate(verdicts) if said != _RESTORED]
-            if not failures:
-                return step, state, data_state
+            checked, _ = self._judged(step, "checked", self.check)
+            if checked:
+                read, (state, data_state) = self._judged(step, "read", self.read)
+                if read:
+                    return step, state, data_state
+        return None
+
+    def _judged(self, step: int, part: str, attempt) -> tuple[bool, Any]:
+        """Runs `attempt(step)` and shares how it went with every process; returns (whether it went
+        well on every process, its result here: `(None, None)` where it failed).
+
+        Processes that saw different things (one process's check or read
+        fails) decide together through `every_process_says`, so none waits at a
+        barrier the others skipped; a failure on any moves checkpoint `step`
+        aside. Raises ConfigError when the checkpoint does not fit on any process.
+        """
+        misfit, result = None, (None, None)
+        try:
+            result, verdict = attempt(step), _DONE
+        except ConfigError as error:
+            misfit, verdict = error, _MISFIT
+        except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
+            verdict = f"{type(error).__name__}: {error}"[:300]
+        verdicts = every_process_says(f"checkpoint {step} {part}", verdict)
+        if misfit is not None:
+            raise misfit
+        if _MISFIT in verdicts:
+            raise ConfigError([("run.dir", f"{self.directory / str(step)} does not fit this config on process "
+                                           f"{verdicts.index(_MISFIT)}, which says how")])
+        failures = [(process, said) for process, said in enumerate(verdicts) if said != _DONE]
+        if failures:
             self.manager.close()
             if jax.process_index() == 0:
                 reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
@@ -216,7 +240,7 @@ class Checkpointer:
                 quarantine(self.directory / str(step), reason, self.log)
             wait_for_every_process(f"checkpoint {step} moved aside", VERDICT_TIMEOUT_S)
             self.manager = self._open()
-        return None
+        return not failures, result
 
     def close(self) -> None:
         """Finishes saves in flight and releases the manager."""

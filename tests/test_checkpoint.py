@@ -185,29 +185,36 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
     assert _files(tmp_path / "run") == before and (tmp_path / "run" / "config.yaml").read_text() == config_yaml
 
 
-# Two processes save checkpoints 1 and 2; then only process 0 fails to read 2's arrays, inside Orbax's restore.
+# Two processes save checkpoints 1, 2 and 3; then process 0 alone finds 3 broken before reading it, and
+# process 1 alone fails to read 2's arrays, inside Orbax's restore.
 DIFFERING_RESTORES = """
-    from orchestrator.checkpoint import Checkpointer
+    import orbax.checkpoint as ocp
+    from orchestrator import checkpoint
     from orchestrator.config import load
     from orchestrator.state import init_state
     from orchestrator.train import build_job
 
     config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
     layout = build_job(config, with_data=False).layout
-    saver, state = Checkpointer(config, layout, log=print), init_state(config, layout)
-    for step in (1, 2):
+    saver, state = checkpoint.Checkpointer(config, layout, log=print), init_state(config, layout)
+    for step in (1, 2, 3):
         saver.save(step, state, {"next_step": step}, force=True)
     saver.close()
     if rank == 0:
-        import orbax.checkpoint as ocp
-
+        check_fits = checkpoint._check_fits
+        def broken_3(saved_state, saved_config, config, layout, step_dir):
+            if step_dir.name == "3":
+                raise ValueError("checksum mismatch")
+            check_fits(saved_state, saved_config, config, layout, step_dir)
+        checkpoint._check_fits = broken_3
+    else:
         read = ocp.StandardCheckpointHandler.restore
-        def restore(self, directory, args=None):
+        def unreadable_2(self, directory, args=None):
             if Path(directory).parent.name == "2":
                 raise OSError("injected read error")
             return read(self, directory, args=args)
-        ocp.StandardCheckpointHandler.restore = restore
-    restoring = Checkpointer(config, layout, log=print)
+        ocp.StandardCheckpointHandler.restore = unreadable_2
+    restoring = checkpoint.Checkpointer(config, layout, log=print)
     step, state, data_state = restoring.restore_latest()
     restoring.close()
     print(step, data_state["next_step"], sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir()))
@@ -216,11 +223,11 @@ DIFFERING_RESTORES = """
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_restore_that_fails_on_one_process_only_moves_the_checkpoint_aside_on_all(tmp_path):
+def test_restores_that_fail_on_one_process_only_move_the_checkpoint_aside_on_all(tmp_path):
     last = last_lines_of_two_processes(DIFFERING_RESTORES, [tmp_path / "run"] * 2)
-    assert last == ["1 1 ['1']"] * 2  # both go on from the older checkpoint, none waits for the other
-    [moved] = (tmp_path / "run" / "torn_checkpoints").iterdir()
-    assert moved.name.startswith("2-")
+    assert last == ["1 1 ['1']"] * 2  # both go on from the oldest checkpoint, none waits for the other
+    moved = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "torn_checkpoints").iterdir())
+    assert moved == ["2", "3"]
 
 @pytest.mark.timeout(240)
 def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
