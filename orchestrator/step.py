@@ -21,7 +21,7 @@ from models import axes
 from models.axes import activation_sharding
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
-from orchestrator.data import document_ids
+from orchestrator.data.pipeline import document_ids
 from orchestrator.moe import moe_loss_and_metrics, routing_key
 from orchestrator.optimizer import learning_rate
 from orchestrator.remat import remat_policy

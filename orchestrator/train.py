@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
-from orchestrator.data import DataPipeline, batch_shape
+from orchestrator.data.pipeline import DataPipeline, batch_shape
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.profiler import StepProfiler
@@ -310,6 +310,7 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
         profiler.before(step + 1, state)
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))
+        metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
         profiler.after(step + 1, (state, metrics))
         if pending is not None:
             jax.block_until_ready(pending[1])

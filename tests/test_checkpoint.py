@@ -18,7 +18,7 @@ from orchestrator import config as config_lib
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
 from orchestrator.train import TrainingDiverged, build_job, train
-from tests.helpers import last_lines_of_two_processes, mesh_overrides, run
+from tests.helpers import last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
@@ -52,9 +52,11 @@ def params_of(config, step=None) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source", ["synthetic", "text"])
+@pytest.mark.parametrize("source", ["synthetic", "text", "tokens"])
 def test_resume_after_sigkill_is_bit_exact(tmp_path, source):
     overrides = ("train.steps=12", "checkpoint.every=6", f"data.source={source}")
+    if source == "tokens":
+        overrides += (f"data.paths=[{prepared_stdlib(tmp_path / 'shards')}]",)
     reference = run(load(tmp_path / "reference", *overrides))
 
     run_dir = tmp_path / "run"
