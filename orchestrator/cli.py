@@ -40,6 +40,7 @@ def where_results_are(config) -> list[str]:
 
 
 def _train(config, args) -> int:
+    from orchestrator.checkpoint import CheckpointWriteError
     from orchestrator.progress import Console
     from orchestrator.train import TrainingDiverged
 
@@ -58,6 +59,9 @@ def _train(config, args) -> int:
             stopped_by = train(config, console=console).stopped_by
         except TrainingDiverged as error:
             print(f"nestor: training diverged: {error}", file=sys.stderr)
+            return 1
+        except CheckpointWriteError as error:
+            print(f"nestor: {error}", file=sys.stderr)
             return 1
     for line in where_results_are(config):
         print(line)
@@ -193,7 +197,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code: 2 for a config error, 1 for a cluster error, a missing
-    dependency or a diverged run (printed as one message, no trace), 128 + signal when stopped by one."""
+    dependency, a diverged run or a failed checkpoint write (printed as one message, no trace), 128 + signal
+    when stopped by one."""
     args = parse(argv)
     missing = check_dependencies()
     if missing:

@@ -21,6 +21,7 @@ import yaml
 from models import remat_names
 from orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from models.transformer import ATTENTION_IMPLEMENTATIONS
+from orchestrator.health import HISTORY as HEALTH_HISTORY
 from orchestrator.remat import PIPELINE_REMAT_ALIASES, POLICIES as REMAT_POLICIES
 from parallel.rules import MESH_AXES
 
@@ -196,8 +197,9 @@ class MeshConfig:
 class PipelineConfig:
     microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline",
                             **_POSITIVE)
-    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1))",
-                        choices=("gpipe", "circular"))
+    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
+                        "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight)",
+                        choices=("gpipe", "circular", "1f1b"))
     repeats: int = key(1, "circular: non-adjacent layer groups per stage (R); num_layers % (S*R) == 0", **_POSITIVE)
     remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "
                             "dots_with_no_batch_dims_saveable (= minimal)", choices=tuple(PIPELINE_REMAT_ALIASES))
@@ -230,6 +232,9 @@ class MoEConfig:
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
+    health_factor: float = key(10.0, "save a state only if its loss and parameter norm are at most this factor x "
+                               f"their median over the last {HEALTH_HISTORY} healthy steps (a finite blow-up is "
+                               "never kept); 0 = finite is enough", minimum=1, also=(0,))
     # `async` is a Python keyword, so the field is `async_save`; the YAML key stays `async`.
     async_save: bool = key(True, "save in the background while training continues")
 

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import yaml
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.data.pipeline import DataPipeline, batch_shape
+from orchestrator.health import StateHealth
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.profiler import StepProfiler
@@ -159,6 +161,7 @@ def _check_finite(step: int, values: dict) -> None:
 
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
+    """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state."""
     resumed = checkpointer.restore_latest()
     if resumed is None:
         return 0, init_state(config, job.layout)
@@ -206,8 +209,10 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     ConfigError for configs that do not fit the devices, a checkpoint that
     does not fit the config (run.dir left as it was) or a run.dir another run
     holds; ClusterError when the processes of a multi-host run do not share
-    run.dir, and TrainingDiverged on a NaN/Inf loss, leaving the last good
-    checkpoint newest.
+    run.dir; TrainingDiverged on a NaN/Inf loss, leaving the last good
+    checkpoint newest; CheckpointWriteError as soon as a save fails (disk
+    full, read-only run.dir). A state whose loss or parameter norm blew up
+    (checkpoint.health_factor) is not saved.
     """
     console = console or Console()
     job = build_job(config, devices)
@@ -251,6 +256,9 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
         if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
             (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         result = TrainResult([], state, [], first_step)
+        replicated = NamedSharding(job.mesh, PartitionSpec())  # every process can read the norm
+        start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
+        health = StateHealth(config.checkpoint.health_factor, float(start_norm))
         if first_step >= config.train.steps:
             log(f"nothing to train: the checkpoint in {config.run.dir} is at step {first_step} = train.steps; "
                 "raise train.steps to train on")
@@ -273,7 +281,12 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             finished_at = time.perf_counter()
             _check_finite(step, values)  # before the state goes to disk
             result.losses.append(float(values["loss"]))
-            if save is not None:
+            if unhealthy := health.judge(values):
+                checkpointer.refused.add(step)
+            if save is not None and unhealthy:
+                log(f"checkpoint {step} not saved: {unhealthy}; the newest checkpoint stays the last good state")
+                timings["checkpoint_skipped"] = 1
+            elif save is not None:
                 saving = time.perf_counter()
                 save()
                 timings["checkpoint_s"] = time.perf_counter() - saving
@@ -307,6 +320,7 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
     for step in range(first_step, config.train.steps):
         if signals.stop_before(step - first_step + 1):
             break
+        checkpointer.raise_if_failed()  # a save that failed in the background stops the run now
         profiler.before(step + 1, state)
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))

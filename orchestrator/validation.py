@@ -290,7 +290,8 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
 def schedule_for(config: Config, stages: int) -> Schedule:
     """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
     p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1)
+    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1,
+                    one_f_one_b=p.schedule == "1f1b")
 
 
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
@@ -306,7 +307,7 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     if degrees["pipeline"] == 1:
         return problems
     schedule = schedule_for(config, degrees["pipeline"])
-    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
+    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches", "repeats": "pipeline.repeats"}
     moe = config.moe
     # With MoE the stack is made of units of moe.every layers (the last one MoE): stages split units.
     every = moe.every if moe.num_experts and moe.every else 1
