@@ -406,7 +406,7 @@ class Checkpointer:
             if jax.process_index() == 0:
                 reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
                                    for process, said in failures)
-                quarantine(self.directory / str(step), reason, self.log)
+                quarantine(self.directory / str(step), f"unusable ({reason})", self.log)
             wait_for_every_process(f"checkpoint {step} moved aside", VERDICT_TIMEOUT_S)
             self.manager = self._open()
         return not failures, result
