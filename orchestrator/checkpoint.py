@@ -44,15 +44,47 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from orchestrator.config import Config, ConfigError
-from orchestrator.manifest import MANIFEST, write_manifest, verify_manifest
+from orchestrator.manifest import MANIFEST, verify_manifest, write_manifest
+from orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
 from orchestrator.state import StateLayout
 
 # Orbax writes this file last into a finalized step directory.
 _METADATA_FILE = "_CHECKPOINT_METADATA"
 _ITEMS = ("state", "data", "config")
+# What a process says of its check or read of a checkpoint, when not the error it hit.
+_DONE, _MISFIT = "done", "does not fit the config"
+
+
+def _handing_back_failures(handler):
+    """Returns Orbax item `handler` with a `restore` that returns a failed read's exception instead of raising it.
+
+    Orbax's restore ends at a barrier of every process; a process whose own
+    shards fail to read would skip it and leave the others waiting there for
+    ever. `_read` raises the exception once Orbax's restore has returned. (The
+    handler keeps its type: Orbax matches arguments to handlers by exact type.)
+    """
+    read = handler.restore
+
+    def restore(directory, args=None):
+        try:
+            return read(directory, args=args)
+        except Exception as error:  # noqa: BLE001 - raised again by _read, past Orbax's barrier
+            return error
+
+    handler.restore = restore
+    return handler
+
+
+def _read(restored):
+    """Returns Orbax's restored items, raising the first one whose read failed on this process."""
+    for item in restored.values():
+        if isinstance(item, Exception):
+            raise item
+    return restored
+
+
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp[-<suffix>]` and renames it when it is complete.
 _TEMPORARY = ".orbax-checkpoint-tmp"
 
@@ -99,13 +131,8 @@ def quarantine_incomplete(directory: Path, log=print, remove_unfinished: bool = 
         steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
         moved = [quarantine(p, f"incomplete (missing Orbax's metadata, an item or {MANIFEST})", log)
                  for p in steps if not _is_complete(p)]
-    _all_processes_reach("nestor-quarantine-incomplete")
+    wait_for_every_process("incomplete checkpoints moved aside", VERDICT_TIMEOUT_S)
     return moved
-
-
-def _all_processes_reach(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -226,8 +253,8 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_in_flight,
                                            create_directories_asynchronously=False) if asynchronous else None,
         )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                    "config": ocp.JsonCheckpointHandler()}
+        handlers = {"state": _handing_back_failures(ocp.StandardCheckpointHandler()),
+                    "data": _handing_back_failures(ocp.JsonCheckpointHandler()), "config": ocp.JsonCheckpointHandler()}
         return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
 
     def _unfinished(self, step: int) -> list[Path]:
@@ -268,7 +295,7 @@ class Checkpointer:
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:
                     write_manifest(self.directory / str(step), _ITEMS)
-                _all_processes_reach(f"nestor-manifest-{step}")
+                wait_for_every_process(f"manifest of checkpoint {step} written", VERDICT_TIMEOUT_S)
                 self.in_flight = None
         except Exception as error:  # noqa: BLE001 - whatever stopped the write, the run stops with it named
             self._failed(error)
@@ -301,47 +328,88 @@ class Checkpointer:
             + "free space or make run.dir writable, then run again to resume") from None
 
     def saved_config(self, step: int) -> dict:
-        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`.
 
-    def restore(self, step: int) -> tuple[dict, dict]:
-        """Returns (state, data_state) of `step`, the state laid out for the current mesh.
+        Read by this process alone: through Orbax's item handler, not the
+        manager, whose restore ends at a barrier of every process.
+        """
+        return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
 
-        Raises CorruptCheckpoint when a file differs from the manifest written
-        at save; ConfigError when the checkpoint's arrays do not fit the
-        current config (another model, MoE layout or optimizer chain); other
-        settings, the mesh included, may change on resume.
+    def check(self, step: int) -> None:
+        """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
+        model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
+
+        Raises CorruptCheckpoint when this process's share of the files differs
+        from the manifest written at save. Reads no array and waits for no other
+        process.
         """
         step_dir = self.directory / str(step)
         verify_manifest(step_dir)
         _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
                     step_dir)
+
+    def read(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step`, the state laid out for the current mesh.
+
+        Every process must call it: Orbax's restore ends at a barrier of all. A
+        read that fails on this process is raised once every process passed it.
+        """
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=args)
+        restored = _read(self.manager.restore(step, args=args))
         return restored.state, restored.data
+
+    def restore(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step` (`read`) once `check` found that it fits."""
+        self.check(step)
+        return self.read(step)
 
     def restore_latest(self) -> tuple[int, dict, dict] | None:
         """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
 
-        A checkpoint that fails to restore (a file that differs from its
-        manifest included) is moved aside with a warning and the next older
-        one is tried.
+        A checkpoint that fails its check or its read on any process is moved
+        aside with a warning and every process tries the next older one. Raises
+        ConfigError when the checkpoint does not fit the config (on any process).
         """
         for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                state, data_state = self.restore(step)
-            except ConfigError:
-                raise
-            except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
-                self.manager.close()
-                if jax.process_index() == 0:
-                    quarantine(self.directory / str(step), f"unusable ({type(error).__name__}: {str(error)[:300]})",
-                               self.log)
-                _all_processes_reach(f"nestor-quarantine-{step}")
-                self.manager = self._open()
-                continue
-            return step, state, data_state
+            checked, _ = self._judged(step, "checked", self.check)
+            if checked:
+                read, (state, data_state) = self._judged(step, "read", self.read)
+                if read:
+                    return step, state, data_state
         return None
+
+    def _judged(self, step: int, part: str, attempt) -> tuple[bool, Any]:
+        """Runs `attempt(step)` and shares how it went with every process; returns (whether it went
+        well on every process, its result here: `(None, None)` where it failed).
+
+        Processes that saw different things (one process's check or read
+        fails) decide together through `every_process_says`, so none waits at a
+        barrier the others skipped; a failure on any moves checkpoint `step`
+        aside. Raises ConfigError when the checkpoint does not fit on any process.
+        """
+        misfit, result = None, (None, None)
+        try:
+            result, verdict = attempt(step), _DONE
+        except ConfigError as error:
+            misfit, verdict = error, _MISFIT
+        except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
+            verdict = f"{type(error).__name__}: {error}"[:300]
+        verdicts = every_process_says(f"checkpoint {step} {part}", verdict)
+        if misfit is not None:
+            raise misfit
+        if _MISFIT in verdicts:
+            raise ConfigError([("run.dir", f"{self.directory / str(step)} does not fit this config on process "
+                                           f"{verdicts.index(_MISFIT)}, which says how")])
+        failures = [(process, said) for process, said in enumerate(verdicts) if said != _DONE]
+        if failures:
+            self.manager.close()
+            if jax.process_index() == 0:
+                reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
+                                   for process, said in failures)
+                quarantine(self.directory / str(step), f"unusable ({reason})", self.log)
+            wait_for_every_process(f"checkpoint {step} moved aside", VERDICT_TIMEOUT_S)
+            self.manager = self._open()
+        return not failures, result
 
     def close(self) -> None:
         """Finishes saves in flight and releases the manager; raises CheckpointWriteError if the last

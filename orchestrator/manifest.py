@@ -15,8 +15,6 @@ import os
 from pathlib import Path
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 MANIFEST = "nestor_manifest.json"
 
@@ -60,23 +58,18 @@ def _file_problem(step_dir: Path, name: str, recorded: dict) -> str | None:
 
 
 def verify_manifest(step_dir: Path) -> None:
-    """Checks every file of `step_dir` against its manifest; raises CorruptCheckpoint naming the first
-    that differs.
+    """Checks this process's share of the files of `step_dir` (every process_count-th) against its
+    manifest; raises CorruptCheckpoint naming the first that differs.
 
-    Each process checks every process_count-th file and all agree on the
-    first mismatch, so every process reaches the same verdict while reading
-    only its share of the checkpoint.
+    Waits for no other process: the caller shares each process's verdict
+    (`Checkpointer._judged`), so a mismatch seen by one process moves the
+    checkpoint aside on all while each reads only its share.
     """
     try:
         files = json.loads((step_dir / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({type(error).__name__}: {error})") from None
     names = sorted(files)
-    mine = range(jax.process_index(), len(names), jax.process_count())
-    problems = {index: problem for index in mine
-                if (problem := _file_problem(step_dir, names[index], files[names[index]]))}
-    first = min(problems, default=len(names))
-    if jax.process_count() > 1:
-        first = int(np.min(multihost_utils.process_allgather(np.int32(first))))
-    if first < len(names):
-        raise CorruptCheckpoint(problems.get(first) or f"{names[first]} differs from when it was saved")
+    for name in names[jax.process_index()::jax.process_count()]:
+        if problem := _file_problem(step_dir, name, files[name]):
+            raise CorruptCheckpoint(problem)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import signal
 import threading
 import time
@@ -26,7 +27,8 @@ from orchestrator.optimizer import schedule_change
 from orchestrator.profiler import StepProfiler
 from orchestrator.progress import Console
 from orchestrator.run_lock import RunDirLock
-from orchestrator.runtime import check_shared_run_dir, wait_for_every_process
+from orchestrator.runtime import (check_shared_run_dir, preemption_agreed, preemption_is_agreed,
+                                  wait_for_every_process)
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
 from orchestrator.validation import mesh_axes_key
@@ -109,7 +111,12 @@ class TrainResult:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step."""
+    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step.
+
+    In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
+    `preemption_agreed`), so that every process stops after the same step;
+    SIGINT is handed to it as a SIGTERM.
+    """
 
     def __init__(self):
         self.received: int | None = None
@@ -118,12 +125,26 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
+            if preemption_is_agreed():
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
+            else:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    @staticmethod
+    def _forward(signum, frame) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_before(self, calls: int) -> bool:
+        """Returns whether to stop before this run's `calls`-th step (from 1): a signal came to this
+        process, or, in a multi-host run, every process agreed on this step after one got SIGTERM."""
+        if self.received is None and preemption_agreed(calls):
+            self.received = signal.SIGTERM
+        return self.received is not None
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
@@ -182,8 +203,9 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
-    (then returns early with `stopped_by` set). Device values are read one
-    step late, so logging never waits on the step that is running. Progress
+    (then returns early with `stopped_by` set; in a multi-host run, a SIGTERM
+    to any process stops every process after the same step). Device values
+    are read one step late, so logging never waits on the step that is running. Progress
     goes to `console` (default: this terminal). With `lock`, process 0 holds
     run.dir's lock for the run (the Ray launcher holds it in the driver and
     passes False). Returns the losses, final state and logged records. Raises
@@ -285,7 +307,9 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
                                                     profiler)
     if result.stopped_by is not None:
-        log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}; checkpoint saved")
+        everywhere = " on every process" if jax.process_count() > 1 else ""
+        log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}{everywhere}; "
+            "checkpoint saved")
     if result.losses:
         log(f"trained steps {first_step + 1}..{first_step + len(result.losses)} in "
             f"{time.perf_counter() - started:.0f} s: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
@@ -298,7 +322,7 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
     pending = None  # (step, device metrics, start time) of the step whose values are not read yet
     last = time.perf_counter()
     for step in range(first_step, config.train.steps):
-        if signals.received is not None:
+        if signals.stop_before(step - first_step + 1):
             break
         checkpointer.raise_if_failed()  # a save that failed in the background stops the run now
         profiler.before(step + 1, state)

@@ -18,7 +18,7 @@ from orchestrator import config as config_lib
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
 from orchestrator.train import TrainingDiverged, build_job, train
-from tests.helpers import mesh_overrides, prepared_stdlib, run
+from tests.helpers import last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
@@ -189,6 +189,50 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
     assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
     assert _files(tmp_path / "run") == before and (tmp_path / "run" / "config.yaml").read_text() == config_yaml
 
+
+# Two processes save checkpoints 1, 2 and 3; then process 0 alone finds 3 broken before reading it, and
+# process 1 alone fails to read 2's arrays, inside Orbax's restore.
+DIFFERING_RESTORES = """
+    import orbax.checkpoint as ocp
+    from orchestrator import checkpoint
+    from orchestrator.config import load
+    from orchestrator.state import init_state
+    from orchestrator.train import build_job
+
+    config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
+    layout = build_job(config, with_data=False).layout
+    saver, state = checkpoint.Checkpointer(config, layout, log=print), init_state(config, layout)
+    for step in (1, 2, 3):
+        saver.save(step, state, {"next_step": step}, force=True)
+    saver.close()
+    if rank == 0:
+        check_fits = checkpoint._check_fits
+        def broken_3(saved_state, saved_config, config, layout, step_dir):
+            if step_dir.name == "3":
+                raise ValueError("checksum mismatch")
+            check_fits(saved_state, saved_config, config, layout, step_dir)
+        checkpoint._check_fits = broken_3
+    else:
+        read = ocp.StandardCheckpointHandler.restore
+        def unreadable_2(self, directory, args=None):
+            if Path(directory).parent.name == "2":
+                raise OSError("injected read error")
+            return read(self, directory, args=args)
+        ocp.StandardCheckpointHandler.restore = unreadable_2
+    restoring = checkpoint.Checkpointer(config, layout, log=print)
+    step, state, data_state = restoring.restore_latest()
+    restoring.close()
+    print(step, data_state["next_step"], sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir()))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_restores_that_fail_on_one_process_only_move_the_checkpoint_aside_on_all(tmp_path):
+    last = last_lines_of_two_processes(DIFFERING_RESTORES, [tmp_path / "run"] * 2)
+    assert last == ["1 1 ['1']"] * 2  # both go on from the oldest checkpoint, none waits for the other
+    moved = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "torn_checkpoints").iterdir())
+    assert moved == ["2", "3"]
 
 @pytest.mark.timeout(240)
 def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
