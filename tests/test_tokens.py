@@ -54,6 +54,29 @@ def test_rows_are_windows_of_the_prepared_stream_and_each_is_read_once(tiny_conf
     assert evaluation.sources[0].stream.num_tokens == len(stream_of(shards[0], "eval")) > 0
 
 
+def test_host_splits_assemble_the_same_batches_across_epochs(tiny_config, tmp_path):
+    """93 windows, 16 rows a step: steps 5, 11 and 17 straddle an epoch. Two and four hosts, each with
+    its own source read in its own order, assemble the sharded batch of one process at every step, and
+    every epoch reads each window once, in a new order."""
+    small = prepared_stdlib(tmp_path / "small", "[ks]e[yc]*.py")  # keyword.py, secrets.py: 3,091 tokens
+    config = tiny_config("data.source=tokens", f"data.paths=[{small}]", "cluster.devices_per_host=8",
+                         **mesh_overrides(data=2, fsdp=2, tensor=2))
+    pipeline = DataPipeline(config, batch_sharding(make_mesh(config), resolve_rules(config.mesh.rules)))
+    order, stream, width = pipeline.source.sources[0].order, stream_of(small), config.train.seq_len + 1
+    assert order.num_windows == 93
+    for hosts in (2, 4):
+        sources, share = [make_source(config) for _ in range(hosts)], 16 // hosts
+        for step in range(18):  # 288 rows: three epochs and a bit
+            parts = {p: sources[p].rows(step, range(p * share, (p + 1) * share)) for p in reversed(range(hosts))}
+            np.testing.assert_array_equal(np.concatenate([parts[p] for p in range(hosts)]),
+                                          np.asarray(pipeline.batch(step)), err_msg=f"{hosts} hosts, step {step}")
+    epochs = [[order(epoch * 93 + within) for within in range(93)] for epoch in range(3)]
+    assert all(sorted(windows) == list(range(93)) for windows in epochs) and epochs[0] != epochs[1] != epochs[2]
+    rows = np.asarray(pipeline.batch(5))  # positions 80..95: rows 13.. open epoch 1
+    for row, window in ((12, epochs[0][92]), (13, epochs[1][0]), (15, epochs[1][2])):
+        np.testing.assert_array_equal(rows[row], stream[window * width:(window + 1) * width])
+
+
 def test_mixture_shares_are_within_2_percent_of_the_weights_and_follow_the_seed(tiny_config, shards):
     mixture = f"data.mixture=[{{paths: {shards[0]}, weight: 3}}, {{paths: [{shards[1]}], weight: 1.5}}, " \
               f"{{paths: [{shards[0]}, {shards[1]}], weight: 0.5}}]"
