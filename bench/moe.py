@@ -118,7 +118,7 @@ def minimum_all_to_all_bytes(config) -> int:
     import numpy as np
 
     tokens = config.train.global_batch * config.train.seq_len
-    moe_layers = config.model.num_layers // config.moe.every
+    moe_layers = config.moe_layers
     per_direction = tokens * config.moe.top_k * config.model.embed_dim * np.dtype(config.model.dtype).itemsize
     return 2 * 2 * moe_layers * per_direction
 

@@ -7,7 +7,7 @@ before second choices, each in token order, by a cumulative sum), and tokens
 past capacity are dropped: they leave the layer with zero output and travel
 on through the residual only.
 
-Routing decides each assignment's (expert, slot) once; two dispatches carry
+Routing decides each assignment's (expert, slot) once; three dispatches carry
 it out with the same decisions. `einsum` is GShard's: one-hot tensors
 `[groups, tokens, experts, capacity]` dispatch and combine by einsum, costing
 2 x tokens x experts x capacity x embed FLOPs each. `sort` places tokens by
@@ -17,7 +17,12 @@ expert inputs, and each token gathers back its k outputs, weighted by its
 gates; no tensor has both a token and a slot dimension. Either way the layer
 is static-shaped and the partitioner turns the change of sharded axis (groups
 over the batch devices -> experts over the `expert` devices) into
-all-to-alls, as in GShard. Besides
+all-to-alls, as in GShard. Dropless (`capacity_factor` 0, as MegaBlocks,
+arXiv 2211.15841) gives every expert room for every token of its group, so
+nothing drops: each token's k assignments are sorted by expert and run through
+grouped matmuls (`jax.lax.ragged_dot` over the experts' group sizes) with no
+padding slot; whoever runs the model may install, with `expert_parallelism`,
+how the sorted tokens reach the experts' devices (parallel.experts). Besides
 the output, the layer reports GShard's load-balancing loss, the router z-loss
 of ST-MoE (arXiv 2202.08906), the fraction of routed slots dropped and the
 tokens routed to each expert.
@@ -25,8 +30,11 @@ tokens routed to each expert.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -51,7 +59,7 @@ class MoELayerConfig:
     num_experts: int = 0
     every: int = 0                    # the last layer of every `every` layers is MoE
     top_k: int = 2
-    capacity_factor: float = 1.25     # training
+    capacity_factor: float = 1.25     # training; 0 = dropless (train and eval)
     eval_capacity_factor: float = 2.0
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
@@ -59,6 +67,8 @@ class MoELayerConfig:
     router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
     expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
+    first_dense_layers: int = 0       # the first layers are dense (DeepSeek-V3); `every` counts the rest
+    bias_update_rate: float = 0.0     # > 0: each layer has an `ExpertBias` (auxiliary-loss-free balancing)
 
     @property
     def enabled(self) -> bool:
@@ -69,9 +79,20 @@ class MoELayerConfig:
         return self.expert_mlp_dim or mlp_dim
 
     @property
+    def dropless(self) -> bool:
+        """True when no token is dropped: grouped matmuls over tokens sorted by expert, no capacity."""
+        return self.capacity_factor == 0
+
+    @property
     def needs_routing_key(self) -> bool:
         """True when routing draws random numbers (GShard's random second expert) in training."""
         return self.enabled and self.second_expert_policy == "random" and self.top_k > 1
+
+
+class ExpertBias(nnx.Variable):
+    """A per-expert bias added to the router scores for the choice of experts only (never to the gates):
+    auxiliary-loss-free load balancing (arXiv 2408.15664). Not a parameter: no gradient reaches it
+    and the optimizer never sees it; the training job moves it after each step from the experts' load."""
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -94,25 +115,26 @@ class Routing(NamedTuple):
     stats: Stats
 
 
-def top_k_gates(probs: jax.Array, top_k: int) -> tuple[list[jax.Array], list[jax.Array]]:
+def top_k_gates(probs: jax.Array, top_k: int,
+                selection_bias: jax.Array | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
     """Returns (masks, gates): per choice, the one-hot chosen expert [g, s, e] and its gate [g, s].
 
     `probs` are router scores in [0, 1] (softmax probabilities or sigmoids).
-    Choices come in order of score. With k > 1 the gates are renormalised
+    Choices come in order of score plus `selection_bias` [experts] (none: 0);
+    the gates are the scores without it. With k > 1 the gates are renormalised
     to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
     the gate stays the router probability, as in the Switch Transformer (arXiv
     2101.03961), since a renormalised single gate would always be 1 and the
     router would get no gradient from the model's output.
     """
     num_experts = probs.shape[-1]
-    remaining = probs
+    remaining = probs if selection_bias is None else probs + selection_bias
     masks, gates = [], []
     for _ in range(top_k):
         mask = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), num_experts, dtype=probs.dtype)
         masks.append(mask)
         gates.append(jnp.sum(probs * mask, axis=-1))
-        # probabilities are >= 0, so -1 removes the chosen expert from the next choice
-        remaining = jnp.where(mask > 0, -1.0, remaining)
+        remaining = jnp.where(mask > 0, -jnp.inf, remaining)  # the chosen expert leaves the next choices
     if top_k > 1:
         total = sum(gates)
         gates = [gate / total for gate in gates]
@@ -168,7 +190,7 @@ def router_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]
 
 
 def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
-           router: str = "softmax") -> Assignment:
+           router: str = "softmax", selection_bias: jax.Array | None = None) -> Assignment:
     """Returns each choice's expert, slot, kept flag and gate, and the statistics, for router `logits`
     [groups, tokens, experts].
 
@@ -179,11 +201,12 @@ def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arr
     `moe_z_loss`, `moe_dropped_fraction` (dropped assignments / routed
     assignments; for k = 1 the share of tokens dropped) and
     `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
-    `router` picks the scores (see `router_scores`).
+    `router` picks the scores (see `router_scores`); `selection_bias` [experts]
+    shifts which experts are chosen (see `top_k_gates`).
     """
     logits = logits.astype(jnp.float32)
     scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
-    masks, gates = top_k_gates(scores, top_k)
+    masks, gates = top_k_gates(scores, top_k, selection_bias)
     if routing_key is not None and top_k > 1:
         masks = random_routing(masks, gates, routing_key)
 
@@ -209,9 +232,10 @@ def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arr
 
 
 def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
-          router: str = "softmax") -> Routing:
+          router: str = "softmax", selection_bias: jax.Array | None = None) -> Routing:
     """Returns GShard's one-hot dispatch and combine tensors, and the statistics, of `assign`'s decisions."""
-    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router)
+    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router,
+                        selection_bias=selection_bias)
     num_experts = logits.shape[-1]
     dispatch = combine = jnp.zeros((*logits.shape, capacity), jnp.float32)
     for expert, slot, kept, gate in zip(assignment.experts, assignment.slots, assignment.kept, assignment.gates):
@@ -293,6 +317,70 @@ def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
     return constrain(constrain(slots, source), target)
 
 
+ExpertWeights = tuple[jax.Array, jax.Array, jax.Array]  # gate, up [experts, embed, mlp]; down [experts, mlp, embed]
+# local_experts(tokens [T, embed], experts [T, k], gates [T, k], weights of experts first.. first + n - 1, first)
+# -> [T, embed]: the gate-weighted sum of each token's assignments to those n experts
+LocalExperts = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, jax.Array | int], jax.Array]
+# exchange(local_experts, tokens, experts, gates, weights) -> [T, embed]: every token's output, its
+# assignments run by `local_experts` wherever their experts' weights live
+ExpertExchange = Callable[[LocalExperts, jax.Array, jax.Array, jax.Array, ExpertWeights], jax.Array]
+
+_exchange: contextvars.ContextVar[ExpertExchange | None] = contextvars.ContextVar("expert_exchange", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallelism(exchange: ExpertExchange | None) -> Iterator[None]:
+    """Installs how dropless MoE layers traced inside the block reach experts on other devices
+    (None: every expert is local, as on one device)."""
+    token = _exchange.set(exchange)
+    try:
+        yield
+    finally:
+        _exchange.reset(token)
+
+
+def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local: int) -> tuple[jax.Array, jax.Array]:
+    """Returns (order [T x k], group_sizes [num_local]) for the assignments `experts` [T, k]: `order` lists
+    the flattened assignments to experts first_expert .. first_expert + num_local - 1, grouped by expert
+    in token order, then every other assignment; `group_sizes` counts each local expert's assignments."""
+    local = experts.reshape(-1) - first_expert
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)
+    order = jnp.argsort(local, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return order, group_sizes
+
+
+def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights) -> jax.Array:
+    """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
+    expert's SwiGLU, [N, embed]; rows past the last group come out as zeros."""
+    gate_weight, up_weight, down_weight = (weight.astype(rows.dtype) for weight in weights)
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, gate_weight, group_sizes), remat_names.MLP_GATE)
+    up = checkpoint_name(jax.lax.ragged_dot(rows, up_weight, group_sizes), remat_names.MLP_UP)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+    return jax.lax.ragged_dot(hidden, down_weight, group_sizes)
+
+
+def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
+                            first_expert: jax.Array | int = 0) -> jax.Array:
+    """Returns [T, embed]: each of `tokens` [T, embed] through those of its assigned `experts` [T, k]
+    whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k].
+
+    The T x k assignments are sorted by expert into one buffer of T x k rows
+    (static: the most a device can be asked for), grouped matmuls run over the
+    experts' group sizes, and each assignment gathers its row back (both
+    gathers gather in the backward pass too, see `take_rows`).
+    """
+    num_tokens, top_k = experts.shape
+    num_local = weights[0].shape[0]
+    order, group_sizes = sort_by_expert(experts, first_expert, num_local)
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))  # sorted row of each
+    rows = take_rows(tokens, order // top_k, position.reshape(num_tokens, top_k))  # [T x k, embed]
+    outputs = take_rows(grouped_swiglu(rows, group_sizes, weights), position, order[:, None])  # [T x k, embed]
+    routed = position < jnp.sum(group_sizes)  # [T x k] the assignments to a local expert
+    outputs = jnp.where(routed[:, None], outputs, 0).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tk,tkm->tm", gates, outputs)
+
+
 class MoEFeedForward(nnx.Module):
     """SwiGLU experts behind a GShard router: x [batch, length, embed] -> (y, stats).
 
@@ -312,8 +400,14 @@ class MoEFeedForward(nnx.Module):
         self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), out_std)
         self.shared_experts = shared_experts
+        self.selection_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+                               if cfg.moe.bias_update_rate else None)
         self.moe = cfg.moe
         self.dtype = cfg.compute_dtype
+
+    def bias(self) -> jax.Array | None:
+        """Returns the selection bias [experts] of auxiliary-loss-free balancing, or None without it."""
+        return None if self.selection_bias is None else self.selection_bias[...]
 
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
@@ -332,17 +426,18 @@ class MoEFeedForward(nnx.Module):
         batch, length, dim = x.shape
         tokens_per_group = self.moe.group_size or length
         groups = batch * length // tokens_per_group
-        factor = self.moe.capacity_factor if train else self.moe.eval_capacity_factor
-        capacity = expert_capacity(tokens_per_group, self.moe.num_experts, self.moe.top_k, factor)
 
         # groups stay on the batch devices (expert included) until dispatch
         grouped = constrain(x.reshape(groups, tokens_per_group, dim), (axes.BATCH, None, axes.ACT_EMBED))
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
         key = routing_key if train else None
-        if self.moe.dispatch == "einsum":
-            output, stats = self.einsum_dispatch(grouped, logits, capacity, key)
+        if self.moe.dropless:
+            output, stats = self.dropless_dispatch(grouped, logits, key)
         else:
-            output, stats = self.sort_dispatch(grouped, logits, capacity, key)
+            factor = self.moe.capacity_factor if train else self.moe.eval_capacity_factor
+            capacity = expert_capacity(tokens_per_group, self.moe.num_experts, self.moe.top_k, factor)
+            dispatch = self.einsum_dispatch if self.moe.dispatch == "einsum" else self.sort_dispatch
+            output, stats = dispatch(grouped, logits, capacity, key)
         output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED)).reshape(batch, length, dim)
         if self.shared_experts is not None:
             output = output + self.shared_experts(x, train=train)[0]
@@ -352,7 +447,7 @@ class MoEFeedForward(nnx.Module):
                         routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
         """Returns (output [groups, tokens, embed], stats) through GShard's one-hot dispatch and combine einsums."""
         routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
-                        router=self.moe.router)
+                        router=self.moe.router, selection_bias=self.bias())
         expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(grouped.dtype), grouped)
         expert_outputs = self.experts_across_devices(expert_inputs)
         return jnp.einsum("gsec,egcm->gsm", routing.combine.astype(grouped.dtype), expert_outputs), routing.stats
@@ -363,7 +458,7 @@ class MoEFeedForward(nnx.Module):
         groups, _, dim = grouped.shape
         experts = self.moe.num_experts
         assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
-                            router=self.moe.router)
+                            router=self.moe.router, selection_bias=self.bias())
         slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
         owners = slot_owners(slots, experts * capacity)  # [groups, experts x capacity]
         slot_inputs = gather_into_slots(grouped, slots, owners)  # [groups, experts x capacity, embed]
@@ -372,6 +467,27 @@ class MoEFeedForward(nnx.Module):
         gates = jnp.stack(assignment.gates, axis=1).astype(grouped.dtype)  # [groups, choices, tokens]
         output = combine_from_slots(expert_outputs.reshape(groups, experts * capacity, dim), slots, owners, gates)
         return output, assignment.stats
+
+    def dropless_dispatch(self, grouped: jax.Array, logits: jax.Array,
+                          routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
+        """Returns (output [groups, tokens, embed], stats) with no token dropped: every assignment runs
+        through its expert's grouped matmul, across devices by the installed `expert_parallelism`."""
+        groups, tokens_per_group, dim = grouped.shape
+        # an expert can be asked for each token of a group at most once: capacity = tokens never drops
+        assignment = assign(logits, top_k=self.moe.top_k, capacity=tokens_per_group, routing_key=routing_key,
+                            router=self.moe.router, selection_bias=self.bias())
+        kept = jnp.stack(assignment.kept, axis=-1).reshape(-1, self.moe.top_k)  # 0 where random routing skipped
+        experts = jnp.where(kept > 0, jnp.stack(assignment.experts, axis=-1).reshape(-1, self.moe.top_k),
+                            self.moe.num_experts)  # [groups x tokens, k]; skipped ones go to no expert
+        gates = (jnp.stack(assignment.gates, axis=-1).reshape(-1, self.moe.top_k) * kept).astype(grouped.dtype)
+        weights = (self.gate[...], self.up[...], self.down[...])
+        tokens = grouped.reshape(groups * tokens_per_group, dim)
+        exchange = _exchange.get()
+        if exchange is None:
+            output = dropless_expert_outputs(tokens, experts, gates, weights)
+        else:
+            output = exchange(dropless_expert_outputs, tokens, experts, gates, weights)
+        return output.reshape(groups, tokens_per_group, dim), assignment.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns the experts' outputs for `expert_inputs` [experts, groups, capacity, embed] (routing

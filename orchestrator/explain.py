@@ -15,6 +15,7 @@ from orchestrator.config import Config
 from orchestrator.fit import GIB, fit_report
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.metrics import spec_text
+from orchestrator.moe import dropless_report
 from orchestrator.step import pipeline_schedule
 from orchestrator.train import Job, abstract_batch, build_job
 from parallel.hlo import collectives, flops_per_run
@@ -121,6 +122,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job),
+        "dropless_moe": dropless_report(config, job.mesh, job.rules),
         "flops_per_step": xla_flops * devices,
         "flops_per_step_per_device": xla_flops,
         "model_flops_per_step": model_flops_per_step(config),
@@ -170,6 +172,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
                       f"{p['microbatches']} micro-batches, {p['iterations']} iterations, "
                       f"bubble {p['bubble_fraction']:.1%}"]
+    if (d := report["dropless_moe"]) is not None:
+        lines += ["", f"dropless MoE: exchange {d['exchange']}, worst-case buffer {d['buffer_rows']:,} rows, "
+                      f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
                   f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",
               f"compiled in {report['compile_s']:.1f} s"]

@@ -19,14 +19,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import axes
 from models.axes import activation_sharding
+from models.moe import expert_parallelism
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
 from orchestrator.data import document_ids
-from orchestrator.moe import moe_loss_and_metrics, routing_key
+from orchestrator.moe import (EXPERT_BIAS, EXPERT_LAYOUT, EXPERT_LOAD, balanced_expert_bias, moe_loss_and_metrics,
+                              routing_key)
 from orchestrator.optimizer import learning_rate
 from orchestrator.remat import remat_policy
 from orchestrator.state import StateLayout
 from orchestrator.validation import schedule_for
+from parallel.experts import all_gather_exchange
 from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from parallel.rules import Rules, activation_constrainer, partition_spec
 
@@ -45,19 +48,23 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
-                 moe: MoEConfig = MoEConfig(), document_mask: bool = False) -> Callable[..., tuple[jax.Array, Metrics]]:
-    """Returns loss(params, tokens [b, t+1], routing_key=None) -> (loss, metrics) with activations
-    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`).
+                 moe: MoEConfig = MoEConfig(), document_mask: bool = False,
+                 dense_runner: StackRunner = scan_layers) -> Callable[..., tuple[jax.Array, Metrics]]:
+    """Returns loss(params, tokens [b, t+1], routing_key=None, expert_bias=None) -> (loss, metrics) with activations
+    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`). The layer
+    stack runs through `stack_runner`, an MoE model's first dense layers through `dense_runner`.
     With `document_mask`, no token attends across a document separator (`data.document_ids`)."""
     constrainer = activation_constrainer(mesh, rules)
+    exchange = all_gather_exchange(mesh, rules, EXPERT_LAYOUT)
 
-    def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
-        model = nnx.merge(layout.graphdef, params)
+    def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
+                expert_bias: dict | None = None) -> tuple[jax.Array, Metrics]:
+        model = nnx.merge(layout.graphdef, expert_bias or {}, params)
         inputs = tokens[:, :-1]
         segment_ids = document_ids(inputs) if document_mask else None
-        with activation_sharding(constrainer):
+        with activation_sharding(constrainer), expert_parallelism(exchange):
             logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
-                                  routing_key=routing_key)
+                                  dense_runner=dense_runner, routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
         moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
         return loss + moe_loss, {"lm_loss": loss, **moe_metrics}
@@ -96,23 +103,26 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     return None if stages == 1 else schedule_for(config, stages)
 
 
-def stack_runner_for(config: Config, mesh: Mesh, rules: Rules) -> StackRunner:
-    """Returns how the layer stack runs: pipelined when `mesh.pipeline > 1`, else a scan; either
-    way each unit is rematerialised by `model.remat`."""
+def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
+    """Returns how the layer stack runs (pipelined when `mesh.pipeline > 1`, else a scan) and how an
+    MoE model's first dense layers run (a scan, before the pipeline: on every stage); every unit is
+    rematerialised by `model.remat`."""
     policy = remat_policy(config, mesh.devices.flat[0].platform)
+    scan = functools.partial(scan_layers, remat_policy=policy)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
-        return functools.partial(scan_layers, remat_policy=policy)
-    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED), policy)
+        return scan, scan
+    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED), policy), scan
 
 
 def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
     """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
 
-    The layer stack runs through `stack_runner_for(config, mesh, rules)`.
+    The layer stack runs through `stack_runners(config, mesh, rules)`.
     """
     document_mask = config.data.document_mask and config.data.source == "text"  # synthetic rows are one document
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe, document_mask)
+    stack_runner, dense_runner = stack_runners(config, mesh, rules)
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, document_mask, dense_runner)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
@@ -120,12 +130,18 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
         key = routing_key(config.run.seed, state["step"])
-        grads, metrics = _accumulated_grads(loss_fn, params, tokens, key, accum, constrain)
+        biased_loss = functools.partial(loss_fn, expert_bias=state.get("expert_bias"))
+        grads, metrics = _accumulated_grads(biased_loss, params, tokens, key, accum, constrain)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                    "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if "expert_bias" in state:  # auxiliary-loss-free balancing: outside the optimizer
+            new_state["expert_bias"] = balanced_expert_bias(state["expert_bias"], metrics[EXPERT_LOAD],
+                                                            config.moe.bias_update_rate)
+            metrics[EXPERT_BIAS] = jax.tree.leaves(new_state["expert_bias"])[0]
+        return new_state, metrics
 
     return jax.jit(step, in_shardings=(layout.shardings, batch_sharding(mesh, rules)),
                    out_shardings=(layout.shardings, NamedSharding(mesh, PartitionSpec())),

@@ -216,6 +216,19 @@ def test_sort_dispatch_and_shared_sigmoid_experts_match_one_device(one_device_ru
     assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
 
 
+DROPLESS_SHARED_SIGMOID = ("moe.capacity_factor=0", *DEEPSEEK_STYLE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["expert4_data2", "expert2_tensor2_data2"])
+def test_dropless_experts_match_one_device(one_device_runs, mesh):
+    make, reference = one_device_runs
+    result = run_fresh(make(*DROPLESS_SHARED_SIGMOID).replace(**mesh_overrides(**MESHES[mesh])))
+    assert_same_training(result, reference(*DROPLESS_SHARED_SIGMOID))
+    assert result.history[-1]["moe_dropped_fraction"] == 0.0
+    assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
+
+
 @pytest.mark.slow
 def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs):
     make, reference = one_device_runs
@@ -273,7 +286,7 @@ def test_expert_weights_are_split_over_every_sharded_axis(tiny_config, capfd, me
 @pytest.mark.parametrize("overrides, key", [
     (("moe.num_experts=6", "moe.every=2", "mesh.expert=4", "mesh.data=2"), "moe.num_experts"),
     (("moe.num_experts=4", "moe.every=2", "moe.top_k=5"), "moe.top_k"),
-    (("moe.num_experts=4", "moe.every=2", "moe.capacity_factor=0"), "moe.capacity_factor"),
+    (("moe.num_experts=4", "moe.every=2", "moe.capacity_factor=-1"), "moe.capacity_factor"),
     (("moe.num_experts=4", "moe.every=2", "moe.eval_capacity_factor=-1"), "moe.eval_capacity_factor"),
     (("moe.num_experts=4", "moe.every=2", "moe.group_size=48", "mesh.data=8"), "moe.group_size"),
     (("moe.num_experts=4", "moe.every=3"), "moe.every"),
