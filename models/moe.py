@@ -117,11 +117,12 @@ class Routing(NamedTuple):
 
 def top_k_gates(probs: jax.Array, top_k: int,
                 selection_bias: jax.Array | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Returns (masks, gates): per choice, the one-hot chosen expert [g, s, e] and its gate [g, s].
+    """Returns (experts, gates): per choice, the chosen expert [g, s] (int32) and its gate [g, s].
 
     `probs` are router scores in [0, 1] (softmax probabilities or sigmoids).
-    Choices come in order of score plus `selection_bias` [experts] (none: 0);
-    the gates are the scores without it. With k > 1 the gates are renormalised
+    Choices come in order of score plus `selection_bias` [experts] (none: 0;
+    equal scores: the lower expert first); the gates are the scores without
+    it. With k > 1 the gates are renormalised
     to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
     the gate stays the router probability, as in the Switch Transformer (arXiv
     2101.03961), since a renormalised single gate would always be 1 and the
@@ -129,31 +130,35 @@ def top_k_gates(probs: jax.Array, top_k: int,
     """
     num_experts = probs.shape[-1]
     remaining = probs if selection_bias is None else probs + selection_bias
-    masks, gates = [], []
+    expert_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    experts, gates = [], []
     for _ in range(top_k):
-        mask = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), num_experts, dtype=probs.dtype)
-        masks.append(mask)
-        gates.append(jnp.sum(probs * mask, axis=-1))
-        remaining = jnp.where(mask > 0, -jnp.inf, remaining)  # the chosen expert leaves the next choices
+        # the first expert of the highest score: argmax by max and min, a third of argmax's arithmetic;
+        # not jax.lax.top_k, which the partitioner gathers onto every device
+        best = jnp.max(remaining, axis=-1, keepdims=True)
+        expert = jnp.min(jnp.where(remaining == best, expert_ids, num_experts), axis=-1)  # [groups, tokens]
+        experts.append(expert)
+        gates.append(jnp.take_along_axis(probs, expert[..., None], axis=-1)[..., 0])
+        remaining = jnp.where(expert_ids == expert[..., None], -jnp.inf, remaining)  # leaves the next choices
     if top_k > 1:
         total = sum(gates)
         gates = [gate / total for gate in gates]
-    return masks, gates
+    return experts, gates
 
 
-def random_routing(masks: list[jax.Array], gates: list[jax.Array], key: jax.Array) -> list[jax.Array]:
-    """Returns `masks` with each later choice kept at random, as GShard does for the second expert.
+def random_routing(gates: list[jax.Array], key: jax.Array) -> list[jax.Array]:
+    """Returns per choice whether it is routed (float32 [g, s], 1 or 0), each later choice kept at random,
+    as GShard does for the second expert.
 
     Choice i (0-based, i >= 1) is kept with probability (i + 1) * gate_i: for
     the second expert that is GShard's 2 * g2; a renormalised (i + 1)-th
     largest gate is at most 1 / (i + 1), so the product is a probability.
     """
-    uniforms = jax.random.uniform(key, (len(masks) - 1, *gates[0].shape), jnp.float32)
-    kept = [masks[0]]
-    for choice in range(1, len(masks)):
-        keep = uniforms[choice - 1] < (choice + 1) * gates[choice]  # [groups, tokens]
-        kept.append(masks[choice] * keep[..., None])
-    return kept
+    uniforms = jax.random.uniform(key, (len(gates) - 1, *gates[0].shape), jnp.float32)
+    routed = [jnp.ones_like(gates[0])]
+    for choice in range(1, len(gates)):
+        routed.append((uniforms[choice - 1] < (choice + 1) * gates[choice]).astype(jnp.float32))
+    return routed
 
 
 def load_balancing_loss(probs: jax.Array, first_choice: jax.Array) -> jax.Array:
@@ -189,45 +194,77 @@ def router_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]
     return probs, probs
 
 
+class Choices(NamedTuple):
+    """The experts each token chose, one entry per choice (first choices first), before any capacity."""
+    experts: list[jax.Array]  # int32 [groups, tokens] chosen expert
+    routed: list[jax.Array]   # float32 [groups, tokens] 1, or 0 where random routing skipped the choice
+    gates: list[jax.Array]    # float32 [groups, tokens] gate of the choice
+    stats: Stats
+
+    def masks(self, num_experts: int) -> list[jax.Array]:
+        """Returns per choice the one-hot routed expert [groups, tokens, experts] (zeros where not routed)."""
+        return [jax.nn.one_hot(expert, num_experts, dtype=jnp.float32) * routed[..., None]
+                for expert, routed in zip(self.experts, self.routed)]
+
+
+def choose(logits: jax.Array, *, top_k: int, routing_key: jax.Array | None = None, router: str = "softmax",
+           selection_bias: jax.Array | None = None) -> Choices:
+    """Returns each token's top-k choices of experts for router `logits` [groups, tokens, experts]: the
+    routing decision every dispatch shares, and its statistics (`assign` adds the drops).
+
+    `routing_key` turns on random routing of the later choices (see
+    `random_routing`); `router` picks the scores (see `router_scores`);
+    `selection_bias` [experts] shifts which experts are chosen (see
+    `top_k_gates`). Statistics: `moe_aux_loss`, `moe_z_loss`,
+    `moe_dropped_fraction` (0: nothing is dropped yet) and
+    `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
+    """
+    logits = logits.astype(jnp.float32)
+    num_experts = logits.shape[-1]
+    scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
+    experts, gates = top_k_gates(scores, top_k, selection_bias)
+    if routing_key is not None and top_k > 1:
+        routed = random_routing(gates, routing_key)
+    else:
+        routed = [jnp.ones_like(gate) for gate in gates]
+    def count(expert: jax.Array, flag: jax.Array) -> jax.Array:  # one group's [tokens] -> [experts]
+        return jnp.zeros((num_experts,), jnp.float32).at[expert].add(flag)
+
+    # counted per group, where the groups live, then summed: no device gathers another's choices
+    tokens_per_expert = sum(jnp.sum(jax.vmap(count)(expert, flag), axis=0) for expert, flag in zip(experts, routed))
+    stats = {
+        "moe_aux_loss": load_balancing_loss(probs, jax.nn.one_hot(experts[0], num_experts, dtype=jnp.float32)),
+        "moe_z_loss": router_z_loss(logits),
+        "moe_dropped_fraction": jnp.zeros((), jnp.float32),
+        "moe_tokens_per_expert": tokens_per_expert,
+    }
+    return Choices(experts, routed, gates, stats)
+
+
 def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
            router: str = "softmax", selection_bias: jax.Array | None = None) -> Assignment:
-    """Returns each choice's expert, slot, kept flag and gate, and the statistics, for router `logits`
-    [groups, tokens, experts].
+    """Returns each choice's expert, slot, kept flag and gate, and the statistics, of `choose`'s decisions
+    for router `logits` [groups, tokens, experts] (the same keywords).
 
     Slots are filled choice by choice (every token's first choice before any
     second choice), each in token order; an assignment whose slot would be
-    `capacity` or beyond is dropped. `routing_key` turns on random routing of
-    the later choices (see `random_routing`). Statistics: `moe_aux_loss`,
-    `moe_z_loss`, `moe_dropped_fraction` (dropped assignments / routed
-    assignments; for k = 1 the share of tokens dropped) and
-    `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
-    `router` picks the scores (see `router_scores`); `selection_bias` [experts]
-    shifts which experts are chosen (see `top_k_gates`).
+    `capacity` or beyond is dropped. `moe_dropped_fraction` is dropped
+    assignments / routed assignments (for k = 1 the share of tokens dropped).
     """
-    logits = logits.astype(jnp.float32)
-    scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
-    masks, gates = top_k_gates(scores, top_k, selection_bias)
-    if routing_key is not None and top_k > 1:
-        masks = random_routing(masks, gates, routing_key)
-
-    filled = jnp.zeros((probs.shape[0], probs.shape[2]), jnp.float32)  # [groups, experts] slots taken
+    choices = choose(logits, top_k=top_k, routing_key=routing_key, router=router, selection_bias=selection_bias)
+    gates, stats = choices.gates, choices.stats
+    filled = jnp.zeros((logits.shape[0], logits.shape[2]), jnp.float32)  # [groups, experts] slots taken
     experts, slots, kept = [], [], []
     routed = kept_count = 0.0
-    for mask in masks:
+    for expert, mask in zip(choices.experts, choices.masks(logits.shape[-1])):
         position = jnp.cumsum(mask, axis=1) - 1 + filled[:, None, :]  # [groups, tokens, experts]
         kept_mask = mask * (position < capacity)
-        experts.append(jnp.argmax(mask, axis=-1).astype(jnp.int32))
+        experts.append(expert)
         slots.append(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32))
         kept.append(jnp.sum(kept_mask, axis=-1))
         filled = filled + jnp.sum(kept_mask, axis=1)
         routed, kept_count = routed + jnp.sum(mask), kept_count + jnp.sum(kept_mask)
-
-    stats = {
-        "moe_aux_loss": load_balancing_loss(probs, masks[0]),
-        "moe_z_loss": router_z_loss(logits),
-        "moe_dropped_fraction": 1.0 - kept_count / jnp.maximum(routed, 1.0),
-        "moe_tokens_per_expert": jnp.sum(sum(masks), axis=(0, 1)),
-    }
+    stats = {**stats, "moe_dropped_fraction": 1.0 - kept_count / jnp.maximum(routed, 1.0)}
     return Assignment(experts, slots, kept, gates, stats)
 
 
@@ -473,13 +510,13 @@ class MoEFeedForward(nnx.Module):
         """Returns (output [groups, tokens, embed], stats) with no token dropped: every assignment runs
         through its expert's grouped matmul, across devices by the installed `expert_parallelism`."""
         groups, tokens_per_group, dim = grouped.shape
-        # an expert can be asked for each token of a group at most once: capacity = tokens never drops
-        assignment = assign(logits, top_k=self.moe.top_k, capacity=tokens_per_group, routing_key=routing_key,
-                            router=self.moe.router, selection_bias=self.bias())
-        kept = jnp.stack(assignment.kept, axis=-1).reshape(-1, self.moe.top_k)  # 0 where random routing skipped
-        experts = jnp.where(kept > 0, jnp.stack(assignment.experts, axis=-1).reshape(-1, self.moe.top_k),
-                            self.moe.num_experts)  # [groups x tokens, k]; skipped ones go to no expert
-        gates = (jnp.stack(assignment.gates, axis=-1).reshape(-1, self.moe.top_k) * kept).astype(grouped.dtype)
+        top_k = self.moe.top_k
+        choices = choose(logits, top_k=top_k, routing_key=routing_key, router=self.moe.router,
+                         selection_bias=self.bias())
+        routed = jnp.stack(choices.routed, axis=-1).reshape(-1, top_k)
+        experts = jnp.where(routed > 0, jnp.stack(choices.experts, axis=-1).reshape(-1, top_k),
+                            self.moe.num_experts)  # [groups x tokens, k]; not routed: no expert
+        gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
         weights = (self.gate[...], self.up[...], self.down[...])
         tokens = grouped.reshape(groups * tokens_per_group, dim)
         exchange = _exchange.get()
@@ -487,7 +524,7 @@ class MoEFeedForward(nnx.Module):
             output = dropless_expert_outputs(tokens, experts, gates, weights)
         else:
             output = exchange(dropless_expert_outputs, tokens, experts, gates, weights)
-        return output.reshape(groups, tokens_per_group, dim), assignment.stats
+        return output.reshape(groups, tokens_per_group, dim), choices.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns the experts' outputs for `expert_inputs` [experts, groups, capacity, embed] (routing

@@ -230,6 +230,22 @@ def test_dropless_experts_match_one_device(one_device_runs, mesh):
 
 
 @pytest.mark.slow
+def test_deepseek_style_preset_matches_one_device_on_expert_fsdp_pipeline(tmp_path):
+    from orchestrator import config as config_lib
+
+    config = config_lib.load(None, ["model.preset=deepseek-tiny", "train.steps=5", "train.global_batch=16",
+                                    "train.seq_len=32", "optimizer.warmup_steps=2", "pipeline.microbatches=2",
+                                    f"run.dir={tmp_path}"])
+    reference = run_fresh(config.replace(**ONE_DEVICE))
+    result = run_fresh(config.replace(**mesh_overrides(expert=2, fsdp=2, pipeline=2)))
+    assert_same_training(result, reference)
+    assert result.history[-1]["moe_dropped_fraction"] == 0.0
+    bias = [np.asarray(jax.tree.leaves(run.state["expert_bias"])[0]) for run in (result, reference)]
+    assert bias[0].shape == (4, 16) and np.any(bias[0] != 0)
+    np.testing.assert_array_equal(*bias)  # the same loads moved the same biases
+
+
+@pytest.mark.slow
 def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs):
     make, reference = one_device_runs
     overrides = ("moe.second_expert_policy=random",)

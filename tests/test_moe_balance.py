@@ -33,6 +33,14 @@ def test_first_dense_layers_are_a_dense_stack_before_the_moe_units(tiny_config):
     assert matmul_params_per_token(config) - matmul_params_per_token(tiny_config()) == 2 * (feed_forward + 64 * 4)
 
 
+def test_deepseek_style_preset_has_the_parameters_its_comment_gives(tiny_config):
+    config = tiny_config("model.preset=deepseek-tiny")
+    layout = build_job(config, with_data=False).layout
+    assert sum(leaf.size for leaf in jax.tree.leaves(layout.abstract["params"])) == 541_376
+    assert matmul_params_per_token(config) == 229_376
+    assert (config.moe_layers, config.moe.top_k, config.moe.capacity_factor) == (4, 4, 0.0)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (("moe.num_experts=4", "moe.every=1", "moe.first_dense_layers=4"), "moe.first_dense_layers"),
     (("moe.num_experts=4", "moe.every=2", "moe.first_dense_layers=1"), "moe.every"),
