@@ -1,14 +1,18 @@
-"""Pipeline bubble and memory: step time over micro-batches, against GPipe's theory.
+"""Pipeline bubble and memory: step time over micro-batches, against each schedule's theory.
 
-For S = 4 stages and R = 1 (GPipe, arXiv 1811.06965) and R = 2 (circular),
-times the train step over M micro-batches as a ratio to the same model's
-non-pipelined step (the same devices as a data mesh), the two interleaved step by step,
-next to the theory (R*M + S - 1) / (R*M): every iteration runs all stages, so
-the bubble's share of the work is the share of the time. Also reads XLA's
-per-device temporary bytes over M with and without remat (model.remat, per layer).
+For S = 4 stages and the schedules GPipe (arXiv 1811.06965, R = 1), circular
+(R = 2) and 1F1B (arXiv 2006.09503, R = 1), times the train step over M
+micro-batches as a ratio to the same model's non-pipelined step (the same
+devices as a data mesh), the two interleaved step by step, next to the theory
+(R*M + S - 1) / (R*M): every tick runs all stages, so the bubble's share of the
+work is the share of the time (1F1B also recomputes each stage's forward in its
+backward tick, which the theory leaves out). Also reads XLA's per-device
+temporary bytes over M with and without remat (model.remat, per layer).
 
     python -m bench.pipeline            # prints the table, writes docs/pipeline.png
                                         # and its section of docs/benchmarks.md
+    python -m bench.pipeline --memory   # temp bytes of gpipe and 1f1b over M at a fixed
+                                        # micro-batch, compile only (prints only)
 
 On simulated CPU devices the "devices" share the host's cores, so the ratio
 measures total work (bubble included) plus per-iteration overhead, not
@@ -27,7 +31,7 @@ from bench.report import write_section
 
 STAGES = 4
 MICROBATCHES = (4, 8, 16, 32)
-REPEATS = (1, 2)
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1))  # (pipeline.schedule, pipeline.repeats)
 DEVICES = 4
 MODEL = ["model.preset=tiny", "model.num_layers=8", "model.embed_dim=128", "model.mlp_dim=512",
          "model.num_heads=8", "model.num_kv_heads=4", "train.global_batch=32", "train.seq_len=32"]
@@ -89,37 +93,36 @@ def paired_seconds(pipelined: Stepper, baseline: Stepper, steps: int) -> tuple[f
     return statistics.median(t for t, _ in times), statistics.median(b for _, b in times)
 
 
-def _pipelined(microbatches: int, repeats: int, remat: str = "none"):
-    schedule = "circular" if repeats > 1 else "gpipe"
+def _pipelined(microbatches: int, schedule: str, repeats: int, remat: str = "none"):
     return _config(f"mesh.pipeline={STAGES}", "mesh.data=1", f"pipeline.microbatches={microbatches}",
                    f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}", f"model.remat={remat}")
 
 
 def run_bench(steps: int) -> tuple[float, list[dict]]:
-    """Returns (the non-pipelined step seconds, one row per (R, M) with ratio, theory and temp bytes)."""
+    """Returns (the non-pipelined step seconds, one row per (schedule, M) with ratio, theory and temp bytes)."""
     baseline = Stepper(_config("mesh.pipeline=1", f"mesh.data={DEVICES}"))
     baseline.seconds()
     rows, baseline_times = [], []
-    for repeats in REPEATS:
+    for schedule, repeats in SCHEDULES:
         for micro in MICROBATCHES:
-            pipelined = Stepper(_pipelined(micro, repeats))
+            pipelined = Stepper(_pipelined(micro, schedule, repeats))
             seconds, baseline_seconds = paired_seconds(pipelined, baseline, steps)
             baseline_times.append(baseline_seconds)
-            rows.append({"repeats": repeats, "microbatches": micro, "step_s": seconds,
+            rows.append({"schedule": schedule, "repeats": repeats, "microbatches": micro, "step_s": seconds,
                          "ratio": seconds / baseline_seconds,
                          "theory": (repeats * micro + STAGES - 1) / (repeats * micro),
                          "temp_bytes": pipelined.temp_bytes,
-                         "temp_bytes_remat": temp_bytes(_pipelined(micro, repeats, "full"))})
+                         "temp_bytes_remat": temp_bytes(_pipelined(micro, schedule, repeats, "full"))})
             print(format_row(rows[-1]), flush=True)
     return statistics.median(baseline_times), rows
 
 
-HEADER = "| R | M | step (ms) | ratio to no pipeline | theory (RM+S-1)/(RM) | temp/device, remat none | temp/device, remat full |"
+HEADER = "| schedule | R | M | step (ms) | ratio to no pipeline | theory (RM+S-1)/(RM) | temp/device, remat none | temp/device, remat full |"
 
 
 def format_row(row: dict) -> str:
     """Returns one markdown table row."""
-    return (f"| {row['repeats']} | {row['microbatches']} | {row['step_s'] * 1e3:.1f} | {row['ratio']:.2f} | "
+    return (f"| {row['schedule']} | {row['repeats']} | {row['microbatches']} | {row['step_s'] * 1e3:.1f} | {row['ratio']:.2f} | "
             f"{row['theory']:.2f} | {row['temp_bytes'] / 2**20:.2f} MiB | {row['temp_bytes_remat'] / 2**20:.2f} MiB |")
 
 
@@ -131,13 +134,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for repeats in REPEATS:
-        mine = [row for row in rows if row["repeats"] == repeats]
+    for schedule, repeats in SCHEDULES:
+        mine = [row for row in rows if row["schedule"] == schedule]
         micro = [row["microbatches"] for row in mine]
-        time_ax.plot(micro, [row["ratio"] for row in mine], "o-", label=f"measured R={repeats}")
+        time_ax.plot(micro, [row["ratio"] for row in mine], "o-", label=f"measured {schedule}")
         time_ax.plot(micro, [row["theory"] for row in mine], "--", label=f"theory R={repeats}")
-        memory_ax.plot(micro, [row["temp_bytes"] / 2**20 for row in mine], "o-", label=f"remat none R={repeats}")
-        memory_ax.plot(micro, [row["temp_bytes_remat"] / 2**20 for row in mine], "s--", label=f"remat full R={repeats}")
+        memory_ax.plot(micro, [row["temp_bytes"] / 2**20 for row in mine], "o-", label=f"remat none {schedule}")
+        memory_ax.plot(micro, [row["temp_bytes_remat"] / 2**20 for row in mine], "s--", label=f"remat full {schedule}")
     for ax in (time_ax, memory_ax):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches M")
@@ -149,13 +152,29 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_markdown(baseline: float, rows: list[dict], steps: int) -> None:
+MEMORY_HEADER = ("| schedule | M | global batch | temp/device, remat none | temp/device, remat full |\n"
+                 "|---|---|---|---|---|")
+
+
+def memory_rows(sequences_per_microbatch: int = 4):
+    """Yields markdown rows of XLA's temp bytes per device for GPipe and 1F1B over M, compile only, with
+    `sequences_per_microbatch` per micro-batch (the global batch grows with M)."""
+    for schedule in ("gpipe", "1f1b"):
+        for micro in MICROBATCHES:
+            batch = sequences_per_microbatch * micro
+            temps = [temp_bytes(_config(f"mesh.pipeline={STAGES}", "mesh.data=1", f"train.global_batch={batch}",
+                                        f"pipeline.microbatches={micro}", f"pipeline.schedule={schedule}",
+                                        f"model.remat={remat}")) / 2**20 for remat in ("none", "full")]
+            yield f"| {schedule} | {micro} | {batch} | {temps[0]:.2f} MiB | {temps[1]:.2f} MiB |"
+
+
+def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[str]) -> None:
     """Writes the table, the setup and the exact command to the pipeline section of docs/benchmarks.md."""
-    lines = ["## Pipeline (GPipe, circular)", "",
+    lines = ["## Pipeline (GPipe, circular, 1F1B)", "",
              f"Command: `{COMMAND} --steps {steps}` (on {DEVICES} simulated CPU devices of a 2-core host).", "",
              f"Model: {' '.join(MODEL)}; S = {STAGES} stages (`mesh.pipeline={STAGES}`), "
              f"baseline `mesh.data={DEVICES}` without pipeline: {baseline * 1e3:.1f} ms per step "
-             f"(median; each pipelined step is interleaved with a baseline step, {steps} pairs per row after a warm-up).", "", HEADER, "|---|---|---|---|---|---|---|"]
+             f"(median; each pipelined step is interleaved with a baseline step, {steps} pairs per row after a warm-up).", "", HEADER, "|---|---|---|---|---|---|---|---|"]
     lines += [format_row(row) for row in rows]
     lines += ["", "![pipeline](pipeline.png)", "",
               "Simulated CPU devices share the host's cores, so the ratio is total work (bubble iterations "
@@ -166,7 +185,12 @@ def write_markdown(baseline: float, rows: list[dict], steps: int) -> None:
               "per stage in an inner loop whose per-iteration cost on CPU shows here (unrolling it took R=1, "
               "M=16 from 1.65 to 1.42 in a separate A/B run); R = 2 has one layer per stage group. Temp bytes "
               "fall with M (smaller micro-batches, same residuals per layer) and model.remat=full keeps only each "
-              "layer's input per iteration."]
+              "layer's input per iteration. 1F1B keeps the input of at most 2S-1 = 7 micro-batches per stage "
+              "and one micro-batch's residuals at a time, so its temp bytes do not grow with M; its backward "
+              "tick recomputes the stage forward (one more forward per micro-batch), which its ratio includes "
+              "and the bubble theory does not."]
+    lines += ["", f"Temp bytes at a fixed micro-batch of 4 sequences (the global batch grows with M; "
+                  f"`{COMMAND} --memory`, compile only):", "", MEMORY_HEADER, *memory]
     write_section("pipeline", "\n".join(lines))
 
 
@@ -174,15 +198,22 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
+    parser.add_argument("--memory", action="store_true",
+                        help="only print temp bytes of gpipe and 1f1b over M at a fixed micro-batch (compile only)")
     args = parser.parse_args(argv)
     from orchestrator.runtime import configure_jax
 
     configure_jax(_config())
+    if args.memory:
+        print(MEMORY_HEADER, flush=True)
+        for row in memory_rows():
+            print(row, flush=True)
+        return 0
     print(HEADER, flush=True)
     baseline, rows = run_bench(args.steps)
     DOCS.mkdir(exist_ok=True)
     plot(rows, DOCS / "pipeline.png")
-    write_markdown(baseline, rows, args.steps)
+    write_markdown(baseline, rows, args.steps, list(memory_rows()))
     print(f"non-pipelined step: {baseline * 1e3:.1f} ms; wrote {DOCS / 'pipeline.png'} and docs/benchmarks.md")
     return 0
 

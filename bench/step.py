@@ -14,9 +14,11 @@ nestor's layer: no NNX module, no activation constraints but one (the
 residual stream keeps the batch split between layers; without it GSPMD lays
 the residual out like the fsdp-split weights and the step runs ~3x slower),
 no remat tags, no metrics beyond the loss, no data pipeline (its batches are
-built before timing). On the pipeline mesh the bare step has no pipeline: the pipeline
-axis splits the batch instead, so that row's ratio includes the pipeline's
-bubble and its loop.
+built before timing). On the pipeline mesh the bare step runs the same GPipe
+schedule written plainly (`_bare_gpipe`: stages as a vmapped dimension, a
+`jnp.roll` between ticks, M + S - 1 ticks), so both sides pay the same bubble;
+an earlier bare step used the pipeline axis for data parallelism instead and
+did 1/1.29 of the FLOPs, which made nestor's pipeline look 1.54x slower.
 
 nestor's side is timed as its training loop runs a step: the batch built by
 its data pipeline, then the compiled step, every metric returned.
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 
 MESHES = {
     "fsdp8": {"mesh.fsdp": 8},
@@ -50,10 +54,9 @@ READING = (
     "Bare: the same transformer, loss and optax chain in plain jax, jitted with the same parameter shardings and "
     "the residual stream pinned to the batch split between layers; no NNX module, no activation constraints "
     "inside the layer, no metrics but the loss, batches built before timing (the module docstring of "
-    "`bench/step.py` has the details). On the pipeline mesh the bare step has no pipeline (the pipeline axis "
-    "splits the batch): that row's ratio includes the GPipe bubble, (M + S - 1) / M = 1.25 for M = 4, S = 2, as "
-    "extra work on simulated devices. The interquartile range of the per-round ratios shows the noise of the "
-    "shared host."
+    "`bench/step.py` has the details). On the pipeline mesh the bare step runs the same GPipe schedule "
+    "(4 micro-batches, 2 stages) written plainly, so both sides pay the bubble, (M + S - 1) / M = 1.25. The "
+    "interquartile range of the per-round ratios shows the noise of the shared host."
 )
 
 
@@ -73,19 +76,14 @@ def _rms_norm(x, scale, eps):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
 
 
-def bare_loss(params: dict, tokens, cfg, residual=None):
-    """Returns the mean next-token cross-entropy of the model in plain jax; `params` is nestor's
-    parameter tree (layers stacked), `cfg` a models.transformer.TransformerConfig, `residual` the
-    sharding the residual stream [batch, length, embed] is pinned to between layers (None: free)."""
+def _bare_layer(cfg, pin):
+    """Returns layer(x, p) -> (x, None): one transformer block of the bare model, `pin` applied to its output."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     from models.transformer import rotary
 
     dtype = cfg.compute_dtype
-    pin = (lambda x: x) if residual is None else (lambda x: jax.lax.with_sharding_constraint(x, residual))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def layer(x, p):
         attention, mlp = p["attention"], p["mlp"]
@@ -98,30 +96,65 @@ def bare_loss(params: dict, tokens, cfg, residual=None):
         hidden = jax.nn.silu(h @ mlp["gate"].astype(dtype)) * (h @ mlp["up"].astype(dtype))
         return pin(x + hidden @ mlp["down"].astype(dtype)), None
 
+    return layer
+
+
+def _bare_gpipe(layer, blocks, x, stages: int, microbatches: int, state_sharding):
+    """Returns the stack's output [batch, length, embed] run as GPipe in plain jax: `blocks` [layers, ...]
+    viewed as [stages, layers/stages, ...], the batch split into `microbatches` (row r in micro-batch
+    r % M), M + S - 1 ticks in which every stage runs its layers on what the previous stage sent it
+    (`jnp.roll` over the stage-sharded state: a collective-permute), stage 0 reading the next
+    micro-batch and the last stage's results written back in its place."""
+    import jax
+    import jax.numpy as jnp
+
+    blocks = jax.tree.map(lambda leaf: leaf.reshape(stages, leaf.shape[0] // stages, *leaf.shape[1:]), blocks)
+    batch = x.shape[0]
+    buffer = x.reshape(batch // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)  # [M, mb, length, embed]
+    run_stages = jax.vmap(lambda stage_blocks, h: jax.lax.scan(layer, h, stage_blocks)[0],
+                          spmd_axis_name=state_sharding.spec[0])
+    first = jnp.arange(stages)[:, None, None, None] == 0
+
+    def tick(carry, t):
+        state, buffer = carry  # state [S, mb, length, embed]: each stage's last output
+        incoming = jnp.where(first, buffer[t % microbatches][None], jnp.roll(state, 1, 0))
+        state = jax.lax.with_sharding_constraint(run_stages(blocks, incoming), state_sharding)
+        done = t - (stages - 1)  # the micro-batch the last stage just finished
+        buffer = buffer.at[done % microbatches].set(jnp.where(done >= 0, state[-1], buffer[done % microbatches]))
+        return (state, buffer), None
+
+    state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)
+    (_, buffer), _ = jax.lax.scan(tick, (state, buffer), jnp.arange(microbatches + stages - 1))
+    return buffer.swapaxes(0, 1).reshape(x.shape)  # [batch, length, embed]
+
+
+def bare_loss(params: dict, tokens, cfg, residual=None, pipeline=None):
+    """Returns the mean next-token cross-entropy of the model in plain jax; `params` is nestor's
+    parameter tree (layers stacked), `cfg` a models.transformer.TransformerConfig, `residual` the
+    sharding the residual stream [batch, length, embed] is pinned to between layers (None: free),
+    `pipeline` None for a scan over the layers, else (stages, microbatches, state sharding) for GPipe."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    dtype = cfg.compute_dtype
+    pin = (lambda x: x) if residual is None else (lambda x: jax.lax.with_sharding_constraint(x, residual))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    layer = _bare_layer(cfg, pin)
     x = pin(params["embedding"][inputs].astype(dtype))
-    x, _ = jax.lax.scan(layer, x, params["blocks"])
+    if pipeline is None:
+        x, _ = jax.lax.scan(layer, x, params["blocks"])
+    else:
+        x = pin(_bare_gpipe(layer, params["blocks"], x, *pipeline))
     x = _rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
     logits = jnp.einsum("btd,dv->btv", x, params["unembedding"].astype(dtype), preferred_element_type=jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 
 
-def _without_pipeline(sharding):
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    def drop(entry):
-        if entry == "pipeline":
-            return None
-        if isinstance(entry, tuple):
-            kept = tuple(axis for axis in entry if axis != "pipeline")
-            return kept or None
-        return entry
-
-    return NamedSharding(sharding.mesh, PartitionSpec(*(drop(entry) for entry in sharding.spec)))
-
-
 def make_bare_step(config, job):
     """Returns (step(state, tokens) -> (state, loss), state sharding, batch sharding): the bare
-    jitted step over nestor's state layout, with the pipeline axis (if any) splitting the batch."""
+    jitted step over nestor's state layout and shardings; on a pipeline mesh it runs GPipe with
+    nestor's `pipeline.microbatches` (`_bare_gpipe`), the batch split over data and fsdp."""
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -130,33 +163,50 @@ def make_bare_step(config, job):
 
     cfg = model_config(config, job.mesh.devices.flat[0].platform)
     optimizer = job.layout.optimizer
-    shardings = jax.tree.map(_without_pipeline, job.layout.shardings)
-    batch_axes = tuple(axis for axis in ("pipeline", "data", "fsdp") if job.mesh.shape[axis] > 1)
-    batch = NamedSharding(job.mesh, PartitionSpec(batch_axes or None))
-    residual = NamedSharding(job.mesh, PartitionSpec(batch_axes or None, None, None))
+    batch_axes = tuple(axis for axis in ("data", "fsdp") if job.mesh.shape[axis] > 1) or None
+    batch = NamedSharding(job.mesh, PartitionSpec(batch_axes))
+    residual = NamedSharding(job.mesh, PartitionSpec(batch_axes, None, None))
+    stages = job.mesh.shape["pipeline"]
+    pipeline = None if stages == 1 else (
+        stages, config.pipeline.microbatches, NamedSharding(job.mesh, PartitionSpec("pipeline", batch_axes, None, None)))
 
     def step(state, tokens):
-        loss, grads = jax.value_and_grad(bare_loss)(state["params"], tokens, cfg, residual)
+        loss, grads = jax.value_and_grad(bare_loss)(state["params"], tokens, cfg, residual, pipeline)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                 "opt_state": opt_state}, loss
 
+    shardings = job.layout.shardings
     jitted = jax.jit(step, in_shardings=(shardings, batch),
                      out_shardings=(shardings, NamedSharding(job.mesh, PartitionSpec())), donate_argnums=0)
     return jitted, shardings, batch
 
 
+def program(compiled) -> dict:
+    """Returns what XLA compiled for one step, per device: FLOPs (loop bodies once per iteration), bytes
+    accessed (loop bodies once), temporaries, collectives per step by kind (parallel.hlo), and how many
+    copy, transpose and convert instructions the program text holds."""
+    from parallel.hlo import collectives, flops_per_run
+
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    opcodes = Counter(re.findall(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][\w-]*)\(", text))
+    return {"flops": flops_per_run(text, cost["flops"]), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "collectives": {kind: c["count"] for kind, c in collectives(text).items() if c["count"]},
+            **{opcode: opcodes[opcode] for opcode in ("copy", "transpose", "convert")}}
+
+
 def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
-    """Returns, for nestor's and the bare step compiled for abstract inputs on `mesh` (nothing run),
-    XLA's FLOPs per device (loop bodies scaled by their trip counts), bytes accessed as XLA reports
-    them (loop bodies once), temporaries and the collectives per step."""
+    """Returns the `program` of nestor's and of the bare step, compiled for abstract inputs on `mesh`
+    (nothing run)."""
     import jax
     import numpy as np
 
-    from orchestrator.explain import compile_step, step_flops
+    from orchestrator.explain import compile_step
     from orchestrator.runtime import enable_compile_cache
     from orchestrator.train import build_job
-    from parallel.hlo import collectives
 
     config = bench_config(mesh)
     enable_compile_cache(config)
@@ -165,15 +215,7 @@ def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
     abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                             job.layout.abstract, shardings)
     tokens = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=batch)
-    programs = {"nestor": compile_step(job), "bare": bare.lower(abstract, tokens).compile()}
-    out = {}
-    for name, compiled in programs.items():
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        counts = {kind: c["count"] for kind, c in collectives(compiled.as_text()).items() if c["count"]}
-        out[name] = {"flops": step_flops(compiled), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                     "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "collectives": counts}
-    return out
+    return {"nestor": program(compile_step(job)), "bare": program(bare.lower(abstract, tokens).compile())}
 
 
 def _time(run, steps: int) -> float:

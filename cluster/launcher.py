@@ -5,7 +5,9 @@ a failure (`max_failures`). It joins `jax.distributed` itself only on GPU and
 TPU, so on CPU nestor does it here, through `rendezvous`: that is what lets a
 laptop run real multi-host. The train function is an argument; this module
 knows nothing of what it trains. Restarted groups call it again from the top,
-and it is the function's job to resume from its newest checkpoint.
+and it is the function's job to resume from its newest checkpoint. A function
+that stopped for a preemption notice (after saving) raises `Preempted` on every
+worker: the group then starts again at once, without spending `max_failures`.
 
 Workers' own output stays in Ray's log files (unless `spec.worker_logs`):
 what the user should see, a worker sends to the driver as messages through a
@@ -32,6 +34,11 @@ LOCALHOST = "127.0.0.1"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 UPLOAD_EXCLUDES = [".git", ".venv", "venv", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
                    "bench"]
+
+
+class Preempted(Exception):
+    """Raised by a train function on every worker once the group saved its state after a preemption
+    notice; `launch` starts the group again, and it resumes from that state."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +70,10 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None]], Any], argument: Any,
     """Runs `train_fn(argument, send)` on `spec.hosts` workers joined by jax.distributed; returns when all finish.
 
     `send(message)` (any picklable value) reaches `on_message(message)` in this
-    process, in order. Connects to `spec.address`, else to the cluster of the
-    surrounding Ray job, else starts an embedded local cluster (127.0.0.1)
-    and stops it afterwards. Raises ClusterError when the cluster is
+    process, in order. A group whose workers raise `Preempted` is started
+    again, as often as that happens. Connects to `spec.address`, else to the
+    cluster of the surrounding Ray job, else starts an embedded local cluster
+    (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
     unreachable, too small for the spec (checked before any worker starts),
     or the run fails past `spec.max_failures` restarts.
     """
@@ -177,10 +185,12 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
 
 
 class Mailbox:
-    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties."""
+    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; and whether the
+    group stopped for a preemption (`preempted` marks it, `take_preempted` reads and clears it)."""
 
     def __init__(self):
         self.messages: list = []
+        self.stopped_for_preemption = False
 
     def put(self, message) -> None:
         self.messages.append(message)
@@ -192,15 +202,32 @@ class Mailbox:
     def sync(self) -> None:
         """Returns once every earlier call of the caller has run."""
 
+    def preempted(self) -> None:
+        self.stopped_for_preemption = True
+
+    def take_preempted(self) -> bool:
+        stopped, self.stopped_for_preemption = self.stopped_for_preemption, False
+        return stopped
+
 
 def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message) -> None:
+    import ray
+
+    board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
+    mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
+    while True:
+        _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox)
+        if not ray.get(mailbox.take_preempted.remote()):
+            return  # else every worker saved the same step after a preemption: a new group resumes it
+
+
+def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, board, mailbox) -> None:
+    """Runs one Ray Train fit (the group and its restarts); returns when it ends, raises as `launch` does."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
     from ray.train.v2.jax import JaxTrainer
 
-    board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
-    mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     scaling = ScalingConfig(num_workers=spec.hosts, use_gpu=spec.accelerator == "gpu",
                             use_tpu=spec.accelerator == "tpu", resources_per_worker=spec.worker_resources(),
                             topology=spec.tpu_topology, accelerator_type=spec.tpu_type)
@@ -295,7 +322,10 @@ def _worker(config: dict) -> None:
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
     mailbox = config["mailbox"]
-    config["fn"](config["argument"], mailbox.put.remote)
+    try:
+        config["fn"](config["argument"], mailbox.put.remote)
+    except Preempted:
+        mailbox.preempted.remote()  # a clean end for Ray Train; the driver starts the next group
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 

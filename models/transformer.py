@@ -251,18 +251,10 @@ class Transformer(nnx.Module):
         through `dense_runner` before the units run through `stack_runner`.
         `segment_ids` [batch, length] (None = one document per row) keep
         attention within each segment; they reach every unit as its row inputs.
-        `train` picks the MoE capacity factor (training or eval) and enables
-        random routing; `routing_key` seeds that routing, split into one key per
-        stacked unit, which then travels with the unit's parameters as
-        `(params, key)`. Raises ValueError when the routing needs a key and none is given.
+        `train` and `routing_key` are as in `units`. Raises ValueError when the
+        routing needs a key and none is given.
         """
-        cfg = self.cfg
-        # The lookup reads the whole table (gathered once per step, as fsdp gathers every weight):
-        # a gather from a vocab-sharded table cannot be partitioned without replicating it anyway.
-        table = constrain(self.embedding[...], (None, None))
-        x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
-        x = constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
-
+        x = self.embed(tokens)
         if self.dense_blocks is not None:
             dense_def, dense_stack = nnx.split(self.dense_blocks)
 
@@ -270,21 +262,45 @@ class Transformer(nnx.Module):
                 return nnx.merge(dense_def, params)(h, segment_ids=unit_segment_ids)
 
             x, _ = dense_runner(dense_fn, dense_stack, x, segment_ids)
+        layer_fn, stacked = self.units(train=train, routing_key=routing_key)
+        x, stats = stack_runner(layer_fn, stacked, x, segment_ids)
+        return self.logits(x), stats
 
-        block_def, units = nnx.split(self.blocks)
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Returns the embedded tokens [batch, length, embed] in the compute dtype."""
+        # The lookup reads the whole table (gathered once per step, as fsdp gathers every weight):
+        # a gather from a vocab-sharded table cannot be partitioned without replicating it anyway.
+        table = constrain(self.embedding[...], (None, None))
+        x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)
+        return constrain(x, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED))
+
+    def units(self, *, train: bool = True, routing_key: jax.Array | None = None) -> tuple[LayerFn, Any]:
+        """Returns (layer_fn, stacked): the stacked units as a function of one unit's inputs and those inputs
+        stacked [units, ...] (a plain dict of parameters, or `(parameters, keys)` with random routing).
+
+        `train` picks the MoE capacity factor (training or eval) and enables
+        random routing; `routing_key` seeds that routing, split into one key per
+        stacked unit. Raises ValueError when the routing needs a key and none is given.
+        """
+        cfg = self.cfg
+        block_def, block_state = nnx.split(self.blocks)
+        stacked = nnx.to_pure_dict(block_state)
         random_routing = train and cfg.moe.needs_routing_key
         if random_routing:
             if routing_key is None:
                 raise ValueError("moe.second_expert_policy=random needs a routing_key in training")
-            units = (units, jax.random.split(routing_key, cfg.stacked_units))
+            stacked = (stacked, jax.random.split(routing_key, cfg.stacked_units))
 
         def layer_fn(unit_inputs: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
             params, key = unit_inputs if random_routing else (unit_inputs, None)
             return nnx.merge(block_def, params)(h, segment_ids=unit_segment_ids, train=train, routing_key=key)
 
-        x, stats = stack_runner(layer_fn, units, x, segment_ids)
+        return layer_fn, stacked
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Returns the float32 logits [batch, length, vocab] of the stack's output `x` [batch, length, embed]."""
         x = self.final_norm(x)
-        unembedding = self.embedding[...].T if cfg.tie_embeddings else self.unembedding[...]
-        logits = jnp.einsum("btd,dv->btv", x, unembedding.astype(cfg.compute_dtype),
+        unembedding = self.embedding[...].T if self.cfg.tie_embeddings else self.unembedding[...]
+        logits = jnp.einsum("btd,dv->btv", x, unembedding.astype(self.cfg.compute_dtype),
                             preferred_element_type=jnp.float32)
-        return constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB)), stats
+        return constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))

@@ -1,4 +1,4 @@
-"""The `nestor` command: train, explain, submit, status, stop."""
+"""The `nestor` command: train, explain, submit, status, stop, data prepare."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def where_results_are(config) -> list[str]:
 
 
 def _train(config, args) -> int:
+    from orchestrator.checkpoint import CheckpointWriteError
     from orchestrator.progress import Console
     from orchestrator.train import TrainingDiverged
 
@@ -58,6 +59,9 @@ def _train(config, args) -> int:
             stopped_by = train(config, console=console).stopped_by
         except TrainingDiverged as error:
             print(f"nestor: training diverged: {error}", file=sys.stderr)
+            return 1
+        except CheckpointWriteError as error:
+            print(f"nestor: {error}", file=sys.stderr)
             return 1
     for line in where_results_are(config):
         print(line)
@@ -101,6 +105,56 @@ def _job_command(args) -> int:
     return 0
 
 
+def _data_prepare(args) -> int:
+    from orchestrator.data.prepare import Options, prepare
+
+    options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
+                      eval_fraction=args.eval_fraction, text_field=args.text_field,
+                      parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb)
+    metadata = prepare(args.sources, options, args.eval_source)
+    for split, counts in metadata["splits"].items():
+        print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
+              f"{len(counts['shards'])} shards")
+    print(f"train on it: data.source=tokens data.paths=[{_shown(str(options.out))}] "
+          f"model.vocab_size={metadata['tokenizer']['vocab_size']} (or more)")
+    return 0
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _data_parser(commands) -> None:
+    data = commands.add_parser("data", help="prepare token shards for data.source=tokens")
+    actions = data.add_subparsers(dest="action", required=True)
+    prepare = actions.add_parser("prepare", help="tokenize text, JSONL and Parquet files into token shards")
+    prepare.add_argument("sources", nargs="+", metavar="SOURCE",
+                         help="text, .jsonl or .parquet files, globs or directories")
+    prepare.add_argument("--tokenizer", required=True, help="a tokenizers .json, a SentencePiece .model, or bytes")
+    prepare.add_argument("--out", required=True, help="the directory of shards (an interrupted prepare resumes)")
+    prepare.add_argument("--eval-fraction", type=_fraction, default=0.0,
+                         help="share of documents held out as the eval split (by a hash of the text)")
+    prepare.add_argument("--eval-source", nargs="*", default=[], metavar="SOURCE",
+                         help="inputs held out whole as the eval split")
+    prepare.add_argument("--text-field", default="text", help="JSONL: the field holding a document's text")
+    prepare.add_argument("--parquet-column", default="text", help="Parquet: the column holding the text")
+    prepare.add_argument("--workers", type=_positive(int), default=1, help="tokenizing processes")
+    prepare.add_argument("--shard-mb", type=_positive(float), default=256.0, help="input MiB per shard")
+    prepare.set_defaults(handler=_data_prepare)
+
+
 def parser() -> argparse.ArgumentParser:
     """Returns the argument parser of the `nestor` command."""
     main = argparse.ArgumentParser(prog="nestor", description="Train large Flax models on nested device meshes.")
@@ -120,6 +174,7 @@ def parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", help="the submission id `nestor submit` printed")
         command.set_defaults(handler=None)
+    _data_parser(commands)
     for command in (submit, commands.choices["status"], commands.choices["stop"]):
         command.add_argument("--address", required=True, help="the cluster's dashboard URL, e.g. http://127.0.0.1:8265")
     return main
@@ -142,7 +197,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code: 2 for a config error, 1 for a cluster error, a missing
-    dependency or a diverged run (printed as one message, no trace), 128 + signal when stopped by one."""
+    dependency, a diverged run or a failed checkpoint write (printed as one message, no trace), 128 + signal
+    when stopped by one."""
     args = parse(argv)
     missing = check_dependencies()
     if missing:
@@ -154,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.handler is None:
             return _job_command(args)
+        if args.command == "data":
+            return args.handler(args)
         config = load(args.config, args.overrides)
         return args.handler(config, args)
     except ConfigError as error:

@@ -19,24 +19,13 @@ from typing import Any
 import yaml
 
 from models import remat_names
+from orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from models.transformer import ATTENTION_IMPLEMENTATIONS
+from orchestrator.health import HISTORY as HEALTH_HISTORY
 from orchestrator.remat import PIPELINE_REMAT_ALIASES, POLICIES as REMAT_POLICIES
 from parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A config a user wrote is wrong; `problems` holds (key path, message) pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = list(problems)
-        lines = [f"  {key}: {message}" for key, message in self.problems]
-        super().__init__("invalid config:\n" + "\n".join(lines))
-
-    def __reduce__(self):
-        # Ray ships a worker's exception to the driver by pickling it.
-        return ConfigError, (self.problems,)
 
 
 INT32_MAX = 2**31 - 1  # steps, sizes and counts live in int32 on the device
@@ -165,9 +154,12 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = key("synthetic", "synthetic | text", choices=("synthetic", "text"))
+    source: str = key("synthetic", "synthetic | text | tokens (shards of `nestor data prepare`)",
+                      choices=("synthetic", "text", "tokens"))
     paths: tuple[str, ...] = key((), "text: globs of text files (no NUL bytes); empty = the Python standard "
-                                 "library's sources")
+                                 "library's sources; tokens: prepared directories")
+    mixture: tuple[dict, ...] = key((), "tokens: [{paths: [dirs], weight: w > 0}, ...] each row drawn from one "
+                                    "entry by weight; empty = data.paths")
     tokenizer: str | None = key(None, "text: path to a tokenizers JSON or SentencePiece model; null = bytes")
     document_mask: bool = key(True, "text: no token attends across a document separator (token 0); synthetic: "
                               "no-op")
@@ -205,8 +197,9 @@ class MeshConfig:
 class PipelineConfig:
     microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline",
                             **_POSITIVE)
-    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1))",
-                        choices=("gpipe", "circular"))
+    schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
+                        "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight)",
+                        choices=("gpipe", "circular", "1f1b"))
     repeats: int = key(1, "circular: non-adjacent layer groups per stage (R); num_layers % (S*R) == 0", **_POSITIVE)
     remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "
                             "dots_with_no_batch_dims_saveable (= minimal)", choices=tuple(PIPELINE_REMAT_ALIASES))
@@ -245,6 +238,9 @@ class MoEConfig:
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
+    health_factor: float = key(10.0, "save a state only if its loss and parameter norm are at most this factor x "
+                               f"their median over the last {HEALTH_HISTORY} healthy steps (a finite blow-up is "
+                               "never kept); 0 = finite is enough", minimum=1, also=(0,))
     # `async` is a Python keyword, so the field is `async_save`; the YAML key stays `async`.
     async_save: bool = key(True, "save in the background while training continues")
 
@@ -456,7 +452,7 @@ def _absolute(path: str, base: Path) -> str:
 
 def resolve_paths(config: Config, base: Path) -> Config:
     """Returns `config` with every path a user writes (run.dir, run.compile_cache, data.paths globs,
-    data.tokenizer) made absolute against `base`, `~` expanded.
+    data.tokenizer, data.mixture's paths) made absolute against `base`, `~` expanded.
 
     `load` resolves against the directory `nestor` runs in, before the config
     reaches any other process: a Ray worker's working directory is Ray's, not the user's.
@@ -467,7 +463,19 @@ def resolve_paths(config: Config, base: Path) -> Config:
         run=dataclasses.replace(run, dir=_absolute(run.dir, base),
                                 compile_cache=run.compile_cache and _absolute(run.compile_cache, base)),
         data=dataclasses.replace(data, paths=tuple(_absolute(p, base) for p in data.paths),
-                                 tokenizer=data.tokenizer and _absolute(data.tokenizer, base)))
+                                 tokenizer=data.tokenizer and _absolute(data.tokenizer, base),
+                                 mixture=tuple(_resolved_entry(entry, base) for entry in data.mixture)))
+
+
+def _resolved_entry(entry: dict, base: Path) -> dict:
+    """Returns a data.mixture entry with its paths (a string or a list) made absolute; an entry of
+    another shape is returned as it is, for validation to name."""
+    paths = entry.get("paths")
+    if isinstance(paths, str):
+        paths = [paths]
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        return entry
+    return {**entry, "paths": [_absolute(p, base) for p in paths]}
 
 
 def _validated(config: Config) -> Config:
@@ -560,6 +568,10 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
         return None, f"expected a finite number, got {value!r}"
     if hint is str:
         return (value, None) if isinstance(value, str) else (None, f"expected a string, got {value!r}")
+    if origin is tuple and args[0] is dict:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) for v in value):
+            return None, f"expected a list of mappings, got {value!r}"
+        return tuple(dict(v) for v in value), None
     if origin is tuple:
         if isinstance(value, str):
             value = [value]

@@ -81,14 +81,16 @@ def step_flops(compiled) -> float:
     return flops_per_run(compiled.as_text(), cost_flops(compiled))
 
 
-def pipeline_report(job: Job) -> dict[str, Any] | None:
-    """Returns the pipeline schedule of `job` (name, iterations, microbatches, stages, repeats,
-    bubble_fraction), or None when the mesh has a single stage (`mesh.pipeline=1`)."""
+def pipeline_report(job: Job, temporaries: int) -> dict[str, Any] | None:
+    """Returns the pipeline schedule of `job` (name, ticks, microbatches, stages, repeats, bubble_fraction,
+    micro-batches in flight per stage) with the compiled step's `temporaries` (bytes per device), or None
+    when the mesh has a single stage (`mesh.pipeline=1`)."""
     schedule = pipeline_schedule(job.config, job.mesh)
     if schedule is None:
         return None
-    return {"schedule": schedule.name, "iterations": schedule.iterations, "microbatches": schedule.microbatches,
-            "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction}
+    return {"schedule": schedule.name, "ticks": schedule.iterations, "microbatches": schedule.microbatches,
+            "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction,
+            "in_flight": schedule.in_flight(), "temporaries": temporaries}
 
 
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
@@ -121,7 +123,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
                           memory.temp_size_in_bytes, peak_bytes),
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
-        "pipeline": pipeline_report(job),
+        "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
         "dropless_moe": dropless_report(config, job.mesh, job.rules),
         "flops_per_step": xla_flops * devices,
         "flops_per_step_per_device": xla_flops,
@@ -170,8 +172,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
     if (p := report["pipeline"]) is not None:
         lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
-                      f"{p['microbatches']} micro-batches, {p['iterations']} iterations, "
-                      f"bubble {p['bubble_fraction']:.1%}"]
+                      f"{p['microbatches']} micro-batches, {p['ticks']} ticks, bubble {p['bubble_fraction']:.1%}, "
+                      f"micro-batches in flight per stage {'/'.join(map(str, p['in_flight']))}, "
+                      f"temporaries {_fmt_bytes(p['temporaries'])}"]
     if (d := report["dropless_moe"]) is not None:
         lines += ["", f"dropless MoE: exchange {d['exchange']}, worst-case buffer {d['buffer_rows']:,} rows, "
                       f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]

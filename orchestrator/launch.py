@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.launcher import ClusterSpec, launch
+from cluster.launcher import ClusterSpec, Preempted, launch
 from orchestrator.config import Config
 from orchestrator.progress import Console, ForwardingConsole, replay
 from orchestrator.run_lock import RunDirLock
@@ -21,7 +21,8 @@ def train_on_worker(config: Config, send) -> None:
     """The function each Ray worker runs once jax.distributed is up: the ordinary train loop.
 
     Process 0 speaks for the run: its console calls travel to the driver
-    through `send`; the other processes say nothing.
+    through `send`; the other processes say nothing. Raises Preempted when
+    every process stopped after the same step for a SIGTERM and saved it.
     """
     import jax
 
@@ -30,7 +31,10 @@ def train_on_worker(config: Config, send) -> None:
 
     enable_compile_cache(config)
     console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
-    train(config, console=console, lock=False)  # the driver holds run.dir's lock (train_on_ray)
+    result = train(config, console=console, lock=False)  # the driver holds run.dir's lock (train_on_ray)
+    if result.stopped_by is not None:
+        console.log(f"preempted: the worker group starts again from step {int(result.state['step'])}")
+        raise Preempted(f"signal {result.stopped_by}")
 
 
 def train_on_ray(config: Config, console: Console) -> None:

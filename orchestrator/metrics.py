@@ -5,7 +5,8 @@ param_norm, lr, and whatever the model adds, e.g. moe_aux_loss), next to
 what the loop measures: step_time_s, tokens_per_s, tflops_per_device and mfu
 (only when the device's peak is known), and on the record after them the
 seconds spent compiling the step (compile_s) and blocking in a checkpoint
-save (checkpoint_s). metrics.jsonl keeps the flat names;
+save (checkpoint_s), and with a data mixture each source's realised share of
+the batch (data_share_<i>). metrics.jsonl keeps the flat names;
 TensorBoard files the same numbers under groups (`tensorboard_tag`). A
 `moe_expert_load` metric [MoE layers, experts] becomes a heatmap image every
 `metrics.image_every` steps, and at the same steps `moe_expert_bias` (the
@@ -28,13 +29,14 @@ from orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves.
 PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
-_PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval"}
+_PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval", "data_": "data"}
 # Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
 _JSONL_ONLY = ("step", "resumed_from")
 
 
 def tensorboard_tag(name: str) -> str:
     """Returns the TensorBoard tag of metric `name`: `moe_aux_loss` -> `moe/aux_loss`, `eval_*` -> `eval/*`,
+    `data_share_0` -> `data/share_0`,
     throughput numbers -> `perf/<name>`, anything else (a model's new metric too) -> `train/<name>`."""
     for prefix, group in _PREFIX_GROUPS.items():
         if name.startswith(prefix):

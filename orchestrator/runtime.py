@@ -89,6 +89,16 @@ COMPILED_BARRIER_TIMEOUT_S = 3600
 _BARRIER_NUMBERS = itertools.count(1)  # this process's barriers; every process counts the same ones
 
 
+def _coordination_client(name: str):
+    """Returns jax.distributed's coordination client (barriers, key-value store); ClusterError if there is none."""
+    import jax
+    from jax._src import distributed  # no public API has the coordination service's barrier or store
+
+    if distributed.global_state.client is None:
+        raise ClusterError(f"'{name}': {jax.process_count()} processes but jax.distributed is not initialized here")
+    return distributed.global_state.client
+
+
 def wait_for_every_process(name: str, timeout_s: float = COMPILED_BARRIER_TIMEOUT_S) -> None:
     """Returns once every process of a multi-host run has called this with `name` (one process: at once).
 
@@ -98,16 +108,62 @@ def wait_for_every_process(name: str, timeout_s: float = COMPILED_BARRIER_TIMEOU
     Raises ClusterError when a process has not arrived within `timeout_s`.
     """
     import jax
-    from jax._src import distributed  # the coordination client; no public API has its barrier
 
     if jax.process_count() == 1:
         return
-    client = distributed.global_state.client
-    if client is None:
-        raise ClusterError(f"'{name}': {jax.process_count()} processes but jax.distributed is not initialized here")
+    client = _coordination_client(name)
     # A barrier id may be used once per coordination service: number them.
     try:
         client.wait_at_barrier(f"nestor {next(_BARRIER_NUMBERS)}: {name}", int(timeout_s * 1000))
     except jax.errors.JaxRuntimeError as error:
         raise ClusterError(f"not every process reached '{name}' within {timeout_s:g} s: "
                            f"{str(error).splitlines()[0]}") from error
+
+
+# How long processes wait for each other's verdict on a checkpoint: a restore reads every array once.
+VERDICT_TIMEOUT_S = 600
+
+
+def every_process_says(name: str, value: str, timeout_s: float = VERDICT_TIMEOUT_S) -> list[str]:
+    """Returns every process's `value` for `name`, indexed by process (one process: `[value]`).
+
+    Through jax.distributed's key-value store and a barrier with a deadline,
+    not a collective: a process whose part failed still answers, so processes
+    that saw different things (one restore fails, another does not) decide
+    together instead of one waiting forever at a barrier the others skipped.
+    Raises ClusterError when a process has not answered within `timeout_s`.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    client = _coordination_client(name)
+    directory = f"nestor {next(_BARRIER_NUMBERS)}: {name}/"
+    client.key_value_set(f"{directory}{jax.process_index()}", value)
+    wait_for_every_process(f"{name} said", timeout_s)
+    said = dict(client.key_value_dir_get(directory))
+    return [said[f"{directory}{process}"] for process in range(jax.process_count())]
+
+
+def preemption_agreed(calls: int) -> bool:
+    """Returns True on every process at the same call once any process of a multi-host run got SIGTERM.
+
+    `calls` counts this run's calls, from 1. jax.distributed's preemption sync
+    manager catches SIGTERM in every process (its handler, installed by
+    `jax.distributed.initialize`, keeps the process alive), shares the notice
+    through the coordination service, and picks one past the furthest call any
+    process has made: the step every process stops after. Checking costs a
+    lock and a comparison; no message is sent until a notice arrives. One
+    process, or `jax_enable_preemption_service` off: always False.
+    """
+    from jax.experimental import multihost_utils
+
+    return preemption_is_agreed() and multihost_utils.reached_preemption_sync_point(calls)
+
+
+def preemption_is_agreed() -> bool:
+    """Returns whether SIGTERM stops this run through `preemption_agreed` (a multi-host run with the service)."""
+    import jax
+    from jax._src import distributed
+
+    return jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None

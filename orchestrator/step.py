@@ -22,7 +22,7 @@ from models.axes import activation_sharding
 from models.moe import expert_parallelism
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
-from orchestrator.data import document_ids
+from orchestrator.data.pipeline import document_ids
 from orchestrator.moe import (EXPERT_BIAS, EXPERT_LAYOUT, EXPERT_LOAD, balanced_expert_bias, moe_loss_and_metrics,
                               routing_key)
 from orchestrator.optimizer import learning_rate
@@ -31,9 +31,13 @@ from orchestrator.state import StateLayout
 from orchestrator.validation import schedule_for
 from parallel.experts import all_gather_exchange
 from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
+from parallel.pipeline_1f1b import one_f_one_b
 from parallel.rules import Rules, activation_constrainer, partition_spec
 
+ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
 Metrics = dict[str, jax.Array]
+# grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads), as value_and_grad(loss_fn)
+GradFn = Callable[..., tuple[tuple[jax.Array, Metrics], Any]]
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
@@ -72,11 +76,10 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
     return loss_fn
 
 
-def _accumulated_grads(loss_fn, params: dict, tokens: jax.Array, key: jax.Array, accum: int,
+def _accumulated_grads(grad_fn: GradFn, params: dict, tokens: jax.Array, key: jax.Array, accum: int,
                        constrain) -> tuple[Any, Metrics]:
     """Returns (grads, metrics) averaged over `accum` micro-batches; micro-batch i routes
     with `fold_in(key, i)`, so no two micro-batches draw the same routing noise."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, tokens, routing_key=key)
         return grads, {"loss": loss, **metrics}
@@ -104,7 +107,7 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
 
 
 def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
-    """Returns how the layer stack runs (pipelined when `mesh.pipeline > 1`, else a scan) and how an
+    """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else a scan) and how an
     MoE model's first dense layers run (a scan, before the pipeline: on every stage); every unit is
     rematerialised by `model.remat`."""
     policy = remat_policy(config, mesh.devices.flat[0].platform)
@@ -112,17 +115,58 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
         return scan, scan
-    return pipeline_runner(schedule, mesh, rules, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED), policy), scan
+    return pipeline_runner(schedule, mesh, rules, ACTIVATION_AXES, policy), scan
+
+
+def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:
+    """Returns grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads) of the
+    model's loss:
+    jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop
+    (1F1B), that schedule's own gradients."""
+    document_mask = config.data.document_mask and config.data.source == "text"  # synthetic rows are one document
+    schedule = pipeline_schedule(config, mesh)
+    if schedule is None or not schedule.one_f_one_b:
+        stack_runner, dense_runner = stack_runners(config, mesh, rules)
+        loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, document_mask, dense_runner)
+        return jax.value_and_grad(loss_fn, has_aux=True)
+    policy = remat_policy(config, mesh.devices.flat[0].platform)
+    value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
+    constrainer = activation_constrainer(mesh, rules)
+    moe = config.moe
+
+    def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None, expert_bias: None = None):
+        # No expert bias, first dense layers or dropless experts reach here (validation: pipeline.schedule).
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        segment_ids = document_ids(inputs) if document_mask else None
+        rest = {name: value for name, value in params.items() if name != "blocks"}  # embedding and head
+
+        def model(rest: dict):  # the blocks' gradients come from the schedule's stages, the rest's from embed and head
+            return nnx.merge(layout.graphdef, {**rest, "blocks": params["blocks"]})
+
+        def embed(rest: dict, micro_inputs: dict) -> jax.Array:
+            return model(rest).embed(micro_inputs["tokens"])
+
+        def head(rest: dict, y: jax.Array, micro_inputs: dict) -> tuple[jax.Array, Metrics]:
+            return lm_loss(model(rest).logits(y), micro_inputs["targets"]), {}
+
+        with activation_sharding(constrainer):
+            layer_fn, stacked = model(rest).units(routing_key=routing_key)
+            (loss, _, stats), (stacked_grads, rest_grads) = value_and_grad(
+                layer_fn, embed, head, stacked, rest, {"tokens": inputs, "targets": targets}, segment_ids,
+                lambda stats: moe_loss_and_metrics(stats, moe)[0])
+        block_grads = stacked_grads[0] if isinstance(stacked, tuple) else stacked_grads  # (params, routing keys)
+        moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
+        return (loss + moe_loss, {"lm_loss": loss, **moe_metrics}), {**rest_grads, "blocks": block_grads}
+
+    return grad_fn
 
 
 def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
     """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
 
-    The layer stack runs through `stack_runners(config, mesh, rules)`.
+    Gradients come from `make_grad_fn(config, layout, mesh, rules)`.
     """
-    document_mask = config.data.document_mask and config.data.source == "text"  # synthetic rows are one document
-    stack_runner, dense_runner = stack_runners(config, mesh, rules)
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, document_mask, dense_runner)
+    grad_fn = make_grad_fn(config, layout, mesh, rules)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
@@ -130,8 +174,8 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
         key = routing_key(config.run.seed, state["step"])
-        biased_loss = functools.partial(loss_fn, expert_bias=state.get("expert_bias"))
-        grads, metrics = _accumulated_grads(biased_loss, params, tokens, key, accum, constrain)
+        grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias")), params,
+                                            tokens, key, accum, constrain)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),

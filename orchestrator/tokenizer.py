@@ -1,68 +1,103 @@
-"""Optional tokenizer files for the text source: Hugging Face `tokenizers` JSON or SentencePiece.
+"""Tokenizers for text: Hugging Face `tokenizers` JSON, SentencePiece, or bytes.
 
-Without a file the text source is byte-level (vocab 256) and needs nothing.
-The libraries are imported only when a file is given, so neither is a
-dependency of nestor.
+Without a file, text is byte-level (vocab 256) and needs nothing. The
+libraries are imported only when a file is given, so neither is a
+dependency of nestor. A tokenizer's fingerprint (a hash of its file, or
+`bytes`) travels with prepared token shards, so a run can tell whether its
+shards were made by the tokenizer it expects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from orchestrator.config import ConfigError
+import numpy as np
 
-Tokenizer = Callable[[str], list[int]]
+from orchestrator.errors import ConfigError
+
+Tokenizer = Callable[[str], Sequence[int]]  # a list, or an array of ids
+BYTES = "bytes"  # the name `nestor data prepare --tokenizer` takes for byte-level text
+BYTE_VOCAB = 256
 
 
-def _unreadable(path: Path, kind: str, error: Exception) -> ConfigError:
+@dataclasses.dataclass(frozen=True)
+class TokenizerFile:
+    """A loaded tokenizer: text -> ids, its vocabulary size and fingerprint."""
+
+    encode: Tokenizer
+    vocab_size: int
+    fingerprint: str
+
+
+def _unreadable(path: Path, kind: str, error: Exception, key: str) -> ConfigError:
     reason = " ".join(str(error).split())[:200] or type(error).__name__
-    return ConfigError([("data.tokenizer", f"{path} does not load as {kind}: {reason}")])
+    return ConfigError([(key, f"{path} does not load as {kind}: {reason}")])
 
 
-def _huggingface(path: Path) -> tuple[Tokenizer, int]:
+def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int]:
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
-        raise ConfigError([("data.tokenizer", f"{path} needs the `tokenizers` package: pip install tokenizers")]) from None
+        raise ConfigError([(key, f"{path} needs the `tokenizers` package: pip install tokenizers")]) from None
     try:
         tokenizer = HFTokenizer.from_file(str(path))
     except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
-        raise _unreadable(path, "a tokenizers JSON", error) from None
+        raise _unreadable(path, "a tokenizers JSON", error, key) from None
     return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size()
 
 
-def _sentencepiece(path: Path) -> tuple[Tokenizer, int]:
+def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int]:
     try:
         import sentencepiece
     except ImportError:
-        raise ConfigError([("data.tokenizer", f"{path} needs the `sentencepiece` package: "
-                                              "pip install sentencepiece")]) from None
+        raise ConfigError([(key, f"{path} needs the `sentencepiece` package: pip install sentencepiece")]) from None
     try:
         processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
     except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
-        raise _unreadable(path, "a SentencePiece model", error) from None
+        raise _unreadable(path, "a SentencePiece model", error, key) from None
     return processor.encode, processor.get_piece_size()
 
 
-def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer | None:
-    """Returns text -> token ids for a `.json` (tokenizers) or `.model` (SentencePiece) file; None = bytes.
+def encode_bytes(text: str) -> np.ndarray:
+    """Returns the UTF-8 bytes of `text` as token ids, uint8 (byte-level: vocab 256)."""
+    return np.frombuffer(text.encode(), np.uint8)
 
-    Raises ConfigError when the file is absent, of an unknown kind, does not
-    parse (empty, truncated), its library is missing, or its vocabulary does not fit `model.vocab_size`.
+
+def open_tokenizer(path: str | None, key: str = "data.tokenizer") -> TokenizerFile:
+    """Returns the tokenizer of a `.json` (tokenizers) or `.model` (SentencePiece) file; None or
+    `bytes` = byte-level.
+
+    Raises ConfigError naming `key` when the file is absent, of an unknown kind, does not parse
+    (empty, truncated) or its library is missing.
     """
-    if path is None:
-        if vocab_size < 256:
-            raise ConfigError([("model.vocab_size", f"byte-level text needs at least 256, got {vocab_size}")])
-        return None
+    if path is None or path == BYTES:
+        return TokenizerFile(encode_bytes, BYTE_VOCAB, BYTES)
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError([("data.tokenizer", f"no file at {file}; give a tokenizers .json or SentencePiece .model")])
+        raise ConfigError([(key, f"no file at {file}; give a tokenizers .json or SentencePiece .model")])
     loaders = {".json": _huggingface, ".model": _sentencepiece}
     if file.suffix not in loaders:
-        raise ConfigError([("data.tokenizer", f"{file.name}: expected a .json (tokenizers) or .model (SentencePiece)")])
-    tokenizer, size = loaders[file.suffix](file)
-    if size > vocab_size:
-        raise ConfigError([("model.vocab_size", f"{size} tokens in {file.name} do not fit {vocab_size}; "
-                                                f"set model.vocab_size={size} or more")])
-    return tokenizer
+        raise ConfigError([(key, f"{file.name}: expected a .json (tokenizers) or .model (SentencePiece)")])
+    encode, size = loaders[file.suffix](file, key)
+    return TokenizerFile(encode, size, tokenizer_fingerprint(file))
+
+
+def tokenizer_fingerprint(file: Path) -> str:
+    """Returns the first 16 hex digits of the SHA-256 of a tokenizer file's bytes."""
+    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+
+
+def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer | None:
+    """Returns text -> token ids for `data.tokenizer` (see `open_tokenizer`); None = bytes, read as such.
+
+    Raises ConfigError as `open_tokenizer` does, and when the vocabulary does not fit `model.vocab_size`.
+    """
+    tokenizer = open_tokenizer(path)
+    if tokenizer.vocab_size > vocab_size:
+        name = "byte-level text" if path is None else Path(path).name
+        raise ConfigError([("model.vocab_size", f"{tokenizer.vocab_size} tokens of {name} do not fit {vocab_size}; "
+                                                f"set model.vocab_size={tokenizer.vocab_size} or more")])
+    return None if path is None else tokenizer.encode

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import signal
 import threading
 import time
@@ -12,18 +13,21 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import yaml
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
-from orchestrator.data import DataPipeline, batch_shape
+from orchestrator.data.pipeline import DataPipeline, batch_shape
+from orchestrator.health import StateHealth
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.profiler import StepProfiler
 from orchestrator.progress import Console
 from orchestrator.run_lock import RunDirLock
-from orchestrator.runtime import check_shared_run_dir, wait_for_every_process
+from orchestrator.runtime import (check_shared_run_dir, preemption_agreed, preemption_is_agreed,
+                                  wait_for_every_process)
 from orchestrator.state import StateLayout, init_state, state_layout
 from orchestrator.step import batch_sharding, make_train_step
 from orchestrator.validation import mesh_axes_key
@@ -104,7 +108,12 @@ class TrainResult:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step."""
+    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step.
+
+    In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
+    `preemption_agreed`), so that every process stops after the same step;
+    SIGINT is handed to it as a SIGTERM.
+    """
 
     def __init__(self):
         self.received: int | None = None
@@ -113,12 +122,26 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
+            if preemption_is_agreed():
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
+            else:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+
+    @staticmethod
+    def _forward(signum, frame) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_before(self, calls: int) -> bool:
+        """Returns whether to stop before this run's `calls`-th step (from 1): a signal came to this
+        process, or, in a multi-host run, every process agreed on this step after one got SIGTERM."""
+        if self.received is None and preemption_agreed(calls):
+            self.received = signal.SIGTERM
+        return self.received is not None
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
@@ -138,6 +161,7 @@ def _check_finite(step: int, values: dict) -> None:
 
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
+    """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state."""
     resumed = checkpointer.restore_latest()
     if resumed is None:
         return 0, init_state(config, job.layout)
@@ -176,16 +200,19 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
-    (then returns early with `stopped_by` set). Device values are read one
-    step late, so logging never waits on the step that is running. Progress
+    (then returns early with `stopped_by` set; in a multi-host run, a SIGTERM
+    to any process stops every process after the same step). Device values
+    are read one step late, so logging never waits on the step that is running. Progress
     goes to `console` (default: this terminal). With `lock`, process 0 holds
     run.dir's lock for the run (the Ray launcher holds it in the driver and
     passes False). Returns the losses, final state and logged records. Raises
     ConfigError for configs that do not fit the devices, a checkpoint that
     does not fit the config (run.dir left as it was) or a run.dir another run
     holds; ClusterError when the processes of a multi-host run do not share
-    run.dir, and TrainingDiverged on a NaN/Inf loss, leaving the last good
-    checkpoint newest.
+    run.dir; TrainingDiverged on a NaN/Inf loss, leaving the last good
+    checkpoint newest; CheckpointWriteError as soon as a save fails (disk
+    full, read-only run.dir). A state whose loss or parameter norm blew up
+    (checkpoint.health_factor) is not saved.
     """
     console = console or Console()
     job = build_job(config, devices)
@@ -229,6 +256,9 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
         if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
             (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         result = TrainResult([], state, [], first_step)
+        replicated = NamedSharding(job.mesh, PartitionSpec())  # every process can read the norm
+        start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
+        health = StateHealth(config.checkpoint.health_factor, float(start_norm))
         if first_step >= config.train.steps:
             log(f"nothing to train: the checkpoint in {config.run.dir} is at step {first_step} = train.steps; "
                 "raise train.steps to train on")
@@ -251,7 +281,12 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             finished_at = time.perf_counter()
             _check_finite(step, values)  # before the state goes to disk
             result.losses.append(float(values["loss"]))
-            if save is not None:
+            if unhealthy := health.judge(values):
+                checkpointer.refused.add(step)
+            if save is not None and unhealthy:
+                log(f"checkpoint {step} not saved: {unhealthy}; the newest checkpoint stays the last good state")
+                timings["checkpoint_skipped"] = 1
+            elif save is not None:
                 saving = time.perf_counter()
                 save()
                 timings["checkpoint_s"] = time.perf_counter() - saving
@@ -268,7 +303,9 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
                                                     profiler)
     if result.stopped_by is not None:
-        log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}; checkpoint saved")
+        everywhere = " on every process" if jax.process_count() > 1 else ""
+        log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}{everywhere}; "
+            "checkpoint saved")
     if result.losses:
         log(f"trained steps {first_step + 1}..{first_step + len(result.losses)} in "
             f"{time.perf_counter() - started:.0f} s: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
@@ -281,11 +318,13 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
     pending = None  # (step, device metrics, start time) of the step whose values are not read yet
     last = time.perf_counter()
     for step in range(first_step, config.train.steps):
-        if signals.received is not None:
+        if signals.stop_before(step - first_step + 1):
             break
+        checkpointer.raise_if_failed()  # a save that failed in the background stops the run now
         profiler.before(step + 1, state)
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))
+        metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
         profiler.after(step + 1, (state, metrics))
         if pending is not None:
             jax.block_until_ready(pending[1])

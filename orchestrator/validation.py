@@ -57,6 +57,7 @@ def validate(config: Config) -> Config:
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
     problems += _device_memory_problems(config)
+    problems += _data_problems(config)
     problems += _profile_problems(config)
     problems += _schedule_problems(config)
     problems += _mesh_problems(config)
@@ -77,6 +78,30 @@ def _device_memory_problems(config: Config) -> list[tuple[str, str]]:
         return [("cluster.device_kind", f"{kind!r} is not in the device memory table "
                                         f"({', '.join(DEVICE_MEMORY_GIB)}); pick one or set cluster.device_memory_gb")]
     return []
+
+
+def _data_problems(config: Config) -> list[tuple[str, str]]:
+    """data.mixture is for prepared token shards; each entry is {paths: [dirs], weight: w > 0}; the
+    tokens source needs directories from data.paths or data.mixture."""
+    data = config.data
+    if data.mixture and data.source != "tokens":
+        return [("data.mixture", f"mixes prepared token shards; set data.source=tokens (it is {data.source})")]
+    if data.source == "tokens" and not data.paths and not data.mixture:
+        return [("data.paths", "data.source=tokens needs directories written by `nestor data prepare` "
+                               "(or a data.mixture)")]
+    problems = []
+    for index, entry in enumerate(data.mixture):
+        where = f"data.mixture[{index}]"
+        if unknown := sorted(set(entry) - {"paths", "weight"}):
+            problems.append((f"{where}.{unknown[0]}", "unknown key; an entry has paths and weight"))
+        paths = entry.get("paths")
+        if not paths or not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            problems.append((f"{where}.paths", f"expected a directory or a list of them, got {paths!r}"))
+        weight = entry.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or weight <= 0:
+            problems.append((f"{where}.weight", f"must be a number > 0, got {weight!r}"))
+    return problems
 
 
 def _profile_problems(config: Config) -> list[tuple[str, str]]:
@@ -276,7 +301,8 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
 def schedule_for(config: Config, stages: int) -> Schedule:
     """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
     p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1)
+    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1,
+                    one_f_one_b=p.schedule == "1f1b")
 
 
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
@@ -291,9 +317,17 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     degrees = mesh_degrees(config)
     if degrees["pipeline"] == 1:
         return problems
-    schedule = schedule_for(config, degrees["pipeline"])
-    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
     moe = config.moe
+    if p.schedule == "1f1b" and moe.num_experts and moe.every:
+        # 1F1B's hand-written backward runs the units alone: nothing before them, no state beside their weights.
+        unsupported = [(key, value) for key, value in (("moe.first_dense_layers", moe.first_dense_layers),
+                                                       ("moe.bias_update_rate", moe.bias_update_rate)) if value]
+        if moe.capacity_factor == 0:
+            unsupported.append(("moe.capacity_factor", 0))
+        problems += [(key, f"{key}={value} is not supported with pipeline.schedule=1f1b yet; use gpipe or circular")
+                     for key, value in unsupported]
+    schedule = schedule_for(config, degrees["pipeline"])
+    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches", "repeats": "pipeline.repeats"}
     # With MoE the stack is made of units of moe.every layers (the last one MoE) after the first dense
     # layers, which run before the pipeline: stages split units.
     every = moe.every if moe.num_experts and moe.every else 1

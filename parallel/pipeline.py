@@ -46,31 +46,54 @@ RematPolicy = Callable[..., Any]
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """How a step is pipelined: S stages, M micro-batches, R layer groups per stage."""
+    """How a step is pipelined: S stages, M micro-batches, R layer groups per stage; with
+    `one_f_one_b` the backward pass runs inside the loop (parallel.pipeline_1f1b)."""
 
     stages: int
     microbatches: int
     repeats: int = 1
+    one_f_one_b: bool = False
 
     @property
     def name(self) -> str:
-        """Returns "circular" when stages hold several layer groups, else "gpipe"."""
+        """Returns "1f1b", or "circular" when stages hold several layer groups, else "gpipe"."""
+        if self.one_f_one_b:
+            return "1f1b"
         return "circular" if self.repeats > 1 else "gpipe"
 
     @property
     def iterations(self) -> int:
-        """Returns R*M + S - 1, the loop length including the bubble."""
+        """Returns the loop length including the bubble: R*M + S - 1 forward iterations, or
+        M + 2S - 2 clock ticks for 1F1B (the last micro-batch's gradient takes S - 1 ticks back)."""
+        if self.one_f_one_b:
+            return self.microbatches + 2 * self.stages - 2
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
-        """Returns (S-1)/(R*M + S - 1), the share of stage-iterations that do no work."""
-        return (self.stages - 1) / self.iterations
+        """Returns (S-1)/(R*M + S - 1), the share of a stage's time that does no work.
+
+        For 1F1B too (R = 1): its S - 1 forward-only and S - 1 backward-only ticks
+        cost (S-1)(F+B), as GPipe's S - 1 bubble iterations do forward and backward.
+        """
+        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+    def in_flight(self) -> list[int]:
+        """Returns, for each stage, the micro-batches whose residuals it holds at once.
+
+        GPipe keeps every work item's until the backward pass (R*M). 1F1B keeps stage s's
+        from its forward at tick m+s to its backward at tick m+2S-2-s: 2(S-s)-1 of them,
+        at most M (one SPMD tick is a forward and a backward, so each hop of the round
+        trip costs a whole tick, not the half tick of the per-stage programs of arXiv 2104.04473).
+        """
+        if self.one_f_one_b:
+            return [min(self.microbatches, 2 * (self.stages - stage) - 1) for stage in range(self.stages)]
+        return [self.repeats * self.microbatches] * self.stages
 
     def problems(self, num_layers: int) -> list[tuple[str, str]]:
         """Returns (what, message) for each reason this schedule cannot run `num_layers` layers.
 
-        `what` is "layers" or "microbatches": the quantity to change. Empty when it can run.
+        `what` is "layers", "microbatches" or "repeats": the quantity to change. Empty when it can run.
         """
         found = []
         if num_layers % (self.stages * self.repeats):
@@ -80,6 +103,8 @@ class Schedule:
             found.append(("microbatches", f"the circular schedule needs microbatches >= stages "
                                           f"({self.microbatches} < {self.stages}): a micro-batch must leave the "
                                           "last stage before the first stage needs it again"))
+        if self.one_f_one_b and self.repeats > 1:
+            found.append(("repeats", f"1f1b runs one layer group per stage, got repeats={self.repeats}"))
         return found
 
 
@@ -109,7 +134,7 @@ def _stage_policy(remat_policy: RematPolicy | None) -> RematPolicy:
     return saveable
 
 
-def _stage_fn(layer_fn: LayerFn, remat_policy: RematPolicy | None):
+def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None):
     """Returns f(stage_params [R, layers_per_stage, ...], repeat, x, row_inputs) -> (x, stats [layers_per_stage, ...])."""
 
     def stage(stage_params: Any, repeat: jax.Array, x: jax.Array, row_inputs: Any):
@@ -120,7 +145,7 @@ def _stage_fn(layer_fn: LayerFn, remat_policy: RematPolicy | None):
     return jax.checkpoint(stage, policy=_stage_policy(remat_policy), prevent_cse=False)
 
 
-class _Layout:
+class Layout:
     """Shardings of the pipeline's arrays, from the `stage` rule and the activation's logical axes."""
 
     def __init__(self, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...]):
@@ -152,11 +177,11 @@ def to_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
     return x.reshape(batch // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)  # [M, batch/M, ...]
 
 
-def _from_microbatches(x: jax.Array) -> jax.Array:
+def from_microbatches(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # [batch, ...]
 
 
-def _stage_view(stacked_params: Any, schedule: Schedule, layout: _Layout) -> Any:
+def stage_view(stacked_params: Any, schedule: Schedule, layout: Layout) -> Any:
     """Returns the params viewed as [repeats, stages, layers_per_stage, ...] with stages sharded.
 
     Layer l = (r*S + s)*layers_per_stage + j sits at [r, s, j]: stage s holds the
@@ -186,7 +211,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     Raises ValueError when the batch does not split into
     micro-batches or the layers into stages x repeats.
     """
-    layout = _Layout(mesh, rules, activation_axes)
+    layout = Layout(mesh, rules, activation_axes)
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
 
     def runner(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None):
@@ -196,18 +221,18 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
             problems.append(f"batch {x.shape[0]} does not split into {micro} micro-batches")
         if problems:
             raise ValueError("; ".join(problems))
-        params = _stage_view(stacked_params, schedule, layout)
+        params = stage_view(stacked_params, schedule, layout)
         buffer = jax.lax.with_sharding_constraint(to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
         rows = jax.tree.map(lambda leaf: layout.rows(to_microbatches(leaf, micro), None), row_inputs)
-        stage_fn = jax.vmap(_stage_fn(layer_fn, remat_policy), in_axes=(1, 0, 0, 0),
+        stage_fn = jax.vmap(stage_function(layer_fn, remat_policy), in_axes=(1, 0, 0, 0),
                             spmd_axis_name=layout.stage_axes or None)
         state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)  # [S, mb, ...]: each stage's last output
         no_work = jnp.zeros((stages,), jnp.int32)
-        stats_shape = jax.eval_shape(stage_fn, params, no_work, state, _stage_rows(rows, no_work, layout))[1]
+        stats_shape = jax.eval_shape(stage_fn, params, no_work, state, stage_rows(rows, no_work, layout))[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
         iteration = _iteration_fn(schedule, layout, rows, lambda *args: stage_fn(params, *args))
         (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
-        out = jax.lax.with_sharding_constraint(_from_microbatches(buffer), layout.activation)
+        out = jax.lax.with_sharding_constraint(from_microbatches(buffer), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
         stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), totals)
         return out, stats
@@ -215,12 +240,12 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     return runner
 
 
-def _stage_rows(rows: Any, micro_index: jax.Array, layout: _Layout) -> Any:
+def stage_rows(rows: Any, micro_index: jax.Array, layout: Layout) -> Any:
     """Returns each stage's row inputs [S, mb, ...]: stage s reads micro-batch `micro_index[s]` of `rows` [M, mb, ...]."""
     return jax.tree.map(lambda leaf: layout.rows(leaf[micro_index], STAGE), rows)
 
 
-def _iteration_fn(schedule: Schedule, layout: _Layout, rows: Any, run_stages: Callable):
+def _iteration_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Callable):
     """Returns the scan body: one clock tick of every stage, carry (state, buffer, stats totals).
 
     `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and
@@ -236,23 +261,23 @@ def _iteration_fn(schedule: Schedule, layout: _Layout, rows: Any, run_stages: Ca
         item = t - stage_ids  # [S]: the work item r*M + m each stage runs now
         valid = (item >= 0) & (item < repeats * micro)
         # Stage s takes stage s-1's output (a collective-permute); stage 0 takes the buffer's next slot.
-        incoming = jnp.where(_expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
+        incoming = jnp.where(expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
         # Bubble stages compute on zeros: finite, and their outputs are never read.
-        incoming = jax.lax.with_sharding_constraint(jnp.where(_expand(valid, state), incoming, 0), layout.state)
+        incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
         repeat = jnp.clip(item // micro, 0, repeats - 1)
-        stage_rows = _stage_rows(rows, jnp.maximum(item, 0) % micro, layout)
-        state, stats = run_stages(repeat, incoming, stage_rows)  # [S, mb, ...], stats [S, layers_per_stage, ...]
+        rows_now = stage_rows(rows, jnp.maximum(item, 0) % micro, layout)
+        state, stats = run_stages(repeat, incoming, rows_now)  # [S, mb, ...], stats [S, layers_per_stage, ...]
         state = jax.lax.with_sharding_constraint(state, layout.state)
         finished = t - (stages - 1)  # the item the last stage just completed
         slot = finished % micro
         buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
         cell = (jnp.arange(repeats)[:, None] == repeat[None, :]) & valid[None, :]  # [R, S]: whose stats these are
-        totals = jax.tree.map(lambda total, s: total + jnp.where(_expand(cell, total), s[None], 0), totals, stats)
+        totals = jax.tree.map(lambda total, s: total + jnp.where(expand(cell, total), s[None], 0), totals, stats)
         return (state, buffer, totals), None
 
     return iteration
 
 
-def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
+def expand(mask: jax.Array, like: jax.Array) -> jax.Array:
     """Returns `mask` with trailing unit dims so it broadcasts against `like`."""
     return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 from orchestrator.config import Config
+from orchestrator.data.prepare import Options, prepare
 from orchestrator.progress import Console
 from orchestrator.train import TrainResult, train
 
@@ -36,6 +38,14 @@ def mesh_overrides(**degrees: int) -> dict:
     dotted = {f"mesh.{axis}": 1 for axis in ("data", "fsdp", "tensor", "expert", "pipeline")}
     dotted.update({f"mesh.{axis}": size for axis, size in degrees.items()})
     return dotted
+
+
+def prepared_stdlib(out: Path, pattern: str = "[a-c]*.py", tokenizer: str = "bytes") -> Path:
+    """Prepares the standard library's sources matching `pattern` as token shards in `out` (bytes by
+    default, 10% held out, shards of about 0.25 MiB); returns `out`."""
+    sources = [str(Path(sysconfig.get_paths()["stdlib"]) / pattern)]
+    prepare(sources, Options(tokenizer=tokenizer, out=out, eval_fraction=0.1, shard_mb=0.25), log=lambda line: None)
+    return out
 
 
 def run(config: Config) -> TrainResult:

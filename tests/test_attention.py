@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from models.transformer import Attention, Transformer, TransformerConfig, rotary
-from orchestrator.data import DOCUMENT_SEPARATOR, document_ids
+from orchestrator.data.pipeline import DOCUMENT_SEPARATOR, document_ids
 from orchestrator.state import attention_implementation
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from orchestrator.config import ConfigError
-from orchestrator.data import DOCUMENT_SEPARATOR, DataPipeline, TextSource
+from orchestrator.data.pipeline import DOCUMENT_SEPARATOR, DataPipeline, TextSource
 from orchestrator.step import batch_sharding
 from orchestrator.train import make_mesh
 from parallel.rules import resolve_rules
@@ -49,7 +49,7 @@ def test_text_rows_are_real_bytes_of_the_sorted_stdlib_sources(tiny_config):
         expected = np.frombuffer(corpus[window * 33:(window + 1) * 33], np.uint8)
         np.testing.assert_array_equal(rows[row], expected)
     # One epoch visits every window once: the order is a permutation.
-    order = [source.window_index(step, row) for step in range(source.num_windows // 16) for row in range(16)]
+    order = [source.window_index(step, row) for step in range(source.order.num_windows // 16) for row in range(16)]
     assert len(set(order)) == len(order)
 
 

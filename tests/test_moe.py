@@ -197,6 +197,16 @@ def test_losses_and_params_match_one_device(one_device_runs, mesh, top_k):
     assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
 
 
+@pytest.mark.slow
+def test_1f1b_carries_the_moe_losses_through_its_handwritten_backward(one_device_runs):
+    make, reference = one_device_runs
+    overrides = ("moe.top_k=2",)
+    result = run_fresh(make(*overrides, "pipeline.microbatches=2", "pipeline.schedule=1f1b").replace(
+        **mesh_overrides(**MESHES["expert2_fsdp2_pipeline2"])))
+    assert_same_training(result, reference(*overrides))
+    assert 0.0 < result.history[-1]["moe_dropped_fraction"] < 0.5
+
+
 SORTED = ("moe.dispatch=sort",)
 
 
@@ -262,7 +272,7 @@ def test_each_accumulated_micro_batch_draws_its_own_routing_noise():
         return jnp.sum(params["w"] * tokens), {"draw": jax.random.uniform(routing_key)}
 
     key, tokens = jax.random.key(3), jnp.ones((4, 3))
-    _, metrics = _accumulated_grads(loss_fn, {"w": jnp.ones(())}, tokens, key, 2, lambda x, _: x)
+    _, metrics = _accumulated_grads(jax.value_and_grad(loss_fn, has_aux=True), {"w": jnp.ones(())}, tokens, key, 2, lambda x, _: x)
     draws = [jax.random.uniform(jax.random.fold_in(key, i)) for i in range(2)]
     assert draws[0] != draws[1]
     np.testing.assert_allclose(metrics["draw"], np.mean(draws), rtol=1e-6)

@@ -14,6 +14,7 @@ from orchestrator.train import build_job
 from parallel.hlo import collective_lines, collectives
 from parallel.mesh import build_mesh
 from parallel.pipeline import Schedule, pipeline_runner
+from parallel.pipeline_1f1b import one_f_one_b
 from parallel.rules import DEFAULT_RULES
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
@@ -24,6 +25,9 @@ PIPELINED = {
                                                             "pipeline.repeats=2", "model.num_layers=8"]),
     "pipeline2_fsdp2_tensor2_remat": (dict(pipeline=2, fsdp=2, tensor=2), ["pipeline.microbatches=4",
                                                                            "model.remat=full"]),
+    "pipeline2_data2_tensor2_1f1b": (dict(pipeline=2, data=2, tensor=2), ["pipeline.microbatches=4",
+                                                                          "pipeline.schedule=1f1b"]),
+    "pipeline4_fsdp2_1f1b": (dict(pipeline=4, fsdp=2), ["pipeline.microbatches=8", "pipeline.schedule=1f1b"]),
 }
 INVOLUNTARY = "Involuntary full rematerialization"
 
@@ -57,23 +61,32 @@ def _pipeline_positions(job) -> dict[int, int]:
     return {device.id: index[axis] for index, device in np.ndenumerate(job.mesh.devices)}
 
 
+def _permute_shifts(job, hlo: str) -> list[set[int]]:
+    """Returns, for each collective-permute, the set of pipeline-position shifts (mod stages) it makes."""
+    position = _pipeline_positions(job)
+    stages = job.mesh.shape["pipeline"]
+    shifts = []
+    for line in collective_lines(hlo, "collective-permute"):
+        pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
+        shifts.append({(position[b] - position[a]) % stages for a, b in pairs})
+    return shifts
+
+
+def _assert_no_all_gather_of_the_stack(job, hlo: str) -> None:
+    stack_shapes = {tuple(row["shape"]) for row in param_table(job) if "layers" in row["logical_axes"]}
+    layers = job.config.model.num_layers
+    for line in collective_lines(hlo, "all-gather"):
+        shape = tuple(int(d) for d in re.search(r"=\s*\(?\w+\[([\d,]*)\]", line).group(1).split(",") if d)
+        assert shape not in stack_shapes and (not shape or shape[0] != layers), line
+
+
 def test_pipelined_step_moves_activations_by_collective_permute_and_never_gathers_the_stack(tiny_config):
     job = build_job(tiny_config("pipeline.microbatches=8", "model.num_layers=8").replace(
         **mesh_overrides(pipeline=4, fsdp=2)))
     hlo = compile_step(job).as_text()
-    position = _pipeline_positions(job)
-    next_stage_permutes = 0
-    for line in collective_lines(hlo, "collective-permute"):
-        pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
-        if all(position[b] == (position[a] + 1) % 4 for a, b in pairs):
-            next_stage_permutes += 1
-    assert next_stage_permutes >= 1
+    assert {1} in _permute_shifts(job, hlo)
     assert collectives(hlo)["collective-permute"]["count"] >= 2 * job.config.pipeline.microbatches
-
-    stack_shapes = {tuple(row["shape"]) for row in param_table(job) if "layers" in row["logical_axes"]}
-    for line in collective_lines(hlo, "all-gather"):
-        shape = tuple(int(d) for d in re.search(r"=\s*\(?\w+\[([\d,]*)\]", line).group(1).split(",") if d)
-        assert shape not in stack_shapes and (not shape or shape[0] != 8), line
+    _assert_no_all_gather_of_the_stack(job, hlo)
 
 
 def test_layer_stack_params_per_device_are_a_quarter_with_four_stages(tiny_config):
@@ -103,9 +116,25 @@ def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
+def test_checkpoint_written_under_gpipe_on_two_stages_resumes_under_1f1b_on_four(tiny_config):
+    import shutil
+
+    from orchestrator.checkpoint import checkpoint_dir
+    from tests.helpers import run
+
+    gpipe = tiny_config("train.steps=3", "checkpoint.every=2", "pipeline.microbatches=4").replace(
+        **mesh_overrides(pipeline=2, data=4))
+    uninterrupted = run(gpipe)
+    shutil.rmtree(checkpoint_dir(gpipe.run.dir) / "3")  # the newest is now the step-2 checkpoint
+    resumed = run(gpipe.replace(**mesh_overrides(pipeline=4, data=2), **{"pipeline.schedule": "1f1b"}))
+    assert resumed.first_step == 2
+    np.testing.assert_allclose(resumed.losses, uninterrupted.losses[2:], rtol=1e-5)
+
+
 INVALID = {
     "model.num_layers": ["mesh.pipeline=4", "mesh.data=2", "model.num_layers=6", "pipeline.microbatches=4"],
-    "pipeline.repeats": ["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4"],
+    "pipeline.repeats": ["mesh.pipeline=2", "mesh.data=4", "pipeline.repeats=2", "pipeline.microbatches=4",
+                         "pipeline.schedule=1f1b"],
     "pipeline.microbatches": ["mesh.pipeline=4", "mesh.data=2", "model.num_layers=8", "pipeline.schedule=circular",
                               "pipeline.repeats=2", "pipeline.microbatches=2"],
     "train.global_batch": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=3"],
@@ -125,13 +154,24 @@ def test_microbatch_that_does_not_split_over_batch_axes_names_microbatches(tiny_
     assert [key for key, _ in error.value.problems] == ["pipeline.microbatches"]
 
 
-def test_explain_reports_circular_schedule_and_bubble_fraction(tiny_config):
-    config = tiny_config("pipeline.microbatches=4", "pipeline.schedule=circular", "pipeline.repeats=2",
-                         "model.num_layers=8").replace(**mesh_overrides(pipeline=2, data=4))
+EXPLAINED = {  # schedule overrides -> ticks, bubble fraction, in flight per stage (pipeline2 x data4, M = 4)
+    "circular": (("pipeline.schedule=circular", "pipeline.repeats=2", "model.num_layers=8"), 9, 1 / 9, [8, 8],
+                 "bubble 11.1%"),
+    "1f1b": (("pipeline.schedule=1f1b",), 6, 1 / 5, [3, 1], "bubble 20.0%, micro-batches in flight per stage 3/1"),
+}
+
+
+@pytest.mark.parametrize("schedule", EXPLAINED)
+def test_explain_reports_ticks_bubble_in_flight_and_temporaries(schedule, tiny_config):
+    overrides, ticks, bubble, in_flight, line = EXPLAINED[schedule]
+    config = tiny_config("pipeline.microbatches=4", *overrides).replace(**mesh_overrides(pipeline=2, data=4))
     report = explain(config)
-    assert report["pipeline"] == {"schedule": "circular", "iterations": 9, "microbatches": 4, "stages": 2,
-                                  "repeats": 2, "bubble_fraction": pytest.approx(1 / 9)}
-    assert "bubble 11.1%" in format_report(report)
+    temporaries = report["memory_per_device_bytes"]["temporaries"]
+    assert report["pipeline"] == {"schedule": schedule, "ticks": ticks, "microbatches": 4, "stages": 2,
+                                  "repeats": 2 if schedule == "circular" else 1,
+                                  "bubble_fraction": pytest.approx(bubble), "in_flight": in_flight,
+                                  "temporaries": temporaries}
+    assert temporaries > 0 and line in format_report(report)
 
 
 def _toy_layer(w, x, rows=None):
@@ -213,3 +253,77 @@ def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats
         if dims[-2:] == [32, 32] and "from the argument" not in line:
             weight_elements += int(np.prod(dims))
     assert weight_elements <= w.size
+
+
+def _toy_input(h, inputs):
+    return inputs["x"] / h
+
+
+def _toy_head(h, y, inputs):
+    return jnp.mean((y * h - inputs["targets"]) ** 2), {"output_mean": jnp.mean(y)}
+
+
+def _toy_stats_loss(stats):
+    return 0.5 * jnp.sum(stats["mean"])
+
+
+@pytest.mark.parametrize("stages,microbatches,remat", [(4, 8, "none"), (4, 2, "full")])
+def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches, remat):
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    value_and_grad = one_f_one_b(Schedule(stages, microbatches, one_f_one_b=True), mesh, DEFAULT_RULES,
+                                 ("batch", None), POLICIES[remat])
+    inputs = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "targets": jax.random.normal(jax.random.key(2), (16, 8))}
+    w, h = 1 + 0.1 * jax.random.normal(jax.random.key(1), (8, 8)), jnp.linspace(0.5, 1.5, 8)
+
+    def per_microbatch(w, h):  # micro-batch m holds rows r % M == m, as the pipeline splits them
+        for m in range(microbatches):
+            rows = jax.tree.map(lambda leaf: leaf[m::microbatches], inputs)
+            y, stats = jax.lax.scan(lambda carry, wl: _toy_layer(wl, carry), _toy_input(h, rows), w)
+            yield y, stats, _toy_head(h, y, rows)[0] + _toy_stats_loss(stats)
+
+    def reference(w, h):
+        return sum(loss for _, _, loss in per_microbatch(w, h)) / microbatches
+
+    with jax.set_mesh(mesh):
+        (loss, metrics, stats), grads = jax.jit(lambda w, h: value_and_grad(
+            _toy_layer, _toy_input, _toy_head, w, h, inputs, None, _toy_stats_loss))(w, h)
+    want_loss, want_grads = jax.value_and_grad(reference, argnums=(0, 1))(w, h)
+    np.testing.assert_allclose(loss + _toy_stats_loss(stats), want_loss, rtol=1e-6)
+    np.testing.assert_array_equal(stats["rows"], np.full(8, 16 / microbatches))
+    np.testing.assert_allclose(metrics["output_mean"], np.mean([jnp.mean(y) for y, _, _ in per_microbatch(w, h)]),
+                               rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def compiled_by_schedule(tmp_path_factory):
+    """Returns {(schedule, M): (job, compiled step)} on pipeline4 x data2, 2 sequences per micro-batch
+    (global batch 2M), compiled only."""
+    from orchestrator import config as config_lib
+    from tests.conftest import TINY
+
+    compiled = {}
+    for schedule in ("gpipe", "1f1b"):
+        for microbatches in (4, 16, 32):
+            config = config_lib.load(None, [*TINY, f"run.dir={tmp_path_factory.mktemp('run')}",
+                                            f"train.global_batch={2 * microbatches}",
+                                            f"pipeline.microbatches={microbatches}", f"pipeline.schedule={schedule}"])
+            job = build_job(config.replace(**mesh_overrides(pipeline=4, data=2)), with_data=False)
+            compiled[schedule, microbatches] = job, compile_step(job)
+    return compiled
+
+
+def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(compiled_by_schedule):
+    temp = {key: compiled.memory_analysis().temp_size_in_bytes for key, (_, compiled) in compiled_by_schedule.items()}
+    assert temp["1f1b", 32] <= 1.25 * temp["1f1b", 4]
+    assert temp["gpipe", 32] > 2 * temp["gpipe", 4]
+    assert temp["1f1b", 16] < temp["gpipe", 16]
+
+
+def test_1f1b_permutes_both_ways_along_the_pipeline_and_never_gathers_the_stack(compiled_by_schedule):
+    job, compiled = compiled_by_schedule["1f1b", 4]
+    hlo = compiled.as_text()
+    shifts = _permute_shifts(job, hlo)
+    assert {1} in shifts and {job.mesh.shape["pipeline"] - 1} in shifts  # to the next stage and to the previous
+    _assert_no_all_gather_of_the_stack(job, hlo)

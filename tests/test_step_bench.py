@@ -24,3 +24,25 @@ def test_bare_step_matches_nestor_step_on_the_pipeline_mesh():
     # two summation orders may round it differently, so parameters agree to a small share of that.
     for got, want in zip(jax.tree.leaves(bare_state["params"]), jax.tree.leaves(nestor_state["params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_maxtext_bench_runs_nestors_model_mesh_and_micro_batches():
+    from bench.maxtext import MAXTEXT_MESHES, MAXTEXT_MODEL
+
+    assert list(MAXTEXT_MESHES) == list(MESHES)
+    model = dict(argument.split("=", 1) for argument in MAXTEXT_MODEL)
+    for mesh, arguments in MAXTEXT_MESHES.items():
+        config = bench_config(MESHES[mesh])
+        maxtext = model | dict(argument.split("=", 1) for argument in arguments)
+        global_batch = int(maxtext["per_device_batch_size"]) * 8  # MaxText's batch is per device, 8 devices
+        assert (int(maxtext["base_emb_dim"]), int(maxtext["base_num_query_heads"]), int(maxtext["base_num_kv_heads"]),
+                int(maxtext["head_dim"]), int(maxtext["base_mlp_dim"]), int(maxtext["base_num_decoder_layers"]),
+                int(maxtext["vocab_size"]), int(maxtext["max_target_length"]), global_batch, maxtext["dtype"]) == (
+            config.model.embed_dim, config.model.num_heads, config.model.num_kv_heads, config.model.head_dim,
+            config.model.mlp_dim, config.model.num_layers, config.model.vocab_size, config.train.seq_len,
+            config.train.global_batch, config.model.dtype)
+        for axis in ("pipeline", "fsdp", "tensor"):
+            assert int(maxtext.get(f"ici_{axis}_parallelism", 1)) == getattr(config.mesh, axis)
+        if config.mesh.pipeline > 1:  # one pass through the stages (GPipe), the same micro-batches
+            assert int(maxtext["num_pipeline_microbatches"]) == config.pipeline.microbatches
+            assert int(maxtext["num_layers_per_pipeline_stage"]) * config.mesh.pipeline == config.model.num_layers

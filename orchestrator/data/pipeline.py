@@ -15,6 +15,8 @@ Sources:
   windows are visited in a seeded permutation, reshuffled every epoch. With
   `data.document_mask` (default) the loss function derives segment ids from
   the separators (`document_ids`) so that no token attends across documents.
+- `tokens`: shards written by `nestor data prepare` (orchestrator/data/tokens.py),
+  packed and ordered the same way, optionally a weighted `data.mixture`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from orchestrator.config import Config, ConfigError
+from orchestrator.data.order import WindowOrder, windows_of
+from orchestrator.data.shards import DOCUMENT_SEPARATOR
+from orchestrator.data.tokens import TokenSource
 from orchestrator.tokenizer import load_tokenizer
-
-# Packed documents are separated by token 0: NUL never occurs in text files, and
-# a separator stops the model from learning to continue one file into the next.
-DOCUMENT_SEPARATOR = 0
 
 
 def document_ids(tokens: jax.Array) -> jax.Array:
@@ -113,13 +114,9 @@ class TextSource:
         self.files = text_files(config.data.paths)
         self.tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
         self._tokens: dict[int, np.ndarray] = {}
-        self._permutation: tuple[int, np.ndarray] | None = None  # (epoch, order): one epoch cached
         lengths = [self._length(i) + 1 for i in range(len(self.files))]  # +1: the separator
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self.num_windows = int(self.starts[-1]) // self.width
-        if self.num_windows < 1:
-            raise ConfigError([("data.paths", f"{int(self.starts[-1])} tokens are fewer than one sequence "
-                                              f"of train.seq_len + 1 = {self.width}; add text")])
+        self.order = WindowOrder(self.seed, windows_of(int(self.starts[-1]), self.width, "data.paths"))
         listing = "\n".join(f"{f}:{n}" for f, n in zip(self.files, lengths))
         self.fingerprint = "text:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
@@ -162,11 +159,7 @@ class TextSource:
 
     def window_index(self, step: int, row: int) -> int:
         """Returns which window is row `row` of step `step`: a seeded permutation per epoch."""
-        position = step * self.global_batch + row
-        epoch, within = divmod(position, self.num_windows)
-        if self._permutation is None or self._permutation[0] != epoch:
-            self._permutation = (epoch, np.random.default_rng((self.seed, epoch)).permutation(self.num_windows))
-        return int(self._permutation[1][within])
+        return self.order(step * self.global_batch + row)
 
     def rows(self, step: int, rows: range) -> np.ndarray:
         """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]."""
@@ -178,11 +171,18 @@ def batch_shape(config: Config) -> tuple[int, int]:
     return config.train.global_batch, config.train.seq_len + 1
 
 
+def make_source(config: Config, split: str = "train"):
+    """Returns the source `data.source` names; `split` picks the split of prepared token shards."""
+    if config.data.source == "tokens":
+        return TokenSource(config, split)
+    return SyntheticSource(config) if config.data.source == "synthetic" else TextSource(config)
+
+
 class DataPipeline:
     """The run's input: global batch `step` as one sharded array, plus a checkpointable position."""
 
     def __init__(self, config: Config, sharding: NamedSharding):
-        self.source = SyntheticSource(config) if config.data.source == "synthetic" else TextSource(config)
+        self.source = make_source(config)
         self.shape = batch_shape(config)
         self.sharding = sharding
         self.next_step = 0
@@ -204,6 +204,10 @@ class DataPipeline:
 
         self.next_step = step + 1
         return jax.make_array_from_callback(self.shape, self.sharding, block)
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """Returns what global batch `step` logs about its data: each mixture source's share (if mixed)."""
+        return self.source.shares(step) if isinstance(self.source, TokenSource) else {}
 
     def state(self) -> dict:
         """Returns the iterator state a checkpoint stores (JSON-able)."""

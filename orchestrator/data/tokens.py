@@ -1,0 +1,119 @@
+"""`data.source: tokens`: prepared token shards, one directory set or a weighted mixture of several.
+
+Each source is the packed stream of its directories' shards (one split),
+read in windows of seq_len + 1 tokens through its own seeded permutation
+(`WindowOrder`), exactly like the text source. With `data.mixture`, the
+source of the row at global position p = step * global_batch + row is
+picked by a Weyl sequence, u_p = frac(offset + p / golden ratio) (offset
+drawn from run.seed), compared with the cumulative weights: a pure function
+of (seed, step, row) whose shares match the weights to within about
+log(N) / N over any N consecutive rows (low discrepancy; random draws would
+err by 1 / sqrt(N)). The chosen source reads window `order(p)` of its own
+permutation, so each source is sampled evenly whatever its weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.config import Config, ConfigError
+from orchestrator.data.order import WindowOrder, windows_of
+from orchestrator.data.shards import TokenStream, directories_fingerprint, read_metadata
+from orchestrator.tokenizer import open_tokenizer
+
+INVERSE_GOLDEN_RATIO = (math.sqrt(5) - 1) / 2
+
+
+@dataclasses.dataclass
+class MixtureSource:
+    """One entry of the mixture: its directories, weight, token stream and window order."""
+
+    key: str  # the config key that names its directories, for errors
+    directories: list[Path]
+    weight: float
+    stream: TokenStream | None = None
+    order: WindowOrder | None = None
+
+
+def mixture_sources(config: Config) -> list[MixtureSource]:
+    """Returns the sources `data.mixture` lists, or one of weight 1 over `data.paths`."""
+    if not config.data.mixture:
+        return [MixtureSource("data.paths", [Path(p) for p in config.data.paths], 1.0)]
+    return [MixtureSource(f"data.mixture[{i}].paths", [Path(p) for p in entry["paths"]], float(entry["weight"]))
+            for i, entry in enumerate(config.data.mixture)]
+
+
+def check_tokenizers(config: Config, sources: list[MixtureSource]) -> None:
+    """Raises ConfigError when the directories were prepared with different tokenizers, with another
+    tokenizer than `data.tokenizer` (when set), or with a vocabulary larger than `model.vocab_size`."""
+    expected = open_tokenizer(config.data.tokenizer).fingerprint if config.data.tokenizer else None
+    first = None
+    for source in sources:
+        for directory in source.directories:
+            tokenizer = read_metadata(directory, source.key)["tokenizer"]
+            if expected is not None and tokenizer["fingerprint"] != expected:
+                raise ConfigError([("data.tokenizer", f"{directory} was prepared with tokenizer "
+                                                      f"{tokenizer['path']} (fingerprint {tokenizer['fingerprint']}), "
+                                                      f"not {config.data.tokenizer} ({expected}); prepare it again")])
+            first = first or (directory, tokenizer)
+            if tokenizer["fingerprint"] != first[1]["fingerprint"]:
+                raise ConfigError([(source.key, f"{directory} was prepared with another tokenizer "
+                                                f"({tokenizer['fingerprint']}) than {first[0]} "
+                                                f"({first[1]['fingerprint']}); use one tokenizer for all")])
+            if tokenizer["vocab_size"] > config.model.vocab_size:
+                raise ConfigError([("model.vocab_size", f"{directory} holds ids of a {tokenizer['vocab_size']}-token "
+                                                        f"vocabulary; set model.vocab_size={tokenizer['vocab_size']} "
+                                                        "or more")])
+
+
+class TokenSource:
+    """Rows of prepared token shards, from one directory set or a weighted mixture (see the module doc)."""
+
+    def __init__(self, config: Config, split: str = "train"):
+        self.seed = config.run.seed
+        self.width = config.train.seq_len + 1
+        self.global_batch = config.train.global_batch
+        self.sources = mixture_sources(config)
+        check_tokenizers(config, self.sources)
+        for index, source in enumerate(self.sources):
+            source.stream = TokenStream(source.directories, split, source.key)
+            source.order = WindowOrder((self.seed, index), windows_of(source.stream.num_tokens, self.width,
+                                                                      source.key))
+        weights = np.array([source.weight for source in self.sources])
+        self.cumulative = np.cumsum(weights / weights.sum())
+        self.offset = float(np.random.default_rng((self.seed, len(self.sources))).random())
+        listing = [(s.weight, directories_fingerprint(s.directories, s.key)) for s in self.sources]
+        self.fingerprint = f"tokens:{split}:" + hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.sources) > 1
+
+    def source_of(self, positions: np.ndarray) -> np.ndarray:
+        """Returns the mixture source index of each global row position (int64 array in, same shape out)."""
+        fraction = np.mod(self.offset + positions.astype(np.float64) * INVERSE_GOLDEN_RATIO, 1.0)
+        return np.minimum(np.searchsorted(self.cumulative, fraction, side="right"), len(self.sources) - 1)
+
+    def rows(self, step: int, rows: range) -> np.ndarray:
+        """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]; reads only them."""
+        positions = step * self.global_batch + np.arange(rows.start, rows.stop, dtype=np.int64)
+        out = np.empty((len(rows), self.width), np.int32)
+        for i, (position, index) in enumerate(zip(positions, self.source_of(positions))):
+            source = self.sources[index]
+            window = source.order(int(position))
+            out[i] = source.stream.read(window * self.width, (window + 1) * self.width)
+        return out
+
+    def shares(self, step: int) -> dict[str, float]:
+        """Returns the realised share of each mixture source in global batch `step`, as metrics
+        `data_share_<i>` (nothing for a single source). Computed from positions alone: no data is read."""
+        if not self.mixed:
+            return {}
+        chosen = self.source_of(step * self.global_batch + np.arange(self.global_batch, dtype=np.int64))
+        counts = np.bincount(chosen, minlength=len(self.sources))
+        return {f"data_share_{i}": float(count / self.global_batch) for i, count in enumerate(counts)}

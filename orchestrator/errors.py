@@ -1,0 +1,17 @@
+"""The error a user's config causes, in a module of its own: light enough for processes that never
+touch JAX (the workers of `nestor data prepare`). `orchestrator.config` re-exports it."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config a user wrote is wrong; `problems` holds (key path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = list(problems)
+        lines = [f"  {key}: {message}" for key, message in self.problems]
+        super().__init__("invalid config:\n" + "\n".join(lines))
+
+    def __reduce__(self):
+        # Ray ships a worker's exception to the driver by pickling it.
+        return ConfigError, (self.problems,)

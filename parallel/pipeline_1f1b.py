@@ -1,0 +1,260 @@
+"""1F1B (PipeDream-Flush, arXiv 2006.09503; Megatron, arXiv 2104.04473) inside one SPMD program.
+
+GPipe runs every forward before any backward, so a stage holds the residuals
+of all M micro-batches. 1F1B starts a micro-batch's backward as soon as its
+forward leaves the last stage, so a stage holds only those in flight. Here the
+backward is written by hand inside the loop: each clock tick every stage runs
+one forward and one backward, all stages at once under a `vmap` over the
+stage dimension (sharded on the `stage` mesh axes, as in parallel.pipeline).
+
+Tick t: stage s runs the forward of micro-batch t - s, its input taken from
+stage s-1 (a collective-permute one way), and the backward of micro-batch
+t - (2S-2-s), its output gradient taken from stage s+1 (a permute the other
+way). The last stage's output goes through the loss head (`head_fn`: final
+norm, unembedding, cross-entropy) in the same tick, and the head's input
+gradient is the last stage's output gradient. A stage keeps its input of every
+micro-batch in flight in a ring of `Schedule.in_flight()[0]` slots and
+recomputes the stage forward under `jax.vjp` in the backward tick (weights are
+never saved per micro-batch; the layer remat policy decides what that
+recomputation keeps for its own backward). The loop runs in three scans:
+S-1 forward-only ticks, M ticks of both, S-1 backward-only ticks, so the
+bubble costs what GPipe's does, (S-1)(F+B).
+
+Gradients of the stage weights accumulate in the loop, in the stage view of the
+stack. What makes the stack's input (`input_fn`, the embedding) runs per
+micro-batch in the first stage's forward tick and its vjp in that stage's
+backward tick, so no activation of all M micro-batches is ever held: the
+memory is flat in M. Statistics the layers report enter the loss linearly
+(`stats_loss`), so their cotangent is a constant known before the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from parallel.pipeline import (STAGE, Layout, LayerFn, RematPolicy, Schedule, expand,
+                               stage_function, stage_rows, stage_view, to_microbatches)
+from parallel.rules import Rules, partition_spec
+
+InputFn = Callable[[Any, Any], jax.Array]  # input_fn(outer_params, inputs) -> x: the stack's input
+HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]  # head_fn(outer_params, y, inputs) -> (loss, metrics)
+
+
+def _is_floating(leaf: Any) -> bool:
+    return jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def _inexact_split(tree: Any) -> tuple[list[jax.Array], Callable[[list], Any]]:
+    """Returns (the floating leaves of `tree`, rebuild(floating leaves) -> tree with the other leaves as they were).
+
+    Random-routing keys travel with the layer weights and integer counts with the stats; neither has a gradient.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    floating = [_is_floating(leaf) for leaf in leaves]
+
+    def rebuild(new_leaves: list) -> Any:
+        replacements = iter(new_leaves)
+        return jax.tree.unflatten(treedef, [next(replacements) if f else leaf for f, leaf in zip(floating, leaves)])
+
+    return [leaf for f, leaf in zip(floating, leaves) if f], rebuild
+
+
+def _stage_pullback(stage: Callable) -> Callable:
+    """Returns pullback(stage_params, repeat, x, rows, dy, dstats) -> (d stage_params floating leaves, dx).
+
+    The stage forward runs again here (under its checkpoint policy) and its vjp is applied at once.
+    """
+
+    def pullback(stage_params, repeat, x, rows, dy, dstats):
+        weights, rebuild = _inexact_split(stage_params)
+
+        def forward(weights, x):
+            y, stats = stage(rebuild(weights), repeat, x, rows)
+            return y, _inexact_split(stats)[0]
+
+        _, vjp = jax.vjp(forward, weights, x)
+        return vjp((dy, dstats))
+
+    return pullback
+
+
+def _stats_cotangent(stats_loss: Callable | None, stats_shape: Any, microbatches: int) -> list[jax.Array]:
+    """Returns d loss / d (one micro-batch's stats), floating leaves [S, per_stage, ...] like `stats_shape`:
+    the gradient of the linear `stats_loss` of the micro-batch average, i.e. divided by M."""
+    stacked = jax.tree.map(lambda s: jnp.zeros((s.shape[0] * s.shape[1], *s.shape[2:]), s.dtype),
+                           stats_shape)  # [layers, ...]
+    floating, rebuild = _inexact_split(stacked)
+    if stats_loss is not None:
+        floating = [g / microbatches for g in jax.grad(lambda leaves: stats_loss(rebuild(leaves)))(floating)]
+    return [g.reshape(like.shape) for g, like in zip(floating, _inexact_split(stats_shape)[0])]
+
+
+def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...],
+                remat_policy: RematPolicy | None = None):
+    """Returns value_and_grad(layer_fn, input_fn, head_fn, stacked_params, outer_params, inputs, row_inputs=None,
+    stats_loss=None) -> ((loss, metrics, stats), (stacked_grads, outer_grads)) that runs a model under 1F1B.
+
+    The model is input_fn -> the layer stack -> head_fn, per micro-batch.
+    `stacked_params` leaves are `[layers, ...]`; `outer_params` are what
+    `input_fn(outer_params, inputs) -> x` (the embedding; x with logical axes
+    `activation_axes`) and `head_fn(outer_params, y, inputs) -> (loss, metrics)`
+    (one micro-batch's mean loss) read. `inputs` and `row_inputs` are pytrees of
+    `[batch, ...]` arrays split into micro-batches; each layer sees its
+    micro-batch's `row_inputs`. `stats_loss(stats [layers, ...]) -> loss`, linear,
+    is what the layers' stats add to the loss. Returns the loss (mean over
+    micro-batches of the head's loss, without `stats_loss`), the head's metrics
+    and the layers' stats averaged over micro-batches, and the gradients of
+    loss + stats_loss with respect to the floating leaves of `stacked_params`
+    (other leaves None) and to `outer_params`. Raises ValueError when the batch
+    does not split into micro-batches or the layers into stages.
+    """
+    layout = Layout(mesh, rules, activation_axes)
+    stages, micro = schedule.stages, schedule.microbatches
+    ring_sharding = NamedSharding(mesh, partition_spec((STAGE, None, *activation_axes), rules))
+
+    def value_and_grad(layer_fn: LayerFn, input_fn: InputFn, head_fn: HeadFn, stacked_params: Any,
+                       outer_params: Any, inputs: Any, row_inputs: Any = None, stats_loss: Callable | None = None):
+        num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+        batch = jax.tree.leaves(inputs)[0].shape[0]
+        problems = [message for _, message in schedule.problems(num_layers)]
+        if batch % micro:
+            problems.append(f"batch {batch} does not split into {micro} micro-batches")
+        if problems:
+            raise ValueError("; ".join(problems))
+        params = stage_view(stacked_params, schedule, layout)  # [1, S, layers_per_stage, ...]
+        split = jax.tree.map(lambda leaf: layout.rows(to_microbatches(leaf, micro), None),
+                             {"inputs": inputs, "rows": row_inputs})  # [M, mb, ...]
+        stage = stage_function(layer_fn, remat_policy)
+        spmd_axes = layout.stage_axes or None
+        forward = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=spmd_axes)
+        backward = jax.vmap(_stage_pullback(stage), in_axes=(1, 0, 0, 0, 0, 0), out_axes=(1, 0),
+                            spmd_axis_name=spmd_axes)
+        first_inputs = jax.tree.map(lambda leaf: leaf[0], split["inputs"])
+        x_shape = jax.eval_shape(input_fn, outer_params, first_inputs)
+        activation = jnp.zeros((stages, *x_shape.shape), x_shape.dtype)  # [S, mb, ...]
+        repeat = jnp.zeros((stages,), jnp.int32)
+        stats_shape = jax.eval_shape(forward, params, repeat, activation, stage_rows(split["rows"], repeat, layout))[1]
+        head_shape = jax.eval_shape(head_fn, outer_params, activation[0], first_inputs)
+        carry = {
+            "forward": activation,   # [S, mb, ...]: each stage's last output
+            "backward": activation,  # [S, mb, ...]: each stage's last input gradient
+            "ring": jax.lax.with_sharding_constraint(jnp.zeros((stages, schedule.in_flight()[0], *x_shape.shape),
+                                                               x_shape.dtype), ring_sharding),  # [S, slots, mb, ...]
+            "weight_grads": [jnp.zeros_like(w) for w in _inexact_split(params)[0]],  # [1, S, per_stage, ...]
+            "outer_grads": _zeros(outer_params),
+            "loss": _zeros(head_shape),
+            "stats": _zeros(jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), stats_shape)),
+        }
+        passes = _Passes(schedule, layout, params, split, input_fn, head_fn, outer_params, forward, backward,
+                         _stats_cotangent(stats_loss, stats_shape, micro))
+        phases = ((0, stages - 1, True, False), (stages - 1, micro, True, True),
+                  (micro + stages - 1, stages - 1, False, True))
+        for start, length, run_forward, run_backward in phases:
+            carry, _ = jax.lax.scan(lambda c, t: (passes.tick(c, t, run_forward, run_backward), None), carry,
+                                    start + jnp.arange(length))
+        loss, metrics = jax.tree.map(lambda total: total / micro, carry["loss"])
+        stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), carry["stats"])
+        weight_grads = iter(g.reshape(num_layers, *g.shape[3:]) for g in carry["weight_grads"])
+        leaves, treedef = jax.tree.flatten(stacked_params)
+        stacked_grads = jax.tree.unflatten(treedef, [next(weight_grads) if _is_floating(leaf) else None
+                                                     for leaf in leaves])
+        return (loss, metrics, stats), (stacked_grads, carry["outer_grads"])
+
+    return value_and_grad
+
+
+def _zeros(shapes: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+class _Passes:
+    """One clock tick of every stage: the forward, loss head and backward passes over the loop's carry."""
+
+    def __init__(self, schedule: Schedule, layout: Layout, params: Any, split: dict, input_fn: InputFn,
+                 head_fn: HeadFn, outer_params: Any, forward: Callable, backward: Callable, stats_cotangent: list):
+        self.stages, self.micro, self.slots = schedule.stages, schedule.microbatches, schedule.in_flight()[0]
+        self.layout, self.params, self.split = layout, params, split
+        self.input_fn, self.head_fn, self.outer_params = input_fn, head_fn, outer_params
+        self.forward, self.backward, self.stats_cotangent = forward, backward, stats_cotangent
+        self.stage_ids = jnp.arange(self.stages)
+        self.repeat = jnp.zeros((self.stages,), jnp.int32)
+        spmd_axes = layout.stage_axes or None
+        self.read_slot = jax.vmap(lambda ring, slot: ring[slot], spmd_axis_name=spmd_axes)
+        # A bubble stage's clipped item may name a slot still in flight: it writes nothing.
+        self.write_slot = jax.vmap(lambda ring, slot, x, valid: ring.at[slot].set(jnp.where(valid, x, ring[slot])),
+                                   spmd_axis_name=spmd_axes)
+
+    def tick(self, carry: dict, t: jax.Array, forward_pass: bool, backward_pass: bool) -> dict:
+        """Returns the carry after tick `t`; the flags say which passes any stage has work for."""
+        carry = dict(carry)
+        output_grad = None
+        if forward_pass:
+            carry = self.run_forward(carry, t)
+        if forward_pass and backward_pass:
+            carry, output_grad = self.run_head(carry, t)
+        if backward_pass:
+            carry = self.run_backward(carry, t, output_grad)
+        return carry
+
+    def _items(self, t: jax.Array, delay: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Returns (micro-batch clipped to [0, M), whether it is real) of each stage at `delay` [S] ticks behind t."""
+        item = t - delay
+        return jnp.clip(item, 0, self.micro - 1), (item >= 0) & (item < self.micro)
+
+    def _inputs(self, item: jax.Array) -> Any:
+        return jax.tree.map(lambda leaf: leaf[item], self.split["inputs"])
+
+    def run_forward(self, carry: dict, t: jax.Array) -> dict:
+        """Stage s runs the forward of micro-batch t - s; stage 0's input is `input_fn` of micro-batch t."""
+        item, valid = self._items(t, self.stage_ids)
+        state, layout = carry["forward"], self.layout
+        x = jax.lax.with_sharding_constraint(self.input_fn(self.outer_params, self._inputs(item[0])),
+                                             layout.activation)
+        incoming = jnp.where(expand(self.stage_ids == 0, state), x[None], jnp.roll(state, 1, 0))
+        incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
+        carry["ring"] = self.write_slot(carry["ring"], item % self.slots, incoming, valid)
+        out, stats = self.forward(self.params, self.repeat, incoming, stage_rows(self.split["rows"], item, layout))
+        carry["forward"] = jax.lax.with_sharding_constraint(out, layout.state)
+        carry["stats"] = jax.tree.map(lambda total, s: total + jnp.where(expand(valid, s), s, 0)[None],
+                                      carry["stats"], stats)
+        return carry
+
+    def run_head(self, carry: dict, t: jax.Array) -> tuple[dict, jax.Array]:
+        """Returns (carry, the last stage's output gradient): the loss head on micro-batch t - (S-1),
+        always a real one in the ticks that run both passes."""
+        inputs = self._inputs(t - (self.stages - 1))
+        y = jax.lax.with_sharding_constraint(carry["forward"][self.stages - 1], self.layout.activation)
+        loss, vjp, metrics = jax.vjp(lambda p, y: self.head_fn(p, y, inputs), self.outer_params, y, has_aux=True)
+        outer_grads, output_grad = vjp(jnp.asarray(1 / self.micro, loss.dtype))
+        carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], outer_grads)
+        carry["loss"] = jax.tree.map(jnp.add, carry["loss"], (loss, metrics))
+        return carry, output_grad
+
+    def run_backward(self, carry: dict, t: jax.Array, output_grad: jax.Array | None) -> dict:
+        """Stage s runs the backward of micro-batch t - (2S-2-s); stage 0's input gradient goes through
+        `input_fn`'s vjp."""
+        item, valid = self._items(t, 2 * self.stages - 2 - self.stage_ids)
+        state, layout = carry["backward"], self.layout
+        incoming = jnp.roll(state, -1, 0)
+        if output_grad is not None:
+            incoming = jnp.where(expand(self.stage_ids == self.stages - 1, state), output_grad[None], incoming)
+        incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
+        saved = self.read_slot(carry["ring"], item % self.slots)
+        dstats = [jnp.where(expand(valid, c), c, 0) for c in self.stats_cotangent]
+        weight_grads, dx = self.backward(self.params, self.repeat, saved, stage_rows(self.split["rows"], item, layout),
+                                         incoming, dstats)
+        # A bubble stage's cotangents are zero, so its weight gradients are too; the mask only keeps that exact.
+        carry["weight_grads"] = [total + jnp.where(expand(valid, g[0])[None], g, 0)
+                                 for total, g in zip(carry["weight_grads"], weight_grads)]
+        carry["backward"] = jax.lax.with_sharding_constraint(dx, layout.state)
+        first_inputs = self._inputs(item[0])
+        _, input_vjp = jax.vjp(lambda p: self.input_fn(p, first_inputs), self.outer_params)
+        input_grad = jax.lax.with_sharding_constraint(jnp.where(valid[0], dx[0], 0), layout.activation)
+        (outer_grads,) = input_vjp(input_grad)
+        carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], outer_grads)
+        return carry

@@ -1,0 +1,226 @@
+"""Checkpoint faults: flipped bits and truncated files caught by the manifest, blown-up states not saved,
+kill -9 at every moment of an async save, a full disk and a read-only run.dir stopping the run in one line."""
+
+import json
+import shutil
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from orchestrator.checkpoint import Checkpointer, checkpoint_dir
+from orchestrator.progress import Console
+from orchestrator.train import build_job, train
+from tests.helpers import run
+from tests.test_checkpoint import cli, load
+
+SAVED = ("train.steps=6", "checkpoint.every=2", "optimizer.decay_steps=8")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 6-step run with checkpoints at 2, 4 and 6 (async saves, the default); its result."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    return run_dir, run(load(run_dir, *SAVED))
+
+
+def copy_of(saved, tmp_path: Path, name: str) -> Path:
+    shutil.copytree(saved[0], tmp_path / name)
+    return tmp_path / name
+
+
+def array_files(step_dir: Path) -> list[Path]:
+    """Returns the files that hold a checkpoint's array data, largest first."""
+    return sorted((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+                  key=lambda p: -p.stat().st_size)
+
+
+def restore_latest(run_dir: Path, layout) -> tuple[int, list[str]]:
+    """Returns the step restore_latest picks in run_dir and the warnings it gave."""
+    warnings = []
+    checkpointer = Checkpointer(load(run_dir, *SAVED), layout, log=warnings.append)
+    step = checkpointer.restore_latest()[0]
+    checkpointer.close()
+    return step, warnings
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_previous_one_restored(saved, tmp_path):
+    layout = build_job(load(saved[0], *SAVED)).layout
+    largest, second = array_files(checkpoint_dir(saved[0]) / "6")[:2]
+    flips = [(largest, 0, 0), (largest, largest.stat().st_size // 2, 3), (largest, largest.stat().st_size - 1, 7),
+             (second, second.stat().st_size // 3, 5), (second, second.stat().st_size - 9, 1)]
+    for index, (file, offset, bit) in enumerate(flips):
+        run_dir = copy_of(saved, tmp_path, f"flip{index}")
+        target = run_dir / file.relative_to(saved[0])
+        data = bytearray(target.read_bytes())
+        data[offset] ^= 1 << bit
+        target.write_bytes(bytes(data))
+        step, warnings = restore_latest(run_dir, layout)
+        assert step == 4, (file.name, offset)
+        named = str(target.relative_to(checkpoint_dir(run_dir) / "6"))
+        assert len(warnings) == 1 and named in warnings[0] and "SHA-256" in warnings[0], warnings
+        assert not (checkpoint_dir(run_dir) / "6").exists()  # moved aside to torn_checkpoints/
+
+
+def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_losses(saved, tmp_path):
+    truncated = copy_of(saved, tmp_path, "truncated")
+    file = array_files(checkpoint_dir(truncated) / "6")[0]
+    file.write_bytes(file.read_bytes()[:100])
+    direct = copy_of(saved, tmp_path, "direct")
+    shutil.rmtree(checkpoint_dir(direct) / "6")
+
+    lines = []
+    result = train(load(truncated, "train.steps=8", *SAVED[1:]), console=Console(log=lines.append))
+    assert result.first_step == 4
+    warning = next(line for line in lines if "checkpoints/6 is unusable" in line)
+    assert f"{file.relative_to(checkpoint_dir(truncated) / '6')} has 100 bytes" in warning
+    assert any(line.startswith("resumed from checkpoint 4") for line in lines)
+    assert result.losses == run(load(direct, "train.steps=8", *SAVED[1:])).losses
+
+
+def test_a_blown_up_finite_state_is_not_saved_and_a_lower_lr_resumes(saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path, "blown")
+    healthy_norm = saved[1].history[-1]["param_norm"]  # step 6's
+    lines = []
+    blown = train(load(run_dir, "train.steps=8", "checkpoint.every=1", "optimizer.lr=10", "optimizer.clip_norm=0",
+                       *SAVED[2:]), console=Console(log=lines.append))
+    norms = [record["param_norm"] for record in blown.history]
+    assert np.isfinite(blown.losses).all() and min(norms) > 10 * healthy_norm  # blown up, yet finite
+    assert [line.split()[1] for line in lines if "not saved" in line] == ["7", "8"]
+    assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir()) == [2, 4, 6]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("checkpoint_skipped")] == [7, 8]
+
+    lowered = run(load(run_dir, "train.steps=8", *SAVED[1:]))
+    assert lowered.first_step == 6 and np.isfinite(lowered.losses).all()
+    assert max(record["param_norm"] for record in lowered.history) < 1.1 * healthy_norm
+    assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir())[-1] == 8
+
+
+# A driver that runs `nestor train` with Orbax's and nestor's save functions wrapped to kill -9 the
+# process at one moment of the save of step 4 (step 2's save is finished by then).
+KILLER = textwrap.dedent("""
+    import os, signal, sys
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.path import atomicity
+    from orbax.checkpoint._src.serialization import serialization
+    from orchestrator import checkpoint
+    from orchestrator.cli import main
+
+    MOMENT, STEP = {moment!r}, 4
+    saving = {{"step": None, "arrays": 0}}
+
+    def die(moment):
+        if saving["step"] == STEP and moment == MOMENT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap_save(save):
+        def wrapped(self, step, *args, **kwargs):
+            saving["step"] = step
+            if step == STEP:
+                self.wait_until_finished()
+                die("before the save")
+            return save(self, step, *args, **kwargs)
+        return wrapped
+
+    def wrap_serialize(serialize):
+        async def wrapped(*args, **kwargs):
+            saving["arrays"] += saving["step"] == STEP
+            if saving["arrays"] == 2:
+                die("during array writes")
+            return await serialize(*args, **kwargs)
+        return wrapped
+
+    def wrap_manifest(write_manifest):
+        def wrapped(*args):
+            die("before the manifest")
+            write_manifest(*args)
+        return wrapped
+
+    def wrap_commit(on_commit):
+        async def wrapped(*args, **kwargs):
+            die("before the rename")
+            await on_commit(*args, **kwargs)
+            die("after the rename")
+        return wrapped
+
+    ocp.CheckpointManager.save = wrap_save(ocp.CheckpointManager.save)
+    serialization.async_serialize_from_host = wrap_serialize(serialization.async_serialize_from_host)
+    checkpoint.write_manifest = wrap_manifest(checkpoint.write_manifest)
+    atomicity.on_commit_callback = wrap_commit(atomicity.on_commit_callback)
+    sys.exit(main())
+""")
+KILL_MOMENTS = {"before the save": 2, "during array writes": 2, "before the manifest": 2, "before the rename": 2,
+                "after the rename": 4}  # moment -> the newest complete checkpoint it leaves
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("moment", KILL_MOMENTS)
+def test_kill_at_any_moment_of_an_async_save_resumes_from_the_newest_complete_checkpoint(saved, tmp_path, moment):
+    driver = tmp_path / "killer.py"
+    driver.write_text(KILLER.format(moment=moment))
+    run_dir = tmp_path / "run"
+    killed = cli(run_dir, *SAVED, entry=(str(driver),))
+    _, err = killed.communicate(timeout=300)
+    assert killed.returncode == -signal.SIGKILL, err[-3000:]
+
+    resumed = run(load(run_dir, *SAVED))
+    assert resumed.first_step == KILL_MOMENTS[moment]
+    assert not list(checkpoint_dir(run_dir).glob("*tmp*"))  # the killed save's leftovers are gone
+    reference = saved[1]
+    assert resumed.losses == reference.losses[resumed.first_step:]
+    for got, want in zip(jax.tree.leaves(resumed.state["params"]), jax.tree.leaves(reference.state["params"])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def assert_stopped_in_one_line(process: subprocess.Popen, run_dir: Path, cause: str, code: int) -> None:
+    _, err = process.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert process.returncode == code and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith("nestor: ") and str(run_dir) in err and cause in err, err
+    assert len(lines) <= 2, err  # a config error is a heading and its one problem line
+
+
+def assert_checkpoints_intact(run_dir: Path, layout) -> None:
+    assert sorted(p.name for p in checkpoint_dir(run_dir).iterdir()) == ["2", "4", "6"]  # no temporary folder
+    step, warnings = restore_latest(run_dir, layout)
+    assert step == 6 and warnings == []
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_stops_the_run_at_its_failed_save_in_one_line(saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path, "full")
+    # Array files of 200 kB or more cannot be written: the save of step 8 fails in the background
+    # (EFBIG: Python ignores SIGXFSZ, so write() fails instead of the process being killed).
+    if shutil.which("prlimit") is None:
+        pytest.skip("no prlimit (util-linux) to limit the file size")
+    process = cli(run_dir, "train.steps=10", *SAVED[1:], prefix=("prlimit", "--fsize=200000"))
+    assert_stopped_in_one_line(process, run_dir, "checkpoint 8 could not be written (File too large", 1)
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(logged) <= 9  # stopped at the step after the failure, not at the next save
+    assert_checkpoints_intact(run_dir, build_job(load(run_dir, *SAVED)).layout)
+
+
+def read_only(path: Path) -> tuple[str, ...]:
+    """Returns a command prefix that runs its command with `path` mounted read-only (chmod does not
+    stop root); skips the test where no user namespace can be made."""
+    prefix = ("unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(path))
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("no user namespace with mounts here (unshare -rm) to make a read-only directory")
+    return prefix
+
+
+@pytest.mark.timeout(300)
+def test_a_read_only_run_dir_stops_the_run_in_one_line(saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path, "read_only")
+    process = cli(run_dir, "train.steps=8", *SAVED[1:], prefix=read_only(run_dir))
+    assert_stopped_in_one_line(process, run_dir, "Read-only file system", 2)  # no lock can be taken
+
+    process = cli(run_dir, "train.steps=8", *SAVED[1:], prefix=read_only(checkpoint_dir(run_dir)))
+    assert_stopped_in_one_line(process, run_dir, "checkpoint 8 could not be written (Read-only file system", 1)
+    assert_checkpoints_intact(run_dir, build_job(load(run_dir, *SAVED)).layout)

@@ -1,0 +1,126 @@
+"""`nestor data prepare`: JSONL and Parquet round-trip through the tokenizer; an interrupted prepare resumes
+to identical shards; inputs that do not fit are errors naming the option."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from orchestrator.config import ConfigError
+from orchestrator.data import prepare as prepare_module
+from orchestrator.data.prepare import Options, held_out_by_hash, prepare
+from orchestrator.data.shards import DOCUMENT_SEPARATOR, METADATA, documents_of
+
+WORDS = "the cat sat on a mat while dogs ran far away into the quiet night and came home".split()
+
+
+def texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 400))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 2.4 MB JSONL file and a 1.2 MB Parquet file of word salad, and a word-level tokenizers JSON."""
+    import pyarrow as pa
+    import pyarrow.parquet as parquet
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    directory = tmp_path_factory.mktemp("corpus")
+    jsonl, table = texts(2000, 0), texts(1000, 1)
+    with (directory / "a.jsonl").open("w") as f:
+        for i, text in enumerate(jsonl):
+            f.write(json.dumps({"id": i, "body": text}) + "\n")
+    parquet.write_table(pa.table({"body": table}), directory / "b.parquet", row_group_size=150)
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(WORDS, trainers.WordLevelTrainer(special_tokens=["[SEP]", "[UNK]"]))
+    tokenizer.save(str(directory / "words.json"))
+    return directory, jsonl + table, tokenizer
+
+
+def options(corpus, out, **changes) -> Options:
+    directory = corpus[0]
+    return Options(**{"tokenizer": str(directory / "words.json"), "out": out, "eval_fraction": 0.1,
+                      "text_field": "body", "parquet_column": "body", "shard_mb": 0.5, **changes})
+
+
+def sources(corpus) -> list[str]:
+    return [str(corpus[0] / "a.jsonl"), str(corpus[0] / "b.parquet")]
+
+
+def split_documents(out, split: str) -> list[np.ndarray]:
+    """Returns every document of `split` in order, read back through the document indexes."""
+    metadata = json.loads((out / METADATA).read_text())
+    found = []
+    for shard in metadata["splits"][split]["shards"]:
+        tokens = np.fromfile(out / f"{shard['name']}.tokens", metadata["dtype"])
+        starts = documents_of(out, shard["name"])
+        assert len(starts) == shard["documents"] + 1 and starts[-1] == len(tokens) == shard["tokens"]
+        assert np.all(tokens[starts[1:] - 1] == DOCUMENT_SEPARATOR)  # every document ends with the separator
+        found += [tokens[start:stop - 1] for start, stop in zip(starts[:-1], starts[1:])]
+    return found
+
+
+def test_jsonl_and_parquet_round_trip_through_the_tokenizer(corpus, tmp_path):
+    metadata = prepare(sources(corpus), options(corpus, tmp_path / "out", workers=2), log=lambda line: None)
+    _, documents, tokenizer = corpus
+    assert metadata["tokenizer"]["vocab_size"] == tokenizer.get_vocab_size() and metadata["dtype"] == "uint16"
+    held_out = [held_out_by_hash(text, 0.1) for text in documents]
+    for split, wanted in (("train", [not h for h in held_out]), ("eval", held_out)):
+        expected = [tokenizer.encode(text).ids for text, keep in zip(documents, wanted) if keep]
+        found = split_documents(tmp_path / "out", split)
+        assert len(found) == len(expected) == metadata["splits"][split]["documents"]
+        assert all(np.array_equal(f, e) for f, e in zip(found, expected))
+        assert metadata["splits"][split]["tokens"] == sum(len(e) + 1 for e in expected)
+    assert abs(sum(held_out) / len(documents) - 0.1) < 0.02
+    assert len(metadata["splits"]["train"]["shards"]) >= 4  # the JSONL cut at lines, the row groups grouped
+
+
+def shard_files(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".tokens", ".documents", ".json")}
+
+
+def test_an_interrupted_prepare_resumes_to_identical_shards(corpus, tmp_path, monkeypatch):
+    reference = tmp_path / "reference"
+    prepare(sources(corpus), options(corpus, reference), log=lambda line: None)
+
+    out = tmp_path / "interrupted"
+    finished = []
+    real = prepare_module.prepare_unit
+
+    def interrupted_after_two(index, unit, opts):
+        if len(finished) == 2:
+            (out / "train-00002.tokens.tmp").write_bytes(b"half a shard")  # cut off mid-write
+            raise KeyboardInterrupt
+        finished.append(real(index, unit, opts))
+        return finished[-1]
+
+    monkeypatch.setattr(prepare_module, "prepare_unit", interrupted_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(sources(corpus), options(corpus, out), log=lambda line: None)
+    monkeypatch.undo()
+    assert not (out / METADATA).exists()
+    kept = {name: (out / name).stat().st_mtime_ns for name in ("train-00000.tokens", "eval-00001.documents")}
+
+    said = []
+    prepare(sources(corpus), options(corpus, out), log=said.append)
+    assert said[0].startswith("resuming: 2 of ")
+    assert shard_files(out) == shard_files(reference)
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept  # finished shards were not redone
+
+    with pytest.raises(ConfigError, match="--out: .* holds a prepare of other eval_fraction"):
+        prepare(sources(corpus), options(corpus, out, eval_fraction=0.2), log=lambda line: None)
+
+
+@pytest.mark.parametrize("change, key", [
+    (dict(text_field="text"), "--text-field"), (dict(parquet_column="text"), "--parquet-column"),
+    (dict(tokenizer="absent.json"), "--tokenizer")])
+def test_inputs_that_do_not_fit_are_errors_naming_the_option(corpus, tmp_path, change, key):
+    files = sources(corpus)[1:] if key == "--parquet-column" else sources(corpus)[:1]
+    with pytest.raises(ConfigError) as caught:
+        prepare(files, options(corpus, tmp_path / "out", **change), log=lambda line: None)
+    assert caught.value.problems[0][0] == key
+    with pytest.raises(ConfigError, match="SOURCE: .*none.jsonl names no file"):
+        prepare([str(tmp_path / "none.jsonl")], options(corpus, tmp_path / "out"), log=lambda line: None)
