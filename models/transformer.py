@@ -17,6 +17,10 @@ logical name at block boundaries.
 
 Packed sequences: `segment_ids` [batch, length] (equal ids = one document)
 keep attention inside each document; the caller decides where documents start.
+
+Decoding (`Transformer.decode`): the same layers read and extend a key/value
+cache `KVCache` [layers, batch, max_len, kv_heads, head_dim], so each new
+token costs one position of work; the prompt is the first call (prefill).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +78,11 @@ class TransformerConfig:
             return self.num_layers
         return (self.num_layers - self.moe.first_dense_layers) // self.moe.every
 
+    @property
+    def layers_per_unit(self) -> int:
+        """Returns the layers of one stacked unit: moe.every for an MoE model, else 1."""
+        return self.moe.every if self.moe.enabled else 1
+
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
@@ -86,16 +95,29 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Returns x [batch, length, heads, head_dim] rotated by position (RoPE, arXiv 2104.09864)."""
+def rotary(x: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.Array:
+    """Returns x [batch, length, heads, head_dim] rotated by position (RoPE, arXiv 2104.09864); the
+    first of the `length` positions is `offset` (a decoding step's place in the sequence)."""
     length, head_dim = x.shape[1], x.shape[-1]
     inverse_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inverse_freq[None, :]  # [length, head_dim/2]
+    positions = jnp.arange(length, dtype=jnp.float32) + offset
+    angles = positions[:, None] * inverse_freq[None, :]  # [length, head_dim/2]
     sin = jnp.sin(angles)[None, :, None, :]
     cos = jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every attention layer for the positions decoded so far (the rest zeros)."""
+
+    key: jax.Array    # [layers, batch, max_len, kv_heads, head_dim], rotated by position
+    value: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+
+
+# One layer's cache is laid out like the keys it holds: batch over the data axes, heads over tensor.
+CACHE_LAYER_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None)
 
 
 def document_mask(segment_ids: jax.Array) -> jax.Array:
@@ -120,23 +142,51 @@ class Attention(nnx.Module):
         self.out = param(rngs, (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), out_std)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]
-        no token attends to a token of another segment."""
+    def project(self, x: jax.Array, offset: int | jax.Array = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Returns (queries [b, t, heads, k], keys [b, t, kv_heads, k], values) of `x` [b, t, embed], queries
+        and keys rotated as positions offset, offset + 1, ..."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
         q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
         k = checkpoint_name(jnp.einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
         v = checkpoint_name(jnp.einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
-        q = constrain(rotary(q, cfg.rope_theta), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        k = constrain(rotary(k, cfg.rope_theta), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
+        q = constrain(rotary(q, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+        k = constrain(rotary(k, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
-        # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand.
-        mask = None if segment_ids is None else document_mask(segment_ids)
-        context = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=cfg.attention)
+        return q, k, v
+
+    def output(self, context: jax.Array) -> jax.Array:
+        """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
         context = constrain(checkpoint_name(context, remat_names.ATTENTION_CONTEXT),
                             (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        return checkpoint_name(jnp.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype)), remat_names.OUT_PROJ)
+        return checkpoint_name(jnp.einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
+                               remat_names.OUT_PROJ)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]
+        no token attends to a token of another segment."""
+        q, k, v = self.project(x)
+        # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand.
+        mask = None if segment_ids is None else document_mask(segment_ids)
+        context = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.cfg.attention)
+        return self.output(context)
+
+    def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Returns (attention output [batch, t, embed], the layer's cache with `x`'s keys and values written).
+
+        `x` [batch, t, embed] holds positions position .. position + t - 1 of
+        every row; `cache` is this layer's (keys, values) [batch, max_len,
+        kv_heads, head_dim]. Each query sees the cached positions up to its own.
+        """
+        q, k, v = self.project(x, position)
+        keys, values = (constrain(jax.lax.dynamic_update_slice(stored, new.astype(stored.dtype), (0, position, 0, 0)),
+                                  CACHE_LAYER_AXES) for stored, new in zip(cache, (k, v)))
+        query_positions = position + jnp.arange(x.shape[1])
+        visible = jnp.arange(keys.shape[1])[None, :] <= query_positions[:, None]  # [t, max_len]
+        # The xla implementation takes any mask; a cuDNN kernel for one query and a padded cache would not help.
+        context = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], implementation="xla")
+        return self.output(context), (keys, values)
 
 
 class MLP(nnx.Module):
@@ -183,6 +233,14 @@ class Block(nnx.Module):
         feed_forward, stats = self.mlp(self.mlp_norm(x), train=train, routing_key=routing_key)
         return constrain(x + feed_forward, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), stats
 
+    def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Returns (x, the layer's cache) for new positions of `x` (see `Attention.decode`), MoE at eval capacity."""
+        attention, cache = self.attention.decode(self.attention_norm(x), cache, position)
+        x = x + attention
+        feed_forward, _ = self.mlp(self.mlp_norm(x), train=False)
+        return constrain(x + feed_forward, (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)), cache
+
 
 class BlockGroup(nnx.Module):
     """`moe.every` layers whose last feed-forward is MoE: the stacked unit of an MoE model.
@@ -200,6 +258,15 @@ class BlockGroup(nnx.Module):
         for block in self.dense:
             x, _ = block(x, segment_ids=segment_ids)
         return self.expert_layer(x, segment_ids=segment_ids, train=train, routing_key=routing_key)
+
+    def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],
+               position: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Returns (x, the unit's cache) for new positions; `cache` holds [every, batch, max_len, ...] per layer."""
+        updated = []
+        for index, block in enumerate([*self.dense, self.expert_layer]):
+            x, layer_cache = block.decode(x, (cache[0][index], cache[1][index]), position)
+            updated.append(layer_cache)
+        return x, tuple(jnp.stack(parts) for parts in zip(*updated))
 
 
 def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None, *,
@@ -304,3 +371,48 @@ class Transformer(nnx.Module):
         logits = jnp.einsum("btd,dv->btv", x, unembedding.astype(self.cfg.compute_dtype),
                             preferred_element_type=jnp.float32)
         return constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Returns an empty (zero) cache for `batch` rows of up to `max_len` positions, in the compute dtype."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = constrain(jnp.zeros(shape, cfg.compute_dtype), (None, *CACHE_LAYER_AXES))
+        return KVCache(zeros, zeros)
+
+    def decode(self, tokens: jax.Array, cache: KVCache, position: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Returns (float32 logits [batch, t, vocab], the cache extended) for `tokens` [batch, t] at positions
+        position .. position + t - 1 of every row, attending to the cache's earlier positions.
+
+        The prompt is one call at position 0 (prefill), each generated token one
+        more; the result equals `__call__` on the whole prefix (no document mask,
+        MoE at the eval capacity factor, routed per token when nothing is dropped).
+        """
+        cfg = self.cfg
+        block_def, stacked = nnx.split(self.blocks)
+        units, per_unit = cfg.stacked_units, cfg.layers_per_unit
+        first_dense = cfg.num_layers - units * per_unit  # moe.first_dense_layers: the cache's first layers
+        x = self.embed(tokens)
+        dense_cache = tuple(part[:first_dense] for part in cache)
+        if self.dense_blocks is not None:
+            dense_def, dense_stack = nnx.split(self.dense_blocks)
+
+            def dense_fn(x: jax.Array, inputs: tuple[Any, tuple[jax.Array, jax.Array]]):
+                params, layer_cache = inputs
+                return nnx.merge(dense_def, params).decode(x, layer_cache, position)
+
+            x, dense_cache = jax.lax.scan(dense_fn, x, (dense_stack, dense_cache))
+        # [layers, ...] -> [units, layers per unit, ...]: layer l is unit l // per_unit's (l % per_unit)-th
+        unit_caches = tuple(part[first_dense:].reshape(units, per_unit, *part.shape[1:]) for part in cache)
+
+        def unit_fn(x: jax.Array, inputs: tuple[Any, tuple[jax.Array, jax.Array]]):
+            params, unit_cache = inputs
+            unit = nnx.merge(block_def, params)
+            if cfg.moe.enabled:
+                return unit.decode(x, unit_cache, position)
+            x, layer_cache = unit.decode(x, (unit_cache[0][0], unit_cache[1][0]), position)
+            return x, tuple(part[None] for part in layer_cache)
+
+        x, unit_caches = jax.lax.scan(unit_fn, x, (stacked, unit_caches))
+        cache = KVCache(*(jnp.concatenate([dense, part.reshape(units * per_unit, *part.shape[2:])])
+                          for dense, part in zip(dense_cache, unit_caches)))
+        return self.logits(x), cache

@@ -1,4 +1,4 @@
-"""The `nestor` command: train, explain, submit, status, stop, data prepare."""
+"""The `nestor` command: train, explain, eval, sample, submit, status, stop, data prepare."""
 
 from __future__ import annotations
 
@@ -79,6 +79,27 @@ def _explain(config, args) -> int:
     return 0
 
 
+def _eval(config, args) -> int:
+    from orchestrator.evaluation.commands import evaluate_checkpoint
+    from orchestrator.runtime import configure_jax
+
+    configure_jax(config)
+    result = evaluate_checkpoint(config)
+    print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f} eval_perplexity "
+          f"{result['eval_perplexity']:.3f} ({config.eval.steps} batches of {config.train.global_batch} x "
+          f"{config.train.seq_len} tokens, eval.source={config.eval.source})")
+    return 0
+
+
+def _sample(config, args) -> int:
+    from orchestrator.evaluation.commands import sample_checkpoint
+    from orchestrator.runtime import configure_jax
+
+    configure_jax(config)
+    print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
 def _submit(config, args) -> int:
     import yaml
 
@@ -136,6 +157,20 @@ def _positive(kind):
     return parse
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _data_parser(commands) -> None:
     data = commands.add_parser("data", help="prepare token shards for data.source=tokens")
     actions = data.add_subparsers(dest="action", required=True)
@@ -162,9 +197,17 @@ def parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model, or resume it from run.dir")
     explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate = commands.add_parser("eval", help="eval loss and perplexity of run.dir's newest checkpoint")
+    sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    sample.add_argument("--max-tokens", type=_positive(int), default=64, help="tokens to generate")
+    sample.add_argument("--temperature", type=_non_negative, default=0.0, help="0 = greedy")
+    sample.add_argument("--top-k", type=_non_negative_int, default=0, help="draw from the K likeliest; 0 = all")
+    sample.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the draws")
     submit = commands.add_parser("submit", help="submit a training job to a running Ray cluster (Jobs API)")
     submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
-    for command, handler in ((train, _train), (explain, _explain), (submit, _submit)):
+    for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
+                             (submit, _submit)):
         command.add_argument("config", help="run YAML, e.g. configs/quickstart.yaml")
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "

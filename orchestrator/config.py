@@ -161,8 +161,22 @@ class DataConfig:
     mixture: tuple[dict, ...] = key((), "tokens: [{paths: [dirs], weight: w > 0}, ...] each row drawn from one "
                                     "entry by weight; empty = data.paths")
     tokenizer: str | None = key(None, "text: path to a tokenizers JSON or SentencePiece model; null = bytes")
-    document_mask: bool = key(True, "text: no token attends across a document separator (token 0); synthetic: "
-                              "no-op")
+    document_mask: bool = key(True, "text, tokens: no token attends across a document separator (token 0); "
+                              "synthetic: no-op")
+
+
+EVAL_SOURCES = ("heldout", "synthetic", "text", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = key(0, "evaluate after every N-th step and the last; 0 = never (nestor eval still works)",
+                     minimum=0)
+    steps: int = key(4, "eval batches of train.global_batch x train.seq_len tokens, the same ones every time",
+                     **_POSITIVE)
+    source: str = key("heldout", "heldout (the eval split of the data.paths / data.mixture shards) | synthetic | "
+                      "text | tokens (eval.paths)", choices=EVAL_SOURCES)
+    paths: tuple[str, ...] = key((), "text: globs of text files; tokens: prepared directories, their train split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +299,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     mesh: MeshConfig = MeshConfig()
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
@@ -452,7 +467,7 @@ def _absolute(path: str, base: Path) -> str:
 
 def resolve_paths(config: Config, base: Path) -> Config:
     """Returns `config` with every path a user writes (run.dir, run.compile_cache, data.paths globs,
-    data.tokenizer, data.mixture's paths) made absolute against `base`, `~` expanded.
+    data.tokenizer, data.mixture's paths, eval.paths) made absolute against `base`, `~` expanded.
 
     `load` resolves against the directory `nestor` runs in, before the config
     reaches any other process: a Ray worker's working directory is Ray's, not the user's.
@@ -464,7 +479,8 @@ def resolve_paths(config: Config, base: Path) -> Config:
                                 compile_cache=run.compile_cache and _absolute(run.compile_cache, base)),
         data=dataclasses.replace(data, paths=tuple(_absolute(p, base) for p in data.paths),
                                  tokenizer=data.tokenizer and _absolute(data.tokenizer, base),
-                                 mixture=tuple(_resolved_entry(entry, base) for entry in data.mixture)))
+                                 mixture=tuple(_resolved_entry(entry, base) for entry in data.mixture)),
+        eval=dataclasses.replace(config.eval, paths=tuple(_absolute(p, base) for p in config.eval.paths)))
 
 
 def _resolved_entry(entry: dict, base: Path) -> dict:

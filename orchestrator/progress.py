@@ -81,14 +81,20 @@ class Console:
         self.bar.start()
 
     def step(self, record: dict) -> None:
-        """Shows one logged step (a metrics.jsonl record)."""
+        """Shows one logged step (a metrics.jsonl record); a step that evaluated adds its eval loss on the bar's
+        terminal as a line of its own."""
+        evaluated = (f"eval_loss {record['eval_loss']:.4f}  eval_perplexity {record['eval_perplexity']:.2f}"
+                     if "eval_loss" in record else "")
         if self.bar is not None:
             self.bar.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}",
                             tokens_per_s=f"{record['tokens_per_s']:.0f}")
+            if evaluated:
+                self.log(f"step {record['step']:5d}  {evaluated}")
             return
         mfu = f"  mfu {record['mfu']:.1%}" if "mfu" in record else ""
         self._print(f"step {record['step']:5d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                    f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s{mfu}")
+                    f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s{mfu}"
+                    + (f"  {evaluated}" if evaluated else ""))
 
     def close(self) -> None:
         """Stops the live bar (its last state stays on screen) and any spinner."""

@@ -7,6 +7,7 @@ batch into `train.grad_accum` micro-batches and scans over them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from models.axes import activation_sharding
 from models.moe import expert_parallelism
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
-from orchestrator.data.pipeline import document_ids
+from orchestrator.data.pipeline import document_ids, masks_documents
 from orchestrator.moe import (EXPERT_BIAS, EXPERT_LAYOUT, EXPERT_LOAD, balanced_expert_bias, moe_loss_and_metrics,
                               routing_key)
 from orchestrator.optimizer import learning_rate
@@ -53,11 +54,12 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
                  moe: MoEConfig = MoEConfig(), document_mask: bool = False,
-                 dense_runner: StackRunner = scan_layers) -> Callable[..., tuple[jax.Array, Metrics]]:
+                 dense_runner: StackRunner = scan_layers, train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
     """Returns loss(params, tokens [b, t+1], routing_key=None, expert_bias=None) -> (loss, metrics) with activations
     laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`). The layer
     stack runs through `stack_runner`, an MoE model's first dense layers through `dense_runner`.
-    With `document_mask`, no token attends across a document separator (`data.document_ids`)."""
+    With `document_mask`, no token attends across a document separator (`data.document_ids`);
+    `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing)."""
     constrainer = activation_constrainer(mesh, rules)
     exchange = all_gather_exchange(mesh, rules, EXPERT_LAYOUT)
 
@@ -68,7 +70,7 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
         segment_ids = document_ids(inputs) if document_mask else None
         with activation_sharding(constrainer), expert_parallelism(exchange):
             logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
-                                  dense_runner=dense_runner, routing_key=routing_key)
+                                  dense_runner=dense_runner, train=train, routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
         moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
         return loss + moe_loss, {"lm_loss": loss, **moe_metrics}
@@ -115,7 +117,9 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
         return scan, scan
-    return pipeline_runner(schedule, mesh, rules, ACTIVATION_AXES, policy), scan
+    # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's over the same stages
+    forward = dataclasses.replace(schedule, one_f_one_b=False)
+    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), scan
 
 
 def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:
@@ -123,7 +127,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
     model's loss:
     jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop
     (1F1B), that schedule's own gradients."""
-    document_mask = config.data.document_mask and config.data.source == "text"  # synthetic rows are one document
+    document_mask = masks_documents(config, config.data.source)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:
         stack_runner, dense_runner = stack_runners(config, mesh, rules)

@@ -19,17 +19,19 @@ import numpy as np
 from orchestrator.errors import ConfigError
 
 Tokenizer = Callable[[str], Sequence[int]]  # a list, or an array of ids
+Detokenizer = Callable[[Sequence[int]], str]
 BYTES = "bytes"  # the name `nestor data prepare --tokenizer` takes for byte-level text
 BYTE_VOCAB = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerFile:
-    """A loaded tokenizer: text -> ids, its vocabulary size and fingerprint."""
+    """A loaded tokenizer: text -> ids, ids -> text, its vocabulary size and fingerprint."""
 
     encode: Tokenizer
     vocab_size: int
     fingerprint: str
+    decode: Detokenizer
 
 
 def _unreadable(path: Path, kind: str, error: Exception, key: str) -> ConfigError:
@@ -37,7 +39,7 @@ def _unreadable(path: Path, kind: str, error: Exception, key: str) -> ConfigErro
     return ConfigError([(key, f"{path} does not load as {kind}: {reason}")])
 
 
-def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int]:
+def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer]:
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
@@ -46,10 +48,11 @@ def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int]:
         tokenizer = HFTokenizer.from_file(str(path))
     except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
         raise _unreadable(path, "a tokenizers JSON", error, key) from None
-    return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size()
+    return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size(), \
+        (lambda ids: tokenizer.decode([int(i) for i in ids]))
 
 
-def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int]:
+def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer]:
     try:
         import sentencepiece
     except ImportError:
@@ -58,12 +61,18 @@ def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int]:
         processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
     except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
         raise _unreadable(path, "a SentencePiece model", error, key) from None
-    return processor.encode, processor.get_piece_size()
+    return processor.encode, processor.get_piece_size(), (lambda ids: processor.decode([int(i) for i in ids]))
 
 
 def encode_bytes(text: str) -> np.ndarray:
     """Returns the UTF-8 bytes of `text` as token ids, uint8 (byte-level: vocab 256)."""
     return np.frombuffer(text.encode(), np.uint8)
+
+
+def decode_bytes(ids: Sequence[int]) -> str:
+    """Returns the text of byte-level ids (UTF-8, broken sequences replaced; ids past 255, which a model
+    with a larger vocabulary may emit, are no bytes and are left out)."""
+    return bytes(int(i) for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
 
 def open_tokenizer(path: str | None, key: str = "data.tokenizer") -> TokenizerFile:
@@ -74,15 +83,15 @@ def open_tokenizer(path: str | None, key: str = "data.tokenizer") -> TokenizerFi
     (empty, truncated) or its library is missing.
     """
     if path is None or path == BYTES:
-        return TokenizerFile(encode_bytes, BYTE_VOCAB, BYTES)
+        return TokenizerFile(encode_bytes, BYTE_VOCAB, BYTES, decode_bytes)
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError([(key, f"no file at {file}; give a tokenizers .json or SentencePiece .model")])
     loaders = {".json": _huggingface, ".model": _sentencepiece}
     if file.suffix not in loaders:
         raise ConfigError([(key, f"{file.name}: expected a .json (tokenizers) or .model (SentencePiece)")])
-    encode, size = loaders[file.suffix](file, key)
-    return TokenizerFile(encode, size, tokenizer_fingerprint(file))
+    encode, size, decode = loaders[file.suffix](file, key)
+    return TokenizerFile(encode, size, tokenizer_fingerprint(file), decode)
 
 
 def tokenizer_fingerprint(file: Path) -> str:
@@ -90,8 +99,8 @@ def tokenizer_fingerprint(file: Path) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 
-def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer | None:
-    """Returns text -> token ids for `data.tokenizer` (see `open_tokenizer`); None = bytes, read as such.
+def fitting_tokenizer(path: str | None, vocab_size: int) -> TokenizerFile:
+    """Returns `data.tokenizer` opened (see `open_tokenizer`; None = bytes).
 
     Raises ConfigError as `open_tokenizer` does, and when the vocabulary does not fit `model.vocab_size`.
     """
@@ -100,4 +109,10 @@ def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer | None:
         name = "byte-level text" if path is None else Path(path).name
         raise ConfigError([("model.vocab_size", f"{tokenizer.vocab_size} tokens of {name} do not fit {vocab_size}; "
                                                 f"set model.vocab_size={tokenizer.vocab_size} or more")])
+    return tokenizer
+
+
+def load_tokenizer(path: str | None, vocab_size: int) -> Tokenizer | None:
+    """Returns text -> token ids for `data.tokenizer`; None = bytes, read as such. Raises as `fitting_tokenizer`."""
+    tokenizer = fitting_tokenizer(path, vocab_size)
     return None if path is None else tokenizer.encode

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.data.pipeline import DataPipeline, batch_shape
+from orchestrator.evaluation.loss import Evaluator
 from orchestrator.health import StateHealth
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
@@ -70,7 +71,7 @@ def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
 
 @dataclasses.dataclass
 class Job:
-    """A compiled-to-be training job: mesh, rules, state layout, step function, data."""
+    """A compiled-to-be training job: mesh, rules, state layout, step function, data, evaluation."""
 
     config: Config
     mesh: Mesh
@@ -78,20 +79,22 @@ class Job:
     layout: StateLayout
     step_fn: object
     data: DataPipeline | None  # None when built without data (explain)
+    evaluator: Evaluator | None = None  # with eval.every and data only
 
 
 def build_job(config: Config, devices: list[jax.Device] | None = None, with_data: bool = True) -> Job:
     """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet.
 
-    `with_data=False` leaves the data source unopened (no file listed, no tokenizer loaded), for a
-    job that is only compiled.
+    `with_data=False` leaves the data sources unopened (no file listed, no tokenizer loaded), for a
+    job that is only compiled; with data and `eval.every`, the job has its evaluator.
     """
     mesh = make_mesh(config, devices)
     rules = resolve_rules(config.mesh.rules)
     layout = state_layout(config, mesh, rules)
     step_fn = make_train_step(config, layout, mesh, rules)
     data = DataPipeline(config, batch_sharding(mesh, rules)) if with_data else None
-    return Job(config, mesh, rules, layout, step_fn, data)
+    evaluator = Evaluator(config, layout, mesh, rules) if with_data and config.eval.every else None
+    return Job(config, mesh, rules, layout, step_fn, data, evaluator)
 
 
 class TrainingDiverged(RuntimeError):
@@ -275,7 +278,8 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
         def flush(pending, save=None) -> None:
             """Reads a finished step's values, checks them, runs `save` (the step's checkpoint) and logs."""
             step, metrics, started = pending
-            logged = step % config.train.log_every == 0 or step == config.train.steps or save is not None
+            logged = (step % config.train.log_every == 0 or step == config.train.steps or save is not None
+                      or "eval_loss" in metrics)
             # Off logging steps, only what every step needs comes to the host.
             values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
             finished_at = time.perf_counter()
@@ -325,6 +329,8 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))
         metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
+        if job.evaluator is not None and job.evaluator.due(step + 1):
+            metrics = {**metrics, **job.evaluator(state)}  # queued before the next step donates state
         profiler.after(step + 1, (state, metrics))
         if pending is not None:
             jax.block_until_ready(pending[1])

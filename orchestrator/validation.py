@@ -58,6 +58,8 @@ def validate(config: Config) -> Config:
                                             "use auto or xla for float32"))
     problems += _device_memory_problems(config)
     problems += _data_problems(config)
+    if config.eval.every:
+        problems += eval_problems(config)
     problems += _profile_problems(config)
     problems += _schedule_problems(config)
     problems += _mesh_problems(config)
@@ -102,6 +104,19 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
                 or weight <= 0:
             problems.append((f"{where}.weight", f"must be a number > 0, got {weight!r}"))
     return problems
+
+
+def eval_problems(config: Config) -> list[tuple[str, str]]:
+    """Returns (key path, message) when the eval source cannot be read: `heldout` needs prepared shards
+    (data.source=tokens), `tokens` needs eval.paths. Checked when eval.every is set, and by `nestor eval`."""
+    source = config.eval.source
+    if source == "heldout" and config.data.source != "tokens":
+        return [("eval.source", f"heldout is the eval split of prepared shards, and data.source is "
+                                f"{config.data.source}; set eval.source to text, tokens or synthetic (with eval.paths), "
+                                "or train on data.source=tokens")]
+    if source == "tokens" and not config.eval.paths:
+        return [("eval.paths", "eval.source=tokens needs directories written by `nestor data prepare`")]
+    return []
 
 
 def _profile_problems(config: Config) -> list[tuple[str, str]]:

@@ -51,6 +51,12 @@ def document_ids(tokens: jax.Array) -> jax.Array:
     return jnp.cumsum(tokens == DOCUMENT_SEPARATOR, axis=-1, dtype=jnp.int32)
 
 
+def masks_documents(config: Config, source: str) -> bool:
+    """Returns whether the loss on rows of `source` (a data.source or eval.source) keeps attention within
+    documents: with data.document_mask, for every source that packs documents (all but synthetic)."""
+    return config.data.document_mask and source != "synthetic"
+
+
 class SyntheticSource:
     """Arithmetic progressions modulo the vocabulary: token_t = (start + stride * t) mod vocab.
 
@@ -64,6 +70,7 @@ class SyntheticSource:
         self.width = config.train.seq_len + 1
         self.global_batch = config.train.global_batch
         self.fingerprint = f"synthetic:vocab={self.vocab}"
+        self.num_tokens = None  # unbounded
 
     def rows(self, step: int, rows: range) -> np.ndarray:
         """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]."""
@@ -116,6 +123,7 @@ class TextSource:
         self._tokens: dict[int, np.ndarray] = {}
         lengths = [self._length(i) + 1 for i in range(len(self.files))]  # +1: the separator
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.num_tokens = int(self.starts[-1])
         self.order = WindowOrder(self.seed, windows_of(int(self.starts[-1]), self.width, "data.paths"))
         listing = "\n".join(f"{f}:{n}" for f, n in zip(self.files, lengths))
         self.fingerprint = "text:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
@@ -179,10 +187,13 @@ def make_source(config: Config, split: str = "train"):
 
 
 class DataPipeline:
-    """The run's input: global batch `step` as one sharded array, plus a checkpointable position."""
+    """The run's input: global batch `step` as one sharded array, plus a checkpointable position.
 
-    def __init__(self, config: Config, sharding: NamedSharding):
-        self.source = make_source(config)
+    `source` (default: `make_source(config)`, training's) may be another source, e.g. the eval batches'.
+    """
+
+    def __init__(self, config: Config, sharding: NamedSharding, source=None):
+        self.source = make_source(config) if source is None else source
         self.shape = batch_shape(config)
         self.sharding = sharding
         self.next_step = 0

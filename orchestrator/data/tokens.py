@@ -84,6 +84,7 @@ class TokenSource:
             source.stream = TokenStream(source.directories, split, source.key)
             source.order = WindowOrder((self.seed, index), windows_of(source.stream.num_tokens, self.width,
                                                                       source.key))
+        self.num_tokens = sum(source.stream.num_tokens for source in self.sources)
         weights = np.array([source.weight for source in self.sources])
         self.cumulative = np.cumsum(weights / weights.sum())
         self.offset = float(np.random.default_rng((self.seed, len(self.sources))).random())

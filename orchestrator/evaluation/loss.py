@@ -1,0 +1,107 @@
+"""Held-out evaluation: the LM loss and perplexity over a fixed set of batches.
+
+The eval batches are batches 0 .. eval.steps - 1 of the eval source
+(`eval.source`), each a pure function of (run.seed, index, row) like a
+training batch, read through a source of their own: every evaluation, on any
+mesh and after any resume, reads the same tokens, and training's stream never
+moves. The eval step is the train step's forward loss (the same stack runner,
+shardings, micro-batches and document mask) without gradients, its MoE layers
+at `moe.eval_capacity_factor` with deterministic routing, jitted once. The
+loss is the mean next-token cross-entropy over every eval token (the LM loss
+alone: no auxiliary loss), perplexity its exponential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models import axes
+from orchestrator.config import Config, ConfigError
+from orchestrator.data.pipeline import DataPipeline, make_source, masks_documents
+from orchestrator.state import StateLayout
+from orchestrator.step import batch_sharding, make_loss_fn, stack_runners
+from orchestrator.validation import eval_problems
+from parallel.pipeline import to_microbatches
+from parallel.rules import Rules, activation_constrainer
+
+
+def eval_key(config: Config) -> str:
+    """Returns the config key that names the eval data: eval.source for the held-out split, else eval.paths."""
+    return "eval.source" if config.eval.source == "heldout" else "eval.paths"
+
+
+def eval_source(config: Config):
+    """Returns the source of the eval batches: the `eval` split of the training shards (`heldout`), or
+    `eval.source` reading `eval.paths` (prepared directories: their `train` split).
+
+    Raises ConfigError naming eval.source or eval.paths when the source cannot be read or holds fewer
+    tokens than one batch (train.global_batch x (train.seq_len + 1)).
+    """
+    if problems := eval_problems(config):
+        raise ConfigError(problems)
+    key = eval_key(config)
+    try:
+        if config.eval.source == "heldout":
+            source = make_source(config, split="eval")
+        else:
+            data = dataclasses.replace(config.data, source=config.eval.source, paths=config.eval.paths, mixture=())
+            source = make_source(dataclasses.replace(config, data=data))
+    except ConfigError as error:
+        raise ConfigError([(key, message) for _, message in error.problems]) from None
+    batch_tokens = config.train.global_batch * (config.train.seq_len + 1)
+    if source.num_tokens is not None and source.num_tokens < batch_tokens:
+        raise ConfigError([(key, f"the eval data holds {source.num_tokens} tokens, fewer than one batch of "
+                                 f"train.global_batch x (train.seq_len + 1) = {batch_tokens}; give more eval data "
+                                 "(a larger --eval-fraction, more eval.paths)")])
+    return source
+
+
+def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
+    """Returns the jitted eval_step(params, expert_bias, tokens [global_batch, seq_len + 1]) -> the batch's
+    mean LM loss, float32 and replicated (`expert_bias`: the state's, or None without bias balancing); with
+    train.grad_accum > 1 the batch runs in that many micro-batches, as in training."""
+    stack_runner, dense_runner = stack_runners(config, mesh, rules)
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, masks_documents(config, config.eval.source),
+                           dense_runner, train=False)
+    constrain = activation_constrainer(mesh, rules)
+    accum = config.train.grad_accum
+
+    def micro_loss(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
+        return loss_fn(params, constrain(tokens, (axes.BATCH, axes.LENGTH)), expert_bias=expert_bias)[1]["lm_loss"]
+
+    def eval_step(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
+        if accum == 1:
+            return micro_loss(params, expert_bias, tokens)
+        return jnp.mean(jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro),
+                                    to_microbatches(tokens, accum)))
+
+    tokens_sharding = batch_sharding(mesh, rules)
+    return jax.jit(eval_step, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
+                                            tokens_sharding),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+class Evaluator:
+    """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity."""
+
+    def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
+        self.config = config
+        self.data = DataPipeline(config, batch_sharding(mesh, rules), eval_source(config))
+        self.step_fn = make_eval_step(config, layout, mesh, rules)
+
+    def due(self, step: int) -> bool:
+        """Returns whether training evaluates after `step`: every eval.every-th step and the last."""
+        every = self.config.eval.every
+        return bool(every) and (step % every == 0 or step == self.config.train.steps)
+
+    def __call__(self, state: dict) -> dict[str, jax.Array]:
+        """Returns {eval_loss, eval_perplexity} (device scalars) of `state`'s parameters (and expert bias)
+        over the eval.steps batches."""
+        losses = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
+                  for index in range(self.config.eval.steps)]
+        loss = jnp.mean(jnp.stack(losses))
+        return {"eval_loss": loss, "eval_perplexity": jnp.exp(loss)}

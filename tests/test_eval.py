@@ -1,0 +1,94 @@
+"""Held-out evaluation: the same eval losses on every mesh and across a resume, training untouched by it,
+`nestor eval` on another mesh, one compile, and config errors naming the key."""
+
+import json
+
+import numpy as np
+import pytest
+
+from orchestrator.config import ConfigError
+from orchestrator.data.prepare import Options, prepare
+from orchestrator.evaluation.commands import restore_newest
+from orchestrator.evaluation.loss import Evaluator, eval_source
+from orchestrator.metrics import tensorboard_tag
+from orchestrator.progress import Console
+from tests.conftest import ROOT
+from tests.helpers import ONE_DEVICE, mesh_overrides, prepared_stdlib, run
+
+EVAL_ON = ("eval.every=2", "eval.steps=2")
+ONE_DEVICE_OVERRIDES = tuple(f"{key}={value}" for key, value in ONE_DEVICE.items())
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Standard library sources [a-c]*.py as byte-level token shards, 10% held out."""
+    return prepared_stdlib(tmp_path_factory.mktemp("shards") / "abc")
+
+
+def eval_losses(result) -> dict[int, float]:
+    return {record["step"]: record["eval_loss"] for record in result.history if "eval_loss" in record}
+
+
+@pytest.mark.slow
+def test_eval_losses_match_across_a_resume_and_meshes_and_training_ignores_them(tiny_config, shards, tmp_path):
+    data = ("data.source=tokens", f"data.paths=[{shards}]", "train.steps=4", "optimizer.decay_steps=4",
+            *ONE_DEVICE_OVERRIDES)
+    # interrupted: steps 1-2 without eval, then resumed with eval after step 4
+    run(tiny_config(*data, "eval.every=0", "train.steps=2"))
+    resumed = run(tiny_config(*data, *EVAL_ON))
+    # uninterrupted: eval after steps 2 and 4
+    whole = run(tiny_config(*data, *EVAL_ON, f"run.dir={tmp_path / 'whole'}"))
+    assert resumed.first_step == 2 and sorted(eval_losses(whole)) == [2, 4]
+    # steps 3-4 of the whole run follow an evaluation, those of the resumed run do not: the same losses
+    np.testing.assert_array_equal(whole.losses[2:], resumed.losses)
+    assert eval_losses(resumed) == {4: eval_losses(whole)[4]}
+    assert eval_losses(whole)[4] < eval_losses(whole)[2]
+
+    # the newest checkpoint (step 4) on another mesh: the same eval loss, from one compiled eval step
+    config = tiny_config(*data, *EVAL_ON, f"run.dir={tmp_path / 'whole'}").replace(
+        **mesh_overrides(data=2, fsdp=2, tensor=2), **{"cluster.devices_per_host": 8})
+    restored = restore_newest(config)
+    evaluator = Evaluator(config, restored.layout, restored.mesh, restored.rules)
+    first, second = (evaluator(restored.state) for _ in range(2))
+    assert restored.step == 4 and float(first["eval_loss"]) == float(second["eval_loss"])
+    np.testing.assert_allclose(float(first["eval_loss"]), eval_losses(whole)[4], rtol=1e-5)
+    assert evaluator.step_fn._cache_size() == 1
+    logged = json.loads((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["eval_perplexity"] == pytest.approx(np.exp(logged["eval_loss"]), rel=1e-6)
+
+
+def test_eval_metrics_are_documented_and_shown_on_the_console():
+    docs = (ROOT / "docs/monitoring.md").read_text()
+    for name in ("eval_loss", "eval_perplexity"):
+        assert f"`{name}`" in docs and f"`{tensorboard_tag(name)}`" in docs, name
+    lines = []
+    record = {"step": 4, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0}
+    Console(log=lines.append).step(record)
+    Console(log=lines.append).step({**record, "eval_loss": 2.5, "eval_perplexity": 12.18})
+    assert lines[1] == lines[0] + "  eval_loss 2.5000  eval_perplexity 12.18"
+
+
+def test_eval_data_smaller_than_one_batch_or_missing_is_a_config_error_naming_the_key(tiny_config, tmp_path):
+    (tmp_path / "train.txt").write_text("a training document\n" * 200)
+    (tmp_path / "held.txt").write_text("held out\n")
+    directory = tmp_path / "shards"
+    prepare([str(tmp_path / "train.txt")], Options(tokenizer="bytes", out=directory), [str(tmp_path / "held.txt")],
+            log=lambda line: None)
+
+    def problem(*overrides):
+        with pytest.raises(ConfigError) as caught:
+            eval_source(tiny_config(*overrides))
+        return caught.value.problems[0]
+
+    tokens = ("data.source=tokens", f"data.paths=[{directory}]")
+    key, message = problem(*tokens, "train.seq_len=4")  # 10 held-out tokens, a batch is 16 x 5
+    assert key == "eval.source" and "fewer than one batch" in message
+    assert problem(*tokens)[0] == "eval.source"  # not even one sequence of 33 tokens
+    assert problem("eval.source=text", f"eval.paths=[{tmp_path / 'held.txt'}]")[0] == "eval.paths"
+    assert problem("eval.source=text", f"eval.paths=[{tmp_path / 'absent*.txt'}]")[0] == "eval.paths"
+    assert problem("eval.source=tokens")[0] == "eval.paths"
+    assert problem("data.source=text")[0] == "eval.source"  # heldout needs prepared shards
+    with pytest.raises(ConfigError, match="eval.source: heldout is the eval split"):
+        tiny_config("eval.every=5")
+    with pytest.raises(ConfigError, match="run.dir: no checkpoint in"):
+        restore_newest(tiny_config(*ONE_DEVICE_OVERRIDES))

@@ -1,0 +1,95 @@
+"""Decoding with the KV cache: greedy tokens equal those of the full forward on the growing prefix, on tiny
+dense and MoE models, on one device and on tensor2 x data2; `nestor sample` prints the prompt's continuation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.axes import activation_sharding
+from orchestrator.checkpoint import Checkpointer
+from orchestrator.cli import main
+from orchestrator.evaluation.commands import restore_newest, sample_checkpoint
+from orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
+from orchestrator.state import init_state, state_layout
+from orchestrator.train import make_mesh
+from parallel.rules import activation_constrainer, resolve_rules
+from tests.conftest import TINY
+from tests.helpers import ONE_DEVICE, mesh_overrides
+
+MODELS = {"dense": (), "moe": ("moe.num_experts=4", "moe.every=2"),
+          "first_dense_biased": ("model.preset=deepseek-tiny",)}
+MESHES = {"one_device": ONE_DEVICE, "tensor2_data2": {**mesh_overrides(tensor=2, data=2),
+                                                      "cluster.devices_per_host": 4}}
+NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Returns {model: config}: each model's initial state saved once as its run.dir's checkpoint 0."""
+    from orchestrator.config import load
+
+    configs = {}
+    for name, overrides in MODELS.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        config = load(None, [*TINY, f"run.dir={run_dir}", "model.init_std=0.2", *overrides]).replace(**ONE_DEVICE)
+        mesh = make_mesh(config)
+        layout = state_layout(config, mesh, resolve_rules(config.mesh.rules))
+        checkpointer = Checkpointer(config, layout, log=lambda *_: None)
+        checkpointer.save(0, init_state(config, layout), {"next_step": 0, "source": ""}, force=True)
+        checkpointer.close()
+        configs[name] = config
+    return configs
+
+
+def greedy_by_full_forward(graphdef, mesh, rules, variables: tuple, prompts: jax.Array, new_tokens: int) -> np.ndarray:
+    """Returns [batch, new_tokens]: each token the argmax of the full forward's last logits on the prefix so far.
+
+    The prefix runs in a buffer of the final length (one compile): causal attention keeps the positions
+    after it out of its logits, and sampling's MoE layers drop no token, so the rest of the buffer is unseen.
+    """
+    constrainer = activation_constrainer(mesh, rules)
+
+    @jax.jit
+    def next_token(variables, buffer, length):
+        with activation_sharding(constrainer):
+            logits, _ = nnx.merge(graphdef, *variables)(buffer, train=False)
+        return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False), axis=-1)
+
+    batch, prompt_len = prompts.shape
+    buffer = jnp.zeros((batch, prompt_len + new_tokens), jnp.int32).at[:, :prompt_len].set(prompts)
+    for length in range(prompt_len, prompt_len + new_tokens):
+        buffer = buffer.at[:, length].set(next_token(variables, buffer, length))
+    return np.asarray(buffer[:, prompt_len:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("model", MODELS)
+def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(checkpoints, model, mesh_name, capfd):
+    config = checkpoints[model].replace(**MESHES[mesh_name])
+    restored = restore_newest(config)
+    mesh, rules, params = restored.mesh, restored.rules, restored.state["params"]
+    assert batch_rows(mesh, rules) == (2 if mesh_name == "tensor2_data2" else 1)
+    graphdef = sampling_graphdef(config, mesh)
+    prompts = jnp.array([[0, 104, 101, 108, 108, 111], [0, 100, 101, 102, 32, 102]], jnp.int32)
+    expert_bias = restored.state.get("expert_bias")  # the biased preset's balancing state
+    cached = np.asarray(make_generate(graphdef, mesh, rules, NEW_TOKENS)(params, prompts, jax.random.key(0),
+                                                                         expert_bias=expert_bias))
+    assert cached.shape == (2, NEW_TOKENS) and not np.array_equal(cached[0], cached[1])
+    np.testing.assert_array_equal(cached, greedy_by_full_forward(graphdef, mesh, rules, (expert_bias or {}, params), prompts,
+                                                                  NEW_TOKENS))
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err  # the cache keeps its layout
+
+
+def test_nestor_sample_prints_the_prompt_and_its_greedy_continuation_on_any_mesh(checkpoints, capsys, tmp_path):
+    config = checkpoints["dense"].replace(**{"data.source": "text"})  # text: the prompt opens a document
+    expected = sample_checkpoint(config, "def ", 3)  # one device
+    (tmp_path / "run.yaml").write_text("{}\n")
+    command = ["sample", str(tmp_path / "run.yaml"), *TINY, f"run.dir={config.run.dir}", "model.init_std=0.2",
+               "data.source=text", "--prompt", "def ", "--max-tokens", "3"]
+    assert main(command) == 0  # this process's 8 devices: data8, 8 identical rows
+    assert capsys.readouterr().out == expected + "\n" and expected.startswith("def ")
+    assert main([*command, "--top-k", "300"]) == 2
+    assert "--top-k: 300 is more than model.vocab_size=256" in capsys.readouterr().err
