@@ -22,6 +22,7 @@ KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 NORM = "norm"
 LAYERS = "layers"
+DENSE_LAYERS = "dense_layers"  # the stack of an MoE model's first dense layers
 EXPERT = "expert"
 
 # activation dimensions

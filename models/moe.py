@@ -7,7 +7,7 @@ before second choices, each in token order, by a cumulative sum), and tokens
 past capacity are dropped: they leave the layer with zero output and travel
 on through the residual only.
 
-Routing decides each assignment's (expert, slot) once; two dispatches carry
+Routing decides each assignment's (expert, slot) once; three dispatches carry
 it out with the same decisions. `einsum` is GShard's: one-hot tensors
 `[groups, tokens, experts, capacity]` dispatch and combine by einsum, costing
 2 x tokens x experts x capacity x embed FLOPs each. `sort` places tokens by
@@ -17,7 +17,12 @@ expert inputs, and each token gathers back its k outputs, weighted by its
 gates; no tensor has both a token and a slot dimension. Either way the layer
 is static-shaped and the partitioner turns the change of sharded axis (groups
 over the batch devices -> experts over the `expert` devices) into
-all-to-alls, as in GShard. Besides
+all-to-alls, as in GShard. Dropless (`capacity_factor` 0, as MegaBlocks,
+arXiv 2211.15841) gives every expert room for every token of its group, so
+nothing drops: each token's k assignments are sorted by expert and run through
+grouped matmuls (`jax.lax.ragged_dot` over the experts' group sizes) with no
+padding slot; whoever runs the model may install, with `expert_parallelism`,
+how the sorted tokens reach the experts' devices (parallel.experts). Besides
 the output, the layer reports GShard's load-balancing loss, the router z-loss
 of ST-MoE (arXiv 2202.08906), the fraction of routed slots dropped and the
 tokens routed to each expert.
@@ -25,8 +30,11 @@ tokens routed to each expert.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -51,7 +59,7 @@ class MoELayerConfig:
     num_experts: int = 0
     every: int = 0                    # the last layer of every `every` layers is MoE
     top_k: int = 2
-    capacity_factor: float = 1.25     # training
+    capacity_factor: float = 1.25     # training; 0 = dropless (train and eval)
     eval_capacity_factor: float = 2.0
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
@@ -59,6 +67,8 @@ class MoELayerConfig:
     router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
     expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
+    first_dense_layers: int = 0       # the first layers are dense (DeepSeek-V3); `every` counts the rest
+    bias_update_rate: float = 0.0     # > 0: each layer has an `ExpertBias` (auxiliary-loss-free balancing)
 
     @property
     def enabled(self) -> bool:
@@ -69,9 +79,20 @@ class MoELayerConfig:
         return self.expert_mlp_dim or mlp_dim
 
     @property
+    def dropless(self) -> bool:
+        """True when no token is dropped: grouped matmuls over tokens sorted by expert, no capacity."""
+        return self.capacity_factor == 0
+
+    @property
     def needs_routing_key(self) -> bool:
         """True when routing draws random numbers (GShard's random second expert) in training."""
         return self.enabled and self.second_expert_policy == "random" and self.top_k > 1
+
+
+class ExpertBias(nnx.Variable):
+    """A per-expert bias added to the router scores for the choice of experts only (never to the gates):
+    auxiliary-loss-free load balancing (arXiv 2408.15664). Not a parameter: no gradient reaches it
+    and the optimizer never sees it; the training job moves it after each step from the experts' load."""
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -94,44 +115,50 @@ class Routing(NamedTuple):
     stats: Stats
 
 
-def top_k_gates(probs: jax.Array, top_k: int) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Returns (masks, gates): per choice, the one-hot chosen expert [g, s, e] and its gate [g, s].
+def top_k_gates(probs: jax.Array, top_k: int,
+                selection_bias: jax.Array | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Returns (experts, gates): per choice, the chosen expert [g, s] (int32) and its gate [g, s].
 
     `probs` are router scores in [0, 1] (softmax probabilities or sigmoids).
-    Choices come in order of score. With k > 1 the gates are renormalised
+    Choices come in order of score plus `selection_bias` [experts] (none: 0;
+    equal scores: the lower expert first); the gates are the scores without
+    it. With k > 1 the gates are renormalised
     to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
     the gate stays the router probability, as in the Switch Transformer (arXiv
     2101.03961), since a renormalised single gate would always be 1 and the
     router would get no gradient from the model's output.
     """
     num_experts = probs.shape[-1]
-    remaining = probs
-    masks, gates = [], []
+    remaining = probs if selection_bias is None else probs + selection_bias
+    expert_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    experts, gates = [], []
     for _ in range(top_k):
-        mask = jax.nn.one_hot(jnp.argmax(remaining, axis=-1), num_experts, dtype=probs.dtype)
-        masks.append(mask)
-        gates.append(jnp.sum(probs * mask, axis=-1))
-        # probabilities are >= 0, so -1 removes the chosen expert from the next choice
-        remaining = jnp.where(mask > 0, -1.0, remaining)
+        # the first expert of the highest score: argmax by max and min, a third of argmax's arithmetic;
+        # not jax.lax.top_k, which the partitioner gathers onto every device
+        best = jnp.max(remaining, axis=-1, keepdims=True)
+        expert = jnp.min(jnp.where(remaining == best, expert_ids, num_experts), axis=-1)  # [groups, tokens]
+        experts.append(expert)
+        gates.append(jnp.take_along_axis(probs, expert[..., None], axis=-1)[..., 0])
+        remaining = jnp.where(expert_ids == expert[..., None], -jnp.inf, remaining)  # leaves the next choices
     if top_k > 1:
         total = sum(gates)
         gates = [gate / total for gate in gates]
-    return masks, gates
+    return experts, gates
 
 
-def random_routing(masks: list[jax.Array], gates: list[jax.Array], key: jax.Array) -> list[jax.Array]:
-    """Returns `masks` with each later choice kept at random, as GShard does for the second expert.
+def random_routing(gates: list[jax.Array], key: jax.Array) -> list[jax.Array]:
+    """Returns per choice whether it is routed (float32 [g, s], 1 or 0), each later choice kept at random,
+    as GShard does for the second expert.
 
     Choice i (0-based, i >= 1) is kept with probability (i + 1) * gate_i: for
     the second expert that is GShard's 2 * g2; a renormalised (i + 1)-th
     largest gate is at most 1 / (i + 1), so the product is a probability.
     """
-    uniforms = jax.random.uniform(key, (len(masks) - 1, *gates[0].shape), jnp.float32)
-    kept = [masks[0]]
-    for choice in range(1, len(masks)):
-        keep = uniforms[choice - 1] < (choice + 1) * gates[choice]  # [groups, tokens]
-        kept.append(masks[choice] * keep[..., None])
-    return kept
+    uniforms = jax.random.uniform(key, (len(gates) - 1, *gates[0].shape), jnp.float32)
+    routed = [jnp.ones_like(gates[0])]
+    for choice in range(1, len(gates)):
+        routed.append((uniforms[choice - 1] < (choice + 1) * gates[choice]).astype(jnp.float32))
+    return routed
 
 
 def load_balancing_loss(probs: jax.Array, first_choice: jax.Array) -> jax.Array:
@@ -167,51 +194,85 @@ def router_scores(logits: jax.Array, router: str) -> tuple[jax.Array, jax.Array]
     return probs, probs
 
 
+class Choices(NamedTuple):
+    """The experts each token chose, one entry per choice (first choices first), before any capacity."""
+    experts: list[jax.Array]  # int32 [groups, tokens] chosen expert
+    routed: list[jax.Array]   # float32 [groups, tokens] 1, or 0 where random routing skipped the choice
+    gates: list[jax.Array]    # float32 [groups, tokens] gate of the choice
+    stats: Stats
+
+    def masks(self, num_experts: int) -> list[jax.Array]:
+        """Returns per choice the one-hot routed expert [groups, tokens, experts] (zeros where not routed)."""
+        return [jax.nn.one_hot(expert, num_experts, dtype=jnp.float32) * routed[..., None]
+                for expert, routed in zip(self.experts, self.routed)]
+
+
+def choose(logits: jax.Array, *, top_k: int, routing_key: jax.Array | None = None, router: str = "softmax",
+           selection_bias: jax.Array | None = None) -> Choices:
+    """Returns each token's top-k choices of experts for router `logits` [groups, tokens, experts]: the
+    routing decision every dispatch shares, and its statistics (`assign` adds the drops).
+
+    `routing_key` turns on random routing of the later choices (see
+    `random_routing`); `router` picks the scores (see `router_scores`);
+    `selection_bias` [experts] shifts which experts are chosen (see
+    `top_k_gates`). Statistics: `moe_aux_loss`, `moe_z_loss`,
+    `moe_dropped_fraction` (0: nothing is dropped yet) and
+    `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
+    """
+    logits = logits.astype(jnp.float32)
+    num_experts = logits.shape[-1]
+    scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
+    experts, gates = top_k_gates(scores, top_k, selection_bias)
+    if routing_key is not None and top_k > 1:
+        routed = random_routing(gates, routing_key)
+    else:
+        routed = [jnp.ones_like(gate) for gate in gates]
+    def count(expert: jax.Array, flag: jax.Array) -> jax.Array:  # one group's [tokens] -> [experts]
+        return jnp.zeros((num_experts,), jnp.float32).at[expert].add(flag)
+
+    # counted per group, where the groups live, then summed: no device gathers another's choices
+    tokens_per_expert = sum(jnp.sum(jax.vmap(count)(expert, flag), axis=0) for expert, flag in zip(experts, routed))
+    stats = {
+        "moe_aux_loss": load_balancing_loss(probs, jax.nn.one_hot(experts[0], num_experts, dtype=jnp.float32)),
+        "moe_z_loss": router_z_loss(logits),
+        "moe_dropped_fraction": jnp.zeros((), jnp.float32),
+        "moe_tokens_per_expert": tokens_per_expert,
+    }
+    return Choices(experts, routed, gates, stats)
+
+
 def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
-           router: str = "softmax") -> Assignment:
-    """Returns each choice's expert, slot, kept flag and gate, and the statistics, for router `logits`
-    [groups, tokens, experts].
+           router: str = "softmax", selection_bias: jax.Array | None = None) -> Assignment:
+    """Returns each choice's expert, slot, kept flag and gate, and the statistics, of `choose`'s decisions
+    for router `logits` [groups, tokens, experts] (the same keywords).
 
     Slots are filled choice by choice (every token's first choice before any
     second choice), each in token order; an assignment whose slot would be
-    `capacity` or beyond is dropped. `routing_key` turns on random routing of
-    the later choices (see `random_routing`). Statistics: `moe_aux_loss`,
-    `moe_z_loss`, `moe_dropped_fraction` (dropped assignments / routed
-    assignments; for k = 1 the share of tokens dropped) and
-    `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
-    `router` picks the scores (see `router_scores`).
+    `capacity` or beyond is dropped. `moe_dropped_fraction` is dropped
+    assignments / routed assignments (for k = 1 the share of tokens dropped).
     """
-    logits = logits.astype(jnp.float32)
-    scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
-    masks, gates = top_k_gates(scores, top_k)
-    if routing_key is not None and top_k > 1:
-        masks = random_routing(masks, gates, routing_key)
-
-    filled = jnp.zeros((probs.shape[0], probs.shape[2]), jnp.float32)  # [groups, experts] slots taken
+    choices = choose(logits, top_k=top_k, routing_key=routing_key, router=router, selection_bias=selection_bias)
+    gates, stats = choices.gates, choices.stats
+    filled = jnp.zeros((logits.shape[0], logits.shape[2]), jnp.float32)  # [groups, experts] slots taken
     experts, slots, kept = [], [], []
     routed = kept_count = 0.0
-    for mask in masks:
+    for expert, mask in zip(choices.experts, choices.masks(logits.shape[-1])):
         position = jnp.cumsum(mask, axis=1) - 1 + filled[:, None, :]  # [groups, tokens, experts]
         kept_mask = mask * (position < capacity)
-        experts.append(jnp.argmax(mask, axis=-1).astype(jnp.int32))
+        experts.append(expert)
         slots.append(jnp.sum(position * kept_mask, axis=-1).astype(jnp.int32))
         kept.append(jnp.sum(kept_mask, axis=-1))
         filled = filled + jnp.sum(kept_mask, axis=1)
         routed, kept_count = routed + jnp.sum(mask), kept_count + jnp.sum(kept_mask)
-
-    stats = {
-        "moe_aux_loss": load_balancing_loss(probs, masks[0]),
-        "moe_z_loss": router_z_loss(logits),
-        "moe_dropped_fraction": 1.0 - kept_count / jnp.maximum(routed, 1.0),
-        "moe_tokens_per_expert": jnp.sum(sum(masks), axis=(0, 1)),
-    }
+    stats = {**stats, "moe_dropped_fraction": 1.0 - kept_count / jnp.maximum(routed, 1.0)}
     return Assignment(experts, slots, kept, gates, stats)
 
 
 def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
-          router: str = "softmax") -> Routing:
+          router: str = "softmax", selection_bias: jax.Array | None = None) -> Routing:
     """Returns GShard's one-hot dispatch and combine tensors, and the statistics, of `assign`'s decisions."""
-    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router)
+    assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router,
+                        selection_bias=selection_bias)
     num_experts = logits.shape[-1]
     dispatch = combine = jnp.zeros((*logits.shape, capacity), jnp.float32)
     for expert, slot, kept, gate in zip(assignment.experts, assignment.slots, assignment.kept, assignment.gates):
@@ -293,6 +354,70 @@ def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
     return constrain(constrain(slots, source), target)
 
 
+ExpertWeights = tuple[jax.Array, jax.Array, jax.Array]  # gate, up [experts, embed, mlp]; down [experts, mlp, embed]
+# local_experts(tokens [T, embed], experts [T, k], gates [T, k], weights of experts first.. first + n - 1, first)
+# -> [T, embed]: the gate-weighted sum of each token's assignments to those n experts
+LocalExperts = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, jax.Array | int], jax.Array]
+# exchange(local_experts, tokens, experts, gates, weights) -> [T, embed]: every token's output, its
+# assignments run by `local_experts` wherever their experts' weights live
+ExpertExchange = Callable[[LocalExperts, jax.Array, jax.Array, jax.Array, ExpertWeights], jax.Array]
+
+_exchange: contextvars.ContextVar[ExpertExchange | None] = contextvars.ContextVar("expert_exchange", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallelism(exchange: ExpertExchange | None) -> Iterator[None]:
+    """Installs how dropless MoE layers traced inside the block reach experts on other devices
+    (None: every expert is local, as on one device)."""
+    token = _exchange.set(exchange)
+    try:
+        yield
+    finally:
+        _exchange.reset(token)
+
+
+def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local: int) -> tuple[jax.Array, jax.Array]:
+    """Returns (order [T x k], group_sizes [num_local]) for the assignments `experts` [T, k]: `order` lists
+    the flattened assignments to experts first_expert .. first_expert + num_local - 1, grouped by expert
+    in token order, then every other assignment; `group_sizes` counts each local expert's assignments."""
+    local = experts.reshape(-1) - first_expert
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)
+    order = jnp.argsort(local, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return order, group_sizes
+
+
+def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights) -> jax.Array:
+    """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
+    expert's SwiGLU, [N, embed]; rows past the last group come out as zeros."""
+    gate_weight, up_weight, down_weight = (weight.astype(rows.dtype) for weight in weights)
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, gate_weight, group_sizes), remat_names.MLP_GATE)
+    up = checkpoint_name(jax.lax.ragged_dot(rows, up_weight, group_sizes), remat_names.MLP_UP)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+    return jax.lax.ragged_dot(hidden, down_weight, group_sizes)
+
+
+def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
+                            first_expert: jax.Array | int = 0) -> jax.Array:
+    """Returns [T, embed]: each of `tokens` [T, embed] through those of its assigned `experts` [T, k]
+    whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k].
+
+    The T x k assignments are sorted by expert into one buffer of T x k rows
+    (static: the most a device can be asked for), grouped matmuls run over the
+    experts' group sizes, and each assignment gathers its row back (both
+    gathers gather in the backward pass too, see `take_rows`).
+    """
+    num_tokens, top_k = experts.shape
+    num_local = weights[0].shape[0]
+    order, group_sizes = sort_by_expert(experts, first_expert, num_local)
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))  # sorted row of each
+    rows = take_rows(tokens, order // top_k, position.reshape(num_tokens, top_k))  # [T x k, embed]
+    outputs = take_rows(grouped_swiglu(rows, group_sizes, weights), position, order[:, None])  # [T x k, embed]
+    routed = position < jnp.sum(group_sizes)  # [T x k] the assignments to a local expert
+    outputs = jnp.where(routed[:, None], outputs, 0).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tk,tkm->tm", gates, outputs)
+
+
 class MoEFeedForward(nnx.Module):
     """SwiGLU experts behind a GShard router: x [batch, length, embed] -> (y, stats).
 
@@ -312,8 +437,14 @@ class MoEFeedForward(nnx.Module):
         self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), out_std)
         self.shared_experts = shared_experts
+        self.selection_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
+                               if cfg.moe.bias_update_rate else None)
         self.moe = cfg.moe
         self.dtype = cfg.compute_dtype
+
+    def bias(self) -> jax.Array | None:
+        """Returns the selection bias [experts] of auxiliary-loss-free balancing, or None without it."""
+        return None if self.selection_bias is None else self.selection_bias[...]
 
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
@@ -332,17 +463,18 @@ class MoEFeedForward(nnx.Module):
         batch, length, dim = x.shape
         tokens_per_group = self.moe.group_size or length
         groups = batch * length // tokens_per_group
-        factor = self.moe.capacity_factor if train else self.moe.eval_capacity_factor
-        capacity = expert_capacity(tokens_per_group, self.moe.num_experts, self.moe.top_k, factor)
 
         # groups stay on the batch devices (expert included) until dispatch
         grouped = constrain(x.reshape(groups, tokens_per_group, dim), (axes.BATCH, None, axes.ACT_EMBED))
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
         key = routing_key if train else None
-        if self.moe.dispatch == "einsum":
-            output, stats = self.einsum_dispatch(grouped, logits, capacity, key)
+        if self.moe.dropless:
+            output, stats = self.dropless_dispatch(grouped, logits, key)
         else:
-            output, stats = self.sort_dispatch(grouped, logits, capacity, key)
+            factor = self.moe.capacity_factor if train else self.moe.eval_capacity_factor
+            capacity = expert_capacity(tokens_per_group, self.moe.num_experts, self.moe.top_k, factor)
+            dispatch = self.einsum_dispatch if self.moe.dispatch == "einsum" else self.sort_dispatch
+            output, stats = dispatch(grouped, logits, capacity, key)
         output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED)).reshape(batch, length, dim)
         if self.shared_experts is not None:
             output = output + self.shared_experts(x, train=train)[0]
@@ -352,7 +484,7 @@ class MoEFeedForward(nnx.Module):
                         routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
         """Returns (output [groups, tokens, embed], stats) through GShard's one-hot dispatch and combine einsums."""
         routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
-                        router=self.moe.router)
+                        router=self.moe.router, selection_bias=self.bias())
         expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(grouped.dtype), grouped)
         expert_outputs = self.experts_across_devices(expert_inputs)
         return jnp.einsum("gsec,egcm->gsm", routing.combine.astype(grouped.dtype), expert_outputs), routing.stats
@@ -363,7 +495,7 @@ class MoEFeedForward(nnx.Module):
         groups, _, dim = grouped.shape
         experts = self.moe.num_experts
         assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
-                            router=self.moe.router)
+                            router=self.moe.router, selection_bias=self.bias())
         slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
         owners = slot_owners(slots, experts * capacity)  # [groups, experts x capacity]
         slot_inputs = gather_into_slots(grouped, slots, owners)  # [groups, experts x capacity, embed]
@@ -372,6 +504,27 @@ class MoEFeedForward(nnx.Module):
         gates = jnp.stack(assignment.gates, axis=1).astype(grouped.dtype)  # [groups, choices, tokens]
         output = combine_from_slots(expert_outputs.reshape(groups, experts * capacity, dim), slots, owners, gates)
         return output, assignment.stats
+
+    def dropless_dispatch(self, grouped: jax.Array, logits: jax.Array,
+                          routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
+        """Returns (output [groups, tokens, embed], stats) with no token dropped: every assignment runs
+        through its expert's grouped matmul, across devices by the installed `expert_parallelism`."""
+        groups, tokens_per_group, dim = grouped.shape
+        top_k = self.moe.top_k
+        choices = choose(logits, top_k=top_k, routing_key=routing_key, router=self.moe.router,
+                         selection_bias=self.bias())
+        routed = jnp.stack(choices.routed, axis=-1).reshape(-1, top_k)
+        experts = jnp.where(routed > 0, jnp.stack(choices.experts, axis=-1).reshape(-1, top_k),
+                            self.moe.num_experts)  # [groups x tokens, k]; not routed: no expert
+        gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
+        weights = (self.gate[...], self.up[...], self.down[...])
+        tokens = grouped.reshape(groups * tokens_per_group, dim)
+        exchange = _exchange.get()
+        if exchange is None:
+            output = dropless_expert_outputs(tokens, experts, gates, weights)
+        else:
+            output = exchange(dropless_expert_outputs, tokens, experts, gates, weights)
+        return output.reshape(groups, tokens_per_group, dim), choices.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns the experts' outputs for `expert_inputs` [experts, groups, capacity, embed] (routing

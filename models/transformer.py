@@ -3,7 +3,9 @@
 Token embedding -> N x [RMSNorm -> causal self-attention (RoPE, grouped-query
 heads) -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits.
 With `moe.every = k`, every k-th feed-forward is a Mixture of Experts
-(models.moe) and the repeated unit is a `BlockGroup` of k layers whose last is MoE.
+(models.moe) and the repeated unit is a `BlockGroup` of k layers whose last is MoE;
+`moe.first_dense_layers = n` keeps the first n layers dense (DeepSeek-V3,
+arXiv 2412.19437), a stack of their own that runs before the units.
 
 The units are one module whose parameters are stacked `[layers, ...]`
 (built with `nnx.vmap`), run by a `scan` so compile time does not grow with
@@ -70,8 +72,11 @@ class TransformerConfig:
 
     @property
     def stacked_units(self) -> int:
-        """Returns the length of the layer stack: num_layers, or num_layers / moe.every units for an MoE model."""
-        return self.num_layers // self.moe.every if self.moe.enabled else self.num_layers
+        """Returns the length of the layer stack: num_layers, or for an MoE model (num_layers -
+        moe.first_dense_layers) / moe.every units."""
+        if not self.moe.enabled:
+            return self.num_layers
+        return (self.num_layers - self.moe.first_dense_layers) // self.moe.every
 
     @property
     def layers_per_unit(self) -> int:
@@ -278,37 +283,54 @@ def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs
     return jax.lax.scan(lambda carry, params: layer_fn(params, carry, row_inputs), x, stacked_params)
 
 
+def stacked(make_unit: Callable[[nnx.Rngs], nnx.Module], count: int, axis_name: str, rngs: nnx.Rngs) -> nnx.Module:
+    """Returns `count` units made by `make_unit(rngs)` as one module, parameters stacked [count, ...]
+    along the logical axis `axis_name`."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name, "logical_axes": axis_name})
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return make_unit(rngs)
+
+    return make(rngs)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: tokens [batch, length] -> float32 logits [batch, length, vocab]."""
 
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED), cfg.init_std)
+        first_dense = cfg.moe.first_dense_layers if cfg.moe.enabled else 0
+        self.dense_blocks = stacked(lambda r: Block(cfg, r), first_dense, axes.DENSE_LAYERS, rngs) if first_dense else None
         unit = BlockGroup if cfg.moe.enabled else Block
-
-        @nnx.split_rngs(splits=cfg.stacked_units)
-        @nnx.vmap(in_axes=(0,), out_axes=0,
-                  transform_metadata={nnx.PARTITION_NAME: axes.LAYERS, "logical_axes": axes.LAYERS})
-        def make_blocks(rngs: nnx.Rngs) -> Block | BlockGroup:
-            return unit(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stacked(lambda r: unit(cfg, r), cfg.stacked_units, axes.LAYERS, rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.unembedding = param(rngs, (cfg.embed_dim, cfg.vocab_size), (axes.EMBED, axes.VOCAB), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 stack_runner: StackRunner = scan_layers, train: bool = True,
-                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+                 stack_runner: StackRunner = scan_layers, dense_runner: StackRunner = scan_layers,
+                 train: bool = True, routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (logits float32 [batch, length, vocab], per-unit stats stacked [units, ...]).
 
+        The first dense layers of an MoE model (`moe.first_dense_layers`) run
+        through `dense_runner` before the units run through `stack_runner`.
         `segment_ids` [batch, length] (None = one document per row) keep
         attention within each segment; they reach every unit as its row inputs.
         `train` and `routing_key` are as in `units`. Raises ValueError when the
         routing needs a key and none is given.
         """
+        x = self.embed(tokens)
+        if self.dense_blocks is not None:
+            dense_def, dense_stack = nnx.split(self.dense_blocks)
+
+            def dense_fn(params: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
+                return nnx.merge(dense_def, params)(h, segment_ids=unit_segment_ids)
+
+            x, _ = dense_runner(dense_fn, dense_stack, x, segment_ids)
         layer_fn, stacked = self.units(train=train, routing_key=routing_key)
-        x, stats = stack_runner(layer_fn, stacked, self.embed(tokens), segment_ids)
+        x, stats = stack_runner(layer_fn, stacked, x, segment_ids)
         return self.logits(x), stats
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -368,8 +390,19 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         block_def, stacked = nnx.split(self.blocks)
         units, per_unit = cfg.stacked_units, cfg.layers_per_unit
+        first_dense = cfg.num_layers - units * per_unit  # moe.first_dense_layers: the cache's first layers
+        x = self.embed(tokens)
+        dense_cache = tuple(part[:first_dense] for part in cache)
+        if self.dense_blocks is not None:
+            dense_def, dense_stack = nnx.split(self.dense_blocks)
+
+            def dense_fn(x: jax.Array, inputs: tuple[Any, tuple[jax.Array, jax.Array]]):
+                params, layer_cache = inputs
+                return nnx.merge(dense_def, params).decode(x, layer_cache, position)
+
+            x, dense_cache = jax.lax.scan(dense_fn, x, (dense_stack, dense_cache))
         # [layers, ...] -> [units, layers per unit, ...]: layer l is unit l // per_unit's (l % per_unit)-th
-        unit_caches = tuple(part.reshape(units, per_unit, *part.shape[1:]) for part in cache)
+        unit_caches = tuple(part[first_dense:].reshape(units, per_unit, *part.shape[1:]) for part in cache)
 
         def unit_fn(x: jax.Array, inputs: tuple[Any, tuple[jax.Array, jax.Array]]):
             params, unit_cache = inputs
@@ -379,6 +412,7 @@ class Transformer(nnx.Module):
             x, layer_cache = unit.decode(x, (unit_cache[0][0], unit_cache[1][0]), position)
             return x, tuple(part[None] for part in layer_cache)
 
-        x, unit_caches = jax.lax.scan(unit_fn, self.embed(tokens), (stacked, unit_caches))
-        cache = KVCache(*(part.reshape(cfg.num_layers, *part.shape[2:]) for part in unit_caches))
+        x, unit_caches = jax.lax.scan(unit_fn, x, (stacked, unit_caches))
+        cache = KVCache(*(jnp.concatenate([dense, part.reshape(units * per_unit, *part.shape[2:])])
+                          for dense, part in zip(dense_cache, unit_caches)))
         return self.logits(x), cache

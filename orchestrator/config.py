@@ -224,8 +224,9 @@ class MoEConfig:
     num_experts: int = key(0, "0 = dense model", minimum=0)
     every: int = key(0, "an MoE feed-forward every k-th layer (divides model.num_layers); 0 = dense", minimum=0)
     top_k: int = key(2, "experts per token; at most num_experts", **_POSITIVE)
-    capacity_factor: float = key(1.25, "training capacity factor", above=0)
-    eval_capacity_factor: float = key(2.0, "capacity factor outside training", above=0)
+    capacity_factor: float = key(1.25, "training capacity factor; 0 = dropless (no token dropped, in training or eval: "
+                                 "grouped matmuls over tokens sorted by expert)", minimum=0)
+    eval_capacity_factor: float = key(2.0, "capacity factor outside training (unused when dropless)", above=0)
     group_size: int = key(0, "tokens per routing group (divides the tokens per device); 0 = one per sequence",
                           minimum=0)
     second_expert_policy: str = key("all", "all | random (GShard's random routing of the 2nd expert; pipeline "
@@ -238,6 +239,11 @@ class MoEConfig:
                               minimum=0)
     shared_experts: int = key(0, "always-on experts added to the routed output (DeepSeekMoE), each expert_mlp_dim "
                               "wide", minimum=0)
+    first_dense_layers: int = key(0, "the first layers stay dense (DeepSeek-V3); moe.every counts the layers after "
+                                  "them", minimum=0)
+    bias_update_rate: float = key(0.0, "auxiliary-loss-free balancing (arXiv 2408.15664): each step a per-expert "
+                                  "bias added to the router scores for the choice only moves this much against "
+                                  "the expert's excess load; 0 = off", minimum=0)
     aux_loss_weight: float = key(0.01, "GShard load-balancing loss weight", minimum=0)
     z_loss_weight: float = key(0.001, "ST-MoE router z-loss weight", minimum=0)
 
@@ -301,6 +307,13 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @property
+    def moe_layers(self) -> int:
+        """Returns the number of MoE layers: the last of every `moe.every` after the first dense layers."""
+        if not (self.moe.num_experts and self.moe.every):
+            return 0
+        return (self.model.num_layers - self.moe.first_dense_layers) // self.moe.every
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain YAML-able data, keys as users write them."""

@@ -15,6 +15,7 @@ from orchestrator.config import Config
 from orchestrator.fit import GIB, fit_report
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.metrics import spec_text
+from orchestrator.moe import dropless_report
 from orchestrator.step import pipeline_schedule
 from orchestrator.train import Job, abstract_batch, build_job
 from parallel.hlo import collectives, flops_per_run
@@ -123,6 +124,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
+        "dropless_moe": dropless_report(config, job.mesh, job.rules),
         "flops_per_step": xla_flops * devices,
         "flops_per_step_per_device": xla_flops,
         "model_flops_per_step": model_flops_per_step(config),
@@ -173,6 +175,9 @@ def format_report(report: dict[str, Any]) -> str:
                       f"{p['microbatches']} micro-batches, {p['ticks']} ticks, bubble {p['bubble_fraction']:.1%}, "
                       f"micro-batches in flight per stage {'/'.join(map(str, p['in_flight']))}, "
                       f"temporaries {_fmt_bytes(p['temporaries'])}"]
+    if (d := report["dropless_moe"]) is not None:
+        lines += ["", f"dropless MoE: exchange {d['exchange']}, worst-case buffer {d['buffer_rows']:,} rows, "
+                      f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
                   f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",
               f"compiled in {report['compile_s']:.1f} s"]

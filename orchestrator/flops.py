@@ -25,7 +25,7 @@ def matmul_params_per_token(config: Config) -> int:
     attention = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     mlp = 3 * m.embed_dim * m.mlp_dim
     expert_mlp = 3 * m.embed_dim * (moe.expert_mlp_dim or m.mlp_dim)
-    moe_layers = m.num_layers // moe.every if moe.num_experts and moe.every else 0
+    moe_layers = config.moe_layers
     moe_feed_forward = (moe.top_k + moe.shared_experts) * expert_mlp + m.embed_dim * moe.num_experts
     dense_layers = m.num_layers - moe_layers
     return (m.num_layers * attention + dense_layers * mlp + moe_layers * moe_feed_forward
@@ -62,23 +62,25 @@ def executed_flops_per_step(config: Config) -> float:
     Beyond the model FLOPs: full (masked) T x T attention, and for MoE layers
     the dispatch and combine (GShard's one-hot einsums, [tokens, experts,
     capacity] x embed each, with `moe.dispatch=einsum`; the gate-weighted sum
-    of each token's k outputs with `sort`) and expert FFNs over every capacity
-    slot rather than only the routed tokens. This is cost, not useful work: MFU uses model_flops_per_step.
+    of each token's k outputs with `sort` and dropless) and expert FFNs over
+    every capacity slot rather than only the routed tokens (dropless: only the
+    routed tokens). This is cost, not useful work: MFU uses model_flops_per_step.
     """
     flops = train_flops_per_step(config, causal=False)
     m, moe, t = config.model, config.moe, config.train
     if not (moe.num_experts and moe.every):
         return flops
     tokens_per_group = moe.group_size or t.seq_len
-    capacity = expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, moe.capacity_factor)
-    slots_per_token = moe.num_experts * capacity / tokens_per_group
     expert_mlp = 3 * m.embed_dim * (moe.expert_mlp_dim or m.mlp_dim)
-    if moe.dispatch == "einsum":  # each token meets every slot of its group in both one-hot einsums
-        dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
-    else:  # gathers move tokens; only the gate-weighted sum of a token's k outputs multiplies
-        dispatch_and_combine = moe.top_k * m.embed_dim
-    padding = (slots_per_token - moe.top_k) * expert_mlp
-    moe_layers = m.num_layers // moe.every
+    # sort and dropless move tokens by gathers; only the gate-weighted sum of a token's k outputs multiplies
+    dispatch_and_combine = moe.top_k * m.embed_dim
+    padding = 0.0  # dropless: grouped matmuls over the routed tokens only
+    if moe.capacity_factor:
+        capacity = expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, moe.capacity_factor)
+        padding = (moe.num_experts * capacity / tokens_per_group - moe.top_k) * expert_mlp
+        if moe.dispatch == "einsum":  # each token meets every slot of its group in both one-hot einsums
+            dispatch_and_combine = 2 * moe.num_experts * capacity * m.embed_dim
+    moe_layers = config.moe_layers
     tokens = t.global_batch * t.seq_len
     return flops + 3 * 2 * moe_layers * (dispatch_and_combine + padding) * tokens
 

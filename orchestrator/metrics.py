@@ -9,7 +9,9 @@ save (checkpoint_s), and with a data mixture each source's realised share of
 the batch (data_share_<i>). metrics.jsonl keeps the flat names;
 TensorBoard files the same numbers under groups (`tensorboard_tag`). A
 `moe_expert_load` metric [MoE layers, experts] becomes a heatmap image every
-`metrics.image_every` steps.
+`metrics.image_every` steps, and at the same steps `moe_expert_bias` (the
+selection bias of auxiliary-loss-free balancing) one scalar per layer and
+expert, `moe/expert_bias/layer_<L>/expert_<e>`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import yaml
 
 from orchestrator.config import Config
 from orchestrator.flops import model_flops_per_step, peak_tflops
-
-EXPERT_LOAD = "moe_expert_load"
+from orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves.
 PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
@@ -44,12 +45,20 @@ def tensorboard_tag(name: str) -> str:
 
 
 def moe_layer_indices(config: Config, moe_layers: int) -> list[int] | None:
-    """Returns the model layer index of each MoE layer (the last of every `moe.every`), or None
-    when `moe_layers` rows do not match the config's layer stack."""
-    every = config.moe.every
-    if not every or moe_layers * every != config.model.num_layers:
+    """Returns the model layer index of each MoE layer (the last of every `moe.every` after the first
+    dense layers), or None when `moe_layers` rows do not match the config's layer stack."""
+    if not config.moe_layers or moe_layers != config.moe_layers:
         return None
-    return [(unit + 1) * every - 1 for unit in range(moe_layers)]
+    every = config.moe.every
+    return [config.moe.first_dense_layers + (unit + 1) * every - 1 for unit in range(moe_layers)]
+
+
+def expert_bias_scalars(config: Config, expert_bias: np.ndarray) -> dict[str, float]:
+    """Returns TensorBoard's scalars of the selection bias [MoE layers, experts]: one per layer (the
+    model's layer index) and expert, tagged `moe/expert_bias/layer_<L>/expert_<e>`."""
+    layers = moe_layer_indices(config, len(expert_bias)) or list(range(len(expert_bias)))
+    return {f"{tensorboard_tag(EXPERT_BIAS)}/layer_{layer}/expert_{expert}": float(value)
+            for layer, row in zip(layers, expert_bias) for expert, value in enumerate(row)}
 
 
 def expert_load_figure(expert_load: np.ndarray, step: int, layers: list[int] | None = None):
@@ -178,6 +187,9 @@ class MetricsWriter:
                 load = arrays[EXPERT_LOAD]
                 image = expert_load_image(load, step, moe_layer_indices(self.config, len(load)))
                 self.tensorboard.add_image(tensorboard_tag(EXPERT_LOAD), image, step, dataformats="HWC")
+            if EXPERT_BIAS in arrays and every and step % every == 0:
+                for tag, value in expert_bias_scalars(self.config, arrays[EXPERT_BIAS]).items():
+                    self.tensorboard.add_scalar(tag, value, step)
         return record
 
     def close(self) -> None:

@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
+from models import axes
 from models.moe import MoELayerConfig
 from orchestrator.config import Config, MoEConfig
+from orchestrator.validation import moe_tokens_per_device
+from parallel.experts import ExpertLayout, exchange_name, worst_case_rows
+from parallel.rules import Rules
+
+EXPERT_LOAD = "moe_expert_load"
+EXPERT_BIAS = "moe_expert_bias"
+# the logical names of a dropless MoE layer's tokens and expert weights (models.moe)
+EXPERT_LAYOUT = ExpertLayout(batch=axes.BATCH, expert=axes.EXPERT, hidden=axes.MLP)
 
 Metrics = dict[str, jax.Array]
 
@@ -25,6 +36,7 @@ def moe_layer_config(config: Config) -> MoELayerConfig:
         eval_capacity_factor=moe.eval_capacity_factor, group_size=moe.group_size,
         second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
         expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
+        first_dense_layers=moe.first_dense_layers, bias_update_rate=moe.bias_update_rate,
     )
 
 
@@ -49,5 +61,31 @@ def moe_loss_and_metrics(stats: dict[str, jax.Array], moe: MoEConfig) -> tuple[j
     loss = moe.aux_loss_weight * jnp.sum(stats["moe_aux_loss"]) + moe.z_loss_weight * jnp.sum(stats["moe_z_loss"])
     metrics = {name: jnp.mean(stats[name]) for name in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")}
     counts = stats["moe_tokens_per_expert"].astype(jnp.float32)
-    metrics["moe_expert_load"] = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+    metrics[EXPERT_LOAD] = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
     return loss, metrics
+
+
+def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
+    """Returns explain's entry for dropless MoE layers (None for a dense model or capacity dispatch):
+    the expert-parallel exchange the mesh gets, and the worst-case sorted buffer of one layer per device:
+    its rows (every token of the expert devices, k times) and their bytes, counting the rows in and out
+    ([rows, embed] each) and the SwiGLU's gate, up and hidden ([rows, expert width / mlp shards] each)."""
+    moe = config.moe
+    if not (moe.num_experts and moe.every and moe.capacity_factor == 0):
+        return None
+    degrees = dict(mesh.shape)
+    rows = worst_case_rows(moe_tokens_per_device(config, degrees), moe.top_k, mesh, rules, EXPERT_LAYOUT)
+    mlp_shards = int(np.prod([degrees[a] for a in rules.get(axes.MLP, ())]))
+    width = (moe.expert_mlp_dim or config.model.mlp_dim) // mlp_shards
+    row_bytes = (2 * config.model.embed_dim + 3 * width) * np.dtype(config.model.dtype).itemsize
+    return {"exchange": exchange_name(mesh, rules, EXPERT_LAYOUT), "buffer_rows": rows,
+            "buffer_bytes_per_device": rows * row_bytes}
+
+
+def balanced_expert_bias(expert_bias: dict, expert_load: jax.Array, rate: float) -> dict:
+    """Returns the selection biases after one step of auxiliary-loss-free balancing (arXiv 2408.15664):
+    each expert's bias moves by `rate` towards balance, b += rate x sign(mean load - load), so an
+    overloaded expert is chosen less. `expert_bias` holds one leaf [MoE layers, experts], as
+    `expert_load` (each expert's share of its layer's assignments)."""
+    step = rate * jnp.sign(jnp.mean(expert_load, axis=-1, keepdims=True) - expert_load)
+    return jax.tree.map(lambda bias: bias + step, expert_bias)

@@ -2,7 +2,9 @@
 
 The state is a plain dict `{"step", "params", "opt_state"}` whose params are a
 nested dict of arrays with layers stacked `[layers, ...]`: the one canonical
-layout checkpoints store, whatever the mesh.
+layout checkpoints store, whatever the mesh. A model with auxiliary-loss-free
+MoE balancing adds `"expert_bias"`: its `ExpertBias` variables, laid out as
+the params are, which the step moves and the optimizer never sees.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.moe import ExpertBias
 from models.transformer import Transformer, TransformerConfig
 from orchestrator.config import Config, ConfigError
 from orchestrator.moe import moe_layer_config
@@ -77,14 +80,25 @@ class StateLayout:
     optimizer: optax.GradientTransformation
 
 
+def split_model(model: Transformer) -> tuple[Any, nnx.State, nnx.State]:
+    """Returns (graphdef, expert biases, everything else: the parameters); merge them back in that order."""
+    return nnx.split(model, ExpertBias, ...)
+
+
+def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
+    """Returns (tree of logical-axes tuples, tree of values) of a model state's variables."""
+    flat = nnx.to_flat_state(state)
+    return (_nest({tuple(path): var.get_metadata()["logical_axes"] for path, var in flat}),
+            _nest({tuple(path): var.get_value() for path, var in flat}))
+
+
 def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
     """Returns the abstract, sharded layout of the train state for `mesh`."""
     platform = mesh.devices.flat[0].platform
     abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed, platform))
-    graphdef, abstract_params = nnx.split(abstract_model)
-    flat = nnx.to_flat_state(abstract_params)
-    logical = _nest({tuple(path): var.get_metadata()["logical_axes"] for path, var in flat})
-    params_shape = _nest({tuple(path): var.get_value() for path, var in flat})
+    graphdef, abstract_bias, abstract_params = split_model(abstract_model)
+    logical, params_shape = _logical_and_values(abstract_params)
+    bias_logical, bias_shape = _logical_and_values(abstract_bias)
     optimizer = make_optimizer(config, logical)
     opt_shape = jax.eval_shape(optimizer.init, params_shape)
 
@@ -96,6 +110,9 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
     )
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_shape, "opt_state": opt_shape}
+    if bias_shape:
+        shardings["expert_bias"] = tree_shardings(bias_logical, mesh, rules)
+        shapes["expert_bias"] = bias_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     return StateLayout(graphdef, logical, abstract, shardings, optimizer)
 
@@ -103,10 +120,11 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
 def init_state(config: Config, layout: StateLayout) -> dict:
     """Returns the train state initialised directly into its shardings (no full copy anywhere)."""
 
-    def init() -> dict:  # only the parameters are kept: attention's implementation does not matter here
-        params = nnx.to_pure_dict(nnx.state(build_model(config, config.run.seed)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": layout.optimizer.init(params)}
+    def init() -> dict:  # only the variables are kept: attention's implementation does not matter here
+        _, bias, params = split_model(build_model(config, config.run.seed))
+        params = nnx.to_pure_dict(params)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
+        return {**state, "expert_bias": nnx.to_pure_dict(bias)} if "expert_bias" in layout.shardings else state
 
     return jax.jit(init, out_shardings=layout.shardings)()
 

@@ -20,21 +20,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import axes
 from models.axes import activation_sharding
+from models.moe import expert_parallelism
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
 from orchestrator.data.pipeline import document_ids, masks_documents
-from orchestrator.moe import moe_loss_and_metrics, routing_key
+from orchestrator.moe import (EXPERT_BIAS, EXPERT_LAYOUT, EXPERT_LOAD, balanced_expert_bias, moe_loss_and_metrics,
+                              routing_key)
 from orchestrator.optimizer import learning_rate
 from orchestrator.remat import remat_policy
 from orchestrator.state import StateLayout
 from orchestrator.validation import schedule_for
+from parallel.experts import all_gather_exchange
 from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from parallel.pipeline_1f1b import one_f_one_b
 from parallel.rules import Rules, activation_constrainer, partition_spec
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
 Metrics = dict[str, jax.Array]
-# grad_fn(params, tokens, routing_key=None) -> ((loss, metrics), grads), as jax.value_and_grad(loss_fn, has_aux=True)
+# grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads), as value_and_grad(loss_fn)
 GradFn = Callable[..., tuple[tuple[jax.Array, Metrics], Any]]
 
 
@@ -51,20 +54,23 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
                  moe: MoEConfig = MoEConfig(), document_mask: bool = False,
-                 train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
-    """Returns loss(params, tokens [b, t+1], routing_key=None) -> (loss, metrics) with activations
-    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`).
+                 dense_runner: StackRunner = scan_layers, train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
+    """Returns loss(params, tokens [b, t+1], routing_key=None, expert_bias=None) -> (loss, metrics) with activations
+    laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`). The layer
+    stack runs through `stack_runner`, an MoE model's first dense layers through `dense_runner`.
     With `document_mask`, no token attends across a document separator (`data.document_ids`);
     `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing)."""
     constrainer = activation_constrainer(mesh, rules)
+    exchange = all_gather_exchange(mesh, rules, EXPERT_LAYOUT)
 
-    def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
-        model = nnx.merge(layout.graphdef, params)
+    def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
+                expert_bias: dict | None = None) -> tuple[jax.Array, Metrics]:
+        model = nnx.merge(layout.graphdef, expert_bias or {}, params)
         inputs = tokens[:, :-1]
         segment_ids = document_ids(inputs) if document_mask else None
-        with activation_sharding(constrainer):
-            logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner, train=train,
-                                  routing_key=routing_key)
+        with activation_sharding(constrainer), expert_parallelism(exchange):
+            logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
+                                  dense_runner=dense_runner, train=train, routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
         moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
         return loss + moe_loss, {"lm_loss": loss, **moe_metrics}
@@ -102,33 +108,38 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     return None if stages == 1 else schedule_for(config, stages)
 
 
-def stack_runner_for(config: Config, mesh: Mesh, rules: Rules) -> StackRunner:
-    """Returns how the layer stack runs forward: pipelined when `mesh.pipeline > 1`, else a scan; either
-    way each unit is rematerialised by `model.remat`."""
+def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
+    """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else a scan) and how an
+    MoE model's first dense layers run (a scan, before the pipeline: on every stage); every unit is
+    rematerialised by `model.remat`."""
     policy = remat_policy(config, mesh.devices.flat[0].platform)
+    scan = functools.partial(scan_layers, remat_policy=policy)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
-        return functools.partial(scan_layers, remat_policy=policy)
+        return scan, scan
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's over the same stages
     forward = dataclasses.replace(schedule, one_f_one_b=False)
-    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy)
+    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), scan
 
 
 def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:
-    """Returns grad_fn(params, tokens, routing_key=None) -> ((loss, metrics), grads) of the model's loss:
+    """Returns grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads) of the
+    model's loss:
     jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop
     (1F1B), that schedule's own gradients."""
     document_mask = masks_documents(config, config.data.source)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:
-        loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe, document_mask)
+        stack_runner, dense_runner = stack_runners(config, mesh, rules)
+        loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, document_mask, dense_runner)
         return jax.value_and_grad(loss_fn, has_aux=True)
     policy = remat_policy(config, mesh.devices.flat[0].platform)
     value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
     constrainer = activation_constrainer(mesh, rules)
     moe = config.moe
 
-    def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None):
+    def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None, expert_bias: None = None):
+        # No expert bias, first dense layers or dropless experts reach here (validation: pipeline.schedule).
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         segment_ids = document_ids(inputs) if document_mask else None
         rest = {name: value for name, value in params.items() if name != "blocks"}  # embedding and head
@@ -167,12 +178,18 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
     def step(state: dict, tokens: jax.Array) -> tuple[dict, Metrics]:
         params = state["params"]
         key = routing_key(config.run.seed, state["step"])
-        grads, metrics = _accumulated_grads(grad_fn, params, tokens, key, accum, constrain)
+        grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias")), params,
+                                            tokens, key, accum, constrain)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                    "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if "expert_bias" in state:  # auxiliary-loss-free balancing: outside the optimizer
+            new_state["expert_bias"] = balanced_expert_bias(state["expert_bias"], metrics[EXPERT_LOAD],
+                                                            config.moe.bias_update_rate)
+            metrics[EXPERT_BIAS] = jax.tree.leaves(new_state["expert_bias"])[0]
+        return new_state, metrics
 
     return jax.jit(step, in_shardings=(layout.shardings, batch_sharding(mesh, rules)),
                    out_shardings=(layout.shardings, NamedSharding(mesh, PartitionSpec())),

@@ -330,7 +330,7 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
             state, metrics = job.step_fn(state, job.data.batch(step))
         metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
         if job.evaluator is not None and job.evaluator.due(step + 1):
-            metrics = {**metrics, **job.evaluator(state["params"])}  # queued before the next step donates state
+            metrics = {**metrics, **job.evaluator(state)}  # queued before the next step donates state
         profiler.after(step + 1, (state, metrics))
         if pending is not None:
             jax.block_until_ready(pending[1])

@@ -233,6 +233,15 @@ def _known_degrees(config: Config) -> dict[str, int] | None:
     return mesh_degrees(config)
 
 
+def moe_tokens_per_device(config: Config, degrees: dict[str, int]) -> int:
+    """Returns the tokens an MoE layer sees per device at a time: one micro-batch (gradient accumulation,
+    pipeline) split over the devices of the `batch` rule."""
+    t = config.train
+    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
+    microbatches = t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
+    return t.global_batch // microbatches * t.seq_len // batch_shards
+
+
 def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
     """Returns the problems of the `moe` section; checks against the mesh need its `degrees`."""
     moe, m, t = config.moe, config.model, config.train
@@ -242,13 +251,18 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
     if moe.num_experts == 0:
         return []
     problems = []
-    if m.num_layers % moe.every:
-        problems.append(("moe.every", f"{moe.every} does not divide model.num_layers={m.num_layers}; "
-                                      "the stacked unit is moe.every layers, so pick a divisor"))
+    stacked_layers = m.num_layers - moe.first_dense_layers
+    if stacked_layers < 1:
+        problems.append(("moe.first_dense_layers", f"{moe.first_dense_layers} leaves no MoE layer of "
+                                                   f"model.num_layers={m.num_layers}; use fewer"))
+    elif stacked_layers % moe.every:
+        problems.append(("moe.every", f"{moe.every} does not divide the {stacked_layers} layers after "
+                                      f"moe.first_dense_layers={moe.first_dense_layers}; the stacked unit is "
+                                      "moe.every layers, so pick a divisor"))
     if moe.top_k > moe.num_experts:
         problems.append(("moe.top_k", f"must be at most moe.num_experts={moe.num_experts}, got {moe.top_k}"))
     tokens_per_group = moe.group_size or t.seq_len
-    for key in ("capacity_factor", "eval_capacity_factor"):
+    for key in ("capacity_factor", "eval_capacity_factor") if moe.capacity_factor else ():  # 0: dropless
         factor = getattr(moe, key)
         if expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
             problems.append((f"moe.{key}", f"{factor:g} gives experts no capacity (under one token per group); raise it"))
@@ -261,10 +275,7 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
     if moe.num_experts % degrees["expert"]:
         problems.append(("moe.num_experts", f"{moe.num_experts} is not divisible by mesh.expert={degrees['expert']}; "
                                             "use a multiple of it or a smaller mesh.expert"))
-    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
-    # An MoE layer sees one micro-batch at a time (gradient accumulation, pipeline).
-    microbatches = t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
-    tokens_per_device = t.global_batch // microbatches * t.seq_len // batch_shards
+    tokens_per_device = moe_tokens_per_device(config, degrees)
     if moe.group_size and tokens_per_device % moe.group_size:
         problems.append(("moe.group_size", f"{moe.group_size} does not divide the {tokens_per_device} tokens per "
                                            "device of a micro-batch; use a divisor of it or 0 (one group per sequence)"))
@@ -321,14 +332,26 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     degrees = mesh_degrees(config)
     if degrees["pipeline"] == 1:
         return problems
+    moe = config.moe
+    if p.schedule == "1f1b" and moe.num_experts and moe.every:
+        # 1F1B's hand-written backward runs the units alone: nothing before them, no state beside their weights.
+        unsupported = [(key, value) for key, value in (("moe.first_dense_layers", moe.first_dense_layers),
+                                                       ("moe.bias_update_rate", moe.bias_update_rate)) if value]
+        if moe.capacity_factor == 0:
+            unsupported.append(("moe.capacity_factor", 0))
+        problems += [(key, f"{key}={value} is not supported with pipeline.schedule=1f1b yet; use gpipe or circular")
+                     for key, value in unsupported]
     schedule = schedule_for(config, degrees["pipeline"])
     keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches", "repeats": "pipeline.repeats"}
-    moe = config.moe
-    # With MoE the stack is made of units of moe.every layers (the last one MoE): stages split units.
+    # With MoE the stack is made of units of moe.every layers (the last one MoE) after the first dense
+    # layers, which run before the pipeline: stages split units.
     every = moe.every if moe.num_experts and moe.every else 1
+    first_dense = moe.first_dense_layers if moe.num_experts and moe.every else 0
     note = f" (counted in units of moe.every={every} layers)" if every > 1 else ""
+    if first_dense:
+        note += f" (after moe.first_dense_layers={first_dense}, which run before the pipeline)"
     problems += [(keys[what], message + (note if what == "layers" else ""))
-                 for what, message in schedule.problems(config.model.num_layers // every)]
+                 for what, message in schedule.problems((config.model.num_layers - first_dense) // every)]
     per_step_batch = t.global_batch // t.grad_accum
     if per_step_batch % p.microbatches:
         problems.append(("train.global_batch", f"the per-step batch {per_step_batch} (global_batch / grad_accum) "

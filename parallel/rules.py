@@ -30,6 +30,7 @@ DEFAULT_RULES: Rules = {
     "head_dim": (),
     "norm": (),
     "layers": ("pipeline",),
+    "dense_layers": (),  # run before the pipeline, on every stage
     "expert": ("expert",),
     # activations
     "batch": ("data", "fsdp", "expert"),

@@ -49,7 +49,7 @@ def test_eval_losses_match_across_a_resume_and_meshes_and_training_ignores_them(
         **mesh_overrides(data=2, fsdp=2, tensor=2), **{"cluster.devices_per_host": 8})
     restored = restore_newest(config)
     evaluator = Evaluator(config, restored.layout, restored.mesh, restored.rules)
-    first, second = (evaluator(restored.state["params"]) for _ in range(2))
+    first, second = (evaluator(restored.state) for _ in range(2))
     assert restored.step == 4 and float(first["eval_loss"]) == float(second["eval_loss"])
     np.testing.assert_allclose(float(first["eval_loss"]), eval_losses(whole)[4], rtol=1e-5)
     assert evaluator.step_fn._cache_size() == 1

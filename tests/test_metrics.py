@@ -126,10 +126,14 @@ def test_expert_load_heatmap_colours_cells_by_load_with_axes_and_colour_bar():
 
 
 def test_every_tag_and_metrics_key_of_a_moe_run_is_documented(tiny_config):
-    config = tiny_config("train.steps=2", "metrics.peak_tflops=1.0", "metrics.image_every=1", *MOE)
+    config = tiny_config("train.steps=2", "metrics.peak_tflops=1.0", "metrics.image_every=1", *MOE,
+                         "moe.bias_update_rate=0.001")
     run(config)
     events = read_events(f"{config.run.dir}/tb")
     tags = {tag for kind in ("scalars", "images", "tensors") for tag in events.Tags()[kind]}
+    bias_tags = {tag for tag in tags if tag.startswith("moe/expert_bias/")}
+    assert len(bias_tags) == 2 * 4  # MoE layers 1 and 3 x 4 experts
+    tags = tags - bias_tags | {"moe/expert_bias/layer_<L>/expert_<e>"}
     keys = {key for line in open(f"{config.run.dir}/metrics.jsonl") for key in json.loads(line)}
     resumed = MetricsWriter(config, Throughput(config, 8, "cpu"), enabled=False)  # what a resume adds, untrained
     resumed.start(2, "")

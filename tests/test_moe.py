@@ -226,6 +226,35 @@ def test_sort_dispatch_and_shared_sigmoid_experts_match_one_device(one_device_ru
     assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
 
 
+DROPLESS_SHARED_SIGMOID = ("moe.capacity_factor=0", *DEEPSEEK_STYLE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["expert4_data2", "expert2_tensor2_data2"])
+def test_dropless_experts_match_one_device(one_device_runs, mesh):
+    make, reference = one_device_runs
+    result = run_fresh(make(*DROPLESS_SHARED_SIGMOID).replace(**mesh_overrides(**MESHES[mesh])))
+    assert_same_training(result, reference(*DROPLESS_SHARED_SIGMOID))
+    assert result.history[-1]["moe_dropped_fraction"] == 0.0
+    assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
+
+
+@pytest.mark.slow
+def test_deepseek_style_preset_matches_one_device_on_expert_fsdp_pipeline(tmp_path):
+    from orchestrator import config as config_lib
+
+    config = config_lib.load(None, ["model.preset=deepseek-tiny", "train.steps=5", "train.global_batch=16",
+                                    "train.seq_len=32", "optimizer.warmup_steps=2", "pipeline.microbatches=2",
+                                    f"run.dir={tmp_path}"])
+    reference = run_fresh(config.replace(**ONE_DEVICE))
+    result = run_fresh(config.replace(**mesh_overrides(expert=2, fsdp=2, pipeline=2)))
+    assert_same_training(result, reference)
+    assert result.history[-1]["moe_dropped_fraction"] == 0.0
+    bias = [np.asarray(jax.tree.leaves(run.state["expert_bias"])[0]) for run in (result, reference)]
+    assert bias[0].shape == (4, 16) and np.any(bias[0] != 0)
+    np.testing.assert_array_equal(*bias)  # the same loads moved the same biases
+
+
 @pytest.mark.slow
 def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs):
     make, reference = one_device_runs
@@ -283,7 +312,7 @@ def test_expert_weights_are_split_over_every_sharded_axis(tiny_config, capfd, me
 @pytest.mark.parametrize("overrides, key", [
     (("moe.num_experts=6", "moe.every=2", "mesh.expert=4", "mesh.data=2"), "moe.num_experts"),
     (("moe.num_experts=4", "moe.every=2", "moe.top_k=5"), "moe.top_k"),
-    (("moe.num_experts=4", "moe.every=2", "moe.capacity_factor=0"), "moe.capacity_factor"),
+    (("moe.num_experts=4", "moe.every=2", "moe.capacity_factor=-1"), "moe.capacity_factor"),
     (("moe.num_experts=4", "moe.every=2", "moe.eval_capacity_factor=-1"), "moe.eval_capacity_factor"),
     (("moe.num_experts=4", "moe.every=2", "moe.group_size=48", "mesh.data=8"), "moe.group_size"),
     (("moe.num_experts=4", "moe.every=3"), "moe.every"),

@@ -18,7 +18,8 @@ from parallel.rules import activation_constrainer, resolve_rules
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, mesh_overrides
 
-MODELS = {"dense": (), "moe": ("moe.num_experts=4", "moe.every=2")}
+MODELS = {"dense": (), "moe": ("moe.num_experts=4", "moe.every=2"),
+          "first_dense_biased": ("model.preset=deepseek-tiny",)}
 MESHES = {"one_device": ONE_DEVICE, "tensor2_data2": {**mesh_overrides(tensor=2, data=2),
                                                       "cluster.devices_per_host": 4}}
 NEW_TOKENS = 4
@@ -42,7 +43,7 @@ def checkpoints(tmp_path_factory):
     return configs
 
 
-def greedy_by_full_forward(graphdef, mesh, rules, params, prompts: jax.Array, new_tokens: int) -> np.ndarray:
+def greedy_by_full_forward(graphdef, mesh, rules, variables: tuple, prompts: jax.Array, new_tokens: int) -> np.ndarray:
     """Returns [batch, new_tokens]: each token the argmax of the full forward's last logits on the prefix so far.
 
     The prefix runs in a buffer of the final length (one compile): causal attention keeps the positions
@@ -51,15 +52,15 @@ def greedy_by_full_forward(graphdef, mesh, rules, params, prompts: jax.Array, ne
     constrainer = activation_constrainer(mesh, rules)
 
     @jax.jit
-    def next_token(params, buffer, length):
+    def next_token(variables, buffer, length):
         with activation_sharding(constrainer):
-            logits, _ = nnx.merge(graphdef, params)(buffer, train=False)
+            logits, _ = nnx.merge(graphdef, *variables)(buffer, train=False)
         return jnp.argmax(jax.lax.dynamic_index_in_dim(logits, length - 1, axis=1, keepdims=False), axis=-1)
 
     batch, prompt_len = prompts.shape
     buffer = jnp.zeros((batch, prompt_len + new_tokens), jnp.int32).at[:, :prompt_len].set(prompts)
     for length in range(prompt_len, prompt_len + new_tokens):
-        buffer = buffer.at[:, length].set(next_token(params, buffer, length))
+        buffer = buffer.at[:, length].set(next_token(variables, buffer, length))
     return np.asarray(buffer[:, prompt_len:])
 
 
@@ -73,9 +74,12 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(ch
     assert batch_rows(mesh, rules) == (2 if mesh_name == "tensor2_data2" else 1)
     graphdef = sampling_graphdef(config, mesh)
     prompts = jnp.array([[0, 104, 101, 108, 108, 111], [0, 100, 101, 102, 32, 102]], jnp.int32)
-    cached = np.asarray(make_generate(graphdef, mesh, rules, NEW_TOKENS)(params, prompts, jax.random.key(0)))
+    expert_bias = restored.state.get("expert_bias")  # the biased preset's balancing state
+    cached = np.asarray(make_generate(graphdef, mesh, rules, NEW_TOKENS)(params, prompts, jax.random.key(0),
+                                                                         expert_bias=expert_bias))
     assert cached.shape == (2, NEW_TOKENS) and not np.array_equal(cached[0], cached[1])
-    np.testing.assert_array_equal(cached, greedy_by_full_forward(graphdef, mesh, rules, params, prompts, NEW_TOKENS))
+    np.testing.assert_array_equal(cached, greedy_by_full_forward(graphdef, mesh, rules, (expert_bias or {}, params), prompts,
+                                                                  NEW_TOKENS))
     assert "Involuntary full rematerialization" not in capfd.readouterr().err  # the cache keeps its layout
 
 

@@ -50,7 +50,7 @@ def evaluate_checkpoint(config: Config, devices: list[jax.Device] | None = None)
     Raises ConfigError as `restore_newest` and `eval_source` do."""
     restored = restore_newest(config, devices)
     evaluator = Evaluator(config, restored.layout, restored.mesh, restored.rules)
-    values = evaluator(restored.state["params"])
+    values = evaluator(restored.state)
     return {"step": restored.step, **{name: float(value) for name, value in values.items()}}
 
 
@@ -78,7 +78,8 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
                              batch_sharding(restored.mesh, restored.rules))
     generate = make_generate(sampling_graphdef(config, restored.mesh), restored.mesh, restored.rules, max_tokens,
                              temperature, top_k)
-    tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed)))[0]
+    tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed),
+                                   expert_bias=restored.state.get("expert_bias")))[0]
     ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []
     kept = tokens[:ends[0]] if len(ends) else tokens
     return prompt + tokenizer.decode(kept.tolist())

@@ -23,7 +23,7 @@ from models import axes
 from orchestrator.config import Config, ConfigError
 from orchestrator.data.pipeline import DataPipeline, make_source, masks_documents
 from orchestrator.state import StateLayout
-from orchestrator.step import batch_sharding, make_loss_fn, stack_runner_for
+from orchestrator.step import batch_sharding, make_loss_fn, stack_runners
 from orchestrator.validation import eval_problems
 from parallel.pipeline import to_microbatches
 from parallel.rules import Rules, activation_constrainer
@@ -61,28 +61,32 @@ def eval_source(config: Config):
 
 
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
-    """Returns the jitted eval_step(params, tokens [global_batch, seq_len + 1]) -> the batch's mean LM loss,
-    float32 and replicated; with train.grad_accum > 1 the batch runs in that many micro-batches, as in training."""
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner_for(config, mesh, rules), config.moe,
-                           masks_documents(config, config.eval.source), train=False)
+    """Returns the jitted eval_step(params, expert_bias, tokens [global_batch, seq_len + 1]) -> the batch's
+    mean LM loss, float32 and replicated (`expert_bias`: the state's, or None without bias balancing); with
+    train.grad_accum > 1 the batch runs in that many micro-batches, as in training."""
+    stack_runner, dense_runner = stack_runners(config, mesh, rules)
+    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, masks_documents(config, config.eval.source),
+                           dense_runner, train=False)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum
 
-    def micro_loss(params: dict, tokens: jax.Array) -> jax.Array:
-        return loss_fn(params, constrain(tokens, (axes.BATCH, axes.LENGTH)))[1]["lm_loss"]
+    def micro_loss(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
+        return loss_fn(params, constrain(tokens, (axes.BATCH, axes.LENGTH)), expert_bias=expert_bias)[1]["lm_loss"]
 
-    def eval_step(params: dict, tokens: jax.Array) -> jax.Array:
+    def eval_step(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
         if accum == 1:
-            return micro_loss(params, tokens)
-        return jnp.mean(jax.lax.map(lambda micro: micro_loss(params, micro), to_microbatches(tokens, accum)))
+            return micro_loss(params, expert_bias, tokens)
+        return jnp.mean(jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro),
+                                    to_microbatches(tokens, accum)))
 
     tokens_sharding = batch_sharding(mesh, rules)
-    return jax.jit(eval_step, in_shardings=(layout.shardings["params"], tokens_sharding),
+    return jax.jit(eval_step, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
+                                            tokens_sharding),
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 class Evaluator:
-    """Evaluates parameters on the fixed eval batches: `evaluator(params)` -> eval_loss, eval_perplexity."""
+    """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity."""
 
     def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
         self.config = config
@@ -94,8 +98,10 @@ class Evaluator:
         every = self.config.eval.every
         return bool(every) and (step % every == 0 or step == self.config.train.steps)
 
-    def __call__(self, params: dict) -> dict[str, jax.Array]:
-        """Returns {eval_loss, eval_perplexity} (device scalars) of `params` over the eval.steps batches."""
-        losses = [self.step_fn(params, self.data.batch(index)) for index in range(self.config.eval.steps)]
+    def __call__(self, state: dict) -> dict[str, jax.Array]:
+        """Returns {eval_loss, eval_perplexity} (device scalars) of `state`'s parameters (and expert bias)
+        over the eval.steps batches."""
+        losses = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
+                  for index in range(self.config.eval.steps)]
         loss = jnp.mean(jnp.stack(losses))
         return {"eval_loss": loss, "eval_perplexity": jnp.exp(loss)}

@@ -66,12 +66,13 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) ->
 
 def make_generate(graphdef, mesh: Mesh, rules: Rules, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0):
-    """Returns the jitted generate(params, prompts int32 [batch, prompt_len], key) -> int32 [batch,
-    max_new_tokens] (replicated): the tokens that follow each prompt. Compiles once per prompt length."""
+    """Returns the jitted generate(params, prompts int32 [batch, prompt_len], key, expert_bias=None) -> int32
+    [batch, max_new_tokens] (replicated): the tokens that follow each prompt (`expert_bias`: the train state's,
+    with auxiliary-loss-free balancing). Compiles once per prompt length."""
     constrainer = activation_constrainer(mesh, rules)
 
-    def generate(params: dict, prompts: jax.Array, key: jax.Array) -> jax.Array:
-        model = nnx.merge(graphdef, params)
+    def generate(params: dict, prompts: jax.Array, key: jax.Array, expert_bias: dict | None = None) -> jax.Array:
+        model = nnx.merge(graphdef, expert_bias or {}, params)
         batch, prompt_len = prompts.shape
         with activation_sharding(constrainer):
             cache = model.init_cache(batch, prompt_len + max_new_tokens)
