@@ -29,14 +29,3 @@ def tiny_config(tmp_path):
         return config.replace(**dotted) if dotted else config
 
     return make
-
-
-def pytest_collection_modifyitems(items):
-    """Groups the tests for pytest-xdist's `--dist loadgroup` (the README runs 2 workers): every test
-    that starts processes of its own (a Ray cluster, jax.distributed peers) in one group, so no two
-    clusters run at once and a test that checks for leftover Ray daemons sees only its own; every
-    other test with the rest of its file, so a module's shared fixture (a reference run, a compiled
-    step) is built once."""
-    for item in items:
-        starts_processes = item.get_closest_marker("ray") or item.get_closest_marker("multiprocess")
-        item.add_marker(pytest.mark.xdist_group("processes" if starts_processes else item.module.__name__))
