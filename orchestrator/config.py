@@ -209,12 +209,15 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline",
-                            **_POSITIVE)
+    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline, "
+                            "interleaved_1f1b a multiple of it", **_POSITIVE)
     schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
-                        "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight)",
-                        choices=("gpipe", "circular", "1f1b"))
-    repeats: int = key(1, "circular: non-adjacent layer groups per stage (R); num_layers % (S*R) == 0", **_POSITIVE)
+                        "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight) | "
+                        "interleaved_1f1b (1f1b over R layer groups per stage: R*M+(R+1)S-2 ticks of 1/R stage, "
+                        "bubble (S-1)/(R*M+S-1), at most (R+1)S-1 in flight)",
+                        choices=("gpipe", "circular", "1f1b", "interleaved_1f1b"))
+    repeats: int = key(1, "circular, interleaved_1f1b: non-adjacent layer groups per stage (R); "
+                       "num_layers % (S*R) == 0", **_POSITIVE)
     remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "
                             "dots_with_no_batch_dims_saveable (= minimal)", choices=tuple(PIPELINE_REMAT_ALIASES))
 

@@ -313,36 +313,41 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
+REPEATED_SCHEDULES = ("circular", "interleaved_1f1b")  # the pipeline.schedule values that read pipeline.repeats
+
+
 def schedule_for(config: Config, stages: int) -> Schedule:
     """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
     p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule == "circular" else 1,
-                    one_f_one_b=p.schedule == "1f1b")
+    return Schedule(stages, p.microbatches, p.repeats if p.schedule in REPEATED_SCHEDULES else 1,
+                    one_f_one_b=p.schedule in ("1f1b", "interleaved_1f1b"))
 
 
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     """Every check a pipeline schedule needs: layers into stages x repeats, batch into micro-batches."""
     p, t = config.pipeline, config.train
     problems = []
-    if p.repeats > 1 and p.schedule != "circular":
-        problems.append(("pipeline.repeats", f"repeats={p.repeats} needs pipeline.schedule=circular "
-                                             f"(got {p.schedule}); set repeats to 1 or use the circular schedule"))
+    if p.repeats > 1 and p.schedule not in REPEATED_SCHEDULES:
+        problems.append(("pipeline.repeats", f"repeats={p.repeats} needs pipeline.schedule=circular or "
+                                             f"interleaved_1f1b (got {p.schedule}); set repeats to 1 or use one "
+                                             "of those"))
     if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
         return problems
     degrees = mesh_degrees(config)
     if degrees["pipeline"] == 1:
         return problems
     moe = config.moe
-    if p.schedule == "1f1b" and moe.num_experts and moe.every:
+    schedule = schedule_for(config, degrees["pipeline"])
+    if schedule.one_f_one_b and moe.num_experts and moe.every:
         # 1F1B's hand-written backward runs the units alone: nothing before them, no state beside their weights.
         unsupported = [(key, value) for key, value in (("moe.first_dense_layers", moe.first_dense_layers),
                                                        ("moe.bias_update_rate", moe.bias_update_rate)) if value]
         if moe.capacity_factor == 0:
             unsupported.append(("moe.capacity_factor", 0))
-        problems += [(key, f"{key}={value} is not supported with pipeline.schedule=1f1b yet; use gpipe or circular")
+        problems += [(key, f"{key}={value} is not supported with pipeline.schedule={p.schedule} yet; "
+                                 "use gpipe or circular")
                      for key, value in unsupported]
-    schedule = schedule_for(config, degrees["pipeline"])
-    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches", "repeats": "pipeline.repeats"}
+    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
     # With MoE the stack is made of units of moe.every layers (the last one MoE) after the first dense
     # layers, which run before the pipeline: stages split units.
     every = moe.every if moe.num_experts and moe.every else 1

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -44,10 +45,21 @@ LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]
 RematPolicy = Callable[..., Any]
 
 
+class Work(NamedTuple):
+    """What a stage runs in one 1F1B tick: its `position` in the stage's order of forwards or backwards
+    (a bubble outside 0 .. R*M - 1), the layer `group`, the `microbatch`, and the position of the
+    forward whose input the pass reads (`forward_position`)."""
+
+    position: Any
+    group: Any
+    microbatch: Any
+    forward_position: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How a step is pipelined: S stages, M micro-batches, R layer groups per stage; with
-    `one_f_one_b` the backward pass runs inside the loop (parallel.pipeline_1f1b)."""
+    `one_f_one_b` the backward pass runs inside the loop (parallel.pipeline_1f1b), interleaved when R > 1."""
 
     stages: int
     microbatches: int
@@ -56,55 +68,101 @@ class Schedule:
 
     @property
     def name(self) -> str:
-        """Returns "1f1b", or "circular" when stages hold several layer groups, else "gpipe"."""
+        """Returns "1f1b" or "interleaved_1f1b", or "circular" when stages hold several layer groups, else "gpipe"."""
         if self.one_f_one_b:
-            return "1f1b"
+            return "interleaved_1f1b" if self.repeats > 1 else "1f1b"
         return "circular" if self.repeats > 1 else "gpipe"
 
     @property
     def iterations(self) -> int:
         """Returns the loop length including the bubble: R*M + S - 1 forward iterations, or
-        M + 2S - 2 clock ticks for 1F1B (the last micro-batch's gradient takes S - 1 ticks back)."""
+        R*M + (R+1)S - 2 clock ticks for (interleaved) 1F1B: the first backward starts at tick RS - 1,
+        when micro-batch 0 leaves the last layer group, and the last takes S - 1 ticks back."""
         if self.one_f_one_b:
-            return self.microbatches + 2 * self.stages - 2
+            return self.repeats * self.microbatches + (self.repeats + 1) * self.stages - 2
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble_fraction(self) -> float:
         """Returns (S-1)/(R*M + S - 1), the share of a stage's time that does no work.
 
-        For 1F1B too (R = 1): its S - 1 forward-only and S - 1 backward-only ticks
-        cost (S-1)(F+B), as GPipe's S - 1 bubble iterations do forward and backward.
+        For 1F1B too: its R*M + S - 1 ticks that run a forward and as many that run a backward
+        each cost 1/R of a stage's forward or backward, against the R*M of each that do work.
+        That is a bubble of (S-1)/(R*M) of the work, Megatron's interleaved one (arXiv 2104.04473, 2.2).
         """
         return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
 
-    def in_flight(self) -> list[int]:
-        """Returns, for each stage, the micro-batches whose residuals it holds at once.
+    def forward_work(self, tick: Any, stage: Any) -> Work:
+        """Returns the forward each `stage` runs at `tick` under 1F1B. Works on ints and integer arrays alike.
 
-        GPipe keeps every work item's until the backward pass (R*M). 1F1B keeps stage s's
-        from its forward at tick m+s to its backward at tick m+2S-2-s: 2(S-s)-1 of them,
-        at most M (one SPMD tick is a forward and a backward, so each hop of the round
-        trip costs a whole tick, not the half tick of the per-stage programs of arXiv 2104.04473).
+        Positions 0 .. R*M - 1 are a stage's forwards in order: Megatron's interleaved order, groups of S
+        micro-batches through layer group 0, then the same S through group 1, ...; a position outside
+        that range is a bubble.
+        """
+        position = tick - stage
+        group = position % (self.repeats * self.stages) // self.stages
+        return Work(position, group, self._microbatch(position), position)
+
+    def backward_work(self, tick: Any, stage: Any) -> Work:
+        """Returns the backward each `stage` runs at `tick` under 1F1B: the same groups of S micro-batches,
+        layer groups last to first, RS - 1 ticks behind the forwards at the last stage and one tick more
+        per stage back."""
+        position = tick - ((self.repeats + 1) * self.stages - 2 - stage)
+        group = self.repeats - 1 - position % (self.repeats * self.stages) // self.stages
+        return Work(position, group, self._microbatch(position),
+                    position + (2 * group + 1 - self.repeats) * self.stages)
+
+    def _microbatch(self, position: Any) -> Any:
+        return position // (self.repeats * self.stages) * self.stages + position % self.stages
+
+    def ring_slots(self) -> np.ndarray:
+        """Returns [S, R*M] int32: the ring slot where each stage keeps the input of each forward position
+        from its forward tick to its backward tick under 1F1B (slots reused greedily, so a stage uses
+        as many as it holds at once)."""
+        work = self.repeats * self.microbatches
+        table = np.zeros((self.stages, work), np.int32)
+        for stage in range(self.stages):
+            free, used = set(), 0
+            for tick in range(self.iterations):
+                forward, backward = self.forward_work(tick, stage), self.backward_work(tick, stage)
+                if 0 <= forward.position < work:  # the forward writes before the backward of the same tick reads
+                    slot = min(free) if free else used
+                    table[stage, forward.position] = slot
+                    free.discard(slot)
+                    used = max(used, slot + 1)
+                if 0 <= backward.position < work:
+                    free.add(int(table[stage, backward.forward_position]))
+        return table
+
+    def in_flight(self) -> list[int]:
+        """Returns, for each stage, the work items (micro-batch x layer group) whose residuals it holds at once.
+
+        GPipe keeps every work item's until the backward pass (R*M). 1F1B keeps stage s's from its
+        forward to its backward tick, (R+1)S - 1 - 2s of them in the steady state: 2(S-s)-1 for R = 1,
+        at most M (one SPMD tick is a forward and a backward, so each hop of the round trip costs a whole
+        tick, not the half tick of the per-stage programs of arXiv 2104.04473).
         """
         if self.one_f_one_b:
-            return [min(self.microbatches, 2 * (self.stages - stage) - 1) for stage in range(self.stages)]
+            return [int(row.max()) + 1 for row in self.ring_slots()]
         return [self.repeats * self.microbatches] * self.stages
 
     def problems(self, num_layers: int) -> list[tuple[str, str]]:
         """Returns (what, message) for each reason this schedule cannot run `num_layers` layers.
 
-        `what` is "layers", "microbatches" or "repeats": the quantity to change. Empty when it can run.
+        `what` is "layers" or "microbatches": the quantity to change. Empty when it can run.
         """
         found = []
         if num_layers % (self.stages * self.repeats):
             found.append(("layers", f"{num_layers} layers do not split into {self.stages} stages x "
                                     f"{self.repeats} repeats; use a multiple of {self.stages * self.repeats}"))
-        if self.repeats > 1 and self.microbatches < self.stages:
+        if self.repeats > 1 and self.one_f_one_b and self.microbatches % self.stages:
+            found.append(("microbatches", f"interleaved 1f1b runs micro-batches in groups of one per stage "
+                                          f"through each layer group; use a multiple of {self.stages} "
+                                          f"(got {self.microbatches})"))
+        elif self.repeats > 1 and self.microbatches < self.stages:
             found.append(("microbatches", f"the circular schedule needs microbatches >= stages "
                                           f"({self.microbatches} < {self.stages}): a micro-batch must leave the "
                                           "last stage before the first stage needs it again"))
-        if self.one_f_one_b and self.repeats > 1:
-            found.append(("repeats", f"1f1b runs one layer group per stage, got repeats={self.repeats}"))
         return found
 
 
@@ -271,11 +329,20 @@ def _iteration_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Cal
         finished = t - (stages - 1)  # the item the last stage just completed
         slot = finished % micro
         buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
-        cell = (jnp.arange(repeats)[:, None] == repeat[None, :]) & valid[None, :]  # [R, S]: whose stats these are
-        totals = jax.tree.map(lambda total, s: total + jnp.where(expand(cell, total), s[None], 0), totals, stats)
-        return (state, buffer, totals), None
+        return (state, buffer, add_stats(totals, stats, repeat, valid)), None
 
     return iteration
+
+
+def add_stats(totals: Any, stats: Any, group: jax.Array, valid: jax.Array) -> Any:
+    """Returns `totals` [R, S, layers_per_stage, ...] plus each stage's `stats` [S, layers_per_stage, ...]
+    in the row of its layer `group` [S], for the stages with real work (`valid` [S])."""
+
+    def add(total, s):
+        cell = (jnp.arange(total.shape[0])[:, None] == group[None, :]) & valid[None, :]  # [R, S]
+        return total + jnp.where(expand(cell, total), s[None], 0)
+
+    return jax.tree.map(add, totals, stats)
 
 
 def expand(mask: jax.Array, like: jax.Array) -> jax.Array:

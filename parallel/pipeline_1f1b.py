@@ -13,12 +13,23 @@ t - (2S-2-s), its output gradient taken from stage s+1 (a permute the other
 way). The last stage's output goes through the loss head (`head_fn`: final
 norm, unembedding, cross-entropy) in the same tick, and the head's input
 gradient is the last stage's output gradient. A stage keeps its input of every
-micro-batch in flight in a ring of `Schedule.in_flight()[0]` slots and
+micro-batch in flight in a ring of `max(Schedule.in_flight())` slots and
 recomputes the stage forward under `jax.vjp` in the backward tick (weights are
 never saved per micro-batch; the layer remat policy decides what that
 recomputation keeps for its own backward). The loop runs in three scans:
 S-1 forward-only ticks, M ticks of both, S-1 backward-only ticks, so the
 bubble costs what GPipe's does, (S-1)(F+B).
+
+Interleaved 1F1B (Megatron, arXiv 2104.04473, section 2.2) gives each stage R
+layer groups laid out as the circular schedule lays them (stage s holds groups
+s, s+S, ...): a tick runs one group, 1/R of a stage, forward and backward.
+Micro-batches go in groups of S, through layer group 0, then group 1, ...: the
+last stage's output of group r reaches stage 0 one tick later for group r+1
+(the forward permute wraps round), and gradients wrap the other way. The first
+backward starts at tick RS-1, and R*M + S - 1 ticks run a forward and as many a
+backward, each 1/R of the work: a bubble of (S-1)/(R*M). Which slot of the
+ring holds which input is planned before tracing (`Schedule.ring_slots`), so a
+stage holds (R+1)S - 1 - 2s inputs whatever M is.
 
 Gradients of the stage weights accumulate in the loop, in the stage view of the
 stack. What makes the stack's input (`input_fn`, the embedding) runs per
@@ -37,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from parallel.pipeline import (STAGE, Layout, LayerFn, RematPolicy, Schedule, expand,
+from parallel.pipeline import (STAGE, Layout, LayerFn, RematPolicy, Schedule, Work, add_stats, expand,
                                stage_function, stage_rows, stage_view, to_microbatches)
 from parallel.rules import Rules, partition_spec
 
@@ -83,21 +94,24 @@ def _stage_pullback(stage: Callable) -> Callable:
     return pullback
 
 
-def _stats_cotangent(stats_loss: Callable | None, stats_shape: Any, microbatches: int) -> list[jax.Array]:
-    """Returns d loss / d (one micro-batch's stats), floating leaves [S, per_stage, ...] like `stats_shape`:
-    the gradient of the linear `stats_loss` of the micro-batch average, i.e. divided by M."""
-    stacked = jax.tree.map(lambda s: jnp.zeros((s.shape[0] * s.shape[1], *s.shape[2:]), s.dtype),
+def _stats_cotangent(stats_loss: Callable | None, stats_shape: Any, schedule: Schedule) -> list[jax.Array]:
+    """Returns d loss / d (one micro-batch's stats), floating leaves [R, S, per_stage, ...] (`stats_shape` is
+    [S, per_stage, ...]): the gradient of the linear `stats_loss` of the micro-batch average, i.e. divided by M."""
+    repeats = schedule.repeats
+    stacked = jax.tree.map(lambda s: jnp.zeros((repeats * s.shape[0] * s.shape[1], *s.shape[2:]), s.dtype),
                            stats_shape)  # [layers, ...]
     floating, rebuild = _inexact_split(stacked)
     if stats_loss is not None:
-        floating = [g / microbatches for g in jax.grad(lambda leaves: stats_loss(rebuild(leaves)))(floating)]
-    return [g.reshape(like.shape) for g, like in zip(floating, _inexact_split(stats_shape)[0])]
+        floating = [g / schedule.microbatches
+                    for g in jax.grad(lambda leaves: stats_loss(rebuild(leaves)))(floating)]
+    return [g.reshape(repeats, *like.shape) for g, like in zip(floating, _inexact_split(stats_shape)[0])]
 
 
 def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...],
                 remat_policy: RematPolicy | None = None):
     """Returns value_and_grad(layer_fn, input_fn, head_fn, stacked_params, outer_params, inputs, row_inputs=None,
-    stats_loss=None) -> ((loss, metrics, stats), (stacked_grads, outer_grads)) that runs a model under 1F1B.
+    stats_loss=None) -> ((loss, metrics, stats), (stacked_grads, outer_grads)) that runs a model under 1F1B,
+    interleaved over `schedule.repeats` layer groups per stage when that is above 1.
 
     The model is input_fn -> the layer stack -> head_fn, per micro-batch.
     `stacked_params` leaves are `[layers, ...]`; `outer_params` are what
@@ -111,7 +125,7 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
     and the layers' stats averaged over micro-batches, and the gradients of
     loss + stats_loss with respect to the floating leaves of `stacked_params`
     (other leaves None) and to `outer_params`. Raises ValueError when the batch
-    does not split into micro-batches or the layers into stages.
+    does not split into micro-batches or the layers into stages x repeats.
     """
     layout = Layout(mesh, rules, activation_axes)
     stages, micro = schedule.stages, schedule.microbatches
@@ -126,7 +140,7 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
             problems.append(f"batch {batch} does not split into {micro} micro-batches")
         if problems:
             raise ValueError("; ".join(problems))
-        params = stage_view(stacked_params, schedule, layout)  # [1, S, layers_per_stage, ...]
+        params = stage_view(stacked_params, schedule, layout)  # [R, S, layers_per_stage, ...]
         split = jax.tree.map(lambda leaf: layout.rows(to_microbatches(leaf, micro), None),
                              {"inputs": inputs, "rows": row_inputs})  # [M, mb, ...]
         stage = stage_function(layer_fn, remat_policy)
@@ -137,23 +151,27 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
         first_inputs = jax.tree.map(lambda leaf: leaf[0], split["inputs"])
         x_shape = jax.eval_shape(input_fn, outer_params, first_inputs)
         activation = jnp.zeros((stages, *x_shape.shape), x_shape.dtype)  # [S, mb, ...]
-        repeat = jnp.zeros((stages,), jnp.int32)
-        stats_shape = jax.eval_shape(forward, params, repeat, activation, stage_rows(split["rows"], repeat, layout))[1]
+        group = jnp.zeros((stages,), jnp.int32)
+        stats_shape = jax.eval_shape(forward, params, group, activation, stage_rows(split["rows"], group, layout))[1]
         head_shape = jax.eval_shape(head_fn, outer_params, activation[0], first_inputs)
         carry = {
             "forward": activation,   # [S, mb, ...]: each stage's last output
             "backward": activation,  # [S, mb, ...]: each stage's last input gradient
-            "ring": jax.lax.with_sharding_constraint(jnp.zeros((stages, schedule.in_flight()[0], *x_shape.shape),
+            "ring": jax.lax.with_sharding_constraint(jnp.zeros((stages, max(schedule.in_flight()), *x_shape.shape),
                                                                x_shape.dtype), ring_sharding),  # [S, slots, mb, ...]
-            "weight_grads": [jnp.zeros_like(w) for w in _inexact_split(params)[0]],  # [1, S, per_stage, ...]
+            "weight_grads": [jnp.zeros_like(w) for w in _inexact_split(params)[0]],  # [R, S, per_stage, ...]
             "outer_grads": _zeros(outer_params),
             "loss": _zeros(head_shape),
-            "stats": _zeros(jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), stats_shape)),
+            "stats": _zeros(jax.tree.map(lambda s: jax.ShapeDtypeStruct((schedule.repeats, *s.shape), s.dtype),
+                                         stats_shape)),  # [R, S, per_stage, ...]
         }
         passes = _Passes(schedule, layout, params, split, input_fn, head_fn, outer_params, forward, backward,
-                         _stats_cotangent(stats_loss, stats_shape, micro))
-        phases = ((0, stages - 1, True, False), (stages - 1, micro, True, True),
-                  (micro + stages - 1, stages - 1, False, True))
+                         _stats_cotangent(stats_loss, stats_shape, schedule))
+        # Forward-only ticks until the first micro-batch leaves the last layer group, then both, then
+        # backward-only ticks once the last forward is done: RS - 1, R(M - S) + S, RS - 1.
+        warmup = schedule.repeats * stages - 1
+        phases = ((0, warmup, True, False), (warmup, schedule.iterations - 2 * warmup, True, True),
+                  (schedule.iterations - warmup, warmup, False, True))
         for start, length, run_forward, run_backward in phases:
             carry, _ = jax.lax.scan(lambda c, t: (passes.tick(c, t, run_forward, run_backward), None), carry,
                                     start + jnp.arange(length))
@@ -177,12 +195,12 @@ class _Passes:
 
     def __init__(self, schedule: Schedule, layout: Layout, params: Any, split: dict, input_fn: InputFn,
                  head_fn: HeadFn, outer_params: Any, forward: Callable, backward: Callable, stats_cotangent: list):
-        self.stages, self.micro, self.slots = schedule.stages, schedule.microbatches, schedule.in_flight()[0]
+        self.schedule, self.stages, self.micro = schedule, schedule.stages, schedule.microbatches
         self.layout, self.params, self.split = layout, params, split
         self.input_fn, self.head_fn, self.outer_params = input_fn, head_fn, outer_params
         self.forward, self.backward, self.stats_cotangent = forward, backward, stats_cotangent
         self.stage_ids = jnp.arange(self.stages)
-        self.repeat = jnp.zeros((self.stages,), jnp.int32)
+        self.slots = jnp.asarray(schedule.ring_slots())  # [S, R*M]
         spmd_axes = layout.stage_axes or None
         self.read_slot = jax.vmap(lambda ring, slot: ring[slot], spmd_axis_name=spmd_axes)
         # A bubble stage's clipped item may name a slot still in flight: it writes nothing.
@@ -201,52 +219,68 @@ class _Passes:
             carry = self.run_backward(carry, t, output_grad)
         return carry
 
-    def _items(self, t: jax.Array, delay: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Returns (micro-batch clipped to [0, M), whether it is real) of each stage at `delay` [S] ticks behind t."""
-        item = t - delay
-        return jnp.clip(item, 0, self.micro - 1), (item >= 0) & (item < self.micro)
+    def _work(self, work: Work) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Returns (layer group, micro-batch, forward position, whether it is real) of each stage's `work` [S],
+        clipped into range for the bubble stages."""
+        valid = (work.position >= 0) & (work.position < self.schedule.repeats * self.micro)
+        return (jnp.where(valid, work.group, 0), jnp.where(valid, work.microbatch, 0),
+                jnp.where(valid, work.forward_position, 0), valid)
 
     def _inputs(self, item: jax.Array) -> Any:
         return jax.tree.map(lambda leaf: leaf[item], self.split["inputs"])
 
     def run_forward(self, carry: dict, t: jax.Array) -> dict:
-        """Stage s runs the forward of micro-batch t - s; stage 0's input is `input_fn` of micro-batch t."""
-        item, valid = self._items(t, self.stage_ids)
+        """Stage s runs the forward of `Schedule.forward_work`; stage 0's input is `input_fn` of its micro-batch
+        for layer group 0, else the last stage's output of the group before (the permute wraps round)."""
+        group, item, position, valid = self._work(self.schedule.forward_work(t, self.stage_ids))
         state, layout = carry["forward"], self.layout
         x = jax.lax.with_sharding_constraint(self.input_fn(self.outer_params, self._inputs(item[0])),
                                              layout.activation)
-        incoming = jnp.where(expand(self.stage_ids == 0, state), x[None], jnp.roll(state, 1, 0))
+        embedded = expand((self.stage_ids == 0) & (group == 0), state)
+        incoming = jnp.where(embedded, x[None], jnp.roll(state, 1, 0))
         incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
-        carry["ring"] = self.write_slot(carry["ring"], item % self.slots, incoming, valid)
-        out, stats = self.forward(self.params, self.repeat, incoming, stage_rows(self.split["rows"], item, layout))
+        carry["ring"] = self.write_slot(carry["ring"], self.slots[self.stage_ids, position], incoming, valid)
+        out, stats = self.forward(self.params, group, incoming, stage_rows(self.split["rows"], item, layout))
         carry["forward"] = jax.lax.with_sharding_constraint(out, layout.state)
-        carry["stats"] = jax.tree.map(lambda total, s: total + jnp.where(expand(valid, s), s, 0)[None],
-                                      carry["stats"], stats)
+        carry["stats"] = add_stats(carry["stats"], stats, group, valid)
         return carry
 
     def run_head(self, carry: dict, t: jax.Array) -> tuple[dict, jax.Array]:
-        """Returns (carry, the last stage's output gradient): the loss head on micro-batch t - (S-1),
-        always a real one in the ticks that run both passes."""
-        inputs = self._inputs(t - (self.stages - 1))
-        y = jax.lax.with_sharding_constraint(carry["forward"][self.stages - 1], self.layout.activation)
-        loss, vjp, metrics = jax.vjp(lambda p, y: self.head_fn(p, y, inputs), self.outer_params, y, has_aux=True)
-        outer_grads, output_grad = vjp(jnp.asarray(1 / self.micro, loss.dtype))
+        """Returns (carry, the gradient of the loss head's input): the head on the micro-batch the last
+        stage just ran forward, when that was the last layer group (always, for R = 1; else the gradient is 0)."""
+        group, item, _, _ = self._work(self.schedule.forward_work(t, self.stage_ids))
+        inputs = self._inputs(item[-1])
+        y = jax.lax.with_sharding_constraint(carry["forward"][-1], self.layout.activation)
+
+        def head(y):
+            loss, vjp, metrics = jax.vjp(lambda p, y: self.head_fn(p, y, inputs), self.outer_params, y, has_aux=True)
+            outer_grads, output_grad = vjp(jnp.asarray(1 / self.micro, loss.dtype))
+            return (loss, metrics), outer_grads, output_grad
+
+        if self.schedule.repeats == 1:
+            totals, outer_grads, output_grad = head(y)
+        else:  # the head's cost (the unembedding) is paid only in the ticks that end a micro-batch's forward
+            totals, outer_grads, output_grad = jax.lax.cond(
+                group[-1] == self.schedule.repeats - 1, head, lambda y: _zeros(jax.eval_shape(head, y)), y)
         carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], outer_grads)
-        carry["loss"] = jax.tree.map(jnp.add, carry["loss"], (loss, metrics))
+        carry["loss"] = jax.tree.map(jnp.add, carry["loss"], totals)
         return carry, output_grad
 
     def run_backward(self, carry: dict, t: jax.Array, output_grad: jax.Array | None) -> dict:
-        """Stage s runs the backward of micro-batch t - (2S-2-s); stage 0's input gradient goes through
-        `input_fn`'s vjp."""
-        item, valid = self._items(t, 2 * self.stages - 2 - self.stage_ids)
+        """Stage s runs the backward of `Schedule.backward_work`; the last stage's output gradient is the loss
+        head's for the last layer group, else stage 0's input gradient of the group after (the permute
+        wraps round); stage 0's input gradient of group 0 goes through `input_fn`'s vjp."""
+        group, item, position, valid = self._work(self.schedule.backward_work(t, self.stage_ids))
         state, layout = carry["backward"], self.layout
         incoming = jnp.roll(state, -1, 0)
         if output_grad is not None:
-            incoming = jnp.where(expand(self.stage_ids == self.stages - 1, state), output_grad[None], incoming)
+            from_head = (self.stage_ids == self.stages - 1) & (group == self.schedule.repeats - 1)
+            incoming = jnp.where(expand(from_head, state), output_grad[None], incoming)
         incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
-        saved = self.read_slot(carry["ring"], item % self.slots)
-        dstats = [jnp.where(expand(valid, c), c, 0) for c in self.stats_cotangent]
-        weight_grads, dx = self.backward(self.params, self.repeat, saved, stage_rows(self.split["rows"], item, layout),
+        saved = self.read_slot(carry["ring"], self.slots[self.stage_ids, position])
+        dstats = [jnp.where(expand(valid, c[group, self.stage_ids]), c[group, self.stage_ids], 0)
+                  for c in self.stats_cotangent]
+        weight_grads, dx = self.backward(self.params, group, saved, stage_rows(self.split["rows"], item, layout),
                                          incoming, dstats)
         # A bubble stage's cotangents are zero, so its weight gradients are too; the mask only keeps that exact.
         carry["weight_grads"] = [total + jnp.where(expand(valid, g[0])[None], g, 0)
@@ -254,7 +288,8 @@ class _Passes:
         carry["backward"] = jax.lax.with_sharding_constraint(dx, layout.state)
         first_inputs = self._inputs(item[0])
         _, input_vjp = jax.vjp(lambda p: self.input_fn(p, first_inputs), self.outer_params)
-        input_grad = jax.lax.with_sharding_constraint(jnp.where(valid[0], dx[0], 0), layout.activation)
+        input_grad = jax.lax.with_sharding_constraint(jnp.where(valid[0] & (group[0] == 0), dx[0], 0),
+                                                      layout.activation)
         (outer_grads,) = input_vjp(input_grad)
         carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], outer_grads)
         return carry
