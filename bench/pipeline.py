@@ -1,7 +1,8 @@
 """Pipeline bubble and memory: step time over micro-batches, against each schedule's theory.
 
 For S = 4 stages and the schedules GPipe (arXiv 1811.06965, R = 1), circular
-(R = 2) and 1F1B (arXiv 2006.09503, R = 1), times the train step over M
+(R = 2), 1F1B (arXiv 2006.09503, R = 1) and interleaved 1F1B (arXiv 2104.04473,
+R = 2), times the train step over M
 micro-batches as a ratio to the same model's non-pipelined step (the same
 devices as a data mesh), the two interleaved step by step, next to the theory
 (R*M + S - 1) / (R*M): every tick runs all stages, so the bubble's share of the
@@ -11,8 +12,8 @@ temporary bytes over M with and without remat (model.remat, per layer).
 
     python -m bench.pipeline            # prints the table, writes docs/pipeline.png
                                         # and its section of docs/benchmarks.md
-    python -m bench.pipeline --memory   # temp bytes of gpipe and 1f1b over M at a fixed
-                                        # micro-batch, compile only (prints only)
+    python -m bench.pipeline --memory   # temp bytes of gpipe, 1f1b and interleaved_1f1b over M
+                                        # at a fixed micro-batch, compile only (prints only)
 
 On simulated CPU devices the "devices" share the host's cores, so the ratio
 measures total work (bubble included) plus per-iteration overhead, not
@@ -31,7 +32,8 @@ from bench.report import write_section
 
 STAGES = 4
 MICROBATCHES = (4, 8, 16, 32)
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1))  # (pipeline.schedule, pipeline.repeats)
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2))  # (pipeline.schedule, repeats)
+MEMORY_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 DEVICES = 4
 MODEL = ["model.preset=tiny", "model.num_layers=8", "model.embed_dim=128", "model.mlp_dim=512",
          "model.num_heads=8", "model.num_kv_heads=4", "train.global_batch=32", "train.seq_len=32"]
@@ -152,25 +154,24 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-MEMORY_HEADER = ("| schedule | M | global batch | temp/device, remat none | temp/device, remat full |\n"
-                 "|---|---|---|---|---|")
+MEMORY_HEADER = ("| schedule | R | M | global batch | temp/device, remat none | temp/device, remat full |\n"
+                 "|---|---|---|---|---|---|")
 
 
-def memory_rows(sequences_per_microbatch: int = 4):
-    """Yields markdown rows of XLA's temp bytes per device for GPipe and 1F1B over M, compile only, with
-    `sequences_per_microbatch` per micro-batch (the global batch grows with M)."""
-    for schedule in ("gpipe", "1f1b"):
+def memory_rows(sequences_per_microbatch: int = 4, schedules=MEMORY_SCHEDULES):
+    """Yields markdown rows of XLA's temp bytes per device for `schedules` ((pipeline.schedule, repeats) pairs)
+    over M, compile only, with `sequences_per_microbatch` per micro-batch (the global batch grows with M)."""
+    for schedule, repeats in schedules:
         for micro in MICROBATCHES:
             batch = sequences_per_microbatch * micro
-            temps = [temp_bytes(_config(f"mesh.pipeline={STAGES}", "mesh.data=1", f"train.global_batch={batch}",
-                                        f"pipeline.microbatches={micro}", f"pipeline.schedule={schedule}",
-                                        f"model.remat={remat}")) / 2**20 for remat in ("none", "full")]
-            yield f"| {schedule} | {micro} | {batch} | {temps[0]:.2f} MiB | {temps[1]:.2f} MiB |"
+            temps = [temp_bytes(_pipelined(micro, schedule, repeats, remat).replace(
+                **{"train.global_batch": batch})) / 2**20 for remat in ("none", "full")]
+            yield f"| {schedule} | {repeats} | {micro} | {batch} | {temps[0]:.2f} MiB | {temps[1]:.2f} MiB |"
 
 
 def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[str]) -> None:
     """Writes the table, the setup and the exact command to the pipeline section of docs/benchmarks.md."""
-    lines = ["## Pipeline (GPipe, circular, 1F1B)", "",
+    lines = ["## Pipeline (GPipe, circular, 1F1B, interleaved 1F1B)", "",
              f"Command: `{COMMAND} --steps {steps}` (on {DEVICES} simulated CPU devices of a 2-core host).", "",
              f"Model: {' '.join(MODEL)}; S = {STAGES} stages (`mesh.pipeline={STAGES}`), "
              f"baseline `mesh.data={DEVICES}` without pipeline: {baseline * 1e3:.1f} ms per step "
@@ -188,7 +189,8 @@ def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[s
               "layer's input per iteration. 1F1B keeps the input of at most 2S-1 = 7 micro-batches per stage "
               "and one micro-batch's residuals at a time, so its temp bytes do not grow with M; its backward "
               "tick recomputes the stage forward (one more forward per micro-batch), which its ratio includes "
-              "and the bubble theory does not."]
+              "and the bubble theory does not. Interleaved 1F1B (R = 2) runs one layer group per tick, so (R+1)S-1 = 11 "
+              "inputs per stage but half a stage's residuals at a time; its bubble theory is the circular one."]
     lines += ["", f"Temp bytes at a fixed micro-batch of 4 sequences (the global batch grows with M; "
                   f"`{COMMAND} --memory`, compile only):", "", MEMORY_HEADER, *memory]
     write_section("pipeline", "\n".join(lines))
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--memory", action="store_true",
-                        help="only print temp bytes of gpipe and 1f1b over M at a fixed micro-batch (compile only)")
+                        help="only print temp bytes of gpipe, 1f1b and interleaved_1f1b over M at a fixed micro-batch "
+                             "(compile only)")
     args = parser.parse_args(argv)
     from orchestrator.runtime import configure_jax
 

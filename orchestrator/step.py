@@ -117,7 +117,8 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
         return scan, scan
-    # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's over the same stages
+    # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
+    # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False)
     return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), scan
 
@@ -126,7 +127,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
     """Returns grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads) of the
     model's loss:
     jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop
-    (1F1B), that schedule's own gradients."""
+    (1F1B, interleaved or not), that schedule's own gradients."""
     document_mask = masks_documents(config, config.data.source)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:

@@ -139,7 +139,7 @@ class Schedule:
 
         GPipe keeps every work item's until the backward pass (R*M). 1F1B keeps stage s's from its
         forward to its backward tick, (R+1)S - 1 - 2s of them in the steady state: 2(S-s)-1 for R = 1,
-        at most M (one SPMD tick is a forward and a backward, so each hop of the round trip costs a whole
+        at most R*M (one SPMD tick is a forward and a backward, so each hop of the round trip costs a whole
         tick, not the half tick of the per-stage programs of arXiv 2104.04473).
         """
         if self.one_f_one_b:
