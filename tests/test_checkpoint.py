@@ -194,7 +194,7 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
 # process 1 alone fails to read 2's arrays, inside Orbax's restore.
 DIFFERING_RESTORES = """
     import orbax.checkpoint as ocp
-    from orchestrator import checkpoint
+    from orchestrator import checkpoint, checkpoint_restore
     from orchestrator.config import load
     from orchestrator.state import init_state
     from orchestrator.train import build_job
@@ -206,12 +206,12 @@ DIFFERING_RESTORES = """
         saver.save(step, state, {"next_step": step}, force=True)
     saver.close()
     if rank == 0:
-        check_fits = checkpoint._check_fits
+        check_fits = checkpoint_restore._check_fits
         def broken_3(saved_state, saved_config, config, layout, step_dir):
             if step_dir.name == "3":
                 raise ValueError("checksum mismatch")
             check_fits(saved_state, saved_config, config, layout, step_dir)
-        checkpoint._check_fits = broken_3
+        checkpoint_restore._check_fits = broken_3
     else:
         read = ocp.StandardCheckpointHandler.restore
         def unreadable_2(self, directory, args=None):
