@@ -13,7 +13,10 @@ only once every item is on disk, so a process killed mid-write leaves a
 A step directory is complete only with `nestor_manifest.json`, the checksums
 of its files (orchestrator/manifest.py): an asynchronous save writes it into
 the temporary directory just before Orbax's rename, a synchronous one
-(`checkpoint.async=false`) right after. Restoring, with its checks and the
+(`checkpoint.async=false`) right after. Each process hashes the array files it
+wrote as soon as its writes are done, in Orbax's background save thread, and
+sends the digests to process 0, which hashes only the few files Orbax writes
+when it finalizes and writes the manifest. Restoring, with its checks and the
 moving aside of torn checkpoints, is orchestrator/checkpoint_restore.py.
 
 A save that fails (disk full, read-only file system), in the foreground or in
@@ -25,6 +28,8 @@ checkpoints are left as they were.
 from __future__ import annotations
 
 import errno
+import functools
+import json
 import logging
 import os
 import re
@@ -42,8 +47,8 @@ import orbax.checkpoint as ocp
 from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, handing_back_failures,
                                              is_complete, quarantine_incomplete)
 from orchestrator.config import Config
-from orchestrator.manifest import MANIFEST, write_manifest
-from orchestrator.runtime import VERDICT_TIMEOUT_S, wait_for_every_process
+from orchestrator.manifest import MANIFEST, records, write_manifest, written_by
+from orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
 from orchestrator.state import StateLayout
 
 
@@ -114,6 +119,22 @@ def _remove_for_good(paths: list[Path], settle_s: float = 0.5, limit_s: float = 
             return
 
 
+class _DoneOnceHashed:
+    """An Orbax commit future: done once an item's writes on this process are done and `hash_written`
+    (called once) has hashed what this process wrote. Orbax waits for it in its background save thread
+    (in `save` itself with `checkpoint.async=false`), off the training loop's path."""
+
+    def __init__(self, writes: list, hash_written):
+        self.writes, self.hash_written, self.hashed = writes, hash_written, False
+
+    def result(self, timeout: float | None = None) -> None:
+        for write in self.writes:
+            write.result(timeout=timeout)
+        if not self.hashed:
+            self.hash_written()
+            self.hashed = True
+
+
 class Checkpointer(CheckpointReader):
     """Saves and restores a run's checkpoints; `restore` targets the current mesh's layout.
 
@@ -128,6 +149,7 @@ class Checkpointer(CheckpointReader):
         self.directory = checkpoint_dir(config.run.dir)
         self.in_flight: int | None = None  # the step being saved in the background
         self.refused: set[int] = set()  # steps whose state failed the health check: never saved
+        self.own_records: dict[int, str] = {}  # process 0: step -> its manifest records of the files it wrote
         _hold_back_orbax_noise()
         quarantine_incomplete(self.directory, log, remove_unfinished=owner)
         self.manager = self._open()
@@ -144,9 +166,45 @@ class Checkpointer(CheckpointReader):
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_in_flight,
                                            create_directories_asynchronously=False) if asynchronous else None,
         )
-        handlers = {"state": handing_back_failures(ocp.StandardCheckpointHandler()),
+        handlers = {"state": self._hashing_what_it_writes(handing_back_failures(ocp.StandardCheckpointHandler())),
                     "data": handing_back_failures(ocp.JsonCheckpointHandler()), "config": ocp.JsonCheckpointHandler()}
         return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
+
+    def _hashing_what_it_writes(self, handler):
+        """Returns Orbax item `handler` whose saves end, on every process, with the files this process
+        wrote (`manifest.written_by`) hashed and their records sent to process 0 (`_share_records`)."""
+        write = handler.async_save
+
+        async def async_save(directory, args=None):
+            writes = await write(directory, args=args)
+            hash_written = functools.partial(self._share_records, self.in_flight, Path(directory))
+            return [_DoneOnceHashed(writes or [], hash_written)]
+
+        handler.async_save = async_save
+        return handler
+
+    @staticmethod
+    def _records_name(step: int) -> str:
+        return f"manifest records of checkpoint {step}"
+
+    def _share_records(self, step: int, item_dir: Path) -> None:
+        """Hashes the files this process wrote into `item_dir` and sends their records to process 0.
+
+        `item_dir` is Orbax's temporary name of the item (`state.orbax-checkpoint-tmp`), renamed to
+        the item's name when the save is finalized: records name the files under the item's name.
+        """
+        item = item_dir.name.split(TEMPORARY)[0]
+        own = json.dumps({f"{item}/{name}": record
+                          for name, record in records(item_dir, written_by(item_dir, jax.process_index())).items()})
+        if jax.process_index() == 0:
+            self.own_records[step] = own
+        else:
+            send_to_process_0(self._records_name(step), own)
+
+    def _write_manifest(self, step: int, step_dir: Path) -> None:
+        """Writes the manifest of `step` into `step_dir` from every process's records (process 0)."""
+        received = received_by_process_0(self._records_name(step), self.own_records.pop(step))
+        write_manifest(step_dir, ITEMS, functools.reduce(dict.__or__, map(json.loads, received)))
 
     def _unfinished(self, step: int) -> list[Path]:
         return sorted(self.directory.glob(f"{step}{TEMPORARY}*"))
@@ -157,7 +215,7 @@ class Checkpointer(CheckpointReader):
         if len(unfinished) != 1:
             raise CheckpointWriteError(f"expected one temporary directory for step {self.in_flight}, found "
                                        f"{[p.name for p in unfinished]}")
-        write_manifest(unfinished[0], ITEMS)
+        self._write_manifest(self.in_flight, unfinished[0])
 
     def save(self, step: int, state: dict, data_state: dict, force: bool = False) -> bool:
         """Starts saving `state` at `step` (in the background when `checkpoint.async`); returns whether it saved.
@@ -181,7 +239,7 @@ class Checkpointer(CheckpointReader):
             saved = self.manager.save(step, args=args, force=True)
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:
-                    write_manifest(self.directory / str(step), ITEMS)
+                    self._write_manifest(step, self.directory / str(step))
                 wait_for_every_process(f"manifest of checkpoint {step} written", VERDICT_TIMEOUT_S)
                 self.in_flight = None
         except Exception as error:  # noqa: BLE001 - whatever stopped the write, the run stops with it named

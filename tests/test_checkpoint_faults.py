@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from orchestrator import manifest
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir
 from orchestrator.progress import Console
 from orchestrator.train import build_job, train
@@ -64,6 +65,29 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_previous_one_re
         named = str(target.relative_to(checkpoint_dir(run_dir) / "6"))
         assert len(warnings) == 1 and named in warnings[0] and "SHA-256" in warnings[0], warnings
         assert not (checkpoint_dir(run_dir) / "6").exists()  # moved aside to torn_checkpoints/
+
+
+
+def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_path, monkeypatch):
+    step_dir = tmp_path / "4.orbax-checkpoint-tmp"
+    written = {"state/ocdbt.process_0/d/a": 3000, "state/ocdbt.process_1/d/b": 5000,
+               "state/ocdbt.process_1/manifest.ocdbt": 50, "state/array_metadatas/process_1": 70,
+               "state/d/merged": 20, "state/_METADATA": 40, "data/metadata": 10}
+    for name, size in written.items():
+        (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    own = [str(path.relative_to(step_dir)) for path in manifest.written_by(step_dir / "state", 1)]
+    assert own == ["state/array_metadatas/process_1", "state/ocdbt.process_1/d/b",
+                   "state/ocdbt.process_1/manifest.ocdbt"]
+    shares = [manifest.records(step_dir, manifest.written_by(step_dir / "state", process)) for process in (0, 1)]
+
+    hashed, sha256 = [], manifest._sha256
+    monkeypatch.setattr(manifest, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
+    manifest.write_manifest(step_dir, ("state", "data"), shares[0] | shares[1])
+    assert sorted(hashed) == ["_METADATA", "merged", "metadata"]  # what Orbax writes when it finalizes
+    monkeypatch.undo()  # the manifest records every file, as if process 0 had hashed them all
+    recorded = json.loads((step_dir / manifest.MANIFEST).read_text())["files"]
+    assert recorded == manifest.records(step_dir, [step_dir / name for name in written])
 
 
 def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_losses(saved, tmp_path):
