@@ -10,8 +10,8 @@ Orbax writes a save into a temporary directory and renames it to `<step>`
 only once every item is on disk, so a process killed mid-write leaves a
 `*.orbax-checkpoint-tmp-*` directory that is never listed as a step.
 
-A step directory is complete only with `nestor_manifest.json`, the checksums
-of its files (orchestrator/manifest.py): an asynchronous save writes it into
+A step directory holds `nestor_manifest.json`, the checksums of its files
+(orchestrator/manifest.py): an asynchronous save writes it into
 the temporary directory just before Orbax's rename, a synchronous one
 (`checkpoint.async=false`) right after. Each process hashes the array files it
 wrote as soon as its writes are done, in Orbax's background save thread, and
@@ -45,7 +45,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, handing_back_failures,
-                                             is_complete, quarantine_incomplete)
+                                             is_finalized, quarantine_incomplete)
 from orchestrator.config import Config
 from orchestrator.manifest import MANIFEST, records, write_manifest, written_by
 from orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
@@ -265,7 +265,7 @@ class Checkpointer(CheckpointReader):
         if jax.process_index() == 0:
             _remove_for_good([path for path in self._unfinished(step) + [self.directory / str(step)]
                               if path.exists() and not (path / MANIFEST).is_file()])
-        kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and is_complete(p))
+        kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and is_finalized(p))
         raise CheckpointWriteError(
             f"run.dir {Path(self.config.run.dir).resolve()}: checkpoint {step} could not be written "
             f"({_cause(error)}); training stopped. "

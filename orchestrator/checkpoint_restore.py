@@ -1,14 +1,16 @@
 """Restoring checkpoints: which step directories are whole, every process's verdict, torn ones moved aside.
 
-A step directory `run.dir/checkpoints/<step>/` is whole with Orbax's
+A step directory `run.dir/checkpoints/<step>/` is finalized with Orbax's
 `_CHECKPOINT_METADATA` (written last, before the rename that finalizes a
-save), its three items and nestor's manifest (orchestrator/manifest.py). One
-that is not (copied half, truncated, hand-edited) is moved aside to
-`run.dir/torn_checkpoints/` with a warning before the manager counts it, so
-it neither gets restored nor pushes a good checkpoint out of the `keep`
-window. Restoring checks every file against the manifest first; a mismatch
-names the file, moves the step aside and the next older checkpoint is
-restored. In a multi-process run every process checks and reads its share and
+save) and its three items. One that is not (copied half, hand-edited) is
+moved aside to `run.dir/torn_checkpoints/` with a warning before the manager
+counts it, so it neither gets restored nor pushes a good checkpoint out of
+the `keep` window. Restoring checks every file against nestor's manifest
+(orchestrator/manifest.py) first; a mismatch names the file, moves the step
+aside and the next older checkpoint is restored. A finalized step without a
+manifest (written by a nestor older than manifests, or by a synchronous save
+killed between Orbax's rename and the manifest) is restored unverified, with
+a warning. In a multi-process run every process checks and reads its share and
 all decide together (`CheckpointReader._judged`).
 """
 
@@ -41,10 +43,9 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir).resolve() / "checkpoints"
 
 
-def is_complete(step_dir: Path) -> bool:
-    """Returns whether `step_dir` holds Orbax's metadata, every item and nestor's manifest."""
-    return all((step_dir / name).is_file() for name in (METADATA_FILE, MANIFEST)) and \
-        all((step_dir / item).is_dir() for item in ITEMS)
+def is_finalized(step_dir: Path) -> bool:
+    """Returns whether `step_dir` holds Orbax's metadata and every item (a manifest or not)."""
+    return (step_dir / METADATA_FILE).is_file() and all((step_dir / item).is_dir() for item in ITEMS)
 
 
 def quarantine(step_dir: Path, reason: str, log=print) -> Path:
@@ -60,8 +61,8 @@ def quarantine(step_dir: Path, reason: str, log=print) -> Path:
 
 
 def quarantine_incomplete(directory: Path, log=print, remove_unfinished: bool = False) -> list[Path]:
-    """Moves aside every `<step>` directory that lacks Orbax's metadata, an item or nestor's manifest;
-    returns the moved ones. With `remove_unfinished` (only for the run that holds run.dir: another
+    """Moves aside every `<step>` directory that lacks Orbax's metadata or an item; returns the moved
+    ones. With `remove_unfinished` (only for the run that holds run.dir: another
     run's save may be in flight), also deletes the temporary directories of saves that never finished.
 
     Process 0 moves; every process waits for it before going on, so none lists a
@@ -73,8 +74,8 @@ def quarantine_incomplete(directory: Path, log=print, remove_unfinished: bool = 
             shutil.rmtree(unfinished, ignore_errors=True)
             log(f"removed {unfinished}: a save that never finished")
         steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
-        moved = [quarantine(p, f"incomplete (missing Orbax's metadata, an item or {MANIFEST})", log)
-                 for p in steps if not is_complete(p)]
+        moved = [quarantine(p, "incomplete (missing Orbax's metadata or an item)", log)
+                 for p in steps if not is_finalized(p)]
     wait_for_every_process("incomplete checkpoints moved aside", VERDICT_TIMEOUT_S)
     return moved
 
@@ -158,11 +159,16 @@ class CheckpointReader:
         model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
 
         Raises CorruptCheckpoint when this process's share of the files differs
-        from the manifest written at save. Reads no array and waits for no other
-        process.
+        from the manifest written at save; a step without a manifest is not
+        checked, and process 0 says so in one warning. Reads no array and waits
+        for no other process.
         """
         step_dir = self.directory / str(step)
-        verify_manifest(step_dir)
+        if (step_dir / MANIFEST).is_file():
+            verify_manifest(step_dir)
+        elif jax.process_index() == 0:
+            self.log(f"warning: checkpoint {step_dir} has no {MANIFEST} (written by an older nestor, or a "
+                     "synchronous save cut off before it); restored without checking its files")
         _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
                     step_dir)
 

@@ -68,6 +68,22 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_previous_one_re
 
 
 
+def test_a_step_without_manifest_restores_unverified_when_finalized_and_is_torn_when_not(saved, tmp_path):
+    layout = build_job(load(saved[0], *SAVED)).layout
+    legacy = copy_of(saved, tmp_path, "legacy")  # as an older nestor wrote it: finalized, no manifest
+    (checkpoint_dir(legacy) / "6" / manifest.MANIFEST).unlink()
+    step, warnings = restore_latest(legacy, layout)
+    assert step == 6 and len(warnings) == 1, warnings
+    assert str(checkpoint_dir(legacy) / "6") in warnings[0] and "without checking its files" in warnings[0]
+
+    torn = copy_of(saved, tmp_path, "torn")  # neither manifest nor Orbax's metadata
+    for name in (manifest.MANIFEST, "_CHECKPOINT_METADATA"):
+        (checkpoint_dir(torn) / "6" / name).unlink()
+    step, warnings = restore_latest(torn, layout)
+    assert step == 4 and len(warnings) == 1 and "checkpoints/6 is incomplete" in warnings[0], warnings
+    assert [p.name.split("-")[0] for p in (torn / "torn_checkpoints").iterdir()] == ["6"]
+
+
 def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_path, monkeypatch):
     step_dir = tmp_path / "4.orbax-checkpoint-tmp"
     written = {"state/ocdbt.process_0/d/a": 3000, "state/ocdbt.process_1/d/b": 5000,
