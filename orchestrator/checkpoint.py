@@ -1,4 +1,4 @@
-"""Checkpoints with Orbax: asynchronous saves, newest N kept, torn or corrupt saves skipped, reshard on restore.
+"""Checkpoints with Orbax: asynchronous saves, newest N kept, a failed save stops the run in one line.
 
 A checkpoint `run.dir/checkpoints/<step>/` holds three items:
 - `state`: the train state {"step", "params", "opt_state"} in its canonical
@@ -8,19 +8,16 @@ A checkpoint `run.dir/checkpoints/<step>/` holds three items:
 
 Orbax writes a save into a temporary directory and renames it to `<step>`
 only once every item is on disk, so a process killed mid-write leaves a
-`*.orbax-checkpoint-tmp-*` directory that is never listed as a step. A step
-directory that is there but broken (copied half, truncated, hand-edited) is
-moved aside to `run.dir/torn_checkpoints/` with a warning before the manager
-counts it, so it neither gets restored nor pushes a good checkpoint out of
-the `keep` window.
+`*.orbax-checkpoint-tmp-*` directory that is never listed as a step.
 
-A step directory is complete only with `nestor_manifest.json`, the checksums
-of its files (orchestrator/manifest.py): an asynchronous save writes it into
+A step directory holds `nestor_manifest.json`, the checksums of its files
+(orchestrator/manifest.py): an asynchronous save writes it into
 the temporary directory just before Orbax's rename, a synchronous one
-(`checkpoint.async=false`) right after. A step directory without it was never
-finished (or predates the manifest) and is moved aside like a torn one;
-restoring checks every file against it first, and a mismatch names the file,
-moves the step aside and the next older checkpoint is restored.
+(`checkpoint.async=false`) right after. Each process hashes the array files it
+wrote as soon as its writes are done, in Orbax's background save thread, and
+sends the digests to process 0, which hashes only the few files Orbax writes
+when it finalizes and writes the manifest. Restoring, with its checks and the
+moving aside of torn checkpoints, is orchestrator/checkpoint_restore.py.
 
 A save that fails (disk full, read-only file system), in the foreground or in
 the background, raises CheckpointWriteError as soon as the loop next asks
@@ -31,6 +28,8 @@ checkpoints are left as they were.
 from __future__ import annotations
 
 import errno
+import functools
+import json
 import logging
 import os
 import re
@@ -45,119 +44,16 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from orchestrator.config import Config, ConfigError
-from orchestrator.manifest import MANIFEST, verify_manifest, write_manifest
-from orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
+from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, handing_back_failures,
+                                             is_finalized, quarantine_incomplete)
+from orchestrator.config import Config
+from orchestrator.manifest import MANIFEST, records, write_manifest, written_by
+from orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
 from orchestrator.state import StateLayout
-
-# Orbax writes this file last into a finalized step directory.
-_METADATA_FILE = "_CHECKPOINT_METADATA"
-_ITEMS = ("state", "data", "config")
-# What a process says of its check or read of a checkpoint, when not the error it hit.
-_DONE, _MISFIT = "done", "does not fit the config"
-
-
-def _handing_back_failures(handler):
-    """Returns Orbax item `handler` with a `restore` that returns a failed read's exception instead of raising it.
-
-    Orbax's restore ends at a barrier of every process; a process whose own
-    shards fail to read would skip it and leave the others waiting there for
-    ever. `_read` raises the exception once Orbax's restore has returned. (The
-    handler keeps its type: Orbax matches arguments to handlers by exact type.)
-    """
-    read = handler.restore
-
-    def restore(directory, args=None):
-        try:
-            return read(directory, args=args)
-        except Exception as error:  # noqa: BLE001 - raised again by _read, past Orbax's barrier
-            return error
-
-    handler.restore = restore
-    return handler
-
-
-def _read(restored):
-    """Returns Orbax's restored items, raising the first one whose read failed on this process."""
-    for item in restored.values():
-        if isinstance(item, Exception):
-            raise item
-    return restored
-
-
-# Orbax writes a step into `<step>.orbax-checkpoint-tmp[-<suffix>]` and renames it when it is complete.
-_TEMPORARY = ".orbax-checkpoint-tmp"
 
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, read-only file system); the run stops."""
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    """Returns the directory that holds a run's checkpoints."""
-    return Path(run_dir).resolve() / "checkpoints"
-
-
-def _is_complete(step_dir: Path) -> bool:
-    return all((step_dir / name).is_file() for name in (_METADATA_FILE, MANIFEST)) and \
-        all((step_dir / item).is_dir() for item in _ITEMS)
-
-
-def quarantine(step_dir: Path, reason: str, log=print) -> Path:
-    """Moves a broken step directory to `run.dir/torn_checkpoints/`; returns where it went.
-
-    `reason` completes "checkpoint <dir> is ...", e.g. "incomplete (missing metadata)".
-    """
-    target = step_dir.parent.parent / "torn_checkpoints" / f"{step_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(step_dir), str(target))
-    log(f"warning: checkpoint {step_dir} is {reason}; skipped and moved to {target}")
-    return target
-
-
-def quarantine_incomplete(directory: Path, log=print, remove_unfinished: bool = False) -> list[Path]:
-    """Moves aside every `<step>` directory that lacks Orbax's metadata, an item or nestor's manifest;
-    returns the moved ones. With `remove_unfinished` (only for the run that holds run.dir: another
-    run's save may be in flight), also deletes the temporary directories of saves that never finished.
-
-    Process 0 moves; every process waits for it before going on, so none lists a
-    step directory that is about to go.
-    """
-    moved = []
-    if directory.is_dir() and jax.process_index() == 0:
-        for unfinished in directory.glob(f"*{_TEMPORARY}*") if remove_unfinished else ():
-            shutil.rmtree(unfinished, ignore_errors=True)
-            log(f"removed {unfinished}: a save that never finished")
-        steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
-        moved = [quarantine(p, f"incomplete (missing Orbax's metadata, an item or {MANIFEST})", log)
-                 for p in steps if not _is_complete(p)]
-    wait_for_every_process("incomplete checkpoints moved aside", VERDICT_TIMEOUT_S)
-    return moved
-
-
-def _shapes(tree) -> dict[str, tuple[int, ...]]:
-    """Maps each array's path ("opt_state/1/0/mu/embed/...") to its shape; works on
-    abstract arrays and on Orbax's metadata tree alike."""
-    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
-    """Raises ConfigError when the checkpoint's arrays (paths and shapes) are not the
-    current config's, naming the config keys that differ from the checkpoint's."""
-    saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
-    if saved == wanted:
-        return
-    current = config.to_dict()
-    problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {step_dir} was written with {value!r}")
-                for section in ("model", "moe") for key, value in saved_config.get(section, {}).items()
-                if key != "preset" and current[section].get(key) != value]
-    differing = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
-    shown = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
-    problems.append(("run.dir", f"{step_dir} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "
-                                f"config (checkpoint vs now: {shown}{', ...' if len(differing) > 3 else ''}); "
-                                "use the checkpoint's values or a new run.dir"))
-    raise ConfigError(problems)
 
 
 def _cause(error: BaseException) -> str:
@@ -184,7 +80,7 @@ class _OrbaxErrorsAreOurs(logging.Filter):
             return True
         _, exception, trace = record.exc_info or (None, None, None)
         places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
-        return not any(f"{os.sep}orbax{os.sep}" in place or _TEMPORARY in place for place in places)
+        return not any(f"{os.sep}orbax{os.sep}" in place or TEMPORARY in place for place in places)
 
 
 _ORBAX_ERRORS = _OrbaxErrorsAreOurs()
@@ -223,7 +119,23 @@ def _remove_for_good(paths: list[Path], settle_s: float = 0.5, limit_s: float = 
             return
 
 
-class Checkpointer:
+class _DoneOnceHashed:
+    """An Orbax commit future: done once an item's writes on this process are done and `hash_written`
+    (called once) has hashed what this process wrote. Orbax waits for it in its background save thread
+    (in `save` itself with `checkpoint.async=false`), off the training loop's path."""
+
+    def __init__(self, writes: list, hash_written):
+        self.writes, self.hash_written, self.hashed = writes, hash_written, False
+
+    def result(self, timeout: float | None = None) -> None:
+        for write in self.writes:
+            write.result(timeout=timeout)
+        if not self.hashed:
+            self.hash_written()
+            self.hashed = True
+
+
+class Checkpointer(CheckpointReader):
     """Saves and restores a run's checkpoints; `restore` targets the current mesh's layout.
 
     `owner`: this run holds run.dir, so temporary directories of unfinished
@@ -237,6 +149,7 @@ class Checkpointer:
         self.directory = checkpoint_dir(config.run.dir)
         self.in_flight: int | None = None  # the step being saved in the background
         self.refused: set[int] = set()  # steps whose state failed the health check: never saved
+        self.own_records: dict[int, str] = {}  # process 0: step -> its manifest records of the files it wrote
         _hold_back_orbax_noise()
         quarantine_incomplete(self.directory, log, remove_unfinished=owner)
         self.manager = self._open()
@@ -253,12 +166,48 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_in_flight,
                                            create_directories_asynchronously=False) if asynchronous else None,
         )
-        handlers = {"state": _handing_back_failures(ocp.StandardCheckpointHandler()),
-                    "data": _handing_back_failures(ocp.JsonCheckpointHandler()), "config": ocp.JsonCheckpointHandler()}
+        handlers = {"state": self._hashing_what_it_writes(handing_back_failures(ocp.StandardCheckpointHandler())),
+                    "data": handing_back_failures(ocp.JsonCheckpointHandler()), "config": ocp.JsonCheckpointHandler()}
         return ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
 
+    def _hashing_what_it_writes(self, handler):
+        """Returns Orbax item `handler` whose saves end, on every process, with the files this process
+        wrote (`manifest.written_by`) hashed and their records sent to process 0 (`_share_records`)."""
+        write = handler.async_save
+
+        async def async_save(directory, args=None):
+            writes = await write(directory, args=args)
+            hash_written = functools.partial(self._share_records, self.in_flight, Path(directory))
+            return [_DoneOnceHashed(writes or [], hash_written)]
+
+        handler.async_save = async_save
+        return handler
+
+    @staticmethod
+    def _records_name(step: int) -> str:
+        return f"manifest records of checkpoint {step}"
+
+    def _share_records(self, step: int, item_dir: Path) -> None:
+        """Hashes the files this process wrote into `item_dir` and sends their records to process 0.
+
+        `item_dir` is Orbax's temporary name of the item (`state.orbax-checkpoint-tmp`), renamed to
+        the item's name when the save is finalized: records name the files under the item's name.
+        """
+        item = item_dir.name.split(TEMPORARY)[0]
+        own = json.dumps({f"{item}/{name}": record
+                          for name, record in records(item_dir, written_by(item_dir, jax.process_index())).items()})
+        if jax.process_index() == 0:
+            self.own_records[step] = own
+        else:
+            send_to_process_0(self._records_name(step), own)
+
+    def _write_manifest(self, step: int, step_dir: Path) -> None:
+        """Writes the manifest of `step` into `step_dir` from every process's records (process 0)."""
+        received = received_by_process_0(self._records_name(step), self.own_records.pop(step))
+        write_manifest(step_dir, ITEMS, functools.reduce(dict.__or__, map(json.loads, received)))
+
     def _unfinished(self, step: int) -> list[Path]:
-        return sorted(self.directory.glob(f"{step}{_TEMPORARY}*"))
+        return sorted(self.directory.glob(f"{step}{TEMPORARY}*"))
 
     def _seal_in_flight(self) -> None:
         """Writes the manifest into the temporary directory of the save in flight."""
@@ -266,11 +215,7 @@ class Checkpointer:
         if len(unfinished) != 1:
             raise CheckpointWriteError(f"expected one temporary directory for step {self.in_flight}, found "
                                        f"{[p.name for p in unfinished]}")
-        write_manifest(unfinished[0], _ITEMS)
-
-    def latest_step(self) -> int | None:
-        """Returns the newest finalized step, or None when there is none."""
-        return self.manager.latest_step()
+        self._write_manifest(self.in_flight, unfinished[0])
 
     def save(self, step: int, state: dict, data_state: dict, force: bool = False) -> bool:
         """Starts saving `state` at `step` (in the background when `checkpoint.async`); returns whether it saved.
@@ -294,7 +239,7 @@ class Checkpointer:
             saved = self.manager.save(step, args=args, force=True)
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:
-                    write_manifest(self.directory / str(step), _ITEMS)
+                    self._write_manifest(step, self.directory / str(step))
                 wait_for_every_process(f"manifest of checkpoint {step} written", VERDICT_TIMEOUT_S)
                 self.in_flight = None
         except Exception as error:  # noqa: BLE001 - whatever stopped the write, the run stops with it named
@@ -320,96 +265,12 @@ class Checkpointer:
         if jax.process_index() == 0:
             _remove_for_good([path for path in self._unfinished(step) + [self.directory / str(step)]
                               if path.exists() and not (path / MANIFEST).is_file()])
-        kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and _is_complete(p))
+        kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and is_finalized(p))
         raise CheckpointWriteError(
             f"run.dir {Path(self.config.run.dir).resolve()}: checkpoint {step} could not be written "
             f"({_cause(error)}); training stopped. "
             + (f"Checkpoints {', '.join(map(str, kept))} are intact; " if kept else "No checkpoint was kept; ")
             + "free space or make run.dir writable, then run again to resume") from None
-
-    def saved_config(self, step: int) -> dict:
-        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`.
-
-        Read by this process alone: through Orbax's item handler, not the
-        manager, whose restore ends at a barrier of every process.
-        """
-        return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
-
-    def check(self, step: int) -> None:
-        """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
-        model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
-
-        Raises CorruptCheckpoint when this process's share of the files differs
-        from the manifest written at save. Reads no array and waits for no other
-        process.
-        """
-        step_dir = self.directory / str(step)
-        verify_manifest(step_dir)
-        _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
-                    step_dir)
-
-    def read(self, step: int) -> tuple[dict, dict]:
-        """Returns (state, data_state) of `step`, the state laid out for the current mesh.
-
-        Every process must call it: Orbax's restore ends at a barrier of all. A
-        read that fails on this process is raised once every process passed it.
-        """
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
-        restored = _read(self.manager.restore(step, args=args))
-        return restored.state, restored.data
-
-    def restore(self, step: int) -> tuple[dict, dict]:
-        """Returns (state, data_state) of `step` (`read`) once `check` found that it fits."""
-        self.check(step)
-        return self.read(step)
-
-    def restore_latest(self) -> tuple[int, dict, dict] | None:
-        """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
-
-        A checkpoint that fails its check or its read on any process is moved
-        aside with a warning and every process tries the next older one. Raises
-        ConfigError when the checkpoint does not fit the config (on any process).
-        """
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            checked, _ = self._judged(step, "checked", self.check)
-            if checked:
-                read, (state, data_state) = self._judged(step, "read", self.read)
-                if read:
-                    return step, state, data_state
-        return None
-
-    def _judged(self, step: int, part: str, attempt) -> tuple[bool, Any]:
-        """Runs `attempt(step)` and shares how it went with every process; returns (whether it went
-        well on every process, its result here: `(None, None)` where it failed).
-
-        Processes that saw different things (one process's check or read
-        fails) decide together through `every_process_says`, so none waits at a
-        barrier the others skipped; a failure on any moves checkpoint `step`
-        aside. Raises ConfigError when the checkpoint does not fit on any process.
-        """
-        misfit, result = None, (None, None)
-        try:
-            result, verdict = attempt(step), _DONE
-        except ConfigError as error:
-            misfit, verdict = error, _MISFIT
-        except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped, named and kept aside
-            verdict = f"{type(error).__name__}: {error}"[:300]
-        verdicts = every_process_says(f"checkpoint {step} {part}", verdict)
-        if misfit is not None:
-            raise misfit
-        if _MISFIT in verdicts:
-            raise ConfigError([("run.dir", f"{self.directory / str(step)} does not fit this config on process "
-                                           f"{verdicts.index(_MISFIT)}, which says how")])
-        failures = [(process, said) for process, said in enumerate(verdicts) if said != _DONE]
-        if failures:
-            self.manager.close()
-            if jax.process_index() == 0:
-                reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
-                                   for process, said in failures)
-                quarantine(self.directory / str(step), f"unusable ({reason})", self.log)
-            wait_for_every_process(f"checkpoint {step} moved aside", VERDICT_TIMEOUT_S)
-            self.manager = self._open()
-        return not failures, result
 
     def close(self) -> None:
         """Finishes saves in flight and releases the manager; raises CheckpointWriteError if the last

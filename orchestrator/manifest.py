@@ -2,9 +2,11 @@
 
 A flipped bit in an array file would restore as a wrong number and training
 would go on from garbage. `nestor_manifest.json` in a step directory holds
-the size and SHA-256 of each file of its items, written by process 0 once
-every process's files are on disk, and every file is checked against it
-before a restore reads any array.
+the size and SHA-256 of each file of its items, and every file is checked
+against it before a restore reads any array. Each process hashes the array
+files it wrote itself, once they are on disk (`written_by`, `records`); process
+0 hashes the rest (what Orbax writes when it finalizes a save, a few small
+files) and writes the manifest (`write_manifest`).
 """
 
 from __future__ import annotations
@@ -28,18 +30,38 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_manifest(step_dir: Path, items: tuple[str, ...]) -> None:
+def written_by(item_dir: Path, process: int) -> list[Path]:
+    """Returns the files under `item_dir` that process `process` wrote itself: Orbax's array data of
+    that process (`ocdbt.process_<i>/`) and its array metadata (`array_metadatas/process_<i>`).
+
+    What Orbax writes when it finalizes a save (the merged index, `_METADATA`,
+    `_sharding`) is no process's own.
+    """
+    own = {f"ocdbt.process_{process}", f"process_{process}"}
+    return sorted(path for path in item_dir.rglob("*")
+                  if path.is_file() and own & set(path.relative_to(item_dir).parts))
+
+
+def records(directory: Path, paths: list[Path]) -> dict[str, dict]:
+    """Returns the manifest's records of `paths`: {path relative to `directory`: {"bytes", "sha256"}}."""
+    return {str(path.relative_to(directory)): {"bytes": path.stat().st_size, "sha256": _sha256(path)} for path in paths}
+
+
+def write_manifest(step_dir: Path, items: tuple[str, ...], recorded: dict[str, dict] | None = None) -> None:
     """Records the size and SHA-256 of every file in the `items` directories of `step_dir` in its
     `nestor_manifest.json` (Orbax's own step metadata beside them changes after the manifest is written).
 
-    Written to a temporary name, synced and renamed, so the manifest is either
-    whole or absent.
+    Files in `recorded` (`records` of the processes that wrote them) are taken
+    as recorded; the others are hashed here. Written to a temporary name, synced
+    and renamed, so the manifest is either whole or absent.
     """
-    files = {str(path.relative_to(step_dir)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-             for item in items for path in sorted((step_dir / item).rglob("*")) if path.is_file()}
+    recorded = recorded or {}
+    unrecorded = [path for item in items for path in sorted((step_dir / item).rglob("*"))
+                  if path.is_file() and str(path.relative_to(step_dir)) not in recorded]
+    files = records(step_dir, unrecorded) | recorded
     partial = step_dir / f"{MANIFEST}.partial"
     with partial.open("w") as f:
-        json.dump({"files": files}, f, indent=0)
+        json.dump({"files": files}, f, indent=0, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, step_dir / MANIFEST)

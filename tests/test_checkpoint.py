@@ -190,11 +190,13 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
     assert _files(tmp_path / "run") == before and (tmp_path / "run" / "config.yaml").read_text() == config_yaml
 
 
-# Two processes save checkpoints 1, 2 and 3; then process 0 alone finds 3 broken before reading it, and
-# process 1 alone fails to read 2's arrays, inside Orbax's restore.
+# Two processes save checkpoints 1, 2 and 3, each hashing for the manifest the files it wrote (and process 0
+# those Orbax writes when it finalizes); then process 0 alone finds 3 broken before reading it, and process 1
+# alone fails to read 2's arrays, inside Orbax's restore.
 DIFFERING_RESTORES = """
+    import re
     import orbax.checkpoint as ocp
-    from orchestrator import checkpoint
+    from orchestrator import checkpoint, checkpoint_restore, manifest
     from orchestrator.config import load
     from orchestrator.state import init_state
     from orchestrator.train import build_job
@@ -202,16 +204,22 @@ DIFFERING_RESTORES = """
     config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
     layout = build_job(config, with_data=False).layout
     saver, state = checkpoint.Checkpointer(config, layout, log=print), init_state(config, layout)
+    hashed, sha256 = set(), manifest._sha256
+    def whose(path):  # whose files this process hashes: a process's own, or none's ("-")
+        hashed.add(next(iter(re.findall(r"process_(\\d)", str(path))), "-"))
+        return sha256(path)
+    manifest._sha256 = whose
     for step in (1, 2, 3):
         saver.save(step, state, {"next_step": step}, force=True)
     saver.close()
+    manifest._sha256 = sha256
     if rank == 0:
-        check_fits = checkpoint._check_fits
+        check_fits = checkpoint_restore._check_fits
         def broken_3(saved_state, saved_config, config, layout, step_dir):
             if step_dir.name == "3":
                 raise ValueError("checksum mismatch")
             check_fits(saved_state, saved_config, config, layout, step_dir)
-        checkpoint._check_fits = broken_3
+        checkpoint_restore._check_fits = broken_3
     else:
         read = ocp.StandardCheckpointHandler.restore
         def unreadable_2(self, directory, args=None):
@@ -222,7 +230,8 @@ DIFFERING_RESTORES = """
     restoring = checkpoint.Checkpointer(config, layout, log=print)
     step, state, data_state = restoring.restore_latest()
     restoring.close()
-    print(step, data_state["next_step"], sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir()))
+    print(step, data_state["next_step"], sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir()),
+          sorted(hashed))
 """
 
 
@@ -230,7 +239,8 @@ DIFFERING_RESTORES = """
 @pytest.mark.timeout(300)
 def test_restores_that_fail_on_one_process_only_move_the_checkpoint_aside_on_all(tmp_path):
     last = last_lines_of_two_processes(DIFFERING_RESTORES, [tmp_path / "run"] * 2)
-    assert last == ["1 1 ['1']"] * 2  # both go on from the oldest checkpoint, none waits for the other
+    # Both go on from the oldest checkpoint, none waits for the other.
+    assert last == ["1 1 ['1'] ['-', '0']", "1 1 ['1'] ['1']"]
     moved = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "torn_checkpoints").iterdir())
     assert moved == ["2", "3"]
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from orchestrator import manifest
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir
 from orchestrator.progress import Console
 from orchestrator.train import build_job, train
@@ -64,6 +65,45 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_previous_one_re
         named = str(target.relative_to(checkpoint_dir(run_dir) / "6"))
         assert len(warnings) == 1 and named in warnings[0] and "SHA-256" in warnings[0], warnings
         assert not (checkpoint_dir(run_dir) / "6").exists()  # moved aside to torn_checkpoints/
+
+
+
+def test_a_step_without_manifest_restores_unverified_when_finalized_and_is_torn_when_not(saved, tmp_path):
+    layout = build_job(load(saved[0], *SAVED)).layout
+    legacy = copy_of(saved, tmp_path, "legacy")  # as an older nestor wrote it: finalized, no manifest
+    (checkpoint_dir(legacy) / "6" / manifest.MANIFEST).unlink()
+    step, warnings = restore_latest(legacy, layout)
+    assert step == 6 and len(warnings) == 1, warnings
+    assert str(checkpoint_dir(legacy) / "6") in warnings[0] and "without checking its files" in warnings[0]
+
+    torn = copy_of(saved, tmp_path, "torn")  # neither manifest nor Orbax's metadata
+    for name in (manifest.MANIFEST, "_CHECKPOINT_METADATA"):
+        (checkpoint_dir(torn) / "6" / name).unlink()
+    step, warnings = restore_latest(torn, layout)
+    assert step == 4 and len(warnings) == 1 and "checkpoints/6 is incomplete" in warnings[0], warnings
+    assert [p.name.split("-")[0] for p in (torn / "torn_checkpoints").iterdir()] == ["6"]
+
+
+def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_path, monkeypatch):
+    step_dir = tmp_path / "4.orbax-checkpoint-tmp"
+    written = {"state/ocdbt.process_0/d/a": 3000, "state/ocdbt.process_1/d/b": 5000,
+               "state/ocdbt.process_1/manifest.ocdbt": 50, "state/array_metadatas/process_1": 70,
+               "state/d/merged": 20, "state/_METADATA": 40, "data/metadata": 10}
+    for name, size in written.items():
+        (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    own = [str(path.relative_to(step_dir)) for path in manifest.written_by(step_dir / "state", 1)]
+    assert own == ["state/array_metadatas/process_1", "state/ocdbt.process_1/d/b",
+                   "state/ocdbt.process_1/manifest.ocdbt"]
+    shares = [manifest.records(step_dir, manifest.written_by(step_dir / "state", process)) for process in (0, 1)]
+
+    hashed, sha256 = [], manifest._sha256
+    monkeypatch.setattr(manifest, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
+    manifest.write_manifest(step_dir, ("state", "data"), shares[0] | shares[1])
+    assert sorted(hashed) == ["_METADATA", "merged", "metadata"]  # what Orbax writes when it finalizes
+    monkeypatch.undo()  # the manifest records every file, as if process 0 had hashed them all
+    recorded = json.loads((step_dir / manifest.MANIFEST).read_text())["files"]
+    assert recorded == manifest.records(step_dir, [step_dir / name for name in written])
 
 
 def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_losses(saved, tmp_path):
