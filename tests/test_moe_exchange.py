@@ -103,10 +103,11 @@ def grad_fn_with(config, exchange: str, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [dict(expert=4, data=2), dict(expert=2, tensor=2, data=2)],
-                         ids=["expert4_data2", "expert2_tensor2_data2"])
-def test_ragged_exchange_equals_all_gather_exchange(tiny_config, monkeypatch, mesh):
-    config = tiny_config(*DROPLESS).replace(**mesh_overrides(**mesh))
+@pytest.mark.parametrize("mesh, overrides", [(dict(expert=4, data=2), ()),
+                                             (dict(expert=2, tensor=2, data=2), ("moe.second_expert_policy=random",))],
+                         ids=["expert4_data2", "expert2_tensor2_data2_random_second"])
+def test_ragged_exchange_equals_all_gather_exchange(tiny_config, monkeypatch, mesh, overrides):
+    config = tiny_config(*DROPLESS, *overrides).replace(**mesh_overrides(**mesh))
     tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, config.model.vocab_size)
     calls = []
 
@@ -119,7 +120,9 @@ def test_ragged_exchange_equals_all_gather_exchange(tiny_config, monkeypatch, me
         with monkeypatch.context() as patch:  # traced (at the call) while the emulation is installed
             patch.setattr(jax.lax, "ragged_all_to_all", counted)
             grad_fn, job = grad_fn_with(config, exchange, patch)
-            results[exchange] = grad_fn(init_state(job.config, job.layout)["params"], tokens)
+            # with random routing some second choices go to no expert: rows that are never sent
+            results[exchange] = grad_fn(init_state(job.config, job.layout)["params"], tokens,
+                                        routing_key=jax.random.key(1))
     assert calls == [("expert",)] * 2  # one MoE layer: to the experts and back (autodiff transposes the emulation)
     (loss, _), grads = results["ragged_all_to_all"]
     (reference_loss, _), reference_grads = results["all_gather"]
