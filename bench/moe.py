@@ -19,9 +19,12 @@ one run:
 - temporaries per device (XLA's memory analysis of the train step);
 - tokens/s of the MoE train step against a dense model with the same active
   parameters (every layer's feed-forward k x mlp_dim wide), same mesh and
-  batch, timed in the same run.
+  batch, timed in the same run, alternately: each round steps the dense model
+  and every MoE row of its top-k once.
 
     python -m bench.moe       # prints the table, writes its section of docs/benchmarks.md
+    python -m bench.moe --experts 8,32 --top-k 2 --rounds 5   # fewer rows and rounds
+    python -m bench.moe --rounds 0                            # compile-only columns
 
 On simulated CPU devices all "devices" share the host's cores: tokens/s
 compares total work, not communication overlap; XLA:CPU's ragged_dot does
@@ -59,8 +62,9 @@ READING = (
     "same capacity slots, so they move the same all-to-all bytes: capacity slots, not tokens, so the ratio to the "
     "minimum is k x the capacity factor's padding, rounded up per expert. Dropless on CPU uses the exchange every "
     "backend runs (all-gather of the expert devices' tokens, reduce-scatter of their outputs): it moves every "
-    "token to every expert device, about expert devices / k times the minimum (parallel/experts.py; the "
-    "ragged all-to-all that would move only the routed tokens is not built). Its worst-case buffer of "
+    "token to every expert device, about expert devices / k times the minimum (parallel/experts.py; on GPU and "
+    "TPU `moe.exchange=auto` picks the ragged all-to-all, which moves only the routed rows, the minimum, and "
+    "cannot be measured on CPU). Its worst-case buffer of "
     "gathered tokens x k rows is what its temporaries show. Dropless tokens/s on CPU pays XLA:CPU's ragged_dot, "
     "which multiplies every row by every local expert; on GPU and TPU a grouped matmul multiplies each row once. "
     "Tokens/s on shared simulated CPU devices is indicative only, and absolute values move with whatever else "
@@ -148,33 +152,40 @@ def routing_flop_share(config) -> float:
 EXCHANGES = ("all-to-all", "all-gather", "reduce-scatter")
 
 
-def step_measurements(config, steps: int) -> dict:
-    """Returns the train step's token-exchange bytes (all-to-all, all-gather, reduce-scatter; all
-    devices), temporaries per device and, with `steps` > 0, the median seconds per step over `steps`
-    after one warm-up (else None)."""
-    import jax
-
+def compiled_step(config) -> dict:
+    """Returns the train step compiled for `config` with its token-exchange bytes (all-to-all,
+    all-gather, reduce-scatter; all devices) and temporaries per device, ready to time."""
     from orchestrator.explain import compile_step
-    from orchestrator.state import init_state
     from orchestrator.train import build_job
     from parallel.hlo import collectives
 
     job = build_job(config)
     compiled = compile_step(job)
     found = collectives(compiled.as_text())
-    measured = {"exchange_bytes": sum(found[kind]["bytes"] for kind in EXCHANGES) * job.mesh.devices.size,
-                "temporaries_bytes": compiled.memory_analysis().temp_size_in_bytes, "seconds": None}
-    if steps:
-        state = init_state(config, job.layout)
-        times = []
-        for step in range(steps + 1):
-            tokens = job.data.batch(step)
+    return {"config": config, "job": job, "compiled": compiled, "seconds": None,
+            "exchange_bytes": sum(found[kind]["bytes"] for kind in EXCHANGES) * job.mesh.devices.size,
+            "temporaries_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def time_alternately(steps: dict[str, dict], rounds: int) -> None:
+    """Sets each entry's "times" to its step times of `rounds` rounds after one warm-up round, every round
+    stepping each entry once in turn, so a change of the host's load reaches all alike, and "seconds" to
+    their median."""
+    import jax
+
+    from orchestrator.state import init_state
+
+    states = {name: init_state(entry["config"], entry["job"].layout) for name, entry in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in range(rounds + 1):
+        for name, entry in steps.items():
             start = time.perf_counter()
-            state, metrics = compiled(state, tokens)
+            states[name], metrics = entry["compiled"](states[name], entry["job"].data.batch(step))
             jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        measured["seconds"] = statistics.median(times[1:])
-    return measured
+            times[name].append(time.perf_counter() - start)
+    for name, entry in steps.items():
+        entry["times"] = times[name][1:]
+        entry["seconds"] = statistics.median(entry["times"])
 
 
 def minimum_exchange_bytes(config) -> int:
@@ -186,24 +197,38 @@ def minimum_exchange_bytes(config) -> int:
     return 2 * 2 * config.moe_layers * per_direction
 
 
-def measure(steps: int, timed_top_k: tuple[int, ...]) -> list[dict]:
-    """Returns one row per top-k, expert count and dispatch; tokens/s only for `timed_top_k`, each next
-    to its dense baseline (every feed-forward k x mlp_dim wide: the same active parameters) timed in the same run."""
+def measure(experts: tuple[int, ...], top_ks: tuple[int, ...], dispatches: tuple[str, ...],
+            rounds: int) -> list[dict]:
+    """Returns one row per top-k, expert count and dispatch; with `rounds` > 0 also tokens/s, timed
+    alternately (`time_alternately`) with a dense baseline of the same top-k (every feed-forward
+    k x mlp_dim wide: the same active parameters), one top-k at a time."""
     base = _config()
     tokens = base.train.global_batch * base.train.seq_len
     rows = []
-    for top_k in TOP_KS:
-        timed = steps if top_k in timed_top_k else 0
-        dense = step_measurements(_config(f"model.mlp_dim={base.model.mlp_dim * top_k}"), timed)
-        for experts in EXPERT_COUNTS:
-            for dispatch in DISPATCHES:
-                config = _config(*moe_overrides(experts, top_k, dispatch))
-                rows.append(_row(config, step_measurements(config, timed), dense, tokens))
+    for top_k in top_ks:
+        steps = {"dense": compiled_step(_config(f"model.mlp_dim={base.model.mlp_dim * top_k}"))}
+        for count in experts:
+            for dispatch in dispatches:
+                steps[f"{count}/{dispatch}"] = compiled_step(_config(*moe_overrides(count, top_k, dispatch)))
+        if rounds:
+            time_alternately(steps, rounds)
+        dense = steps.pop("dense")
+        rows += [_row(entry["config"], entry, dense, steps.get(f"{entry['config'].moe.num_experts}/einsum"), tokens)
+                 for entry in steps.values()]
     return rows
 
 
-def _row(config, measured: dict, dense: dict, tokens: int) -> dict:
-    """Returns one MoE config's measurements next to its dense baseline's tokens/s (None when untimed)."""
+def paired_speedup(measured: dict, baseline: dict | None) -> float | None:
+    """Returns the median over rounds of baseline step time / measured step time (> 1: measured is faster),
+    None when either was not timed."""
+    if baseline is None or measured["seconds"] is None:
+        return None
+    return statistics.median(base / time for base, time in zip(baseline["times"], measured["times"]))
+
+
+def _row(config, measured: dict, dense: dict, einsum: dict | None, tokens: int) -> dict:
+    """Returns one MoE config's measurements next to its dense baseline's tokens/s and, paired round by
+    round, its speed against the dense model and against einsum dispatch (None when untimed)."""
     timed = measured["seconds"] is not None
     return {
         "experts": config.moe.num_experts,
@@ -215,6 +240,8 @@ def _row(config, measured: dict, dense: dict, tokens: int) -> dict:
         "temporaries_mib": measured["temporaries_bytes"] / 2**20,
         "moe_tokens_per_s": tokens / measured["seconds"] if timed else None,
         "dense_tokens_per_s": tokens / dense["seconds"] if timed else None,
+        "over_dense": paired_speedup(measured, dense),
+        "over_einsum": paired_speedup(measured, einsum),
     }
 
 
@@ -222,24 +249,39 @@ def table(rows: list[dict]) -> str:
     """Returns the rows as a Markdown table."""
     lines = ["| experts | top-k | dispatch | routing+dispatch+combine FLOPs / expert FFN FLOPs | token exchange MiB/step "
              "| analytic minimum MiB | ratio | temporaries MiB/device | MoE tokens/s | dense (same active) tokens/s "
-             "| MoE / dense |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| MoE / dense | vs einsum |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         timed = r["moe_tokens_per_s"] is not None
+        versus = "" if r["over_einsum"] is None else f"{r['over_einsum']:.2f}"
         speed = (f"{r['moe_tokens_per_s']:,.0f} | {r['dense_tokens_per_s']:,.0f} | "
-                 f"{r['moe_tokens_per_s'] / r['dense_tokens_per_s']:.2f}") if timed else "not timed | | "
+                 f"{r['over_dense']:.2f} | {versus}") if timed else "not timed | | | "
         lines.append(f"| {r['experts']} | {r['top_k']} | {r['dispatch']} | {r['routing_share']:.1%} "
                      f"| {r['exchange_mib']:.2f} | {r['minimum_mib']:.2f} | {r['exchange_mib'] / r['minimum_mib']:.2f} "
                      f"| {r['temporaries_mib']:.1f} | {speed} |")
     return "\n".join(lines)
 
 
+def _choices(text: str, allowed: tuple) -> tuple:
+    """Returns the comma-separated `text` as a tuple of `allowed`'s type; raises ArgumentTypeError
+    for a value not in `allowed`."""
+    values = tuple(type(allowed[0])(value) for value in text.split(","))
+    if unknown := [value for value in values if value not in allowed]:
+        raise argparse.ArgumentTypeError(f"{unknown} not in {allowed}")
+    return values
+
+
 def main() -> None:
     """Runs the benchmark, prints the table and writes its section of docs/benchmarks.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed train steps per model")
-    parser.add_argument("--timed-top-k", type=int, nargs="*", default=[2],
-                        help="the top-k values whose steps are timed (the others: compile-only columns)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="timed rounds (each steps every model once) after one warm-up round; 0 = compile only")
+    parser.add_argument("--experts", type=lambda text: _choices(text, EXPERT_COUNTS), default=EXPERT_COUNTS,
+                        help="comma-separated expert counts, e.g. 8,32")
+    parser.add_argument("--top-k", type=lambda text: _choices(text, TOP_KS), default=TOP_KS,
+                        help="comma-separated top-k values, e.g. 2")
+    parser.add_argument("--dispatches", type=lambda text: _choices(text, DISPATCHES), default=DISPATCHES,
+                        help="comma-separated dispatches, e.g. einsum,sort")
     args = parser.parse_args()
 
     from orchestrator.runtime import configure_jax
@@ -247,13 +289,18 @@ def main() -> None:
     configure_jax(_config())
     import jax
 
-    rows = measure(args.steps, tuple(args.timed_top_k))
+    rows = measure(args.experts, args.top_k, args.dispatches, args.rounds)
     device = jax.devices()[0]
-    command = COMMAND + (f" --steps {args.steps}" if args.steps != 10 else "")
+    flags = {"--rounds": (args.rounds, 10), "--experts": (args.experts, EXPERT_COUNTS),
+             "--top-k": (args.top_k, TOP_KS), "--dispatches": (args.dispatches, DISPATCHES)}
+    command = " ".join([COMMAND] + [f"{flag} {value if isinstance(value, int) else ','.join(map(str, value))}"
+                                    for flag, (value, default) in flags.items() if value != default])
+    timing = (f"tokens/s: median of {args.rounds} rounds after one warm-up round, each round stepping the dense "
+              f"baseline and every MoE row of its top-k once in turn; MoE / dense and vs einsum: medians of the "
+              f"per-round tokens/s ratios" if args.rounds else "not timed")
     setup = (f"Model: {' '.join(MODEL)}; an MoE feed-forward in every layer (experts mlp_dim wide), capacity_factor "
              f"1.25 for einsum and sort, one group per sequence; mesh expert={DEVICES} ({DEVICES} simulated "
-             f"{device.platform} devices); tokens/s at top-k {', '.join(map(str, args.timed_top_k))}: median of "
-             f"{args.steps} steps after one warm-up; jax {jax.__version__}.")
+             f"{device.platform} devices); {timing}; jax {jax.__version__}.")
     text = "\n".join(["## MoE (GShard routing; einsum, sort and dropless dispatch)", "", f"Command: `{command}`", "",
                       setup, "", table(rows), "", READING, ""])
     print(text)

@@ -63,7 +63,7 @@ class MoELayerConfig:
     eval_capacity_factor: float = 2.0
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
-    dispatch: str = "einsum"          # einsum | sort
+    dispatch: str = "sort"            # sort | einsum (GShard's reference)
     router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
     expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width

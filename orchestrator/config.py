@@ -234,8 +234,13 @@ class MoEConfig:
                           minimum=0)
     second_expert_policy: str = key("all", "all | random (GShard's random routing of the 2nd expert; pipeline "
                                     "micro-batches share one draw)", choices=("all", "random"))
-    dispatch: str = key("einsum", "einsum (GShard's one-hot einsums) | sort (tokens placed in expert slots by index)",
+    dispatch: str = key("sort", "sort (tokens placed in expert slots by index) | einsum (GShard's one-hot einsums, "
+                        "the reference)",
                         choices=("einsum", "sort"))
+    exchange: str = key("auto", "how dropless tokens reach other devices' experts: auto (ragged_all_to_all on GPU "
+                        "and TPU, all_gather on CPU) | all_gather (all-gather + reduce-scatter, every backend) | "
+                        "ragged_all_to_all (only routed rows move; GPU, TPU)",
+                        choices=("auto", "all_gather", "ragged_all_to_all"))
     router: str = key("softmax", "softmax | sigmoid (DeepSeek-V3: per-expert sigmoid scores, gates renormalised over "
                       "the top k)", choices=("softmax", "sigmoid"))
     expert_mlp_dim: int = key(0, "hidden width of each routed expert (fine-grained experts); 0 = model.mlp_dim",

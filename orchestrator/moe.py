@@ -15,9 +15,9 @@ from jax.sharding import Mesh
 
 from models import axes
 from models.moe import MoELayerConfig
-from orchestrator.config import Config, MoEConfig
+from orchestrator.config import Config, ConfigError, MoEConfig
 from orchestrator.validation import moe_tokens_per_device
-from parallel.experts import ExpertLayout, exchange_name, worst_case_rows
+from parallel.experts import ExpertLayout, exchange_kind, exchange_name, expert_exchange, worst_case_rows
 from parallel.rules import Rules
 
 EXPERT_LOAD = "moe_expert_load"
@@ -65,6 +65,22 @@ def moe_loss_and_metrics(stats: dict[str, jax.Array], moe: MoEConfig) -> tuple[j
     return loss, metrics
 
 
+def chosen_exchange(moe: MoEConfig, mesh: Mesh) -> str:
+    """Returns the expert-parallel exchange `moe.exchange` picks for dropless layers on `mesh`'s devices
+    (parallel.experts.ALL_GATHER or RAGGED_ALL_TO_ALL). Raises ConfigError when ragged_all_to_all is
+    forced on devices whose XLA lacks it (CPU)."""
+    try:
+        return exchange_kind(moe.exchange, mesh.devices.flat[0].platform)
+    except ValueError as error:
+        raise ConfigError([("moe.exchange", f"{error}; use auto or all_gather")]) from None
+
+
+def dropless_exchange(moe: MoEConfig, mesh: Mesh, rules: Rules):
+    """Returns the installed exchange of dropless layers (models.moe.expert_parallelism) on `mesh`.
+    Raises ConfigError as `chosen_exchange`."""
+    return expert_exchange(chosen_exchange(moe, mesh), mesh, rules, EXPERT_LAYOUT)
+
+
 def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
     """Returns explain's entry for dropless MoE layers (None for a dense model or capacity dispatch):
     the expert-parallel exchange the mesh gets, and the worst-case sorted buffer of one layer per device:
@@ -78,7 +94,7 @@ def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
     mlp_shards = int(np.prod([degrees[a] for a in rules.get(axes.MLP, ())]))
     width = (moe.expert_mlp_dim or config.model.mlp_dim) // mlp_shards
     row_bytes = (2 * config.model.embed_dim + 3 * width) * np.dtype(config.model.dtype).itemsize
-    return {"exchange": exchange_name(mesh, rules, EXPERT_LAYOUT), "buffer_rows": rows,
+    return {"exchange": exchange_name(chosen_exchange(moe, mesh), mesh, rules, EXPERT_LAYOUT), "buffer_rows": rows,
             "buffer_bytes_per_device": rows * row_bytes}
 
 

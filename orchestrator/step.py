@@ -24,13 +24,12 @@ from models.moe import expert_parallelism
 from models.transformer import StackRunner, scan_layers
 from orchestrator.config import Config, MoEConfig
 from orchestrator.data.pipeline import document_ids, masks_documents
-from orchestrator.moe import (EXPERT_BIAS, EXPERT_LAYOUT, EXPERT_LOAD, balanced_expert_bias, moe_loss_and_metrics,
+from orchestrator.moe import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange, moe_loss_and_metrics,
                               routing_key)
 from orchestrator.optimizer import learning_rate
 from orchestrator.remat import remat_policy
 from orchestrator.state import StateLayout
 from orchestrator.validation import schedule_for
-from parallel.experts import all_gather_exchange
 from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from parallel.pipeline_1f1b import one_f_one_b
 from parallel.rules import Rules, activation_constrainer, partition_spec
@@ -59,9 +58,10 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
     laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`). The layer
     stack runs through `stack_runner`, an MoE model's first dense layers through `dense_runner`.
     With `document_mask`, no token attends across a document separator (`data.document_ids`);
-    `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing)."""
+    `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing).
+    Raises ConfigError when `moe.exchange` cannot run on the mesh's devices."""
     constrainer = activation_constrainer(mesh, rules)
-    exchange = all_gather_exchange(mesh, rules, EXPERT_LAYOUT)
+    exchange = dropless_exchange(moe, mesh, rules)
 
     def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
                 expert_bias: dict | None = None) -> tuple[jax.Array, Metrics]:

@@ -6,7 +6,9 @@ assignments to a contiguous range of experts. Here that function runs inside
 `jax.shard_map` on every device, for the experts whose weights the device
 holds.
 
-The exchange is "all-gather + reduce-scatter" (MaxText's ring of experts):
+Two exchanges, one per kind of backend (`exchange_kind` picks by platform):
+
+"all-gather + reduce-scatter" (MaxText's ring of experts), on every backend:
 each device gathers the tokens of every device on the expert axes (with
 their assignments), runs those assigned to its own experts through grouped
 matmuls into a buffer of (gathered tokens x k) rows, the most it can be
@@ -16,9 +18,15 @@ the token's device. An expert's hidden dimension may be split too (over the
 mesh axes of `mlp`): its partial sums join the same reduction. Weights enter
 whole along the embedding (fsdp gathers them as for any layer).
 
-Every collective here runs on every backend, CPU included. Exchanging only
-the tokens each device needs (`jax.lax.ragged_all_to_all`, GPU and TPU only;
-XLA:CPU lacks it) is not built: `exchange_name` says which exchange a mesh gets.
+"ragged all-to-all", on GPU and TPU (XLA:CPU lacks `jax.lax.ragged_all_to_all`):
+each device sorts its tokens' assignments by expert and sends each expert
+device only the rows routed to its experts; the receiver runs them through
+its grouped matmuls and sends every row back to where it came from, with the
+same call reversed. Only routed rows cross the links (tokens x k x embed each
+way, the minimum), and the sizes and offsets the two calls need travel by
+small all-to-alls of per-expert counts (`send_plan`, `receive_plan`). The
+receive buffer still has room for the worst case (every expert device sends
+all its rows here), the same rows as the all-gather exchange's buffer.
 """
 
 from __future__ import annotations
@@ -28,11 +36,16 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from parallel.rules import Rules, partition_spec
 
 ALL_GATHER = "all-gather + reduce-scatter"
+RAGGED_ALL_TO_ALL = "ragged all-to-all"
+# jax platforms whose XLA implements ragged-all-to-all (XLA:CPU does not)
+RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+EXCHANGE_CHOICES = {"all_gather": ALL_GATHER, "ragged_all_to_all": RAGGED_ALL_TO_ALL}
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -51,10 +64,30 @@ class ExpertLayout:
     hidden: str   # the hidden (mlp) dimension of the expert weights
 
 
-def exchange_name(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> str:
-    """Returns the name of the exchange a dropless layer gets on `mesh` ("none" without expert devices)."""
+def exchange_kind(choice: str, platform: str) -> str:
+    """Returns the exchange (ALL_GATHER or RAGGED_ALL_TO_ALL) for `choice` ("auto", "all_gather" or
+    "ragged_all_to_all") on devices of jax platform `platform`: auto is the ragged all-to-all where XLA
+    implements it. Raises ValueError when ragged_all_to_all is chosen on a platform without it."""
+    ragged = platform in RAGGED_ALL_TO_ALL_PLATFORMS
+    if choice == "auto":
+        return RAGGED_ALL_TO_ALL if ragged else ALL_GATHER
+    if choice == "ragged_all_to_all" and not ragged:
+        raise ValueError(f"XLA on {platform} has no ragged-all-to-all (it has: {', '.join(RAGGED_ALL_TO_ALL_PLATFORMS)})")
+    return EXCHANGE_CHOICES[choice]
+
+
+def exchange_name(kind: str, mesh: Mesh, rules: Rules, layout: ExpertLayout) -> str:
+    """Returns the name of the exchange a dropless layer gets on `mesh`: `kind` (from `exchange_kind`),
+    or "none" without expert devices."""
     expert_axes = _axes(partition_spec((layout.expert,), rules)[0])
-    return ALL_GATHER if math.prod(mesh.shape[a] for a in expert_axes) > 1 else "none"
+    return kind if math.prod(mesh.shape[a] for a in expert_axes) > 1 else "none"
+
+
+def expert_exchange(kind: str, mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
+    """Returns the exchange `kind` (ALL_GATHER or RAGGED_ALL_TO_ALL) on `mesh` (the ExpertExchange
+    interface of models.moe)."""
+    ragged = exchange_name(kind, mesh, rules, layout) == RAGGED_ALL_TO_ALL  # without expert devices: no exchange
+    return (ragged_all_to_all_exchange if ragged else all_gather_exchange)(mesh, rules, layout)
 
 
 def worst_case_rows(tokens_per_device: int, top_k: int, mesh: Mesh, rules: Rules, layout: ExpertLayout) -> int:
@@ -64,13 +97,19 @@ def worst_case_rows(tokens_per_device: int, top_k: int, mesh: Mesh, rules: Rules
     return tokens_per_device * math.prod(mesh.shape[a] for a in expert_axes) * top_k
 
 
-def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
-    """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
-    -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis."""
+def _shard_map_specs(rules: Rules, layout: ExpertLayout) -> tuple[tuple, tuple[str, ...], tuple[str, ...]]:
+    """Returns (in_specs of (tokens, experts, gates, gate, up, down), the expert axes, the hidden axes)."""
     token_spec = partition_spec((layout.batch, None), rules)
     in_weight = partition_spec((layout.expert, None, layout.hidden), rules)  # gate, up [experts, embed, mlp]
     out_weight = partition_spec((layout.expert, layout.hidden, None), rules)  # down [experts, mlp, embed]
-    expert_axes, hidden_axes = _axes(in_weight[0]), _axes(in_weight[2])
+    specs = (token_spec, token_spec, token_spec, in_weight, in_weight, out_weight)
+    return specs, _axes(in_weight[0]), _axes(in_weight[2])
+
+
+def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
+    """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
+    -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis."""
+    specs, expert_axes, hidden_axes = _shard_map_specs(rules, layout)
 
     def exchange(local_experts, tokens, experts, gates, weights):
         def on_device(tokens, experts, gates, gate, up, down):
@@ -84,8 +123,78 @@ def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Calla
                 outputs = jax.lax.psum_scatter(outputs, expert_axes, scatter_dimension=0, tiled=True)
             return jax.lax.psum(outputs, hidden_axes) if hidden_axes else outputs
 
-        specs = (token_spec, token_spec, token_spec, in_weight, in_weight, out_weight)
-        return jax.shard_map(on_device, mesh=mesh, in_specs=specs, out_specs=token_spec, check_vma=False)(
+        return jax.shard_map(on_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
+            tokens, experts, gates, *weights)
+
+    return exchange
+
+
+def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
+    """Returns the offsets at which consecutive blocks of `sizes` (1-D) start: [0, s0, s0 + s1, ...]."""
+    return jnp.cumsum(sizes) - sizes
+
+
+def send_plan(expert_counts: jax.Array, devices: int) -> tuple[jax.Array, jax.Array]:
+    """Returns (input_offsets [devices], send_sizes [devices]) of a device's rows sorted by expert, given
+    its rows per expert `expert_counts` [experts]; experts lie in equal contiguous blocks, one per device
+    (device d holds experts d x n .. d x n + n - 1), so device d's rows are one slice of the sorted rows."""
+    send_sizes = jnp.sum(expert_counts.reshape(devices, -1), axis=1)
+    return exclusive_cumsum(send_sizes), send_sizes
+
+
+def receive_plan(received_counts: jax.Array, buffer_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (receive_offsets [sources], recv_sizes [sources], row_experts [buffer_rows]) of a device
+    that gets `received_counts` [sources, local experts] rows from each source for each of its experts.
+
+    Sources write one after the other from row 0, each its rows sorted by
+    expert, so the buffer is the (source, expert) blocks in order; `row_experts`
+    is each row's local expert, the number of local experts past the last
+    received row.
+    """
+    local_experts = received_counts.shape[1]
+    recv_sizes = jnp.sum(received_counts, axis=1)
+    block_ends = jnp.cumsum(received_counts.reshape(-1))  # [sources x local experts]
+    block = jnp.searchsorted(block_ends, jnp.arange(buffer_rows, dtype=block_ends.dtype), side="right")
+    row_experts = jnp.where(block < block_ends.size, block % local_experts, local_experts).astype(jnp.int32)
+    return exclusive_cumsum(recv_sizes), recv_sizes, row_experts
+
+
+def ragged_all_to_all_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
+    """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
+    -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis, moving
+    only routed rows with `jax.lax.ragged_all_to_all` (GPU and TPU)."""
+    specs, expert_axes, hidden_axes = _shard_map_specs(rules, layout)
+    devices = math.prod(mesh.shape[a] for a in expert_axes)
+
+    def exchange(local_experts, tokens, experts, gates, weights):
+        def on_device(tokens, experts, gates, gate, up, down):
+            num_tokens, top_k = experts.shape
+            local = gate.shape[0]
+            assignments = experts.reshape(-1)  # [T x k] global expert; routed nowhere: experts x devices
+            order = jnp.argsort(assignments, stable=True)
+            position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+            counts = jnp.bincount(assignments, length=local * devices).astype(jnp.int32)  # [experts]
+            input_offsets, send_sizes = send_plan(counts, devices)
+            # received_counts[source, e]: the rows source sends for this device's expert e
+            received_counts = jax.lax.all_to_all(counts.reshape(devices, local), expert_axes, 0, 0, tiled=True)
+            buffer_rows = num_tokens * top_k * devices
+            receive_offsets, recv_sizes, row_experts = receive_plan(received_counts, buffer_rows)
+            output_offsets = jax.lax.all_to_all(receive_offsets, expert_axes, 0, 0, tiled=True)
+            rows = tokens[order // top_k]  # [T x k, embed] sorted by expert
+            received = jax.lax.ragged_all_to_all(
+                rows, jnp.zeros((buffer_rows, rows.shape[1]), rows.dtype), input_offsets, send_sizes,
+                output_offsets, recv_sizes, axis_name=expert_axes)  # [buffer rows, embed]
+            first_expert = jax.lax.axis_index(expert_axes) * local
+            outputs = local_experts(received, (row_experts + first_expert)[:, None],
+                                    jnp.ones((buffer_rows, 1), rows.dtype), (gate, up, down), first_expert)
+            returned = jax.lax.ragged_all_to_all(
+                outputs, jnp.zeros_like(rows), receive_offsets, recv_sizes,
+                jax.lax.all_to_all(input_offsets, expert_axes, 0, 0, tiled=True), send_sizes,
+                axis_name=expert_axes)  # [T x k, embed] sorted by expert; rows routed nowhere stay zero
+            outputs = jnp.einsum("tk,tkm->tm", gates, returned[position].reshape(num_tokens, top_k, -1))
+            return jax.lax.psum(outputs, hidden_axes) if hidden_axes else outputs
+
+        return jax.shard_map(on_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
             tokens, experts, gates, *weights)
 
     return exchange

@@ -143,7 +143,8 @@ def test_every_tag_and_metrics_key_of_a_moe_run_is_documented(tiny_config):
     assert sorted(name for name in tags | keys if f"`{name}`" not in docs) == []
 
 
-@pytest.mark.parametrize("model", [(), MOE, (*MOE, "moe.dispatch=sort")], ids=["dense", "moe", "moe_sort"])
+@pytest.mark.parametrize("model", [(), (*MOE, "moe.dispatch=einsum"), (*MOE, "moe.dispatch=sort")],
+                         ids=["dense", "moe_einsum", "moe_sort"])
 def test_analytic_flops_match_xla_cost_analysis(tiny_config, model):
     # XLA multiplies the whole masked T x T attention and GShard's dispatch/combine einsums over
     # every capacity slot (sort dispatch: only the gate-weighted sum): executed_flops_per_step counts

@@ -26,7 +26,7 @@ DEEPSEEK_STYLE = ("moe.num_experts=8", "moe.top_k=4", "moe.expert_mlp_dim=32", "
 
 def moe_layer(top_k: int, capacity_factor: float, groups_of: int = 0, eval_capacity_factor: float = 2.0):
     moe = MoELayerConfig(num_experts=EXPERTS, every=1, top_k=top_k, capacity_factor=capacity_factor,
-                         eval_capacity_factor=eval_capacity_factor, group_size=groups_of)
+                         eval_capacity_factor=eval_capacity_factor, group_size=groups_of, dispatch="einsum")
     cfg = TransformerConfig(vocab_size=8, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=24, init_std=0.5, moe=moe)
     return MoEFeedForward(cfg, nnx.Rngs(params=3))
@@ -171,6 +171,7 @@ def one_device_runs(tmp_path_factory):
     def make(*overrides):
         base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
                 "optimizer.warmup_steps=2", "model.num_kv_heads=4", *MOE,
+                "moe.dispatch=einsum",  # GShard's reference, unless a test picks another dispatch
                 f"run.dir={tmp_path_factory.mktemp('run')}"]
         return config_lib.load(None, base + list(overrides))
 
