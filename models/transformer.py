@@ -321,17 +321,24 @@ class Transformer(nnx.Module):
         `train` and `routing_key` are as in `units`. Raises ValueError when the
         routing needs a key and none is given.
         """
-        x = self.embed(tokens)
-        if self.dense_blocks is not None:
-            dense_def, dense_stack = nnx.split(self.dense_blocks)
-
-            def dense_fn(params: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
-                return nnx.merge(dense_def, params)(h, segment_ids=unit_segment_ids)
-
-            x, _ = dense_runner(dense_fn, dense_stack, x, segment_ids)
+        x = self.stack_input(tokens, segment_ids=segment_ids, dense_runner=dense_runner)
         layer_fn, stacked = self.units(train=train, routing_key=routing_key)
         x, stats = stack_runner(layer_fn, stacked, x, segment_ids)
         return self.logits(x), stats
+
+    def stack_input(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                    dense_runner: StackRunner = scan_layers) -> jax.Array:
+        """Returns the input of the stacked units [batch, length, embed]: the embedded tokens, through an MoE
+        model's first dense layers (`moe.first_dense_layers`, run by `dense_runner`) when it has them."""
+        x = self.embed(tokens)
+        if self.dense_blocks is None:
+            return x
+        dense_def, dense_stack = nnx.split(self.dense_blocks)
+
+        def dense_fn(params: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
+            return nnx.merge(dense_def, params)(h, segment_ids=unit_segment_ids)
+
+        return dense_runner(dense_fn, dense_stack, x, segment_ids)[0]
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Returns the embedded tokens [batch, length, embed] in the compute dtype."""

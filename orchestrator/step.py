@@ -102,6 +102,11 @@ def _accumulated_grads(grad_fn: GradFn, params: dict, tokens: jax.Array, key: ja
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 
 
+def like(tree: dict, template: dict) -> dict:
+    """Returns the part of the nested dict `tree` at the keys of `template` (a subtree of it)."""
+    return {key: like(tree[key], value) if isinstance(value, dict) else tree[key] for key, value in template.items()}
+
+
 def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     """Returns the pipeline schedule when the mesh has more than one stage, else None."""
     stages = mesh.shape["pipeline"]
@@ -136,32 +141,38 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
         return jax.value_and_grad(loss_fn, has_aux=True)
     policy = remat_policy(config, mesh.devices.flat[0].platform)
     value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
+    dense_runner = functools.partial(scan_layers, remat_policy=policy)
     constrainer = activation_constrainer(mesh, rules)
+    exchange = dropless_exchange(config.moe, mesh, rules)
     moe = config.moe
 
-    def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None, expert_bias: None = None):
-        # No expert bias, first dense layers or dropless experts reach here (validation: pipeline.schedule).
+    def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
+                expert_bias: dict | None = None):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         segment_ids = document_ids(inputs) if document_mask else None
-        rest = {name: value for name, value in params.items() if name != "blocks"}  # embedding and head
+        rest = {name: value for name, value in params.items() if name != "blocks"}  # embedding, dense layers, head
 
         def model(rest: dict):  # the blocks' gradients come from the schedule's stages, the rest's from embed and head
-            return nnx.merge(layout.graphdef, {**rest, "blocks": params["blocks"]})
+            return nnx.merge(layout.graphdef, expert_bias or {}, {**rest, "blocks": params["blocks"]})
 
-        def embed(rest: dict, micro_inputs: dict) -> jax.Array:
-            return model(rest).embed(micro_inputs["tokens"])
+        def embed(rest: dict, micro_inputs: dict) -> jax.Array:  # at the first stage: embedding, first dense layers
+            tokens = micro_inputs["tokens"]
+            return model(rest).stack_input(tokens, segment_ids=document_ids(tokens) if document_mask else None,
+                                           dense_runner=dense_runner)
 
         def head(rest: dict, y: jax.Array, micro_inputs: dict) -> tuple[jax.Array, Metrics]:
             return lm_loss(model(rest).logits(y), micro_inputs["targets"]), {}
 
-        with activation_sharding(constrainer):
+        with activation_sharding(constrainer), expert_parallelism(exchange):
             layer_fn, stacked = model(rest).units(routing_key=routing_key)
             (loss, _, stats), (stacked_grads, rest_grads) = value_and_grad(
                 layer_fn, embed, head, stacked, rest, {"tokens": inputs, "targets": targets}, segment_ids,
                 lambda stats: moe_loss_and_metrics(stats, moe)[0])
         block_grads = stacked_grads[0] if isinstance(stacked, tuple) else stacked_grads  # (params, routing keys)
         moe_loss, moe_metrics = moe_loss_and_metrics(stats, moe)
-        return (loss + moe_loss, {"lm_loss": loss, **moe_metrics}), {**rest_grads, "blocks": block_grads}
+        # the units carry the expert bias beside their weights; it is not trained, so its gradient is dropped
+        return (loss + moe_loss, {"lm_loss": loss, **moe_metrics}), {**rest_grads,
+                                                                     "blocks": like(block_grads, params["blocks"])}
 
     return grad_fn
 

@@ -338,15 +338,6 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
         return problems
     moe = config.moe
     schedule = schedule_for(config, degrees["pipeline"])
-    if schedule.one_f_one_b and moe.num_experts and moe.every:
-        # 1F1B's hand-written backward runs the units alone: nothing before them, no state beside their weights.
-        unsupported = [(key, value) for key, value in (("moe.first_dense_layers", moe.first_dense_layers),
-                                                       ("moe.bias_update_rate", moe.bias_update_rate)) if value]
-        if moe.capacity_factor == 0:
-            unsupported.append(("moe.capacity_factor", 0))
-        problems += [(key, f"{key}={value} is not supported with pipeline.schedule={p.schedule} yet; "
-                                 "use gpipe or circular")
-                     for key, value in unsupported]
     keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
     # With MoE the stack is made of units of moe.every layers (the last one MoE) after the first dense
     # layers, which run before the pipeline: stages split units.

@@ -240,15 +240,25 @@ def test_dropless_experts_match_one_device(one_device_runs, mesh):
     assert np.sum(result.history[-1]["moe_expert_load"], axis=1) == pytest.approx([1.0] * 2)
 
 
-@pytest.mark.slow
-def test_deepseek_style_preset_matches_one_device_on_expert_fsdp_pipeline(tmp_path):
+@pytest.fixture(scope="module")
+def deepseek_one_device(tmp_path_factory):
+    """Returns (config, its one-device run) of the DeepSeek-style preset: first dense layer, shared and
+    fine-grained experts, dropless, auxiliary-loss-free bias."""
     from orchestrator import config as config_lib
 
     config = config_lib.load(None, ["model.preset=deepseek-tiny", "train.steps=5", "train.global_batch=16",
                                     "train.seq_len=32", "optimizer.warmup_steps=2", "pipeline.microbatches=2",
-                                    f"run.dir={tmp_path}"])
-    reference = run_fresh(config.replace(**ONE_DEVICE))
-    result = run_fresh(config.replace(**mesh_overrides(expert=2, fsdp=2, pipeline=2)))
+                                    f"run.dir={tmp_path_factory.mktemp('deepseek')}"])
+    return config, run_fresh(config.replace(**ONE_DEVICE))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_deepseek_style_preset_matches_one_device_on_expert_fsdp_pipeline(deepseek_one_device, schedule, repeats):
+    # 1F1B runs the first dense layers with the embedding at the first stage, in its own backward pass
+    config, reference = deepseek_one_device
+    result = run_fresh(config.replace(**mesh_overrides(expert=2, fsdp=2, pipeline=2),
+                                      **{"pipeline.schedule": schedule, "pipeline.repeats": repeats}))
     assert_same_training(result, reference)
     assert result.history[-1]["moe_dropped_fraction"] == 0.0
     bias = [np.asarray(jax.tree.leaves(run.state["expert_bias"])[0]) for run in (result, reference)]

@@ -147,13 +147,6 @@ INVALID = {
                                           "pipeline.repeats=2", "model.num_layers=8", "pipeline.microbatches=6",
                                           "train.global_batch=12"],
     "train.global_batch": ["mesh.pipeline=2", "mesh.data=4", "pipeline.microbatches=3"],
-    # 1F1B's hand-written backward runs the MoE units alone, without a dense stack or bias state before them
-    "moe.first_dense_layers": ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
-                               "model.num_layers=5", "moe.num_experts=4", "moe.every=2", "moe.first_dense_layers=1"],
-    "moe.bias_update_rate": ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
-                             "moe.num_experts=4", "moe.every=2", "moe.bias_update_rate=0.001"],
-    "moe.capacity_factor": ["mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
-                            "moe.num_experts=4", "moe.every=2", "moe.capacity_factor=0"],
 }
 
 
