@@ -1,18 +1,18 @@
 """Pipeline bubble and memory: step time over micro-batches, against each schedule's theory.
 
 For S = 4 stages and the schedules GPipe (arXiv 1811.06965, R = 1), circular
-(R = 2), 1F1B (arXiv 2006.09503, R = 1) and interleaved 1F1B (arXiv 2104.04473,
-R = 2), times the train step over M
-micro-batches as a ratio to the same model's non-pipelined step (the same
-devices as a data mesh), the two interleaved step by step, next to the theory
-(R*M + S - 1) / (R*M): every tick runs all stages, so the bubble's share of the
+(R = 2), 1F1B (arXiv 2006.09503, R = 1), interleaved 1F1B (arXiv 2104.04473,
+R = 2) and zero-bubble (ZB-H1, arXiv 2401.10241, R = 1), times the train step
+over M micro-batches as a ratio to the same model's non-pipelined step (the
+same devices as a data mesh), the two interleaved step by step, next to the
+theory (`theory`): every tick runs all stages, so the bubble's share of the
 work is the share of the time (1F1B also recomputes each stage's forward in its
 backward tick, which the theory leaves out). Also reads XLA's per-device
 temporary bytes over M with and without remat (model.remat, per layer).
 
     python -m bench.pipeline            # prints the table, writes docs/pipeline.png
                                         # and its section of docs/benchmarks.md
-    python -m bench.pipeline --memory   # temp bytes of gpipe, 1f1b and interleaved_1f1b over M
+    python -m bench.pipeline --memory   # temp bytes of gpipe, 1f1b, interleaved_1f1b, zero_bubble over M
                                         # at a fixed micro-batch, compile only (prints only)
 
 On simulated CPU devices the "devices" share the host's cores, so the ratio
@@ -32,8 +32,8 @@ from bench.report import write_section
 
 STAGES = 4
 MICROBATCHES = (4, 8, 16, 32)
-SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2))  # (pipeline.schedule, repeats)
-MEMORY_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))  # (schedule, R)
+MEMORY_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 DEVICES = 4
 MODEL = ["model.preset=tiny", "model.num_layers=8", "model.embed_dim=128", "model.mlp_dim=512",
          "model.num_heads=8", "model.num_kv_heads=4", "train.global_batch=32", "train.seq_len=32"]
@@ -100,6 +100,17 @@ def _pipelined(microbatches: int, schedule: str, repeats: int, remat: str = "non
                    f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}", f"model.remat={remat}")
 
 
+def theory(schedule: str, repeats: int, microbatches: int) -> float:
+    """Returns the lock-step theory of a pipelined step over the non-pipelined one, with a forward (F), an
+    input-gradient (B) and a weight-gradient pass (W) of equal cost: every schedule runs R*M + S - 1 ticks
+    that do one of each, (R*M + S - 1) / (R*M), except zero-bubble, whose W runs in only M of its ticks:
+    (2(M + S - 1) + M) / (3M)."""
+    work = repeats * microbatches
+    if schedule == "zero_bubble":
+        return (2 * (work + STAGES - 1) + work) / (3 * work)
+    return (work + STAGES - 1) / work
+
+
 def run_bench(steps: int) -> tuple[float, list[dict]]:
     """Returns (the non-pipelined step seconds, one row per (schedule, M) with ratio, theory and temp bytes)."""
     baseline = Stepper(_config("mesh.pipeline=1", f"mesh.data={DEVICES}"))
@@ -112,14 +123,14 @@ def run_bench(steps: int) -> tuple[float, list[dict]]:
             baseline_times.append(baseline_seconds)
             rows.append({"schedule": schedule, "repeats": repeats, "microbatches": micro, "step_s": seconds,
                          "ratio": seconds / baseline_seconds,
-                         "theory": (repeats * micro + STAGES - 1) / (repeats * micro),
+                         "theory": theory(schedule, repeats, micro),
                          "temp_bytes": pipelined.temp_bytes,
                          "temp_bytes_remat": temp_bytes(_pipelined(micro, schedule, repeats, "full"))})
             print(format_row(rows[-1]), flush=True)
     return statistics.median(baseline_times), rows
 
 
-HEADER = "| schedule | R | M | step (ms) | ratio to no pipeline | theory (RM+S-1)/(RM) | temp/device, remat none | temp/device, remat full |"
+HEADER = "| schedule | R | M | step (ms) | ratio to no pipeline | theory | temp/device, remat none | temp/device, remat full |"
 
 
 def format_row(row: dict) -> str:
@@ -171,7 +182,7 @@ def memory_rows(sequences_per_microbatch: int = 4, schedules=MEMORY_SCHEDULES):
 
 def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[str]) -> None:
     """Writes the table, the setup and the exact command to the pipeline section of docs/benchmarks.md."""
-    lines = ["## Pipeline (GPipe, circular, 1F1B, interleaved 1F1B)", "",
+    lines = ["## Pipeline (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble)", "",
              f"Command: `{COMMAND} --steps {steps}` (on {DEVICES} simulated CPU devices of a 2-core host).", "",
              f"Model: {' '.join(MODEL)}; S = {STAGES} stages (`mesh.pipeline={STAGES}`), "
              f"baseline `mesh.data={DEVICES}` without pipeline: {baseline * 1e3:.1f} ms per step "
@@ -190,7 +201,13 @@ def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[s
               "and one micro-batch's residuals at a time, so its temp bytes do not grow with M; its backward "
               "tick recomputes the stage forward (one more forward per micro-batch), which its ratio includes "
               "and the bubble theory does not. Interleaved 1F1B (R = 2) runs one layer group per tick, so (R+1)S-1 = 11 "
-              "inputs per stage but half a stage's residuals at a time; its bubble theory is the circular one."]
+              "inputs per stage but half a stage's residuals at a time; its bubble theory is the circular one. "
+              "The theory counts a forward, an input-gradient and a weight-gradient pass of equal cost: "
+              "(RM+S-1)/(RM) for every schedule but zero-bubble, (2(M+S-1)+M)/(3M) for it, whose weight pass "
+              "runs in only M ticks. Zero-bubble's weight pass is a separate vjp of the stage forward with "
+              "respect to its weights: it runs the stage forward again and back-propagates through the "
+              "stage's activations to reach every layer's weights, so a micro-batch costs two recomputed "
+              "forwards and twice the activation backward, which the theory leaves out."]
     lines += ["", f"Temp bytes at a fixed micro-batch of 4 sequences (the global batch grows with M; "
                   f"`{COMMAND} --memory`, compile only):", "", MEMORY_HEADER, *memory]
     write_section("pipeline", "\n".join(lines))
@@ -201,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--memory", action="store_true",
-                        help="only print temp bytes of gpipe, 1f1b and interleaved_1f1b over M at a fixed micro-batch "
+                        help="only print temp bytes of gpipe, 1f1b, interleaved_1f1b and zero_bubble over M at a fixed micro-batch "
                              "(compile only)")
     args = parser.parse_args(argv)
     from orchestrator.runtime import configure_jax

@@ -214,8 +214,9 @@ class PipelineConfig:
     schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
                         "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight) | "
                         "interleaved_1f1b (1f1b over R layer groups per stage: R*M+(R+1)S-2 ticks of 1/R stage, "
-                        "bubble (S-1)/(R*M+S-1), at most (R+1)S-1 in flight)",
-                        choices=("gpipe", "circular", "1f1b", "interleaved_1f1b"))
+                        "bubble (S-1)/(R*M+S-1), at most (R+1)S-1 in flight) | zero_bubble (1f1b with the "
+                        "weight-gradient pass deferred s ticks on stage s: M ticks run one, 2S-1-s in flight)",
+                        choices=("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"))
     repeats: int = key(1, "circular, interleaved_1f1b: non-adjacent layer groups per stage (R); "
                        "num_layers % (S*R) == 0", **_POSITIVE)
     remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "

@@ -124,7 +124,7 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
         return scan, scan
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
-    forward = dataclasses.replace(schedule, one_f_one_b=False)
+    forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
     return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), scan
 
 
@@ -132,7 +132,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
     """Returns grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads) of the
     model's loss:
     jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop
-    (1F1B, interleaved or not), that schedule's own gradients."""
+    (1F1B, interleaved or not, and zero-bubble), that schedule's own gradients."""
     document_mask = masks_documents(config, config.data.source)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:

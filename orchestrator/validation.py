@@ -320,7 +320,8 @@ def schedule_for(config: Config, stages: int) -> Schedule:
     """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
     p = config.pipeline
     return Schedule(stages, p.microbatches, p.repeats if p.schedule in REPEATED_SCHEDULES else 1,
-                    one_f_one_b=p.schedule in ("1f1b", "interleaved_1f1b"))
+                    one_f_one_b=p.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble"),
+                    zero_bubble=p.schedule == "zero_bubble")
 
 
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
@@ -338,7 +339,7 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
         return problems
     moe = config.moe
     schedule = schedule_for(config, degrees["pipeline"])
-    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches"}
+    keys = {"layers": "model.num_layers", "microbatches": "pipeline.microbatches", "repeats": "pipeline.repeats"}
     # With MoE the stack is made of units of moe.every layers (the last one MoE) after the first dense
     # layers, which run before the pipeline: stages split units.
     every = moe.every if moe.num_experts and moe.every else 1

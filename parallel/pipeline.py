@@ -59,16 +59,21 @@ class Work(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How a step is pipelined: S stages, M micro-batches, R layer groups per stage; with
-    `one_f_one_b` the backward pass runs inside the loop (parallel.pipeline_1f1b), interleaved when R > 1."""
+    `one_f_one_b` the backward pass runs inside the loop (parallel.pipeline_1f1b), interleaved when R > 1;
+    with `zero_bubble` too (R = 1), split into an input-gradient and a deferred weight-gradient pass."""
 
     stages: int
     microbatches: int
     repeats: int = 1
     one_f_one_b: bool = False
+    zero_bubble: bool = False
 
     @property
     def name(self) -> str:
-        """Returns "1f1b" or "interleaved_1f1b", or "circular" when stages hold several layer groups, else "gpipe"."""
+        """Returns "zero_bubble", "1f1b" or "interleaved_1f1b", or "circular" when stages hold several layer
+        groups, else "gpipe"."""
+        if self.zero_bubble:
+            return "zero_bubble"
         if self.one_f_one_b:
             return "interleaved_1f1b" if self.repeats > 1 else "1f1b"
         return "circular" if self.repeats > 1 else "gpipe"
@@ -112,26 +117,38 @@ class Schedule:
         return Work(position, group, self._microbatch(position),
                     position + (2 * group + 1 - self.repeats) * self.stages)
 
+    def weight_work(self, tick: Any, stage: Any) -> Work:
+        """Returns the weight-gradient pass each `stage` runs at `tick`: under 1F1B the backward's own; under
+        zero-bubble (ZB-H1, arXiv 2401.10241; R = 1) stage s defers it s ticks, so every stage runs the weight
+        pass of micro-batch m at tick 2S - 2 + m, and the S - 1 ticks after the first backward run none."""
+        if not self.zero_bubble:
+            return self.backward_work(tick, stage)
+        return self.backward_work(tick - stage, stage)
+
+    def weight_ticks(self) -> int:
+        """Returns how many ticks run a weight-gradient pass on some stage: R*M + S - 1, or M for zero-bubble."""
+        return self.microbatches if self.zero_bubble else self.repeats * self.microbatches + self.stages - 1
+
     def _microbatch(self, position: Any) -> Any:
         return position // (self.repeats * self.stages) * self.stages + position % self.stages
 
     def ring_slots(self) -> np.ndarray:
         """Returns [S, R*M] int32: the ring slot where each stage keeps the input of each forward position
-        from its forward tick to its backward tick under 1F1B (slots reused greedily, so a stage uses
+        from its forward tick to its weight-gradient pass under 1F1B (slots reused greedily, so a stage uses
         as many as it holds at once)."""
         work = self.repeats * self.microbatches
         table = np.zeros((self.stages, work), np.int32)
         for stage in range(self.stages):
             free, used = set(), 0
             for tick in range(self.iterations):
-                forward, backward = self.forward_work(tick, stage), self.backward_work(tick, stage)
-                if 0 <= forward.position < work:  # the forward writes before the backward of the same tick reads
+                forward, weights = self.forward_work(tick, stage), self.weight_work(tick, stage)
+                if 0 <= forward.position < work:  # the forward writes before the later passes of the tick read
                     slot = min(free) if free else used
                     table[stage, forward.position] = slot
                     free.discard(slot)
                     used = max(used, slot + 1)
-                if 0 <= backward.position < work:
-                    free.add(int(table[stage, backward.forward_position]))
+                if 0 <= weights.position < work:
+                    free.add(int(table[stage, weights.forward_position]))
         return table
 
     def in_flight(self) -> list[int]:
@@ -140,7 +157,8 @@ class Schedule:
         GPipe keeps every work item's until the backward pass (R*M). 1F1B keeps stage s's from its
         forward to its backward tick, (R+1)S - 1 - 2s of them in the steady state: 2(S-s)-1 for R = 1,
         at most R*M (one SPMD tick is a forward and a backward, so each hop of the round trip costs a whole
-        tick, not the half tick of the per-stage programs of arXiv 2104.04473).
+        tick, not the half tick of the per-stage programs of arXiv 2104.04473). Zero-bubble keeps each input
+        (and its output gradient) s ticks longer, for the deferred weight pass: 2S - 1 - s.
         """
         if self.one_f_one_b:
             return [int(row.max()) + 1 for row in self.ring_slots()]
@@ -155,6 +173,8 @@ class Schedule:
         if num_layers % (self.stages * self.repeats):
             found.append(("layers", f"{num_layers} layers do not split into {self.stages} stages x "
                                     f"{self.repeats} repeats; use a multiple of {self.stages * self.repeats}"))
+        if self.zero_bubble and self.repeats > 1:
+            found.append(("repeats", f"zero_bubble runs one layer group per stage (got repeats={self.repeats})"))
         if self.repeats > 1 and self.one_f_one_b and self.microbatches % self.stages:
             found.append(("microbatches", f"interleaved 1f1b runs micro-batches in groups of one per stage "
                                           f"through each layer group; use a multiple of {self.stages} "

@@ -31,6 +31,18 @@ backward, each 1/R of the work: a bubble of (S-1)/(R*M). Which slot of the
 ring holds which input is planned before tracing (`Schedule.ring_slots`), so a
 stage holds (R+1)S - 1 - 2s inputs whatever M is.
 
+Zero-bubble (ZB-H1, Qi et al., arXiv 2401.10241) splits the backward tick in
+two: the input-gradient pass (a vjp of the stage forward in its input only),
+which sends the gradient on to the stage before and stays on the critical path,
+and the weight-gradient pass (a vjp in the weights only), which does not. Stage
+s defers its weight pass s ticks, keeping the input and the output gradient in
+the rings until then, so every stage runs the weight pass of micro-batch m in
+the same tick, 2S - 2 + m: M ticks run one, against 1F1B's M + S - 1, and in
+lock-step the S - 1 ticks after the first backward pay for no weight pass. Each
+pass recomputes the stage forward, and the weight pass back-propagates through
+the stage's activations again to reach every layer's weights, so in this
+program the split costs more than it saves (docs/benchmarks.md).
+
 Gradients of the stage weights accumulate in the loop, in the stage view of the
 stack. What makes the stack's input (`input_fn`, the embedding) runs per
 micro-batch in the first stage's forward tick and its vjp in that stage's
@@ -75,10 +87,12 @@ def _inexact_split(tree: Any) -> tuple[list[jax.Array], Callable[[list], Any]]:
     return [leaf for f, leaf in zip(floating, leaves) if f], rebuild
 
 
-def _stage_pullback(stage: Callable) -> Callable:
-    """Returns pullback(stage_params, repeat, x, rows, dy, dstats) -> (d stage_params floating leaves, dx).
+def _stage_pullback(stage: Callable, wrt: str = "both") -> Callable:
+    """Returns pullback(stage_params, repeat, x, rows, dy, dstats) -> (d stage_params floating leaves, dx),
+    or only dx (`wrt="input"`) or only the weight gradients (`wrt="weights"`).
 
-    The stage forward runs again here (under its checkpoint policy) and its vjp is applied at once.
+    The stage forward runs again here (under its checkpoint policy) and its vjp is applied at once. What is
+    not asked for is not differentiated: the input pass holds the weights constant, the weight pass the input.
     """
 
     def pullback(stage_params, repeat, x, rows, dy, dstats):
@@ -88,8 +102,11 @@ def _stage_pullback(stage: Callable) -> Callable:
             y, stats = stage(rebuild(weights), repeat, x, rows)
             return y, _inexact_split(stats)[0]
 
-        _, vjp = jax.vjp(forward, weights, x)
-        return vjp((dy, dstats))
+        if wrt == "input":
+            return jax.vjp(lambda x: forward(weights, x), x)[1]((dy, dstats))[0]
+        if wrt == "weights":
+            return jax.vjp(lambda weights: forward(weights, x), weights)[1]((dy, dstats))[0]
+        return jax.vjp(forward, weights, x)[1]((dy, dstats))
 
     return pullback
 
@@ -146,35 +163,33 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
         stage = stage_function(layer_fn, remat_policy)
         spmd_axes = layout.stage_axes or None
         forward = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=spmd_axes)
-        backward = jax.vmap(_stage_pullback(stage), in_axes=(1, 0, 0, 0, 0, 0), out_axes=(1, 0),
-                            spmd_axis_name=spmd_axes)
+        pullbacks = {wrt: jax.vmap(_stage_pullback(stage, wrt), in_axes=(1, 0, 0, 0, 0, 0), out_axes=out_axes,
+                                   spmd_axis_name=spmd_axes)
+                     for wrt, out_axes in (("both", (1, 0)), ("input", 0), ("weights", 1))}
         first_inputs = jax.tree.map(lambda leaf: leaf[0], split["inputs"])
         x_shape = jax.eval_shape(input_fn, outer_params, first_inputs)
         activation = jnp.zeros((stages, *x_shape.shape), x_shape.dtype)  # [S, mb, ...]
         group = jnp.zeros((stages,), jnp.int32)
         stats_shape = jax.eval_shape(forward, params, group, activation, stage_rows(split["rows"], group, layout))[1]
         head_shape = jax.eval_shape(head_fn, outer_params, activation[0], first_inputs)
+        ring = jax.lax.with_sharding_constraint(
+            jnp.zeros((stages, max(schedule.in_flight()), *x_shape.shape), x_shape.dtype), ring_sharding)
         carry = {
             "forward": activation,   # [S, mb, ...]: each stage's last output
             "backward": activation,  # [S, mb, ...]: each stage's last input gradient
-            "ring": jax.lax.with_sharding_constraint(jnp.zeros((stages, max(schedule.in_flight()), *x_shape.shape),
-                                                               x_shape.dtype), ring_sharding),  # [S, slots, mb, ...]
+            "ring": ring,  # [S, slots, mb, ...]: each stage's inputs in flight
             "weight_grads": [jnp.zeros_like(w) for w in _inexact_split(params)[0]],  # [R, S, per_stage, ...]
             "outer_grads": _zeros(outer_params),
             "loss": _zeros(head_shape),
             "stats": _zeros(jax.tree.map(lambda s: jax.ShapeDtypeStruct((schedule.repeats, *s.shape), s.dtype),
                                          stats_shape)),  # [R, S, per_stage, ...]
         }
-        passes = _Passes(schedule, layout, params, split, input_fn, head_fn, outer_params, forward, backward,
+        if schedule.zero_bubble:
+            carry["grad_ring"] = ring  # [S, slots, mb, ...]: the output gradient of each deferred weight pass
+        passes = _Passes(schedule, layout, params, split, input_fn, head_fn, outer_params, forward, pullbacks,
                          _stats_cotangent(stats_loss, stats_shape, schedule))
-        # Forward-only ticks until the first micro-batch leaves the last layer group, then both, then
-        # backward-only ticks once the last forward is done: RS - 1, R(M - S) + S, RS - 1.
-        warmup = schedule.repeats * stages - 1
-        phases = ((0, warmup, True, False), (warmup, schedule.iterations - 2 * warmup, True, True),
-                  (schedule.iterations - warmup, warmup, False, True))
-        for start, length, run_forward, run_backward in phases:
-            carry, _ = jax.lax.scan(lambda c, t: (passes.tick(c, t, run_forward, run_backward), None), carry,
-                                    start + jnp.arange(length))
+        for start, stop, flags in _phases(schedule):
+            carry, _ = jax.lax.scan(lambda c, t: (passes.tick(c, t, *flags), None), carry, jnp.arange(start, stop))
         loss, metrics = jax.tree.map(lambda total: total / micro, carry["loss"])
         stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), carry["stats"])
         weight_grads = iter(g.reshape(num_layers, *g.shape[3:]) for g in carry["weight_grads"])
@@ -186,6 +201,21 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
     return value_and_grad
 
 
+def _phases(schedule: Schedule) -> list[tuple[int, int, tuple[bool, bool, bool]]]:
+    """Returns the loop as runs of ticks [(start, stop, (forward, backward, weights))] that run the same passes.
+
+    1F1B: forward-only ticks until the first micro-batch leaves the last layer group, then both, then
+    backward-only ticks once the last forward is done: RS - 1, R(M - S) + S, RS - 1 (the weight pass is
+    the backward's). Zero-bubble runs no weight pass in the S - 1 ticks after the first backward.
+    """
+    stages, work = schedule.stages, schedule.repeats * schedule.microbatches
+    warmup = schedule.repeats * stages - 1
+    spans = {"forward": (0, work + stages - 1), "backward": (warmup, schedule.iterations)}
+    spans["weights"] = (2 * stages - 2, schedule.iterations) if schedule.zero_bubble else spans["backward"]
+    bounds = sorted({edge for span in spans.values() for edge in span})
+    return [(start, stop, tuple(lo <= start < hi for lo, hi in spans.values())) for start, stop in zip(bounds, bounds[1:])]
+
+
 def _zeros(shapes: Any) -> Any:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -194,11 +224,11 @@ class _Passes:
     """One clock tick of every stage: the forward, loss head and backward passes over the loop's carry."""
 
     def __init__(self, schedule: Schedule, layout: Layout, params: Any, split: dict, input_fn: InputFn,
-                 head_fn: HeadFn, outer_params: Any, forward: Callable, backward: Callable, stats_cotangent: list):
+                 head_fn: HeadFn, outer_params: Any, forward: Callable, pullbacks: dict, stats_cotangent: list):
         self.schedule, self.stages, self.micro = schedule, schedule.stages, schedule.microbatches
         self.layout, self.params, self.split = layout, params, split
         self.input_fn, self.head_fn, self.outer_params = input_fn, head_fn, outer_params
-        self.forward, self.backward, self.stats_cotangent = forward, backward, stats_cotangent
+        self.forward, self.pullbacks, self.stats_cotangent = forward, pullbacks, stats_cotangent
         self.stage_ids = jnp.arange(self.stages)
         self.slots = jnp.asarray(schedule.ring_slots())  # [S, R*M]
         spmd_axes = layout.stage_axes or None
@@ -207,7 +237,7 @@ class _Passes:
         self.write_slot = jax.vmap(lambda ring, slot, x, valid: ring.at[slot].set(jnp.where(valid, x, ring[slot])),
                                    spmd_axis_name=spmd_axes)
 
-    def tick(self, carry: dict, t: jax.Array, forward_pass: bool, backward_pass: bool) -> dict:
+    def tick(self, carry: dict, t: jax.Array, forward_pass: bool, backward_pass: bool, weight_pass: bool) -> dict:
         """Returns the carry after tick `t`; the flags say which passes any stage has work for."""
         carry = dict(carry)
         output_grad = None
@@ -217,6 +247,8 @@ class _Passes:
             carry, output_grad = self.run_head(carry, t)
         if backward_pass:
             carry = self.run_backward(carry, t, output_grad)
+        if weight_pass and self.schedule.zero_bubble:
+            carry = self.run_weights(carry, t)
         return carry
 
     def _work(self, work: Work) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -277,14 +309,16 @@ class _Passes:
             from_head = (self.stage_ids == self.stages - 1) & (group == self.schedule.repeats - 1)
             incoming = jnp.where(expand(from_head, state), output_grad[None], incoming)
         incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
-        saved = self.read_slot(carry["ring"], self.slots[self.stage_ids, position])
-        dstats = [jnp.where(expand(valid, c[group, self.stage_ids]), c[group, self.stage_ids], 0)
-                  for c in self.stats_cotangent]
-        weight_grads, dx = self.backward(self.params, group, saved, stage_rows(self.split["rows"], item, layout),
-                                         incoming, dstats)
-        # A bubble stage's cotangents are zero, so its weight gradients are too; the mask only keeps that exact.
-        carry["weight_grads"] = [total + jnp.where(expand(valid, g[0])[None], g, 0)
-                                 for total, g in zip(carry["weight_grads"], weight_grads)]
+        slot = self.slots[self.stage_ids, position]
+        saved = self.read_slot(carry["ring"], slot)
+        rows = stage_rows(self.split["rows"], item, layout)
+        if self.schedule.zero_bubble:  # the weight gradients wait for `run_weights`, with this output gradient
+            dx = self.pullbacks["input"](self.params, group, saved, rows, incoming, self._dstats(group, valid))
+            carry["grad_ring"] = self.write_slot(carry["grad_ring"], slot, incoming, valid)
+        else:
+            weight_grads, dx = self.pullbacks["both"](self.params, group, saved, rows, incoming,
+                                                      self._dstats(group, valid))
+            carry["weight_grads"] = self._add_weight_grads(carry["weight_grads"], weight_grads, valid)
         carry["backward"] = jax.lax.with_sharding_constraint(dx, layout.state)
         first_inputs = self._inputs(item[0])
         _, input_vjp = jax.vjp(lambda p: self.input_fn(p, first_inputs), self.outer_params)
@@ -293,3 +327,26 @@ class _Passes:
         (outer_grads,) = input_vjp(input_grad)
         carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], outer_grads)
         return carry
+
+    def run_weights(self, carry: dict, t: jax.Array) -> dict:
+        """Zero-bubble: stage s runs the weight-gradient pass of `Schedule.weight_work`, from the input and the
+        output gradient its input pass left in the rings."""
+        group, item, position, valid = self._work(self.schedule.weight_work(t, self.stage_ids))
+        slot = self.slots[self.stage_ids, position]
+        saved, output_grad = self.read_slot(carry["ring"], slot), self.read_slot(carry["grad_ring"], slot)
+        output_grad = jnp.where(expand(valid, output_grad), output_grad, 0)
+        weight_grads = self.pullbacks["weights"](self.params, group, saved,
+                                                 stage_rows(self.split["rows"], item, self.layout), output_grad,
+                                                 self._dstats(group, valid))
+        carry["weight_grads"] = self._add_weight_grads(carry["weight_grads"], weight_grads, valid)
+        return carry
+
+    def _dstats(self, group: jax.Array, valid: jax.Array) -> list[jax.Array]:
+        """Returns each stage's cotangent of its layers' stats [S, per_stage, ...], zero for bubble stages."""
+        return [jnp.where(expand(valid, c[group, self.stage_ids]), c[group, self.stage_ids], 0)
+                for c in self.stats_cotangent]
+
+    @staticmethod
+    def _add_weight_grads(totals: list, weight_grads: list, valid: jax.Array) -> list:
+        """A bubble stage's cotangents are zero, so its weight gradients are too; the mask only keeps that exact."""
+        return [total + jnp.where(expand(valid, g[0])[None], g, 0) for total, g in zip(totals, weight_grads)]

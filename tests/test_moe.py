@@ -253,9 +253,10 @@ def deepseek_one_device(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)])
 def test_deepseek_style_preset_matches_one_device_on_expert_fsdp_pipeline(deepseek_one_device, schedule, repeats):
-    # 1F1B runs the first dense layers with the embedding at the first stage, in its own backward pass
+    # 1F1B (and zero-bubble) runs the first dense layers with the embedding at the first stage, in its own
+    # backward pass
     config, reference = deepseek_one_device
     result = run_fresh(config.replace(**mesh_overrides(expert=2, fsdp=2, pipeline=2),
                                       **{"pipeline.schedule": schedule, "pipeline.repeats": repeats}))

@@ -1,5 +1,6 @@
 """Pipeline parallelism: same training as one device, stages on the pipeline axis, one checkpoint layout."""
 
+import dataclasses
 import re
 
 import jax
@@ -14,7 +15,7 @@ from orchestrator.train import build_job
 from parallel.hlo import collective_lines, collectives
 from parallel.mesh import build_mesh
 from parallel.pipeline import Schedule, pipeline_runner
-from parallel.pipeline_1f1b import one_f_one_b
+from parallel.pipeline_1f1b import _phases, one_f_one_b
 from parallel.rules import DEFAULT_RULES
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
@@ -31,6 +32,8 @@ PIPELINED = {
     "pipeline2_data4_interleaved_1f1b": (dict(pipeline=2, data=4), ["pipeline.microbatches=4",
                                                                     "pipeline.schedule=interleaved_1f1b",
                                                                     "pipeline.repeats=2", "model.num_layers=8"]),
+    "pipeline4_data2_zero_bubble": (dict(pipeline=4, data=2), ["pipeline.microbatches=8",
+                                                               "pipeline.schedule=zero_bubble"]),
 }
 INVOLUNTARY = "Involuntary full rematerialization"
 
@@ -170,6 +173,9 @@ EXPLAINED = {  # schedule overrides -> ticks, bubble fraction, in flight per sta
     # R*M + (R+1)S - 2 ticks, bubble (S-1)/(R*M + S-1), (R+1)S - 1 - 2s in flight
     "interleaved_1f1b": (("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "model.num_layers=8"), 12,
                          1 / 9, [5, 3], "bubble 11.1%, micro-batches in flight per stage 5/3"),
+    # 1f1b's ticks; stage s keeps each input s ticks longer, for its deferred weight pass: 2S - 1 - s
+    "zero_bubble": (("pipeline.schedule=zero_bubble",), 6, 1 / 5, [3, 2],
+                    "bubble 20.0%, micro-batches in flight per stage 3/2"),
 }
 
 
@@ -180,7 +186,7 @@ def test_explain_reports_ticks_bubble_in_flight_and_temporaries(schedule, tiny_c
     report = explain(config)
     temporaries = report["memory_per_device_bytes"]["temporaries"]
     assert report["pipeline"] == {"schedule": schedule, "ticks": ticks, "microbatches": 4, "stages": 2,
-                                  "repeats": 1 if schedule == "1f1b" else 2,
+                                  "repeats": 2 if "repeats=2" in " ".join(overrides) else 1,
                                   "bubble_fraction": pytest.approx(bubble), "in_flight": in_flight,
                                   "temporaries": temporaries}
     assert temporaries > 0 and line in format_report(report)
@@ -279,12 +285,13 @@ def _toy_stats_loss(stats):
     return 0.5 * jnp.sum(stats["mean"])
 
 
-@pytest.mark.parametrize("stages,microbatches,repeats,remat", [(4, 8, 1, "none"), (4, 2, 1, "full"),
-                                                              (4, 4, 2, "full")])
-def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches, repeats, remat):
+@pytest.mark.parametrize("stages,microbatches,repeats,remat,zero_bubble", [
+    (4, 8, 1, "none", False), (4, 2, 1, "full", False), (4, 4, 2, "full", False),
+    (4, 8, 1, "none", True), (4, 2, 1, "full", True)])
+def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches, repeats, remat, zero_bubble):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
-    value_and_grad = one_f_one_b(Schedule(stages, microbatches, repeats, one_f_one_b=True), mesh, DEFAULT_RULES,
-                                 ("batch", None), POLICIES[remat])
+    schedule = Schedule(stages, microbatches, repeats, one_f_one_b=True, zero_bubble=zero_bubble)
+    value_and_grad = one_f_one_b(schedule, mesh, DEFAULT_RULES, ("batch", None), POLICIES[remat])
     inputs = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "targets": jax.random.normal(jax.random.key(2), (16, 8))}
     w, h = 1 + 0.1 * jax.random.normal(jax.random.key(1), (8, 8)), jnp.linspace(0.5, 1.5, 8)
 
@@ -309,6 +316,32 @@ def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbat
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("stages,microbatches", [(4, 8), (4, 2), (2, 4)])
+def test_zero_bubble_defers_each_weight_pass_after_its_input_pass_into_m_ticks(stages, microbatches):
+    zero_bubble = Schedule(stages, microbatches, one_f_one_b=True, zero_bubble=True)
+    one_f_one_b = dataclasses.replace(zero_bubble, zero_bubble=False)
+    ticks = {}
+    for schedule in (zero_bubble, one_f_one_b):
+        runs = {pass_: {} for pass_ in ("backward", "weights")}
+        for tick in range(schedule.iterations):
+            for stage in range(stages):
+                for pass_, work in (("backward", schedule.backward_work(tick, stage)),
+                                    ("weights", schedule.weight_work(tick, stage))):
+                    if 0 <= work.position < microbatches:
+                        runs[pass_][stage, int(work.microbatch)] = tick
+        assert sorted(runs["weights"]) == sorted(runs["backward"]) == [
+            (s, m) for s in range(stages) for m in range(microbatches)]
+        assert all(runs["weights"][key] - runs["backward"][key] == (key[0] if schedule.zero_bubble else 0)
+                   for key in runs["backward"])
+        ticks[schedule.name] = set(runs["weights"].values())
+        assert len(ticks[schedule.name]) == schedule.weight_ticks()
+    assert len(ticks["zero_bubble"]) == microbatches and len(ticks["1f1b"]) == microbatches + stages - 1
+    # the loop runs the weight pass in exactly those ticks
+    assert {t for start, stop, (_, _, weights) in _phases(zero_bubble) if weights
+            for t in range(start, stop)} == ticks["zero_bubble"]
+    assert zero_bubble.in_flight() == [min(microbatches, 2 * stages - 1 - s) for s in range(stages)]
+
+
 @pytest.fixture(scope="module")
 def compiled_by_schedule(tmp_path_factory):
     """Returns {(schedule, M): (job, compiled step)} on pipeline4 x data2, 2 sequences per micro-batch
@@ -320,7 +353,8 @@ def compiled_by_schedule(tmp_path_factory):
     interleaved = ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "model.num_layers=8")
     for schedule, overrides, microbatches_range in (("gpipe", ("pipeline.schedule=gpipe",), (4, 16, 32)),
                                                     ("1f1b", ("pipeline.schedule=1f1b",), (4, 16, 32)),
-                                                    ("interleaved_1f1b", interleaved, (4, 32))):
+                                                    ("interleaved_1f1b", interleaved, (4, 32)),
+                                                    ("zero_bubble", ("pipeline.schedule=zero_bubble",), (4, 32))):
         for microbatches in microbatches_range:
             config = config_lib.load(None, [*TINY, f"run.dir={tmp_path_factory.mktemp('run')}",
                                             f"train.global_batch={2 * microbatches}",
@@ -337,12 +371,13 @@ def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(compiled_b
     assert temp["1f1b", 16] < temp["gpipe", 16]
 
 
-def test_interleaved_1f1b_temporaries_stay_flat_in_microbatches(compiled_by_schedule):
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_interleaved_and_zero_bubble_temporaries_stay_flat_in_microbatches(schedule, compiled_by_schedule):
     temp = {key: compiled.memory_analysis().temp_size_in_bytes for key, (_, compiled) in compiled_by_schedule.items()}
-    assert temp["interleaved_1f1b", 32] <= 1.25 * temp["interleaved_1f1b", 4]
+    assert temp[schedule, 32] <= 1.25 * temp[schedule, 4]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
 def test_1f1b_permutes_both_ways_along_the_pipeline_and_never_gathers_the_stack(schedule, compiled_by_schedule):
     job, compiled = compiled_by_schedule[schedule, 4]
     hlo = compiled.as_text()
