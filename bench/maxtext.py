@@ -4,6 +4,9 @@ The model is issue 12's CPU comparison (bench/step.py's): embed 256, 4 heads x 6
 vocab 1024, seq 256, global batch 8, bfloat16 activations, float32 weights, AdamW with gradient clipping at
 1.0, dot-product attention, on 8 simulated CPU devices over fsdp8, fsdp4 x tensor2 and pipeline2 x fsdp2 x
 tensor2 (4 microbatches; MaxText with 2 layers per stage, so one pass as in GPipe, not its circular schedule).
+`--pipeline-repeats 2` runs both sides' circular schedules instead (MaxText 1 layer per stage, 2 repeats;
+nestor `pipeline.repeats=2`), and `--nestor-schedule` times nestor's other schedules (e.g. interleaved_1f1b)
+on the pipeline mesh, each with every `--nestor-remat` policy.
 
 MaxText needs Python >= 3.12 and jax >= 0.11, nestor's own environment has jax 0.10, so each framework runs
 in a long-lived worker process of its own (`--serve`), started by this driver, compiled and warmed before
@@ -67,16 +70,18 @@ READING = (
 )
 
 
-def nestor_runner(mesh: str, remat: str):
+def nestor_runner(mesh: str, remat: str, schedule: str = "gpipe", repeats: str = "1"):
     """Returns (run(step) -> metrics, settings, compiled step): nestor's step on `mesh` with
-    `model.remat=remat`, each call building the step's batch from nestor's data pipeline as its loop does."""
+    `model.remat=remat` (and, on a pipeline mesh, `pipeline.schedule=schedule` over `repeats` layer groups
+    per stage), each call building the step's batch from nestor's data pipeline as its loop does."""
     import jax
 
     from bench.step import MESHES, bench_config
     from orchestrator.state import init_state
     from orchestrator.train import build_job
 
-    config = bench_config(MESHES[mesh], f"model.remat={remat}")
+    pipelined = [f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"] if "pipeline" in mesh else []
+    config = bench_config(MESHES[mesh], f"model.remat={remat}", *pipelined)
     job = build_job(config)
     state = {"state": init_state(config, job.layout)}
     compiled = job.step_fn.lower(state["state"], job.data.batch(0)).compile()
@@ -86,13 +91,26 @@ def nestor_runner(mesh: str, remat: str):
         return metrics
 
     settings = {"remat": config.model.remat, "attention": config.model.attention, "dtype": config.model.dtype,
-                "jax": jax.__version__}
+                "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats, "jax": jax.__version__}
     return run, settings, compiled
 
 
-def maxtext_runner(mesh: str):
-    """Returns (run(step) -> metrics, settings, compiled step): MaxText's train step on `mesh`, each call
-    loading the batch from MaxText's data loader as its training loop does (maxtext.trainers.pre_train.train)."""
+def maxtext_arguments(mesh: str, repeats: int) -> tuple[str, ...]:
+    """Returns MaxText's mesh arguments for `mesh`; on a pipeline mesh with `repeats` > 1, its circular
+    schedule (num_pipeline_repeats is the layers over stages x layers per stage)."""
+    arguments = MAXTEXT_MESHES[mesh]
+    if repeats == 1 or "pipeline" not in mesh:
+        return arguments
+    settings = dict(argument.split("=", 1) for argument in MAXTEXT_MODEL + arguments)
+    per_stage = int(settings["base_num_decoder_layers"]) // (int(settings["ici_pipeline_parallelism"]) * repeats)
+    return tuple(argument for argument in arguments if not argument.startswith("num_layers_per_pipeline_stage=")) + (
+        f"num_layers_per_pipeline_stage={per_stage}",)
+
+
+def maxtext_runner(mesh: str, repeats: str = "1"):
+    """Returns (run(step) -> metrics, settings, compiled step): MaxText's train step on `mesh` (circular over
+    `repeats` layer groups per stage on a pipeline mesh), each call loading the batch from MaxText's data
+    loader as its training loop does (maxtext.trainers.pre_train.train)."""
     import jax
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
@@ -101,7 +119,7 @@ def maxtext_runner(mesh: str):
     from maxtext.version import __version__ as maxtext_version
 
     base = Path(train.__file__).resolve().parents[2] / "configs" / "base.yml"
-    config, recorder = train.initialize(["maxtext", str(base), *MAXTEXT_MODEL, *MAXTEXT_MESHES[mesh]])
+    config, recorder = train.initialize(["maxtext", str(base), *MAXTEXT_MODEL, *maxtext_arguments(mesh, int(repeats))])
     (_, _, state_shardings, _, device_mesh, _, _, data_loader, rampup_manager, _,
      state) = train_utils.setup_train_loop(config, recorder)
     graph, state = nnx.split(state)
@@ -121,7 +139,8 @@ def maxtext_runner(mesh: str):
 
     settings = {"remat": config.remat_policy, "attention": config.attention, "dtype": str(config.dtype),
                 "weight_dtype": str(config.weight_dtype), "opt_type": str(config.opt_type),
-                "scan_layers": config.scan_layers, "packing": config.packing, "jax": jax.__version__,
+                "scan_layers": config.scan_layers, "packing": config.packing,
+                "pipeline_repeats": config.num_pipeline_repeats, "jax": jax.__version__,
                 "version": maxtext_version}
     return run, settings, compiled
 
@@ -184,10 +203,13 @@ def measure(mesh: str, args) -> dict:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     slug = mesh.replace(" ", "")
-    workers = {"maxtext": Worker("maxtext", args.maxtext_python, ["maxtext", mesh], log_dir / f"maxtext-{slug}.log")}
-    for remat in args.nestor_remat:
-        workers[f"nestor {remat}"] = Worker(f"nestor {remat}", args.nestor_python, ["nestor", mesh, remat],
-                                            log_dir / f"nestor-{remat}-{slug}.log")
+    repeats = str(args.pipeline_repeats)
+    workers = {"maxtext": Worker("maxtext", args.maxtext_python, ["maxtext", mesh, repeats],
+                                 log_dir / f"maxtext-{slug}.log")}
+    for variant, (remat, schedule) in variants(args).items():
+        workers[f"nestor {variant}"] = Worker(f"nestor {variant}", args.nestor_python,
+                                              ["nestor", mesh, remat, schedule, repeats],
+                                              log_dir / f"nestor-{variant.replace(' ', '-')}-{slug}.log")
     try:
         ready = {name: worker.reply() for name, worker in workers.items()}
         times = {name: [] for name in workers}
@@ -204,22 +226,34 @@ def measure(mesh: str, args) -> dict:
     result = {"settings": {name: r["ready"] for name, r in ready.items()},
               "programs": {name: r["program"] for name, r in ready.items()},
               "seconds": {name: statistics.median(t) for name, t in times.items()}}
-    for remat in args.nestor_remat:
-        ratios = sorted(a / b for a, b in zip(times[f"nestor {remat}"], times["maxtext"]))
+    for variant in variants(args):
+        ratios = sorted(a / b for a, b in zip(times[f"nestor {variant}"], times["maxtext"]))
         quartiles = statistics.quantiles(ratios, n=4)
-        result[remat] = {"ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
+        result[variant] = {"ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
     return result
 
 
-def table(rows: dict[str, dict], policies: list[str]) -> str:
-    """Returns the measurements as a Markdown table, one row per mesh and nestor remat policy."""
+def variants(args) -> dict[str, tuple[str, str]]:
+    """Returns nestor's timed variants, label -> (model.remat, pipeline.schedule): each policy, and with more
+    than one schedule asked for, each policy under each (the schedule applies on pipeline meshes only)."""
+    schedules = [schedule if args.pipeline_repeats == 1 or schedule != "gpipe" else "circular"
+                 for schedule in args.nestor_schedule]
+    if len(schedules) == 1 and schedules[0] == "gpipe":
+        return {remat: (remat, "gpipe") for remat in args.nestor_remat}
+    return {f"{remat} {schedule}": (remat, schedule) for remat in args.nestor_remat for schedule in schedules}
+
+
+def table(rows: dict[str, dict], labels: list[str]) -> str:
+    """Returns the measurements as a Markdown table, one row per mesh and nestor variant (`variants`)."""
     lines = ["| mesh | MaxText remat | MaxText ms/step | nestor remat | nestor ms/step | nestor / MaxText (median) "
              "| interquartile range |", "| --- | --- | ---: | --- | ---: | ---: | --- |"]
     for mesh, r in rows.items():
-        for remat in policies:
-            ratio = r[remat]
-            lines.append(f"| {mesh} | {r['settings']['maxtext']['remat']} | {1e3 * r['seconds']['maxtext']:.0f} "
-                         f"| {remat} | {1e3 * r['seconds'][f'nestor {remat}']:.0f} | {ratio['ratio']:.3f} "
+        maxtext = r["settings"]["maxtext"]
+        circular = f", circular R={maxtext['pipeline_repeats']}" if maxtext.get("pipeline_repeats", 1) > 1 else ""
+        for label in labels:
+            ratio = r[label]
+            lines.append(f"| {mesh} | {maxtext['remat']}{circular} | {1e3 * r['seconds']['maxtext']:.0f} "
+                         f"| {label} | {1e3 * r['seconds'][f'nestor {label}']:.0f} | {ratio['ratio']:.3f} "
                          f"| {ratio['q1']:.3f}-{ratio['q3']:.3f} |")
     return "\n".join(lines)
 
@@ -244,6 +278,13 @@ def main() -> None:
     parser.add_argument("--nestor-remat", nargs="+", default=["dots", "full"],
                         help="nestor's model.remat policies, each timed against MaxText (default: nestor's "
                              "fastest on CPU and MaxText's own)")
+    parser.add_argument("--nestor-schedule", nargs="+", default=["gpipe"],
+                        choices=["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"],
+                        help="nestor's pipeline.schedule on pipeline meshes, each timed with every policy "
+                             "(gpipe means circular when --pipeline-repeats > 1)")
+    parser.add_argument("--pipeline-repeats", type=int, default=1,
+                        help="layer groups per stage on pipeline meshes, on both sides: MaxText's circular "
+                             "schedule (num_pipeline_repeats) and nestor's pipeline.repeats")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per mesh")
     parser.add_argument("--steps", type=int, default=1, help="steps per side per round")
     parser.add_argument("--meshes", nargs="*", default=list(MAXTEXT_MESHES), choices=list(MAXTEXT_MESHES))
@@ -252,14 +293,14 @@ def main() -> None:
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        side, mesh, *remat = args.serve
-        serve(*(maxtext_runner(mesh) if side == "maxtext" else nestor_runner(mesh, *remat)))
+        side, mesh, *settings = args.serve
+        serve(*(maxtext_runner(mesh, *settings) if side == "maxtext" else nestor_runner(mesh, *settings)))
         return
     rows = {}
     for mesh in args.meshes:
         rows[mesh] = measure(mesh, args)
         print(mesh, json.dumps(rows[mesh]), flush=True)
-    print(table(rows, args.nestor_remat))
+    print(table(rows, list(variants(args))))
     print(program_table(rows))
     if not args.no_write:
         from bench.report import write_section
@@ -273,11 +314,13 @@ def section(rows: dict[str, dict], args) -> str:
     versions = ", ".join(f"{name} on jax {value['jax']}" for name, value in settings.items())
     command = (f"python -m bench.maxtext --rounds {args.rounds} --steps {args.steps} "
                f"--nestor-remat {' '.join(args.nestor_remat)}")
-    meshes = "; ".join(f"{mesh}: `{' '.join(arguments)}`" for mesh, arguments in MAXTEXT_MESHES.items())
+    if args.nestor_schedule != ["gpipe"] or args.pipeline_repeats > 1:
+        command += f" --nestor-schedule {' '.join(args.nestor_schedule)} --pipeline-repeats {args.pipeline_repeats}"
+    meshes = "; ".join(f"{mesh}: `{' '.join(maxtext_arguments(mesh, args.pipeline_repeats))}`" for mesh in rows)
     return (f"## Against MaxText on CPU\n\nCommand: `{command}` (8 simulated CPU devices on a shared 2-core host; "
             f"{versions}; {args.rounds} rounds of {args.steps} step(s) per worker per mesh, the order rotating "
             f"every round).\n\nMaxText {settings['maxtext']['version']}: `{' '.join(MAXTEXT_MODEL)}`; per mesh "
-            f"{meshes}.\n\n{table(rows, args.nestor_remat)}\n\n{READING}\n\nWhat XLA compiled for each step (per device; "
+            f"{meshes}.\n\n{table(rows, list(variants(args)))}\n\n{READING}\n\nWhat XLA compiled for each step (per device; "
             f"FLOPs and collectives counted once per loop iteration, bytes accessed with loop bodies once):"
             f"\n\n{program_table(rows)}")
 

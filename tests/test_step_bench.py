@@ -27,7 +27,7 @@ def test_bare_step_matches_nestor_step_on_the_pipeline_mesh():
 
 
 def test_maxtext_bench_runs_nestors_model_mesh_and_micro_batches():
-    from bench.maxtext import MAXTEXT_MESHES, MAXTEXT_MODEL
+    from bench.maxtext import MAXTEXT_MESHES, MAXTEXT_MODEL, maxtext_arguments
 
     assert list(MAXTEXT_MESHES) == list(MESHES)
     model = dict(argument.split("=", 1) for argument in MAXTEXT_MODEL)
@@ -46,3 +46,8 @@ def test_maxtext_bench_runs_nestors_model_mesh_and_micro_batches():
         if config.mesh.pipeline > 1:  # one pass through the stages (GPipe), the same micro-batches
             assert int(maxtext["num_pipeline_microbatches"]) == config.pipeline.microbatches
             assert int(maxtext["num_layers_per_pipeline_stage"]) * config.mesh.pipeline == config.model.num_layers
+            # --pipeline-repeats 2: MaxText's circular schedule, the layers over stages x 2 repeats
+            circular = dict(argument.split("=", 1) for argument in maxtext_arguments(mesh, 2))
+            assert int(circular["num_layers_per_pipeline_stage"]) * config.mesh.pipeline * 2 == config.model.num_layers
+        else:
+            assert maxtext_arguments(mesh, 2) == arguments
