@@ -68,6 +68,10 @@ class Schedule:
     one_f_one_b: bool = False
     zero_bubble: bool = False
 
+    def __post_init__(self):
+        if self.zero_bubble and not self.one_f_one_b:
+            raise ValueError("zero_bubble splits the backward pass of the 1F1B loop: set one_f_one_b too")
+
     @property
     def name(self) -> str:
         """Returns "zero_bubble", "1f1b" or "interleaved_1f1b", or "circular" when stages hold several layer
@@ -89,13 +93,18 @@ class Schedule:
 
     @property
     def bubble_fraction(self) -> float:
-        """Returns (S-1)/(R*M + S - 1), the share of a stage's time that does no work.
+        """Returns (S-1)/(R*M + S - 1), the share of a stage's time that does no work, counting a forward, an
+        input-gradient and a weight-gradient pass as equal costs.
 
         For 1F1B too: its R*M + S - 1 ticks that run a forward and as many that run a backward
         each cost 1/R of a stage's forward or backward, against the R*M of each that do work.
         That is a bubble of (S-1)/(R*M) of the work, Megatron's interleaved one (arXiv 2104.04473, 2.2).
+        Zero-bubble runs the weight pass in only M ticks: 2(S-1)/(3M + 2(S-1)).
         """
-        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+        idle = self.stages - 1
+        if self.zero_bubble:
+            return 2 * idle / (3 * self.microbatches + 2 * idle)
+        return idle / (self.repeats * self.microbatches + idle)
 
     def forward_work(self, tick: Any, stage: Any) -> Work:
         """Returns the forward each `stage` runs at `tick` under 1F1B. Works on ints and integer arrays alike.
@@ -125,9 +134,18 @@ class Schedule:
             return self.backward_work(tick, stage)
         return self.backward_work(tick - stage, stage)
 
-    def weight_ticks(self) -> int:
-        """Returns how many ticks run a weight-gradient pass on some stage: R*M + S - 1, or M for zero-bubble."""
-        return self.microbatches if self.zero_bubble else self.repeats * self.microbatches + self.stages - 1
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Returns the ticks [start, stop) of the 1F1B loop in which some stage runs each pass: "forward",
+        "backward" (the input gradient, and under 1F1B the weights' too) and "weights": all R*M + S - 1 ticks
+        after the first backward, or for zero-bubble the M ticks from 2S - 2."""
+        work = self.repeats * self.microbatches
+        found = {}
+        for name, work_of in (("forward", self.forward_work), ("backward", self.backward_work),
+                              ("weights", self.weight_work)):
+            ticks = [tick for tick in range(self.iterations)
+                     if any(0 <= work_of(tick, stage).position < work for stage in range(self.stages))]
+            found[name] = (ticks[0], ticks[-1] + 1)
+        return found
 
     def _microbatch(self, position: Any) -> Any:
         return position // (self.repeats * self.stages) * self.stages + position % self.stages
@@ -158,7 +176,8 @@ class Schedule:
         forward to its backward tick, (R+1)S - 1 - 2s of them in the steady state: 2(S-s)-1 for R = 1,
         at most R*M (one SPMD tick is a forward and a backward, so each hop of the round trip costs a whole
         tick, not the half tick of the per-stage programs of arXiv 2104.04473). Zero-bubble keeps each input
-        (and its output gradient) s ticks longer, for the deferred weight pass: 2S - 1 - s.
+        s ticks longer, until the deferred weight pass: 2S - 1 - s (and the output gradient from the input
+        pass to the weight pass, in a ring of as many slots).
         """
         if self.one_f_one_b:
             return [int(row.max()) + 1 for row in self.ring_slots()]
@@ -167,7 +186,7 @@ class Schedule:
     def problems(self, num_layers: int) -> list[tuple[str, str]]:
         """Returns (what, message) for each reason this schedule cannot run `num_layers` layers.
 
-        `what` is "layers" or "microbatches": the quantity to change. Empty when it can run.
+        `what` is "layers", "microbatches" or "repeats": the quantity to change. Empty when it can run.
         """
         found = []
         if num_layers % (self.stages * self.repeats):

@@ -16,9 +16,10 @@ gradient is the last stage's output gradient. A stage keeps its input of every
 micro-batch in flight in a ring of `max(Schedule.in_flight())` slots and
 recomputes the stage forward under `jax.vjp` in the backward tick (weights are
 never saved per micro-batch; the layer remat policy decides what that
-recomputation keeps for its own backward). The loop runs in three scans:
-S-1 forward-only ticks, M ticks of both, S-1 backward-only ticks, so the
-bubble costs what GPipe's does, (S-1)(F+B).
+recomputation keeps for its own backward). The loop runs as one scan per run
+of ticks that run the same passes (`_phases`): S-1 forward-only ticks, M ticks
+of both, S-1 backward-only ticks, so the bubble costs what GPipe's does,
+(S-1)(F+B).
 
 Interleaved 1F1B (Megatron, arXiv 2104.04473, section 2.2) gives each stage R
 layer groups laid out as the circular schedule lays them (stage s holds groups
@@ -128,7 +129,8 @@ def one_f_one_b(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: t
                 remat_policy: RematPolicy | None = None):
     """Returns value_and_grad(layer_fn, input_fn, head_fn, stacked_params, outer_params, inputs, row_inputs=None,
     stats_loss=None) -> ((loss, metrics, stats), (stacked_grads, outer_grads)) that runs a model under 1F1B,
-    interleaved over `schedule.repeats` layer groups per stage when that is above 1.
+    interleaved over `schedule.repeats` layer groups per stage when that is above 1, with the weight-gradient
+    pass split off and deferred when `schedule.zero_bubble`.
 
     The model is input_fn -> the layer stack -> head_fn, per micro-batch.
     `stacked_params` leaves are `[layers, ...]`; `outer_params` are what
@@ -208,12 +210,10 @@ def _phases(schedule: Schedule) -> list[tuple[int, int, tuple[bool, bool, bool]]
     backward-only ticks once the last forward is done: RS - 1, R(M - S) + S, RS - 1 (the weight pass is
     the backward's). Zero-bubble runs no weight pass in the S - 1 ticks after the first backward.
     """
-    stages, work = schedule.stages, schedule.repeats * schedule.microbatches
-    warmup = schedule.repeats * stages - 1
-    spans = {"forward": (0, work + stages - 1), "backward": (warmup, schedule.iterations)}
-    spans["weights"] = (2 * stages - 2, schedule.iterations) if schedule.zero_bubble else spans["backward"]
+    spans = schedule.spans()
     bounds = sorted({edge for span in spans.values() for edge in span})
-    return [(start, stop, tuple(lo <= start < hi for lo, hi in spans.values())) for start, stop in zip(bounds, bounds[1:])]
+    return [(start, stop, tuple(lo <= start < hi for lo, hi in spans.values()))
+            for start, stop in zip(bounds, bounds[1:])]
 
 
 def _zeros(shapes: Any) -> Any:
@@ -221,7 +221,8 @@ def _zeros(shapes: Any) -> Any:
 
 
 class _Passes:
-    """One clock tick of every stage: the forward, loss head and backward passes over the loop's carry."""
+    """One clock tick of every stage: the forward, loss head, backward and (zero-bubble) weight-gradient passes
+    over the loop's carry."""
 
     def __init__(self, schedule: Schedule, layout: Layout, params: Any, split: dict, input_fn: InputFn,
                  head_fn: HeadFn, outer_params: Any, forward: Callable, pullbacks: dict, stats_cotangent: list):
@@ -348,5 +349,6 @@ class _Passes:
 
     @staticmethod
     def _add_weight_grads(totals: list, weight_grads: list, valid: jax.Array) -> list:
-        """A bubble stage's cotangents are zero, so its weight gradients are too; the mask only keeps that exact."""
+        """Returns `totals` plus the stages' `weight_grads`, those of bubble stages left out (their cotangents
+        are zero, so their weight gradients are too; the mask only keeps that exact)."""
         return [total + jnp.where(expand(valid, g[0])[None], g, 0) for total, g in zip(totals, weight_grads)]
