@@ -19,6 +19,7 @@ from orchestrator.config import Config
 from orchestrator.data.prepare import Options, prepare
 from orchestrator.progress import Console
 from orchestrator.train import TrainResult, train
+from tests.conftest import FAST_COMPILE, ROOT
 
 # The meshes the foundation is tested on (tensor4 needs 4 kv heads).
 TESTED_MESHES = {
@@ -31,6 +32,14 @@ TESTED_MESHES = {
 
 ONE_DEVICE = {"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.pipeline": 1,
               "cluster.devices_per_host": 1}
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Returns the environment for a JAX process a test starts from this checkout: the suite's compile
+    flag (its results are compared with this process's), not its 8 devices nor its JAX_PLATFORMS, plus
+    `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return {**env, "XLA_FLAGS": FAST_COMPILE, "PYTHONPATH": str(ROOT), **extra}
 
 
 def mesh_overrides(**degrees: int) -> dict:
@@ -88,8 +97,7 @@ def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
     from cluster.rendezvous import free_port
 
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    env = child_env()
     script = _TWO_PROCESSES + textwrap.dedent(body)
     processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path)], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

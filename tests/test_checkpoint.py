@@ -1,7 +1,6 @@
 """Checkpoints: exact resume after SIGKILL, reshard onto other meshes, torn saves skipped, NaN stops."""
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -18,7 +17,7 @@ from orchestrator import config as config_lib
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
 from orchestrator.train import TrainingDiverged, build_job, train
-from tests.helpers import last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
+from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
@@ -33,8 +32,7 @@ def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "orchest
         prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """Starts `nestor train` from this checkout in a fresh process (run YAML: the tiny model): python
     `entry` (default: the CLI module), run by the command `prefix` if one is given."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu")
     run_yaml = run_dir.parent / f"{run_dir.name}.yaml"
     run_yaml.write_text("model:\n  preset: tiny\n")
     args = [*prefix, sys.executable, *entry, "train", str(run_yaml), *BASE, f"run.dir={run_dir}", *overrides]

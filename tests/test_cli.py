@@ -1,19 +1,17 @@
 """The `nestor` command as users run it: a subprocess from the repository root."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import child_env
 
 
 def nestor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,7 +6,6 @@ process through `load`, the function the CLI calls; a few go through the real
 console script to show exit code 2 and no traceback.
 """
 
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 from orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
 from tests.conftest import ROOT
+from tests.helpers import child_env
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
@@ -130,8 +130,7 @@ def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path)
             (["explain", QUICKSTART, "moe.capacity_factor=.nan"], "moe.capacity_factor"),
             (["train", QUICKSTART, "run.seed=1180591620717411303424"], "run.seed"),
             (["train", files["directory"]], "CONFIG")]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = str(ROOT)  # this checkout before the editable install
+    env = child_env()  # PYTHONPATH: this checkout before the editable install
     started = time.perf_counter()
     processes = [(subprocess.Popen([*_console_script(), *args], cwd=tmp_path, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE), key) for args, key in runs]

@@ -17,6 +17,7 @@ from orchestrator.flops import matmul_params_per_token
 from orchestrator.moe import moe_loss_and_metrics
 from orchestrator.train import build_job
 from parallel.hlo import collectives
+from tests.conftest import COMPARABLE_ADAM
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 EXPERTS = 4
@@ -170,7 +171,7 @@ def one_device_runs(tmp_path_factory):
 
     def make(*overrides):
         base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
-                "optimizer.warmup_steps=2", "model.num_kv_heads=4", *MOE,
+                "optimizer.warmup_steps=2", "model.num_kv_heads=4", COMPARABLE_ADAM, *MOE,
                 "moe.dispatch=einsum",  # GShard's reference, unless a test picks another dispatch
                 f"run.dir={tmp_path_factory.mktemp('run')}"]
         return config_lib.load(None, base + list(overrides))
@@ -247,7 +248,7 @@ def deepseek_one_device(tmp_path_factory):
     from orchestrator import config as config_lib
 
     config = config_lib.load(None, ["model.preset=deepseek-tiny", "train.steps=5", "train.global_batch=16",
-                                    "train.seq_len=32", "optimizer.warmup_steps=2", "pipeline.microbatches=2",
+                                    "train.seq_len=32", "optimizer.warmup_steps=2", COMPARABLE_ADAM, "pipeline.microbatches=2",
                                     f"run.dir={tmp_path_factory.mktemp('deepseek')}"])
     return config, run_fresh(config.replace(**ONE_DEVICE))
 
