@@ -81,6 +81,7 @@ def assert_same_training(result: TrainResult, reference: TrainResult, loss_rtol=
 
 _TWO_PROCESSES = textwrap.dedent("""
     import sys
+    sys.stdout = open(sys.argv[4], "w")  # Python's prints alone: Gloo's C++ writes to fd 1 mid-line
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 2)
@@ -92,17 +93,20 @@ _TWO_PROCESSES = textwrap.dedent("""
 
 def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
     """Runs `body` in two jax.distributed CPU processes (`rank`, `run_dir` = run_dirs[rank] and `Path`
-    defined) from this checkout; asserts both exit 0 and returns the last line each printed (Gloo's own
-    "[Gloo] Rank N is connected" lines, which its C++ buffer may flush after Python's, left out)."""
+    defined) from this checkout; asserts both exit 0 and returns the last line each printed from Python
+    (its prints go to a file of their own: Gloo's C++ "[Gloo] Rank N is connected" lines, written to
+    the same stdout from another buffer, once split a printed line in two)."""
     from cluster.rendezvous import free_port
 
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-    env = child_env()
     script = _TWO_PROCESSES + textwrap.dedent(body)
-    processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path)], env=env,
+    printed = Path(tempfile.mkdtemp(prefix="nestor-printed-"))
+    atexit.register(shutil.rmtree, printed, ignore_errors=True)
+    processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path),
+                                   str(printed / str(rank))], env=child_env(),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for rank, path in enumerate(run_dirs)]
     outputs = [process.communicate(timeout=200) for process in processes]
     assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
-    return [[line for line in out.splitlines() if line.strip() and not line.startswith("[Gloo]")][-1]
-            for out, _ in outputs]
+    return [[line for line in (printed / str(rank)).read_text().splitlines() if line.strip()][-1]
+            for rank in range(len(processes))]
