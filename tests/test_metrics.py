@@ -168,7 +168,7 @@ def unrolled_xla_flops(config, monkeypatch) -> float:
 STEPS = {  # loops: layer scan; accumulation > layer scan; accumulation > pipeline > stage's layers
     "dense_accum2": ("cluster.devices_per_host=1", "mesh.data=1", "train.grad_accum=2"),
     "moe": ("cluster.devices_per_host=1", "mesh.data=1", *MOE),
-    "moe_pipeline2_accum2": pytest.param(("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=4",
+    "moe_pipeline2_accum2": pytest.param(("mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "pipeline.microbatches=2",
                                           "train.grad_accum=2", *MOE), marks=pytest.mark.slow),
 }
 
@@ -176,7 +176,7 @@ STEPS = {  # loops: layer scan; accumulation > layer scan; accumulation > pipeli
 @pytest.mark.parametrize("overrides", STEPS.values(), ids=STEPS.keys())
 def test_one_compile_flops_match_xla_on_the_unrolled_step(tiny_config, monkeypatch, overrides):
     # The two are different programs: unrolled, XLA keeps more elementwise work (the pipeline's
-    # bubble selects); the matmuls are the same. Measured: 1.001, 1.001, 0.973.
+    # bubble selects); the matmuls are the same. Measured: 1.000, 1.001, 0.986.
     config = tiny_config(*overrides)
     assert step_flops(compile_step(build_job(config))) / unrolled_xla_flops(config, monkeypatch) == pytest.approx(
         1.0, abs=0.05)
