@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from orchestrator.config import Config
 from orchestrator.data.prepare import Options, prepare
 from orchestrator.progress import Console
 from orchestrator.train import TrainResult, train
-from tests.conftest import FAST_COMPILE, ROOT
+from tests.conftest import ROOT
 
 # The meshes the foundation is tested on (tensor4 needs 4 kv heads).
 TESTED_MESHES = {
@@ -35,11 +36,12 @@ ONE_DEVICE = {"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.expert": 1
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Returns the environment for a JAX process a test starts from this checkout: the suite's compile
-    flag (its results are compared with this process's), not its 8 devices nor its JAX_PLATFORMS, plus
-    `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return {**env, "XLA_FLAGS": FAST_COMPILE, "PYTHONPATH": str(ROOT), **extra}
+    """Returns the environment for a JAX process a test starts from this checkout: this process's
+    XLA_FLAGS (the suite's compile flag among them: its results are compared with this process's)
+    without the 8-device count, no JAX_PLATFORMS, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    return {**env, "XLA_FLAGS": " ".join(flags.split()), "PYTHONPATH": str(ROOT), **extra}
 
 
 def mesh_overrides(**degrees: int) -> dict:
@@ -100,13 +102,15 @@ def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
 
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
     script = _TWO_PROCESSES + textwrap.dedent(body)
-    printed = Path(tempfile.mkdtemp(prefix="nestor-printed-"))
-    atexit.register(shutil.rmtree, printed, ignore_errors=True)
-    processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path),
-                                   str(printed / str(rank))], env=child_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank, path in enumerate(run_dirs)]
-    outputs = [process.communicate(timeout=200) for process in processes]
-    assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
-    return [[line for line in (printed / str(rank)).read_text().splitlines() if line.strip()][-1]
-            for rank in range(len(processes))]
+    with tempfile.TemporaryDirectory(prefix="nestor-printed-") as folder:
+        printed = [Path(folder) / str(rank) for rank in range(len(run_dirs))]
+        processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path),
+                                       str(printed[rank])], env=child_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for rank, path in enumerate(run_dirs)]
+        errors = [process.communicate(timeout=200)[1] for process in processes]
+        lines = [[line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+                 for path in printed]
+    assert all(process.returncode == 0 for process in processes), [
+        ("\n".join(printed_lines[-20:]), error[-2000:]) for printed_lines, error in zip(lines, errors)]
+    return [printed_lines[-1] for printed_lines in lines]
