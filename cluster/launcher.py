@@ -329,11 +329,15 @@ def _worker(config: dict) -> None:
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 
+def without_device_count(xla_flags: str) -> str:
+    """Returns XLA_FLAGS without a simulated host device count, every other flag kept."""
+    return " ".join(re.sub(r"--xla_force_host_platform_device_count=\d+", "", xla_flags).split())
+
+
 def _simulate_cpu_devices(jax, devices: int) -> None:
     """Makes this process show `devices` CPU devices; must run before jax starts its backend."""
     # A device count inherited through XLA_FLAGS (tests set 8) would override the config.
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
+    os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
     jax.config.update("jax_platforms", "cpu")
     if devices > 0:
         jax.config.update("jax_num_cpu_devices", devices)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from cluster.launcher import without_device_count
 from orchestrator.config import Config
 from orchestrator.data.prepare import Options, prepare
 from orchestrator.progress import Console
@@ -40,8 +40,7 @@ def child_env(**extra: str) -> dict[str, str]:
     XLA_FLAGS (the suite's compile flag among them: its results are compared with this process's)
     without the 8-device count, no JAX_PLATFORMS, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    return {**env, "XLA_FLAGS": " ".join(flags.split()), "PYTHONPATH": str(ROOT), **extra}
+    return {**env, "XLA_FLAGS": without_device_count(env.get("XLA_FLAGS", "")), "PYTHONPATH": str(ROOT), **extra}
 
 
 def mesh_overrides(**degrees: int) -> dict:

@@ -2,8 +2,7 @@
 
 import pytest
 
-from tests.conftest import COMPARABLE_ADAM
-
+from tests.conftest import TINY
 from tests.helpers import TESTED_MESHES, ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 
@@ -12,9 +11,7 @@ def reference(tmp_path_factory):
     from orchestrator import config as config_lib
 
     def make(*overrides):
-        base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
-                "optimizer.warmup_steps=2", "model.num_kv_heads=4", COMPARABLE_ADAM,
-                f"run.dir={tmp_path_factory.mktemp('ref')}"]
+        base = [*TINY, "model.num_kv_heads=4", f"run.dir={tmp_path_factory.mktemp('ref')}"]
         return config_lib.load(None, base + list(overrides))
 
     return make, run_fresh(make().replace(**ONE_DEVICE))

@@ -17,7 +17,7 @@ from orchestrator.flops import matmul_params_per_token
 from orchestrator.moe import moe_loss_and_metrics
 from orchestrator.train import build_job
 from parallel.hlo import collectives
-from tests.conftest import COMPARABLE_ADAM
+from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 EXPERTS = 4
@@ -170,8 +170,7 @@ def one_device_runs(tmp_path_factory):
     from orchestrator import config as config_lib
 
     def make(*overrides):
-        base = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
-                "optimizer.warmup_steps=2", "model.num_kv_heads=4", COMPARABLE_ADAM, *MOE,
+        base = [*TINY, "model.num_kv_heads=4", *MOE,
                 "moe.dispatch=einsum",  # GShard's reference, unless a test picks another dispatch
                 f"run.dir={tmp_path_factory.mktemp('run')}"]
         return config_lib.load(None, base + list(overrides))
@@ -214,7 +213,7 @@ SORTED = ("moe.dispatch=sort",)
 
 @pytest.mark.slow
 # With Adam's default eps (1e-8) the shared/sigmoid experts on expert2_fsdp2_pipeline2 moved one embedding
-# entry 1.7e-4 (einsum) / 2.2e-4 (sort) from one device in 5 steps; at COMPARABLE_ADAM's 1e-6, 1.0e-6.
+# entry 1.7e-4 (einsum) / 2.2e-4 (sort) from one device in 5 steps; at TINY's 1e-6 (COMPARABLE_ADAM), 1.0e-6.
 @pytest.mark.parametrize("mesh, overrides", [("expert4_data2", SORTED), ("expert2_tensor2_data2", SORTED + DEEPSEEK_STYLE),
                                              ("expert2_fsdp2_pipeline2", SORTED + DEEPSEEK_STYLE)],
                          ids=["expert4_data2_sort", "expert2_tensor2_data2_sort_shared_sigmoid",
@@ -247,8 +246,7 @@ def deepseek_one_device(tmp_path_factory):
     fine-grained experts, dropless, auxiliary-loss-free bias."""
     from orchestrator import config as config_lib
 
-    config = config_lib.load(None, ["model.preset=deepseek-tiny", "train.steps=5", "train.global_batch=16",
-                                    "train.seq_len=32", "optimizer.warmup_steps=2", COMPARABLE_ADAM, "pipeline.microbatches=2",
+    config = config_lib.load(None, [*TINY, "model.preset=deepseek-tiny", "pipeline.microbatches=2",
                                     f"run.dir={tmp_path_factory.mktemp('deepseek')}"])
     return config, run_fresh(config.replace(**ONE_DEVICE))
 

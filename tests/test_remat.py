@@ -8,7 +8,7 @@ from orchestrator.config import ConfigError
 from orchestrator.explain import compile_step
 from orchestrator.remat import remat_policy
 from orchestrator.train import build_job
-from tests.conftest import COMPARABLE_ADAM
+from tests.conftest import TINY
 from tests.helpers import assert_same_training, mesh_overrides, run_fresh
 
 STACKS = {
@@ -33,8 +33,8 @@ def without_remat(tmp_path_factory):
         degrees, overrides = STACKS[stack]
 
         def make(*more):
-            base = ["model.preset=tiny", "train.steps=3", "train.global_batch=16", "train.seq_len=32",
-                    "optimizer.warmup_steps=1", COMPARABLE_ADAM, f"run.dir={tmp_path_factory.mktemp('run')}", *overrides, *more]
+            base = [*TINY, "train.steps=3", "optimizer.warmup_steps=1", f"run.dir={tmp_path_factory.mktemp('run')}",
+                    *overrides, *more]
             return config_lib.load(None, base).replace(**mesh_overrides(**degrees))
 
         if stack not in cache:
