@@ -19,7 +19,7 @@ Install MaxText into its own environment (nestor runs there too, so both sides s
 
     python3.12 -m venv /tmp/mtvenv
     /tmp/mtvenv/bin/pip install maxtext==0.2.5 jax==0.11.2 jaxlib==0.11.2 pathwaysutils jinja2 qwix tokamax \\
-        huggingface-hub transformers drjax pillow sympy
+        huggingface-hub transformers drjax pillow sympy omegaconf aqtp grain tiktoken sentencepiece ml-collections
     /tmp/mtvenv/bin/pip install -e .          # nestor's own dependencies (flax, optax, orbax, ray, ...)
     /tmp/mtvenv/bin/python -m bench.maxtext --maxtext-python /tmp/mtvenv/bin/python --rounds 8 --steps 1
 
