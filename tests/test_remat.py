@@ -17,7 +17,7 @@ STACKS = {
     "moe_expert2_data4": (dict(expert=2, data=4), ("moe.num_experts=4", "moe.every=2")),
 }
 # Every stack with full (it changes the most); the named-tensor policies where they differ: the scan
-# (per unit) and the pipeline (applied at the stage). offload is minimal on CPU (tested below).
+# (per unit) and the pipeline (per layer inside a stage). offload is minimal on CPU (tested below).
 CASES = [("scanned_fsdp4_tensor2", "full"), ("scanned_fsdp4_tensor2", "dots"), ("scanned_fsdp4_tensor2", "minimal"),
          ("pipeline2_data2_tensor2", "full"), ("pipeline2_data2_tensor2", "minimal"), ("moe_expert2_data4", "full")]
 
