@@ -17,9 +17,9 @@ from orchestrator import config as config_lib
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
 from orchestrator.train import TrainingDiverged, build_job, train
+from tests.conftest import ROOT
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
-ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
         "cluster.devices_per_host=8", "metrics.tensorboard=false", "cluster.launcher=inprocess"]
 

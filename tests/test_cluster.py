@@ -21,9 +21,9 @@ import yaml
 
 from cluster.launcher import ClusterSpec, check_capacity
 from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
+from tests.conftest import ROOT
 from tests.helpers import last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
-ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 RAY = str(Path(PYTHON).parent / "ray")
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"  # the file the Ray runs below layer their overrides on
