@@ -12,10 +12,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax._src.dispatch import BACKEND_COMPILE_EVENT  # the name jax.monitoring reports a compile under
 
 from orchestrator import config as config_lib
-from orchestrator.checkpoint import Checkpointer, checkpoint_dir, restore_state
+from orchestrator.checkpoint import MIN_REPLICA_SLICE_BYTES, Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
+from orchestrator.state import init_state
 from orchestrator.train import TrainingDiverged, build_job, train
 from tests.conftest import ROOT
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
@@ -113,6 +115,34 @@ def test_checkpoint_reshards_onto_another_mesh(saved_on_d2f2t2, tmp_path, target
     assert result.first_step == 3
     assert jax.tree.leaves(result.state["params"])[0].sharding.mesh.devices.size == devices
     np.testing.assert_allclose(result.losses, reference.losses[3:], rtol=1e-5)
+
+
+def test_saving_small_replicated_arrays_compiles_nothing_and_restores_them_exactly(tmp_path):
+    """On data8 every array is replicated 8 ways. Orbax would slice each shard over its replicas, one
+    compiled program per array shape; below MIN_REPLICA_SLICE_BYTES one replica writes it whole."""
+    config = load(tmp_path / "run").replace(**mesh_overrides(data=8))
+    layout = build_job(config, with_data=False).layout
+    state = init_state(config, layout)
+    jax.block_until_ready(state)
+    assert max(leaf.nbytes for leaf in jax.tree.leaves(state)) < MIN_REPLICA_SLICE_BYTES
+    compiles = []
+
+    def count(event: str, seconds: float, **_) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        checkpointer = Checkpointer(config, layout, log=lambda *_: None)
+        checkpointer.save(0, state, {}, force=True)
+        checkpointer.close()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
+    step, restored = restore_state(config, layout)
+    assert step == 0
+    for saved, back in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(back))
 
 
 def test_torn_checkpoints_are_skipped_and_kept_aside(tmp_path):
