@@ -369,8 +369,8 @@ def compiled_by_schedule(tmp_path_factory):
 
     compiled = {}
     interleaved = ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "model.num_layers=8")
-    for schedule, overrides, microbatches_range in (("gpipe", ("pipeline.schedule=gpipe",), (4, 16, 32)),
-                                                    ("1f1b", ("pipeline.schedule=1f1b",), (4, 16, 32)),
+    for schedule, overrides, microbatches_range in (("gpipe", ("pipeline.schedule=gpipe",), (4, 32)),
+                                                    ("1f1b", ("pipeline.schedule=1f1b",), (4, 32)),
                                                     ("interleaved_1f1b", interleaved, (4, 32)),
                                                     ("zero_bubble", ("pipeline.schedule=zero_bubble",), (4, 32))):
         for microbatches in microbatches_range:
@@ -386,7 +386,7 @@ def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(compiled_b
     temp = {key: compiled.memory_analysis().temp_size_in_bytes for key, (_, compiled) in compiled_by_schedule.items()}
     assert temp["1f1b", 32] <= 1.25 * temp["1f1b", 4]
     assert temp["gpipe", 32] > 2 * temp["gpipe", 4]
-    assert temp["1f1b", 16] < temp["gpipe", 16]
+    assert temp["1f1b", 32] < temp["gpipe", 32]
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
