@@ -22,7 +22,7 @@ import yaml
 from cluster.launcher import ClusterSpec, check_capacity
 from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from tests.conftest import ROOT
-from tests.helpers import last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
+from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 PYTHON = sys.executable
 RAY = str(Path(PYTHON).parent / "ray")
@@ -37,7 +37,7 @@ TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_hos
 
 def nestor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Runs the `nestor` CLI of this checkout in a fresh process; returns it finished."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}")
+    env = child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}")
     return subprocess.run([PYTHON, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -227,10 +227,9 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     reference = config_lib.load(QUICKSTART, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
     reference_losses = run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
     run_dir = tmp_path / "restarted"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     driver = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *TINY,
                                *TWO_HOSTS, *longer, "cluster.max_failures=1", f"run.dir={run_dir}"],
-                              cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                              cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(line) for line in driver.stdout], daemon=True).start()
 
