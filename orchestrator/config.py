@@ -22,7 +22,7 @@ from models import remat_names
 from orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from models.transformer import ATTENTION_IMPLEMENTATIONS
 from orchestrator.health import HISTORY as HEALTH_HISTORY
-from orchestrator.remat import PIPELINE_REMAT_ALIASES, POLICIES as REMAT_POLICIES
+from orchestrator.remat import CHOICES as REMAT_CHOICES, PIPELINE_REMAT_ALIASES
 from parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -122,8 +122,8 @@ class ModelConfig:
                      choices=("float32", "bfloat16", "float16"))
     attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla) | xla | "
                          "cudnn", choices=("auto", *ATTENTION_IMPLEMENTATIONS))
-    remat: str = key("none", "per stacked unit, scanned or pipelined: none | full | dots | minimal | offload "
-                     "(CPU: = minimal)", choices=REMAT_POLICIES)
+    remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (dots on GPU/TPU, none on CPU) | none | "
+                     "full | dots | minimal | offload (CPU: = minimal)", choices=REMAT_CHOICES)
     remat_names: tuple[str, ...] = key((), "minimal/offload: activations to keep (models/remat_names.py); empty = "
                                        "the policy's default set", choices=remat_names.ALL)
 

@@ -16,6 +16,7 @@ from orchestrator.fit import GIB, fit_report
 from orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from orchestrator.metrics import spec_text
 from orchestrator.moe import dropless_report
+from orchestrator.remat import policy_name
 from orchestrator.step import pipeline_schedule
 from orchestrator.train import Job, abstract_batch, build_job
 from parallel.hlo import collectives, flops_per_run
@@ -108,6 +109,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     xla_flops = step_flops(compiled)
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": device.platform},
+        "remat": policy_name(config, device.platform),
         "params": params,
         "param_count": sum(math.prod(row["shape"]) for row in params),
         "memory_per_device_bytes": {
@@ -165,7 +167,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [
         (row["name"], str(tuple(row["shape"])), str(tuple(row["logical_axes"])), spec_text(row["spec"]),
          _fmt_bytes(row["bytes_per_device"])) for row in report["params"]])
-    lines += ["", "memory per device (XLA memory analysis):"]
+    lines += ["", f"memory per device (XLA memory analysis, remat {report['remat']}):"]
     lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
     lines += ["", fit_line(report["fit"])]
     lines += ["", "collectives per step (compiled HLO):"]

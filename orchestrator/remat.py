@@ -5,16 +5,25 @@ One policy for every way the stack runs: the scan wraps each unit in
 (`parallel.pipeline`). Either way a unit's input is kept and the policy picks
 what else is; everything else is recomputed in the backward pass.
 
+- `auto` (the default): `dots` on GPU and TPU, where it trains fastest
+  (docs/benchmarks.md, MFU: the 1b preset on an H100 at 47% MFU against 42%
+  for `none`, which also runs out of memory at twice the batch), and `none`
+  on CPU, where memory is the host's.
 - `none`: keep everything (no recomputation).
 - `full`: keep only each unit's input; recompute the whole unit.
 - `dots`: keep every matmul output (jax's `dots_saveable`), attention scores
-  included on the xla attention path; recompute the elementwise work.
+  included on the xla attention path, and cuDNN's fused attention outputs
+  (context and softmax statistics) on the cudnn path; recompute the
+  elementwise work.
   `dots_with_no_batch_dims_saveable` would skip the scores, but the pipeline
   runs stages under a `vmap`, which gives every matmul a batch dimension: it
   would keep nothing there, so one name would mean two things.
 - `minimal`: keep only the tensors named in `model.remat_names` (default
   `models.remat_names.MINIMAL`: the attention and MLP input projections and
-  the dispatched expert inputs), like MaxText's "minimal".
+  the dispatched expert inputs), like MaxText's "minimal". Naming
+  `attention_context` keeps cuDNN's fused attention outputs too: its backward
+  kernel needs the softmax statistics beside the context, and without them it
+  runs the forward kernel again.
 - `offload`: the same names, moved to pinned host memory instead of kept on
   the device (`save_and_offload_only_these_names`) on GPU and TPU. CPU has no
   device memory apart from the host's: there it is `minimal`.
@@ -33,11 +42,27 @@ if TYPE_CHECKING:  # orchestrator.config declares its keys' choices with this mo
     from orchestrator.config import Config
 
 POLICIES = ("none", "full", "dots", "minimal", "offload")
+CHOICES = ("auto", *POLICIES)  # model.remat's values: a policy, or auto (one by platform)
+ACCELERATOR_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 NAMED_POLICIES = ("minimal", "offload")  # the policies `model.remat_names` applies to
-OFFLOAD_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+OFFLOAD_PLATFORMS = ACCELERATOR_PLATFORMS
 # pipeline.remat (deprecated) -> model.remat; the old per-stage policies by jax's names.
 PIPELINE_REMAT_ALIASES = {"none": "none", "full": "full", "dots_saveable": "dots",
                           "dots_with_no_batch_dims_saveable": "minimal"}
+
+
+# jax's cuDNN attention binds primitives whose names start so ("dot_product_attention_fwd_wrapper"); their
+# outputs are the context and the softmax statistics the backward kernel reads.
+FUSED_ATTENTION_PRIMITIVE = "dot_product_attention_fwd"
+
+
+def fused_attention_saveable(primitive, *_, **__) -> bool:
+    """A `jax.checkpoint` policy: True for the outputs of cuDNN's fused attention forward kernel.
+
+    `dots_saveable` does not see them (the kernel is no `dot_general`), so
+    without this the backward pass of every unit reruns the attention forward
+    kernel: 2.6% of a 1b step on an H100 (docs/benchmarks.md, MFU)."""
+    return primitive.name.startswith(FUSED_ATTENTION_PRIMITIVE)
 
 
 def saved_names(config: Config) -> tuple[str, ...]:
@@ -45,19 +70,41 @@ def saved_names(config: Config) -> tuple[str, ...]:
     return tuple(config.model.remat_names) or remat_names.MINIMAL
 
 
+def target_platform(config: Config, platform: str) -> str:
+    """Returns the platform a run is meant for: `cluster.accelerator` when it names one, else that of a
+    named `cluster.device_kind` (`tpu-...`: tpu, any other: gpu), else `platform`, the devices' own.
+    `nestor explain` on CPU for an H100 thus compiles what the H100 would run."""
+    cluster = config.cluster
+    if cluster.accelerator != "cpu":
+        return cluster.accelerator
+    if cluster.device_kind:
+        return "tpu" if cluster.device_kind.lower().startswith("tpu") else "gpu"
+    return platform
+
+
+def policy_name(config: Config, platform: str) -> str:
+    """Returns the policy `model.remat` names for devices of `platform` (a jax platform name): itself,
+    or for `auto`, `dots` when the run is meant for accelerators (`target_platform`), else `none`."""
+    if config.model.remat != "auto":
+        return config.model.remat
+    return "dots" if target_platform(config, platform) in ACCELERATOR_PLATFORMS else "none"
+
+
 def remat_policy(config: Config, platform: str) -> Callable[..., Any] | None:
     """Returns the `jax.checkpoint` policy of `model.remat` on `platform` (a jax platform name),
     or None for `none` (keep everything)."""
-    name = config.model.remat
+    name = policy_name(config, platform)
     if name == "none":
         return None
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
+    both = jax.checkpoint_policies.save_from_both_policies
     if name == "dots":
-        return jax.checkpoint_policies.dots_saveable
+        return both(jax.checkpoint_policies.dots_saveable, fused_attention_saveable)
     names = saved_names(config)
     if name == "offload" and platform in OFFLOAD_PLATFORMS:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=(), names_which_can_be_offloaded=names,
             offload_src="device", offload_dst="pinned_host")
-    return jax.checkpoint_policies.save_only_these_names(*names)
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    return both(policy, fused_attention_saveable) if remat_names.ATTENTION_CONTEXT in names else policy

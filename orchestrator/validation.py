@@ -140,7 +140,7 @@ def _remat_problems(config: Config) -> list[tuple[str, str]]:
                                               f"{' and '.join(NAMED_POLICIES)}"))
     if old is not None:
         mapped = PIPELINE_REMAT_ALIASES[old]
-        if m.remat != "none" and m.remat != mapped:
+        if m.remat not in ("auto", mapped):
             problems.append(("pipeline.remat", f"is a deprecated alias of model.remat ({old} means model.remat="
                                                f"{mapped}) and contradicts model.remat={m.remat}; delete "
                                                "pipeline.remat"))

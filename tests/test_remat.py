@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.config import ConfigError
 from orchestrator.explain import compile_step
-from orchestrator.remat import remat_policy
+from orchestrator.remat import policy_name, remat_policy
 from orchestrator.train import build_job
 from tests.conftest import TINY
 from tests.helpers import assert_same_training, mesh_overrides, run_fresh
@@ -91,3 +91,65 @@ def test_deprecated_pipeline_remat_becomes_model_remat(tiny_config):
         config = tiny_config("pipeline.remat=dots_saveable")
     assert (config.model.remat, config.pipeline.remat) == ("dots", None)
     assert tiny_config("pipeline.remat=full", "model.remat=full").model.remat == "full"
+
+
+def test_auto_is_dots_for_accelerators_and_none_on_cpu(tiny_config):
+    assert policy_name(tiny_config(), "cpu") == "none"
+    assert policy_name(tiny_config(), "gpu") == "dots"
+    assert policy_name(tiny_config(), "tpu") == "dots"
+    # explain on CPU for an accelerator compiles what that accelerator would run
+    assert policy_name(tiny_config("cluster.device_kind=h100"), "cpu") == "dots"
+    assert policy_name(tiny_config("cluster.device_kind=tpu-v5p"), "cpu") == "dots"
+    assert policy_name(tiny_config("model.remat=none"), "gpu") == "none"
+    assert policy_name(tiny_config("model.remat=full"), "cpu") == "full"
+
+
+def _bound(jaxpr, name: str) -> int:
+    """Returns how often a primitive called `name` is bound in `jaxpr`, its sub-jaxprs included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    count += _bound(inner, name)
+    return count
+
+
+def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_kernel_again(tiny_config):
+    import jax
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    from jax.extend.core import Primitive
+
+    from orchestrator.remat import fused_attention_saveable
+
+    # The name the policy matches is the one jax's cuDNN attention binds (a rename in jax fails here).
+    assert fused_attention_saveable(cudnn_attention._dot_product_attention_fwd_p_wrapper)
+    assert not fused_attention_saveable(jax.lax.exp_p)
+    # A stand-in of that kernel (CPU has no cuDNN): a primitive of the same name whose outputs, the
+    # context and its softmax statistics, are the residuals of a custom_vjp, as in jax's own.
+    kernel = Primitive(cudnn_attention._dot_product_attention_fwd_p_wrapper.name)
+    kernel.multiple_results = True
+    kernel.def_abstract_eval(lambda x: (x, jax.core.ShapedArray(x.shape[:-1], x.dtype)))
+
+    @jax.custom_vjp
+    def attention(x):
+        return kernel.bind(x)[0]
+
+    def forward(x):
+        context, statistics = kernel.bind(x)
+        return context, (context, statistics)
+
+    attention.defvjp(forward, lambda saved, gradient: (gradient * saved[0] + saved[1][..., None],))
+
+    def forward_kernels(config) -> int:
+        unit = jax.checkpoint(lambda x: jnp.sin(attention(x @ x)).sum(), policy=remat_policy(config, "gpu"))
+        return _bound(jax.make_jaxpr(jax.grad(unit))(jnp.ones((4, 4))).jaxpr, kernel.name)
+
+    assert forward_kernels(tiny_config("model.remat=dots")) == 1
+    assert forward_kernels(tiny_config("model.remat=full")) == 2  # the backward pass runs it again
+    named = "model.remat_names=[query_proj,attention_context]"
+    assert forward_kernels(tiny_config("model.remat=minimal", named)) == 1
+    assert forward_kernels(tiny_config("model.remat=minimal")) == 2
