@@ -11,6 +11,7 @@ traced step's outputs are ready, so it holds exactly the requested steps.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import jax
@@ -29,12 +30,17 @@ class StepProfiler:
         self.log = log
         self.active = False
 
-    def before(self, step: int, state) -> None:
-        """Starts the trace when `step` (about to run) is the first traced one; waits for `state` first."""
+    def before(self, step: int, state) -> float | None:
+        """Starts the trace when `step` (about to run) is the first traced one, once `state` is computed;
+        returns the time (`time.perf_counter`) it was, so that the previous step's time ends there and not
+        after the trace has started, or None when no trace starts."""
         if self.enabled and step == self.first:
             jax.block_until_ready(state)  # the previous step's work stays out of the trace
+            ready = time.perf_counter()
             jax.profiler.start_trace(str(self.directory))
             self.active = True
+            return ready
+        return None
 
     def annotation(self, step: int):
         """Returns a context naming `step` in the trace (the profile's step markers); a no-op untraced."""
@@ -42,12 +48,17 @@ class StepProfiler:
             return jax.profiler.StepTraceAnnotation("train", step_num=step)
         return contextlib.nullcontext()
 
-    def after(self, step: int, outputs) -> None:
-        """Stops the trace after the last traced step, once its `outputs` are computed."""
+    def after(self, step: int, outputs) -> float | None:
+        """Stops the trace after the last traced step, once its `outputs` are computed; returns the time
+        they were, so that the step's time ends there and not after the trace is written (a second or
+        more), or None when no trace stops."""
         if self.active and step == self.last:
             jax.block_until_ready(outputs)
+            ready = time.perf_counter()
             self.stop()
             self.log(f"profiled steps {self.first}..{self.last}: {self.directory} (TensorBoard's Profile tab)")
+            return ready
+        return None
 
     def stop(self) -> None:
         """Ends a running trace (a run stopped early inside the traced steps); writes what it holds."""

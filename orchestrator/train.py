@@ -277,12 +277,12 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
 
         def flush(pending, save=None) -> None:
             """Reads a finished step's values, checks them, runs `save` (the step's checkpoint) and logs."""
-            step, metrics, started = pending
+            step, metrics, started, finished = pending
             logged = (step % config.train.log_every == 0 or step == config.train.steps or save is not None
                       or "eval_loss" in metrics)
             # Off logging steps, only what every step needs comes to the host.
             values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
-            finished_at = time.perf_counter()
+            finished_at = time.perf_counter() if finished is None else finished
             _check_finite(step, values)  # before the state goes to disk
             result.losses.append(float(values["loss"]))
             if unhealthy := health.judge(values):
@@ -319,24 +319,26 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
 def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
           flush, signals: StopSignals, profiler: StepProfiler) -> tuple[dict, int | None]:
     """Runs the steps; returns (final state, the stop signal or None). Saves only verified states."""
-    pending = None  # (step, device metrics, start time) of the step whose values are not read yet
+    # (step, device metrics, start time, end time or None: when read) of the step not read yet
+    pending = None
     last = time.perf_counter()
     for step in range(first_step, config.train.steps):
         if signals.stop_before(step - first_step + 1):
             break
         checkpointer.raise_if_failed()  # a save that failed in the background stops the run now
-        profiler.before(step + 1, state)
+        if (ready := profiler.before(step + 1, state)) is not None and pending is not None:
+            pending = (*pending[:3], ready)  # the trace's start is no part of the step before it
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))
         metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
         if job.evaluator is not None and job.evaluator.due(step + 1):
             metrics = {**metrics, **job.evaluator(state)}  # queued before the next step donates state
-        profiler.after(step + 1, (state, metrics))
         if pending is not None:
             jax.block_until_ready(pending[1])
             flush(pending)
             last = time.perf_counter()
-        pending = (step + 1, metrics, last)
+        # A step ends when its outputs are ready; the last traced one before its trace is written.
+        pending = (step + 1, metrics, last, profiler.after(step + 1, (state, metrics)))
         every = config.checkpoint.every
         if every and (step + 1) % every == 0:
             jax.block_until_ready(metrics)

@@ -79,6 +79,20 @@ def test_profile_plugin_lists_a_trace_of_exactly_the_requested_steps(traced_run)
     assert steps == [2, 3]  # profile.start_step=2, profile.steps=2
 
 
+def test_traced_steps_are_timed_without_the_trace_starting_or_being_written(tmp_path):
+    # The last traced step used to be timed from after the trace was written to just after the next
+    # step's dispatch: near zero seconds on a GPU (0.008 s against 0.43 s per step on an H100, MFU 2759%),
+    # and the step before it carried the writing of the trace.
+    config = config_lib.load(None, [*TINY, f"run.dir={tmp_path}", "train.steps=5", "profile.start_step=2",
+                                    "profile.steps=2"])
+    run(config)
+    seconds = {r["step"]: r["step_time_s"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))}
+    untraced = float(np.median([seconds[step] for step in (1, 4, 5)]))
+    # Measured on 2 CPU cores before the fix: 0.396 s and 0.013 s traced, 0.035 s untraced; after it 0.031,
+    # 0.047 and 0.036 s.
+    assert all(0.5 * untraced <= seconds[step] <= 6 * untraced for step in (2, 3)), seconds
+
+
 def test_tensorboard_tags_are_grouped_and_new_metrics_get_one():
     assert [tensorboard_tag(name) for name in ("loss", "lr", "grad_norm", "mfu", "step_time_s")] == [
         "train/loss", "train/lr", "train/grad_norm", "perf/mfu", "perf/step_time_s"]
