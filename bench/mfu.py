@@ -21,13 +21,17 @@ import argparse
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+from bench.profile_top import summary
 from bench.report import write_section
+
+PROFILED_STEPS = 2
 
 TINY_MOE = "moe.num_experts=4 moe.every=2 moe.top_k=2"
 DEFAULT_MODELS = {  # per platform: a dense and an MoE model
     "cpu": ("tiny train.global_batch=8 train.seq_len=128", f"tiny train.global_batch=8 train.seq_len=128 {TINY_MOE}"),
-    "accelerator": ("1b train.global_batch=8 train.seq_len=2048", "moe-1b train.global_batch=8 train.seq_len=2048"),
+    "accelerator": ("1b train.global_batch=16 train.seq_len=2048", "moe-1b train.global_batch=16 train.seq_len=2048"),
 }
 
 
@@ -43,9 +47,12 @@ def model_config(model: str, remat: str, attention: str, dtype: str, steps: int)
                        f"model.remat={remat}", f"model.attention={attention}"])
 
 
-def measure(config, steps: int, warmup: int = 1, peak_override: float | None = None) -> dict:
+def measure(config, steps: int, warmup: int = 1, peak_override: float | None = None,
+            profile_dir: str | None = None) -> dict:
     """Returns one row: seconds for `steps` steps after `warmup`, tokens/s, model TFLOP/s per device, MFU
-    (None without a peak) and XLA's temporaries per device. Raises what building or compiling raises."""
+    (None without a peak) and XLA's temporaries per device; with `profile_dir`, also "profile": the top
+    device costs of 2 more steps, traced there after the timed ones (the compiled program beside them,
+    step.hlo.txt, names the kernels' fusions). Raises what building or compiling raises."""
     import jax
 
     from orchestrator.explain import compile_step
@@ -64,6 +71,15 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
         state, metrics = compiled(state, job.data.batch(step))
     jax.block_until_ready((state, metrics))
     seconds = time.perf_counter() - started
+    profile = None
+    if profile_dir:
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        (Path(profile_dir) / "step.hlo.txt").write_text(compiled.as_text())
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for step in range(warmup + steps, warmup + steps + PROFILED_STEPS):
+                state, metrics = compiled(state, job.data.batch(step))
+            jax.block_until_ready((state, metrics))
+        profile = summary(profile_dir, PROFILED_STEPS)
     devices = job.mesh.devices.size
     flops = model_flops_per_step(config)
     tflops = flops * steps / seconds / devices / 1e12
@@ -71,23 +87,28 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
     return {"seconds": seconds, "steps": steps, "devices": devices, "flops_per_step": flops,
             "tokens_per_s": config.train.global_batch * config.train.seq_len * steps / seconds,
             "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30}
+            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "profile": profile}
 
 
 def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str, steps: int, warmup: int,
-         peak_override: float | None, report=print) -> list[dict]:
+         peak_override: float | None, report=print, profile_dir: str | None = None) -> list[dict]:
     """Returns a row per model x remat x attention; a config that fails (too big, no cuDNN) gets its
-    error, on one line, instead of numbers. `report` receives each row as it is measured."""
+    error, on one line, instead of numbers. `report` receives each row as it is measured, then its
+    profile's lines when `profile_dir` is given (each row traced into a numbered folder of it)."""
     out = []
     for model in models:
         for remat in remats:
             for attention in attentions:
                 row = {"model": model, "remat": remat, "attention": attention}
+                row_profile = profile_dir and f"{profile_dir}/{len(out)}"
                 try:
-                    row |= measure(model_config(model, remat, attention, dtype, steps), steps, warmup, peak_override)
+                    row |= measure(model_config(model, remat, attention, dtype, steps), steps, warmup,
+                                   peak_override, row_profile)
                 except Exception as error:  # a row that cannot run says why; the others still run
                     row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
                 report(row_line(row))
+                for line in row.get("profile") or ():
+                    report(f"    {line}")
                 out.append(row)
     return out
 
@@ -118,6 +139,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row, after compiling")
     parser.add_argument("--dtype", help="model.dtype (default: bfloat16 on accelerators, float32 on CPU)")
     parser.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: the device table)")
+    parser.add_argument("--profile", metavar="DIR", help="trace 2 more steps per row into DIR/<row> and print their top costs")
     parser.add_argument("--write", action="store_true", help="write the table to docs/benchmarks.md")
     args = parser.parse_args()
 
@@ -133,7 +155,8 @@ def main() -> None:
              f"{args.steps} timed steps after {args.warmup} untimed, data parallel over every device.")
     print(setup)
     print(TABLE_HEAD)
-    measured = rows(models, args.remat, attentions, dtype, args.steps, args.warmup, args.peak_tflops)
+    measured = rows(models, args.remat, attentions, dtype, args.steps, args.warmup, args.peak_tflops,
+                    profile_dir=args.profile)
     if args.write:
         lines = ["### Measured", "", f"Command: `{command}`", "", setup, "", TABLE_HEAD, *map(row_line, measured)]
         write_section("mfu", "\n".join(lines))
