@@ -93,6 +93,18 @@ def test_traced_steps_are_timed_without_the_trace_starting_or_being_written(tmp_
     assert all(0.5 * untraced <= seconds[step] <= 6 * untraced for step in (2, 3)), seconds
 
 
+def test_profile_kinds_sort_the_kernels_of_an_h100_trace():
+    from bench.profile_top import kind
+
+    # kernel names from bench.mfu --profile on an H100 (docs/benchmarks.md)
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64") == "attention"
+    assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "matmul"
+    assert kind("gemm_fusion_dot_22") == kind("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n") == "matmul"
+    assert kind("memcpy128") == kind("loop_transpose_fusion_2") == "copy"
+    assert kind("loop_dynamic_update_slice_fusion_4") == "sort, gather, scatter"
+    assert kind("loop_add_multiply_fusion") == kind("input_add_reduce_fusion_5") == "elementwise, reductions"
+
+
 def test_tensorboard_tags_are_grouped_and_new_metrics_get_one():
     assert [tensorboard_tag(name) for name in ("loss", "lr", "grad_norm", "mfu", "step_time_s")] == [
         "train/loss", "train/lr", "train/grad_norm", "perf/mfu", "perf/step_time_s"]
@@ -261,13 +273,13 @@ def test_mfu_is_flops_over_peak_and_absent_on_cpu(tiny_config):
     assert measured["mfu"] == pytest.approx(per_device / 67.0)  # tiny_config is float32
 
 
-def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak():
+def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak(tmp_path):
     from bench import mfu
 
     printed = []
     model = "tiny train.global_batch=8 train.seq_len=32 cluster.devices_per_host=2"  # 2 devices: a cheaper compile
     row, failed = mfu.rows([model], ["full"], ["xla", "cudnn"], "float32", steps=2, warmup=1, peak_override=2.0,
-                           report=printed.append)
+                           report=printed.append, profile_dir=str(tmp_path))
     config = mfu.model_config(model, "full", "xla", "float32", 2)
     assert row["devices"] == 2 and row["flops_per_step"] == model_flops_per_step(config)
     assert row["tflops_per_device"] == pytest.approx(row["flops_per_step"] * 2 / row["seconds"] / 2 / 1e12)
@@ -278,3 +290,13 @@ def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak():
     assert float(cells[3].replace(",", "")) == pytest.approx(row["tokens_per_s"], abs=0.5)
     assert float(cells[5].rstrip("%")) == pytest.approx(100 * row["mfu"], abs=0.05)
     assert "model.attention" in failed["error"]  # cuDNN in float32 is refused with the config key, the row kept
+    # --profile: per timeline its busy time, printed under the row, is the sum of its operations in costs.tsv
+    busy = {line.strip().split(": ")[0]: float(line.split(": ")[1].split(" ms")[0])
+            for line in printed[1:] if "busy per step" in line}
+    costs = {}
+    for line in (tmp_path / "0" / "costs.tsv").read_text().splitlines():
+        timeline, kind, ms, name = line.split("\t")
+        costs[timeline] = costs.get(timeline, 0.0) + float(ms)
+    assert busy and busy.keys() == costs.keys()
+    assert all(busy[timeline] == pytest.approx(costs[timeline], abs=0.01) for timeline in busy)
+    assert (tmp_path / "0" / "step.hlo.txt").read_text().startswith("HloModule")
