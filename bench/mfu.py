@@ -51,7 +51,7 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
             profile_dir: str | None = None) -> dict:
     """Returns one row: seconds for `steps` steps after `warmup`, tokens/s, model TFLOP/s per device, MFU
     (None without a peak) and XLA's temporaries per device; with `profile_dir`, also "profile": the top
-    device costs of 2 more steps, traced there after the timed ones (the compiled program beside them,
+    device costs of PROFILED_STEPS more steps, traced there after the timed ones (the compiled program beside them,
     step.hlo.txt, names the kernels' fusions). Raises what building or compiling raises."""
     import jax
 
@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row, after compiling")
     parser.add_argument("--dtype", help="model.dtype (default: bfloat16 on accelerators, float32 on CPU)")
     parser.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (default: the device table)")
-    parser.add_argument("--profile", metavar="DIR", help="trace 2 more steps per row into DIR/<row> and print their top costs")
+    parser.add_argument("--profile", metavar="DIR",
+                        help=f"trace {PROFILED_STEPS} more steps per row into DIR/<row> and print their top costs")
     parser.add_argument("--write", action="store_true", help="write the table to docs/benchmarks.md")
     args = parser.parse_args()
 

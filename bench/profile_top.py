@@ -20,8 +20,8 @@ from pathlib import Path
 KINDS = (("attention", re.compile(r"sdpa|fmha|flash|attention", re.I)),
          ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|dot|matmul", re.I)),
          ("collective", re.compile(r"nccl|all-reduce|all-gather|reduce-scatter|all-to-all|collective", re.I)),
-         ("copy", re.compile(r"memcpy|memset|copy|transpose", re.I)),
-         ("sort, gather, scatter", re.compile(r"sort|gather|scatter|dynamic", re.I)))
+         ("copy", re.compile(r"memcpy|memset|copy|transpose|dynamic_update_slice|dynamic-update-slice", re.I)),
+         ("sort, gather, scatter", re.compile(r"sort|gather|scatter|dynamic_slice|dynamic-slice", re.I)))
 
 
 def kind(name: str) -> str:
@@ -52,7 +52,11 @@ def device_timelines(path: str | Path) -> dict[str, collections.Counter]:
             continue
         process = processes.get(event["pid"], "")
         thread = threads.get((event["pid"], event["tid"]), str(event["tid"]))
-        if process.startswith("/device:") if on_device else "XLA" in thread:
+        if on_device:
+            wanted = process.startswith("/device:")
+        else:  # XLA:CPU runs a program on its client's and Eigen's threads, named so
+            wanted = "XLA" in thread
+        if wanted:
             timelines[f"{process} / {thread}"][event["name"]] += float(event["dur"])
     return timelines
 
@@ -69,6 +73,8 @@ def summary(directory: str | Path, steps: int, top: int = 12) -> list[str]:
         f"{timeline}\t{kind(name)}\t{micros / steps / 1e3:.4f}\t{name}\n" for micros, timeline, name in rows))
     for timeline, costs in sorted(timelines.items()):
         busy = sum(costs.values())
+        if busy == 0:  # only instantaneous events: nothing to share out
+            continue
         kinds = collections.Counter()
         for name, micros in costs.items():
             kinds[kind(name)] += micros

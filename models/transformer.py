@@ -125,11 +125,13 @@ def project_to_vocab(x: jax.Array, unembedding: jax.Array) -> jax.Array:
     """Returns float32 logits [batch, length, vocab] of `x` [batch, length, embed] and `unembedding`
     [embed, vocab], both in the compute dtype, accumulated in float32.
 
-    The backward pass casts the logits' float32 gradient to the compute dtype
-    before its two matmuls, as every other layer's gradients already are:
-    autodiff would promote the other operand to float32 instead and run the
-    largest matmuls of the step at float32 rates (bfloat16: tf32 kernels, 5.7%
-    of a 1b step on an H100). With a float32 compute dtype nothing changes.
+    In bfloat16 the backward pass casts the logits' float32 gradient to
+    bfloat16 before its two matmuls, as every other layer's gradients already
+    are: autodiff would promote the other operand to float32 instead and run
+    the largest matmuls of the step at float32 rates (tf32 kernels, 5.7% of a
+    1b step on an H100). bfloat16 has float32's range; float16 has not (the
+    gradient's small softmax terms would underflow), so float16, like
+    float32, keeps autodiff's float32 matmuls.
     """
     return jnp.einsum("btd,dv->btv", x, unembedding, preferred_element_type=jnp.float32)
 
@@ -140,9 +142,10 @@ def _project_to_vocab_forward(x: jax.Array, unembedding: jax.Array):
 
 def _project_to_vocab_backward(saved: tuple[jax.Array, jax.Array], gradient: jax.Array):
     x, unembedding = saved
-    gradient = gradient.astype(x.dtype)
-    x_gradient = jnp.einsum("btv,dv->btd", gradient, unembedding, preferred_element_type=jnp.float32)
-    unembedding_gradient = jnp.einsum("btd,btv->dv", x, gradient, preferred_element_type=jnp.float32)
+    dtype = jnp.bfloat16 if x.dtype == unembedding.dtype == jnp.bfloat16 else jnp.float32
+    gradient, x_in, unembedding_in = (value.astype(dtype) for value in (gradient, x, unembedding))
+    x_gradient = jnp.einsum("btv,dv->btd", gradient, unembedding_in, preferred_element_type=jnp.float32)
+    unembedding_gradient = jnp.einsum("btd,btv->dv", x_in, gradient, preferred_element_type=jnp.float32)
     return x_gradient.astype(x.dtype), unembedding_gradient.astype(unembedding.dtype)
 
 

@@ -122,8 +122,9 @@ class ModelConfig:
                      choices=("float32", "bfloat16", "float16"))
     attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla) | xla | "
                          "cudnn", choices=("auto", *ATTENTION_IMPLEMENTATIONS))
-    remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (dots on GPU/TPU, none on CPU) | none | "
-                     "full | dots | minimal | offload (CPU: = minimal)", choices=REMAT_CHOICES)
+    remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (dots on GPU/TPU or for a cluster.accelerator "
+                     "or cluster.device_kind that is one; else none) | none | full | dots | minimal | offload "
+                     "(CPU: = minimal)", choices=REMAT_CHOICES)
     remat_names: tuple[str, ...] = key((), "minimal/offload: activations to keep (models/remat_names.py); empty = "
                                        "the policy's default set", choices=remat_names.ALL)
 
@@ -297,7 +298,8 @@ class ClusterConfig:
     dashboard: bool = key(True, "embedded cluster: serve Ray's dashboard and state API on 127.0.0.1")
     worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
     device_kind: str | None = key(None, "explain's memory check: a device in its table (h100, h200, a100-40gb, "
-                                  "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present (CPU: no limit)")
+                                  "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present (CPU: no "
+                                  "limit); also what model.remat=auto picks for")
     device_memory_gb: float | None = key(None, "explain's memory check: GiB per device, overrides the table", above=0)
 
 

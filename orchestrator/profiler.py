@@ -30,12 +30,13 @@ class StepProfiler:
         self.log = log
         self.active = False
 
-    def before(self, step: int, state) -> float | None:
-        """Starts the trace when `step` (about to run) is the first traced one, once `state` is computed;
-        returns the time (`time.perf_counter`) it was, so that the previous step's time ends there and not
-        after the trace has started, or None when no trace starts."""
+    def before(self, step: int, previous_outputs) -> float | None:
+        """Starts the trace when `step` (about to run) is the first traced one, once `previous_outputs`
+        (the step before's state and metrics, an evaluation's included) are computed; returns the time
+        (`time.perf_counter`) they were, so that the previous step's time ends there and not after the
+        trace has started, or None when no trace starts."""
         if self.enabled and step == self.first:
-            jax.block_until_ready(state)  # the previous step's work stays out of the trace
+            jax.block_until_ready(previous_outputs)  # the previous step's work stays out of the trace
             ready = time.perf_counter()
             jax.profiler.start_trace(str(self.directory))
             self.active = True

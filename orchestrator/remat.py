@@ -5,10 +5,10 @@ One policy for every way the stack runs: the scan wraps each unit in
 (`parallel.pipeline`). Either way a unit's input is kept and the policy picks
 what else is; everything else is recomputed in the backward pass.
 
-- `auto` (the default): `dots` on GPU and TPU, where it trains fastest
-  (docs/benchmarks.md, MFU: the 1b preset on an H100 at 47% MFU against 42%
-  for `none`, which also runs out of memory at twice the batch), and `none`
-  on CPU, where memory is the host's.
+- `auto` (the default): `dots` on GPU and TPU, and `none` on CPU, where
+  memory is the host's. On an H100 `dots` trains fastest (docs/benchmarks.md,
+  MFU: the 1b preset at 47% MFU against 42% for `none`, which also runs out
+  of memory at twice the batch); TPUs have not been measured.
 - `none`: keep everything (no recomputation).
 - `full`: keep only each unit's input; recompute the whole unit.
 - `dots`: keep every matmul output (jax's `dots_saveable`), attention scores
@@ -26,7 +26,9 @@ what else is; everything else is recomputed in the backward pass.
   runs the forward kernel again.
 - `offload`: the same names, moved to pinned host memory instead of kept on
   the device (`save_and_offload_only_these_names`) on GPU and TPU. CPU has no
-  device memory apart from the host's: there it is `minimal`.
+  device memory apart from the host's: there it is `minimal`. cuDNN's
+  softmax statistics have no name, so `offload` never keeps them: its
+  backward pass runs the attention forward kernel again.
 """
 
 from __future__ import annotations
@@ -43,9 +45,8 @@ if TYPE_CHECKING:  # orchestrator.config declares its keys' choices with this mo
 
 POLICIES = ("none", "full", "dots", "minimal", "offload")
 CHOICES = ("auto", *POLICIES)  # model.remat's values: a policy, or auto (one by platform)
-ACCELERATOR_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+ACCELERATOR_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # jax platforms with device memory apart from the host's
 NAMED_POLICIES = ("minimal", "offload")  # the policies `model.remat_names` applies to
-OFFLOAD_PLATFORMS = ACCELERATOR_PLATFORMS
 # pipeline.remat (deprecated) -> model.remat; the old per-stage policies by jax's names.
 PIPELINE_REMAT_ALIASES = {"none": "none", "full": "full", "dots_saveable": "dots",
                           "dots_with_no_batch_dims_saveable": "minimal"}
@@ -61,7 +62,8 @@ def fused_attention_saveable(primitive, *_, **__) -> bool:
 
     `dots_saveable` does not see them (the kernel is no `dot_general`), so
     without this the backward pass of every unit reruns the attention forward
-    kernel: 6.9 ms of a 242 ms 1b step on an H100 (docs/benchmarks.md, MFU)."""
+    kernel: on an H100 the 1b preset's forward attention kernels took 12.7 ms
+    per step instead of 5.8 ms (docs/benchmarks.md, MFU)."""
     return primitive.name.startswith(FUSED_ATTENTION_PRIMITIVE)
 
 
@@ -72,8 +74,8 @@ def saved_names(config: Config) -> tuple[str, ...]:
 
 def target_platform(config: Config, platform: str) -> str:
     """Returns the platform a run is meant for: `cluster.accelerator` when it names one, else that of a
-    named `cluster.device_kind` (`tpu-...`: tpu, any other: gpu), else `platform`, the devices' own.
-    `nestor explain` on CPU for an H100 thus compiles what the H100 would run."""
+    named `cluster.device_kind` (`tpu-...`: tpu, any other the table knows: gpu), else `platform`, the
+    devices' own. `nestor explain` on CPU for an H100 thus compiles the remat policy an H100 would run."""
     cluster = config.cluster
     if cluster.accelerator != "cpu":
         return cluster.accelerator
@@ -83,11 +85,15 @@ def target_platform(config: Config, platform: str) -> str:
 
 
 def policy_name(config: Config, platform: str) -> str:
-    """Returns the policy `model.remat` names for devices of `platform` (a jax platform name): itself,
-    or for `auto`, `dots` when the run is meant for accelerators (`target_platform`), else `none`."""
-    if config.model.remat != "auto":
-        return config.model.remat
-    return "dots" if target_platform(config, platform) in ACCELERATOR_PLATFORMS else "none"
+    """Returns the policy that runs for `model.remat` on devices of `platform` (a jax platform name):
+    for `auto`, `dots` when the run is meant for accelerators (`target_platform`), else `none`;
+    `offload` off accelerators is `minimal`; any other policy is itself."""
+    name = config.model.remat
+    if name == "auto":
+        return "dots" if target_platform(config, platform) in ACCELERATOR_PLATFORMS else "none"
+    if name == "offload" and platform not in ACCELERATOR_PLATFORMS:
+        return "minimal"
+    return name
 
 
 def remat_policy(config: Config, platform: str) -> Callable[..., Any] | None:
@@ -102,7 +108,7 @@ def remat_policy(config: Config, platform: str) -> Callable[..., Any] | None:
     if name == "dots":
         return both(jax.checkpoint_policies.dots_saveable, fused_attention_saveable)
     names = saved_names(config)
-    if name == "offload" and platform in OFFLOAD_PLATFORMS:
+    if name == "offload":
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=(), names_which_can_be_offloaded=names,
             offload_src="device", offload_dst="pinned_host")

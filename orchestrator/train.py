@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -149,6 +150,14 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+class PendingStep(NamedTuple):
+    """A dispatched step whose values are not read yet."""
+    step: int
+    metrics: dict[str, Any]  # on the device until read
+    started: float  # time.perf_counter() when the step before it was done
+    finished: float | None = None  # when its outputs were known to be ready; None: when they are read
 
 
 def _to_host(metrics: dict) -> dict:
@@ -319,26 +328,27 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
 def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
           flush, signals: StopSignals, profiler: StepProfiler) -> tuple[dict, int | None]:
     """Runs the steps; returns (final state, the stop signal or None). Saves only verified states."""
-    # (step, device metrics, start time, end time or None: when read) of the step not read yet
-    pending = None
+    pending: PendingStep | None = None
     last = time.perf_counter()
     for step in range(first_step, config.train.steps):
         if signals.stop_before(step - first_step + 1):
             break
         checkpointer.raise_if_failed()  # a save that failed in the background stops the run now
-        if (ready := profiler.before(step + 1, state)) is not None and pending is not None:
-            pending = (*pending[:3], ready)  # the trace's start is no part of the step before it
+        # The trace starts once the previous step (its evaluation included) is done; its start is no step's.
+        if (ready := profiler.before(step + 1, (state, pending and pending.metrics))) is not None:
+            pending = pending and pending._replace(finished=ready)
+            last = time.perf_counter()
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))
         metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
         if job.evaluator is not None and job.evaluator.due(step + 1):
             metrics = {**metrics, **job.evaluator(state)}  # queued before the next step donates state
         if pending is not None:
-            jax.block_until_ready(pending[1])
+            jax.block_until_ready(pending.metrics)
             flush(pending)
             last = time.perf_counter()
         # A step ends when its outputs are ready; the last traced one before its trace is written.
-        pending = (step + 1, metrics, last, profiler.after(step + 1, (state, metrics)))
+        pending = PendingStep(step + 1, metrics, last, profiler.after(step + 1, (state, metrics)))
         every = config.checkpoint.every
         if every and (step + 1) % every == 0:
             jax.block_until_ready(metrics)

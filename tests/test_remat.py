@@ -100,6 +100,9 @@ def test_auto_is_dots_for_accelerators_and_none_on_cpu(tiny_config):
     # explain on CPU for an accelerator compiles what that accelerator would run
     assert policy_name(tiny_config("cluster.device_kind=h100"), "cpu") == "dots"
     assert policy_name(tiny_config("cluster.device_kind=tpu-v5p"), "cpu") == "dots"
+    assert policy_name(tiny_config("cluster.accelerator=gpu"), "cpu") == "dots"
+    assert policy_name(tiny_config("model.remat=offload"), "cpu") == "minimal"  # what explain reports
+    assert policy_name(tiny_config("model.remat=offload"), "gpu") == "offload"
     assert policy_name(tiny_config("model.remat=none"), "gpu") == "none"
     assert policy_name(tiny_config("model.remat=full"), "cpu") == "full"
 
