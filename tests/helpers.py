@@ -58,6 +58,21 @@ def prepared_stdlib(out: Path, pattern: str = "[a-c]*.py", tokenizer: str = "byt
     return out
 
 
+def equations(jaxpr, primitive: str) -> list:
+    """Returns the equations of `jaxpr` that bind the primitive named `primitive`, nested jaxprs' included
+    (a checkpoint's, a custom_vjp's, a scan's body)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            found.append(eqn)
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += equations(inner, primitive)
+    return found
+
+
 def run(config: Config) -> TrainResult:
     """Trains quietly in config.run.dir (resuming from a checkpoint there); returns the result."""
     return train(config, console=Console.silent())

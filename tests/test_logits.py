@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig, project_to_vocab
+from tests.helpers import equations
 
 
 def _inputs(dtype, tokens=8, vocab=32):
@@ -58,16 +59,7 @@ def test_low_precision_gradients_are_as_close_to_float32_as_autodiffs(dtype, tol
 
 def _matmuls(fn, *args) -> list:
     """Returns the dot_general equations of `fn`'s jaxpr, those of nested jaxprs included."""
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                yield eqn
-            for value in eqn.params.values():
-                for inner in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(inner, "jaxpr", inner)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    return equations(jax.make_jaxpr(fn)(*args).jaxpr, "dot_general")
 
 
 def _float32_vocab_matmuls(matmuls, vocab: int) -> int:

@@ -9,7 +9,7 @@ from orchestrator.explain import compile_step
 from orchestrator.remat import policy_name, remat_policy
 from orchestrator.train import build_job
 from tests.conftest import TINY
-from tests.helpers import assert_same_training, mesh_overrides, run_fresh
+from tests.helpers import assert_same_training, equations, mesh_overrides, run_fresh
 
 STACKS = {
     "scanned_fsdp4_tensor2": (dict(fsdp=4, tensor=2), ()),
@@ -107,19 +107,6 @@ def test_auto_is_dots_for_accelerators_and_none_on_cpu(tiny_config):
     assert policy_name(tiny_config("model.remat=full"), "cpu") == "full"
 
 
-def _bound(jaxpr, name: str) -> int:
-    """Returns how often a primitive called `name` is bound in `jaxpr`, its sub-jaxprs included."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == name
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    count += _bound(inner, name)
-    return count
-
-
 def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_kernel_again(tiny_config):
     import jax
     import jax.numpy as jnp
@@ -149,7 +136,7 @@ def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_k
 
     def forward_kernels(config) -> int:
         unit = jax.checkpoint(lambda x: jnp.sin(attention(x @ x)).sum(), policy=remat_policy(config, "gpu"))
-        return _bound(jax.make_jaxpr(jax.grad(unit))(jnp.ones((4, 4))).jaxpr, kernel.name)
+        return len(equations(jax.make_jaxpr(jax.grad(unit))(jnp.ones((4, 4))).jaxpr, kernel.name))
 
     assert forward_kernels(tiny_config("model.remat=dots")) == 1
     assert forward_kernels(tiny_config("model.remat=full")) == 2  # the backward pass runs it again
