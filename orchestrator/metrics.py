@@ -5,8 +5,9 @@ param_norm, lr, and whatever the model adds, e.g. moe_aux_loss), next to
 what the loop measures: step_time_s, tokens_per_s, tflops_per_device and mfu
 (only when the device's peak is known), and on the record after them the
 seconds spent compiling the step (compile_s) and blocking in a checkpoint
-save (checkpoint_s), and with a data mixture each source's realised share of
-the batch (data_share_<i>). metrics.jsonl keeps the flat names;
+save (checkpoint_s), on an evaluation's record the seconds the evaluation
+took (eval_s, never in step_time_s), and with a data mixture each source's
+realised share of the batch (data_share_<i>). metrics.jsonl keeps the flat names;
 TensorBoard files the same numbers under groups (`tensorboard_tag`). A
 `moe_expert_load` metric [MoE layers, experts] becomes a heatmap image every
 `metrics.image_every` steps, and at the same steps `moe_expert_bias` (the
@@ -26,8 +27,9 @@ import yaml
 from orchestrator.config import Config
 from orchestrator.flops import model_flops_per_step, peak_tflops
 from orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD
-# What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves.
-PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s")
+# What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves,
+# evaluating.
+PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
 _PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval", "data_": "data"}
 # Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
@@ -37,11 +39,14 @@ _JSONL_ONLY = ("step", "resumed_from")
 def tensorboard_tag(name: str) -> str:
     """Returns the TensorBoard tag of metric `name`: `moe_aux_loss` -> `moe/aux_loss`, `eval_*` -> `eval/*`,
     `data_share_0` -> `data/share_0`,
-    throughput numbers -> `perf/<name>`, anything else (a model's new metric too) -> `train/<name>`."""
+    throughput numbers and the loop's times (`eval_s` too) -> `perf/<name>`, anything else (a model's new
+    metric too) -> `train/<name>`."""
+    if name in PERF_METRICS:
+        return f"perf/{name}"
     for prefix, group in _PREFIX_GROUPS.items():
         if name.startswith(prefix):
             return f"{group}/{name[len(prefix):]}"
-    return f"perf/{name}" if name in PERF_METRICS else f"train/{name}"
+    return f"train/{name}"
 
 
 def moe_layer_indices(config: Config, moe_layers: int) -> list[int] | None:

@@ -341,14 +341,21 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))
         metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
-        if job.evaluator is not None and job.evaluator.due(step + 1):
-            metrics = {**metrics, **job.evaluator(state)}  # queued before the next step donates state
         if pending is not None:
             jax.block_until_ready(pending.metrics)
             flush(pending)
             last = time.perf_counter()
+        evaluated = None
+        if job.evaluator is not None and job.evaluator.due(step + 1):
+            # An evaluation is no step's time: the step ends when its outputs are ready, and the evaluation
+            # (its first compile included) is eval_s. It runs before the next step donates the state.
+            jax.block_until_ready(metrics)
+            evaluated = time.perf_counter()
+            metrics = {**metrics, **jax.block_until_ready(job.evaluator(state))}
+            metrics["eval_s"] = time.perf_counter() - evaluated
         # A step ends when its outputs are ready; the last traced one before its trace is written.
-        pending = PendingStep(step + 1, metrics, last, profiler.after(step + 1, (state, metrics)))
+        ready = profiler.after(step + 1, (state, metrics))
+        pending = PendingStep(step + 1, metrics, last, ready if evaluated is None else evaluated)
         every = config.checkpoint.every
         if every and (step + 1) % every == 0:
             jax.block_until_ready(metrics)

@@ -59,7 +59,7 @@ def test_eval_losses_match_across_a_resume_and_meshes_and_training_ignores_them(
 
 def test_eval_metrics_are_documented_and_shown_on_the_console():
     docs = (ROOT / "docs/monitoring.md").read_text()
-    for name in ("eval_loss", "eval_perplexity"):
+    for name in ("eval_loss", "eval_perplexity", "eval_s"):
         assert f"`{name}`" in docs and f"`{tensorboard_tag(name)}`" in docs, name
     lines = []
     record = {"step": 4, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0}

@@ -99,6 +99,34 @@ def test_traced_steps_are_timed_without_the_trace_starting_or_being_written(tmp_
     assert sorted(seconds) == [1, 2, 3, 4] and max(seconds.values()) < TRACER_SECONDS, seconds
 
 
+EVALUATOR_SECONDS = 1.0  # a stand-in evaluation takes at least this long
+
+
+def test_an_evaluation_is_timed_as_eval_s_and_never_as_a_step(tmp_path, monkeypatch):
+    # An evaluation used to be dispatched before the previous step was read, so on CPU (where it runs
+    # as it is dispatched) its time, its first compile included, landed on the step before it.
+    from orchestrator.evaluation.loss import Evaluator
+
+    evaluate = Evaluator.__call__
+
+    def slow(self, state):
+        time.sleep(EVALUATOR_SECONDS)
+        return evaluate(self, state)
+
+    monkeypatch.setattr(Evaluator, "__call__", slow)
+    config = config_lib.load(None, [*TINY, f"run.dir={tmp_path}", "train.steps=4", "eval.every=2",
+                                    "eval.steps=1", "eval.source=synthetic"])
+    run(config)
+    records = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl"))}
+    assert sorted(records) == [1, 2, 3, 4]
+    assert max(r["step_time_s"] for r in records.values()) < EVALUATOR_SECONDS, records
+    assert [step for step, r in records.items() if "eval_s" in r] == [2, 4]
+    assert all(EVALUATOR_SECONDS <= records[step]["eval_s"] < 120 for step in (2, 4))
+    assert tensorboard_tag("eval_s") == "perf/eval_s"
+    assert {tensorboard_tag("eval_s"), tensorboard_tag("eval_loss")} <= set(
+        read_events(tmp_path / "tb").Tags()["scalars"])
+
+
 def test_profile_kinds_sort_the_kernels_of_an_h100_trace():
     from bench.profile_top import kind
 
