@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,31 @@ SHARED_RUN_DIR_CHECK = """
     except ClusterError as error:
         print(error)
 """
+
+
+@pytest.mark.timeout(300)
+def test_a_wheel_install_reads_base_yaml_and_the_presets(tmp_path):
+    # `pip install .` without -e, as docs/cluster.md's image and the cluster manifests install nestor:
+    # base.yaml and the presets must be in the wheel, beside the packages, where orchestrator.config
+    # looks. They were not, and every command failed on "base.yaml: file not found".
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "runs", "build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "wheel"),
+                    str(source)], check=True, timeout=240, capture_output=True)
+    [wheel] = (tmp_path / "wheel").glob("nestor-*.whl")
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "mine.yaml").write_text("model:\n  preset: llama3-8b\nmesh:\n  fsdp: 8\n")
+    code = ("from orchestrator import config; mine = config.load('mine.yaml'); "
+            "print(config.__file__, mine.model.embed_dim, mine.mesh.fsdp, *config.presets())")
+    env = user_env() | {"PYTHONPATH": str(tmp_path / "site")}
+    shown = subprocess.run([sys.executable, "-c", code], cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    where, embed, fsdp, *names = shown.stdout.split()
+    assert Path(where).is_relative_to(tmp_path / "site")  # the wheel's modules, not this checkout's
+    assert (embed, fsdp) == ("4096", "8")
+    assert names == sorted(path.stem for path in (ROOT / "configs/models").glob("*.yaml"))
 
 
 @pytest.mark.multiprocess
