@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.launcher import PROJECT_ROOT
+from cluster.launcher import PROJECT_ROOT, use_token_if_present
 from cluster.rendezvous import ClusterError
 
 SUBMITTED_CONFIG = ".nestor/config.yaml"
@@ -29,15 +29,8 @@ JOB_FILES = ("pyproject.toml", "configs", "orchestrator", "parallel", "models", 
 AGENT_WAIT_S = 60.0  # how long a submission waits for a just-started head's job agent
 # The job's Python: the first of python3, python on the head's PATH (POSIX sh).
 ENTRYPOINT_PYTHON = '"$(command -v python3 || command -v python)"'
-TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 # Ray's own INFO records in a job's log ("Runtime env is setting up."), which `follow` leaves out.
 RAY_INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+INFO \S+\.py:\d+ -- ")
-
-
-def _use_token_if_present() -> None:
-    """Turns on Ray's token auth for this client when a token is available (env or file)."""
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or TOKEN_FILE.exists():
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def client(address: str):
@@ -45,7 +38,7 @@ def client(address: str):
 
     Raises ClusterError with one line when nothing answers there.
     """
-    _use_token_if_present()  # before Ray's import: Ray reads the auth mode once
+    use_token_if_present()
     from ray.job_submission import JobSubmissionClient
 
     # The SDK's INFO lines (packaging the upload, closing the log stream) are not the job's output.

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +33,7 @@ from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 LOCALHOST = "127.0.0.1"
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the token it generated
 UPLOAD_EXCLUDES = [".git", ".venv", "venv", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
                    "bench"]
 
@@ -93,6 +95,21 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None]], Any], argument: Any,
         ray.shutdown()
 
 
+def use_token_if_present() -> None:
+    """Turns on Ray's token auth for this client when a token is available (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or Ray's token file) and RAY_AUTH_MODE is unset, as `ray start` does for its
+    head. Ray itself never does it for an explicit address, so a client of a head that `ray start`
+    put under token auth would be refused without it."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or TOKEN_FILE.exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray caches its config at import: read the mode again
+            from ray._raylet import Config
+
+            Config.initialize("")
+
+
 def _connect(spec: ClusterSpec) -> None:
     """Connects this process to Ray, starting an embedded cluster when no address is known."""
     import ray
@@ -103,14 +120,17 @@ def _connect(spec: ClusterSpec) -> None:
         return
     if spec.address:
         _check_reachable(spec.address)
+        use_token_if_present()
         try:
             ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
                      runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
                                   "env_vars": _start_timeout(spec)})
         except (ConnectionError, RuntimeError, ValueError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ClusterError(f"cluster.address={spec.address}: cannot reach a Ray cluster there ({first_line}); "
-                               "start one with `ray start --head` or fix the address") from None
+            # Something answered there (_check_reachable): a GCS that refused us, or not a GCS at all.
+            raise ClusterError(f"cluster.address={spec.address}: could not connect to Ray there ({first_line}); "
+                               "is it a Ray head's GCS port (6379 by default)? A cluster under token auth needs "
+                               "its token here: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token") from None
         return
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers
     # import the code from this checkout, whatever version is installed.

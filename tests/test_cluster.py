@@ -35,9 +35,16 @@ TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_hos
              "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
+def user_shell() -> dict[str, str]:
+    """This process's environment without the Ray auth mode an earlier test's client set in it: a user's
+    shell has none, and `ray start` and nestor must turn token auth on themselves."""
+    return {key: value for key, value in os.environ.items() if key != "RAY_AUTH_MODE"}
+
+
 def nestor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Runs the `nestor` CLI of this checkout in a fresh process; returns it finished."""
+    """Runs the `nestor` CLI of this checkout in a fresh process, from a user's shell; returns it finished."""
     env = child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}")
+    env.pop("RAY_AUTH_MODE", None)  # a user's shell has none (user_shell)
     return subprocess.run([PYTHON, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -85,10 +92,13 @@ def head_answers(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """A `ray start --head` on 127.0.0.1 with the Jobs API; yields its dashboard URL; stops what it started."""
+    """A `ray start --head` on 127.0.0.1 with the Jobs API, under token auth as on a user's machine after
+    the quickstart (Ray's token file exists, RAY_AUTH_MODE unset); yields its dashboard URL and GCS
+    address; stops what it started."""
     port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
     # Without the flag Ray trades 127.0.0.1 for the machine's routable address.
-    env = dict(os.environ, PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env = dict(user_shell(), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
