@@ -400,7 +400,7 @@ def _read_yaml(path: Path, key: str, empty_ok: bool = True) -> dict:
     if data is None and empty_ok:
         return {}
     if data is None:
-        raise ConfigError([(key, f"{path} is empty; write `{{}}` to train on base.yaml's defaults")])
+        raise ConfigError([(key, f"{path} is empty; write `{{}}` for a file that sets nothing")])
     if not isinstance(data, dict):
         raise ConfigError([(key, f"{path} must hold a mapping of sections")])
     return data
@@ -460,7 +460,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     if isinstance(overrides, list):
         # Further YAML files (e.g. configs/meshes/fsdp8.yaml) layer over CONFIG in order.
         for layer in [item for item in overrides if "=" not in item and item.endswith((".yaml", ".yml"))]:
-            user = _merge(user, _read_yaml(Path(layer), layer))
+            user = _merge(user, _read_yaml(Path(layer), layer, empty_ok=False))
         overrides = [item for item in overrides if not ("=" not in item and item.endswith((".yaml", ".yml")))]
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     preset = next((layer["model"].get("preset") for layer in (extra, user)

@@ -108,7 +108,8 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
 
 def eval_problems(config: Config) -> list[tuple[str, str]]:
     """Returns (key path, message) when the eval source cannot be read: `heldout` needs prepared shards
-    (data.source=tokens), `tokens` needs eval.paths. Checked when eval.every is set, and by `nestor eval`."""
+    (data.source=tokens), `text` and `tokens` need eval.paths. Checked when eval.every is set, and by
+    `nestor eval`."""
     source = config.eval.source
     if source == "heldout" and config.data.source != "tokens":
         return [("eval.source", f"heldout is the eval split of prepared shards, and data.source is "
@@ -116,6 +117,10 @@ def eval_problems(config: Config) -> list[tuple[str, str]]:
                                 "or train on data.source=tokens")]
     if source == "tokens" and not config.eval.paths:
         return [("eval.paths", "eval.source=tokens needs directories written by `nestor data prepare`")]
+    if source == "text" and not config.eval.paths:
+        # Without globs the text source reads the standard library's sources: the quickstart's training text.
+        return [("eval.paths", "eval.source=text needs globs of held-out text files; without them it would "
+                               "evaluate on the standard library's sources, the default training text")]
     return []
 
 

@@ -116,6 +116,10 @@ def test_bad_config_files_are_one_line_errors_naming_the_config(tmp_path):
             load(path)
         [(key, message)] = caught.value.problems
         assert key == "CONFIG" and path in message and expected[name] in message and "\n" not in message, message
+        with pytest.raises(ConfigError) as caught:
+            load(QUICKSTART, [path])  # a further layer (an empty one was taken for no settings)
+        [(key, message)] = caught.value.problems
+        assert key == path and expected[name] in message and "\n" not in message, message
 
 
 def _console_script() -> list[str]:

@@ -87,6 +87,7 @@ def test_eval_data_smaller_than_one_batch_or_missing_is_a_config_error_naming_th
     assert problem("eval.source=text", f"eval.paths=[{tmp_path / 'held.txt'}]")[0] == "eval.paths"
     assert problem("eval.source=text", f"eval.paths=[{tmp_path / 'absent*.txt'}]")[0] == "eval.paths"
     assert problem("eval.source=tokens")[0] == "eval.paths"
+    assert problem("eval.source=text")[0] == "eval.paths"  # not the training text, silently
     assert problem("data.source=text")[0] == "eval.source"  # heldout needs prepared shards
     with pytest.raises(ConfigError, match="eval.source: heldout is the eval split"):
         tiny_config("eval.every=5")
