@@ -48,6 +48,7 @@ from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader,
                                              is_finalized, quarantine_incomplete)
 from orchestrator.config import Config
 from orchestrator.manifest import MANIFEST, records, write_manifest, written_by
+from orchestrator.paths import shown
 from orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
 from orchestrator.state import StateLayout
 
@@ -294,7 +295,7 @@ class Checkpointer(CheckpointReader):
                               if path.exists() and not (path / MANIFEST).is_file()])
         kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and is_finalized(p))
         raise CheckpointWriteError(
-            f"run.dir {Path(self.config.run.dir).resolve()}: checkpoint {step} could not be written "
+            f"run.dir {shown(Path(self.config.run.dir).resolve())}: checkpoint {step} could not be written "
             f"({_cause(error)}); training stopped. "
             + (f"Checkpoints {', '.join(map(str, kept))} are intact; " if kept else "No checkpoint was kept; ")
             + "free space or make run.dir writable, then run again to resume") from None

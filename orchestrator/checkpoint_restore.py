@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.manifest import MANIFEST, verify_manifest
+from orchestrator.paths import shown
 from orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
 from orchestrator.state import StateLayout
 
@@ -56,7 +57,7 @@ def quarantine(step_dir: Path, reason: str, log=print) -> Path:
     target = step_dir.parent.parent / "torn_checkpoints" / f"{step_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(step_dir), str(target))
-    log(f"warning: checkpoint {step_dir} is {reason}; skipped and moved to {target}")
+    log(f"warning: checkpoint {shown(step_dir)} is {reason}; skipped and moved to {shown(target)}")
     return target
 
 
@@ -72,7 +73,7 @@ def quarantine_incomplete(directory: Path, log=print, remove_unfinished: bool = 
     if directory.is_dir() and jax.process_index() == 0:
         for unfinished in directory.glob(f"*{TEMPORARY}*") if remove_unfinished else ():
             shutil.rmtree(unfinished, ignore_errors=True)
-            log(f"removed {unfinished}: a save that never finished")
+            log(f"removed {shown(unfinished)}: a save that never finished")
         steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
         moved = [quarantine(p, "incomplete (missing Orbax's metadata or an item)", log)
                  for p in steps if not is_finalized(p)]
@@ -126,9 +127,9 @@ def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLa
                 for section in ("model", "moe") for key, value in saved_config.get(section, {}).items()
                 if key != "preset" and current[section].get(key) != value]
     differing = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
-    shown = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
+    differences = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
     problems.append(("run.dir", f"{step_dir} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "
-                                f"config (checkpoint vs now: {shown}{', ...' if len(differing) > 3 else ''}); "
+                                f"config (checkpoint vs now: {differences}{', ...' if len(differing) > 3 else ''}); "
                                 "use the checkpoint's values or a new run.dir"))
     raise ConfigError(problems)
 
@@ -167,7 +168,7 @@ class CheckpointReader:
         if (step_dir / MANIFEST).is_file():
             verify_manifest(step_dir)
         elif jax.process_index() == 0:
-            self.log(f"warning: checkpoint {step_dir} has no {MANIFEST} (written by an older nestor, or a "
+            self.log(f"warning: checkpoint {shown(step_dir)} has no {MANIFEST} (written by an older nestor, or a "
                      "synchronous save cut off before it); restored without checking its files")
         _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
                     step_dir)

@@ -8,15 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from orchestrator.paths import shown
 from orchestrator.preflight import check_dependencies
-
-
-def _shown(path: str) -> str:
-    """Returns `path` relative to the working directory when it lies inside it, else as it is."""
-    try:
-        return str(Path(path).relative_to(Path.cwd()))
-    except ValueError:
-        return path
 
 
 def _tensorboard_command(log_dir: str) -> str:
@@ -24,14 +17,14 @@ def _tensorboard_command(log_dir: str) -> str:
     tensorboard = "tensorboard"
     if shutil.which(tensorboard) is None:  # e.g. `.venv/bin/nestor` run without the venv on PATH
         beside = Path(sys.executable).parent / tensorboard
-        tensorboard = _shown(str(beside)) if beside.exists() else tensorboard
-    return f"{tensorboard} --logdir {_shown(log_dir)}"
+        tensorboard = shown(beside) if beside.exists() else tensorboard
+    return f"{tensorboard} --logdir {shown(log_dir)}"
 
 
 def where_results_are(config) -> list[str]:
     """Returns the closing lines of a run: where its files are and how to look at them."""
     run_dir = config.run.dir
-    lines = [f"run dir: {_shown(run_dir)}  (config.yaml, metrics.jsonl, checkpoints/"
+    lines = [f"run dir: {shown(run_dir)}  (config.yaml, metrics.jsonl, checkpoints/"
              + (", tb/)" if config.metrics.tensorboard else ")")]
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
@@ -136,7 +129,7 @@ def _data_prepare(args) -> int:
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
               f"{len(counts['shards'])} shards")
-    print(f"train on it: data.source=tokens data.paths=[{_shown(str(options.out))}] "
+    print(f"train on it: data.source=tokens data.paths=[{shown(options.out)}] "
           f"model.vocab_size={metadata['tokenizer']['vocab_size']} (or more)")
     return 0
 

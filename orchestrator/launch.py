@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cluster.launcher import ClusterSpec, Preempted, launch
 from orchestrator.config import Config
+from orchestrator.paths import show_relative_to, user_directory
 from orchestrator.progress import Console, ForwardingConsole, replay
 from orchestrator.run_lock import RunDirLock
 
@@ -17,18 +18,23 @@ def cluster_spec(config: Config) -> ClusterSpec:
                        worker_logs=c.worker_logs)
 
 
-def train_on_worker(config: Config, send) -> None:
-    """The function each Ray worker runs once jax.distributed is up: the ordinary train loop.
+def train_on_worker(job: tuple[Config, str], send) -> None:
+    """The function each Ray worker runs once jax.distributed is up: the ordinary train loop of
+    `job` = (config, the directory the user ran nestor in).
 
     Process 0 speaks for the run: its console calls travel to the driver
-    through `send`; the other processes say nothing. Raises Preempted when
-    every process stopped after the same step for a SIGTERM and saved it.
+    through `send`, paths in them shown as the driver would show them (Ray
+    Train runs workers in a directory of its own); the other processes say
+    nothing. Raises Preempted when every process stopped after the same step
+    for a SIGTERM and saved it.
     """
     import jax
 
     from orchestrator.runtime import enable_compile_cache
     from orchestrator.train import train
 
+    config, directory = job
+    show_relative_to(directory)
     enable_compile_cache(config)
     console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
     result = train(config, console=console, lock=False)  # the driver holds run.dir's lock (train_on_ray)
@@ -49,7 +55,7 @@ def train_on_ray(config: Config, console: Console) -> None:
     """
     try:
         with RunDirLock(config.run.dir, console.log):
-            launch(train_on_worker, config, cluster_spec(config), storage_dir=config.run.dir,
+            launch(train_on_worker, (config, str(user_directory())), cluster_spec(config), storage_dir=config.run.dir,
                    on_message=lambda message: replay(console, message))
     finally:
         console.close()

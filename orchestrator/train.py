@@ -25,6 +25,7 @@ from orchestrator.evaluation.loss import Evaluator
 from orchestrator.health import StateHealth
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
+from orchestrator.paths import shown
 from orchestrator.profiler import StepProfiler
 from orchestrator.progress import Console
 from orchestrator.run_lock import RunDirLock
@@ -179,7 +180,7 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
         return 0, init_state(config, job.layout)
     step, state, data_state = resumed
     job.data.restore(data_state, log)
-    log(f"resumed from checkpoint {step} in {checkpointer.directory}")
+    log(f"resumed from checkpoint {step} in {shown(checkpointer.directory)}")
     if change := schedule_change(checkpointer.saved_config(step), config, step):
         log(change)
     return step, state
@@ -272,8 +273,8 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
         start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
         health = StateHealth(config.checkpoint.health_factor, float(start_norm))
         if first_step >= config.train.steps:
-            log(f"nothing to train: the checkpoint in {config.run.dir} is at step {first_step} = train.steps; "
-                "raise train.steps to train on")
+            log(f"nothing to train: the checkpoint in {shown(config.run.dir)} is at step {first_step} = "
+                "train.steps; raise train.steps to train on")
             return result
         job.step_fn, compile_s = _compile(job, state, first_step, console)
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)

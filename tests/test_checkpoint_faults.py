@@ -2,6 +2,7 @@
 kill -9 at every moment of an async save, a full disk and a read-only run.dir stopping the run in one line."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -106,7 +107,7 @@ def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_
     assert recorded == manifest.records(step_dir, [step_dir / name for name in written])
 
 
-def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_losses(saved, tmp_path):
+def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_losses(saved, tmp_path, monkeypatch):
     truncated = copy_of(saved, tmp_path, "truncated")
     file = array_files(checkpoint_dir(truncated) / "6")[0]
     file.write_bytes(file.read_bytes()[:100])
@@ -114,11 +115,13 @@ def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_lo
     shutil.rmtree(checkpoint_dir(direct) / "6")
 
     lines = []
+    monkeypatch.chdir(tmp_path)  # paths in the lines read as the user typed them: relative to where nestor runs
     result = train(load(truncated, "train.steps=8", *SAVED[1:]), console=Console(log=lines.append))
     assert result.first_step == 4
-    warning = next(line for line in lines if "checkpoints/6 is unusable" in line)
+    warning = next(line for line in lines if line.startswith("warning: checkpoint truncated/checkpoints/6 is unusable"))
     assert f"{file.relative_to(checkpoint_dir(truncated) / '6')} has 100 bytes" in warning
-    assert any(line.startswith("resumed from checkpoint 4") for line in lines)
+    assert re.search(r"; skipped and moved to truncated/torn_checkpoints/6-\d{8}T\d{6}$", warning), warning
+    assert "resumed from checkpoint 4 in truncated/checkpoints" in lines
     assert result.losses == run(load(direct, "train.steps=8", *SAVED[1:])).losses
 
 
