@@ -44,8 +44,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, handing_back_failures,
-                                             is_finalized, quarantine_incomplete)
+from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, finalized_steps,
+                                             handing_back_failures, quarantine_incomplete)
 from orchestrator.config import Config
 from orchestrator.manifest import MANIFEST, records, write_manifest, written_by
 from orchestrator.paths import shown
@@ -293,7 +293,7 @@ class Checkpointer(CheckpointReader):
         if jax.process_index() == 0:
             _remove_for_good([path for path in self._unfinished(step) + [self.directory / str(step)]
                               if path.exists() and not (path / MANIFEST).is_file()])
-        kept = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and is_finalized(p))
+        kept = finalized_steps(self.directory)
         raise CheckpointWriteError(
             f"run.dir {shown(Path(self.config.run.dir).resolve())}: checkpoint {step} could not be written "
             f"({_cause(error)}); training stopped. "

@@ -49,6 +49,13 @@ def is_finalized(step_dir: Path) -> bool:
     return (step_dir / METADATA_FILE).is_file() and all((step_dir / item).is_dir() for item in ITEMS)
 
 
+def finalized_steps(directory: Path) -> list[int]:
+    """Returns the steps of the finalized checkpoints in `directory` (a run's `checkpoints/`), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and is_finalized(p))
+
+
 def quarantine(step_dir: Path, reason: str, log=print) -> Path:
     """Moves a broken step directory to `run.dir/torn_checkpoints/`; returns where it went.
 

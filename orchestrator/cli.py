@@ -22,13 +22,27 @@ def _tensorboard_command(log_dir: str) -> str:
 
 
 def where_results_are(config) -> list[str]:
-    """Returns the closing lines of a run: where its files are and how to look at them."""
+    """Returns the closing lines of a run: where its files are, how to look at them, and what running the
+    same command again does, from the checkpoints on disk (whichever launcher ran it): resume from the
+    newest, or start from step 0 when every save was refused."""
+    from orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
+
     run_dir = config.run.dir
-    lines = [f"run dir: {shown(run_dir)}  (config.yaml, metrics.jsonl, checkpoints/"
-             + (", tb/)" if config.metrics.tensorboard else ")")]
+    kept = finalized_steps(checkpoint_dir(run_dir))
+    files = ["config.yaml", "metrics.jsonl", "checkpoints/" if kept else "checkpoints/ empty"]
+    if config.metrics.tensorboard:
+        files.append("tb/")
+    lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
-    lines.append(f"resume or extend: run the same command again (train.steps={config.train.steps} now)")
+    if not kept:
+        # A run that ends without error saves its last state unless the health check refused it.
+        lines.append("no checkpoint kept: every save was refused (see above), so running the same command again "
+                     "starts from step 0; lower optimizer.lr (or raise optimizer.warmup_steps, set "
+                     "optimizer.clip_norm) first")
+        return lines
+    newest = "" if kept[-1] == config.train.steps else f"from checkpoint {kept[-1]}; "
+    lines.append(f"resume or extend: run the same command again ({newest}train.steps={config.train.steps} now)")
     return lines
 
 

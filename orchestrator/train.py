@@ -298,7 +298,10 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             if unhealthy := health.judge(values):
                 checkpointer.refused.add(step)
             if save is not None and unhealthy:
-                log(f"checkpoint {step} not saved: {unhealthy}; the newest checkpoint stays the last good state")
+                newest = checkpointer.latest_step()
+                kept = ("no checkpoint is kept yet" if newest is None
+                        else f"the newest checkpoint ({newest}) stays the last good state")
+                log(f"checkpoint {step} not saved: {unhealthy}; {kept}")
                 timings["checkpoint_skipped"] = 1
             elif save is not None:
                 saving = time.perf_counter()

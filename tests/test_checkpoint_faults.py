@@ -15,10 +15,11 @@ import pytest
 
 from orchestrator import manifest
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir
+from orchestrator.cli import main, where_results_are
 from orchestrator.progress import Console
 from orchestrator.train import build_job, train
 from tests.helpers import run
-from tests.test_checkpoint import cli, load
+from tests.test_checkpoint import BASE, cli, load
 
 SAVED = ("train.steps=6", "checkpoint.every=2", "optimizer.decay_steps=8")
 
@@ -133,15 +134,35 @@ def test_a_blown_up_finite_state_is_not_saved_and_a_lower_lr_resumes(saved, tmp_
                        *SAVED[2:]), console=Console(log=lines.append))
     norms = [record["param_norm"] for record in blown.history]
     assert np.isfinite(blown.losses).all() and min(norms) > 10 * healthy_norm  # blown up, yet finite
-    assert [line.split()[1] for line in lines if "not saved" in line] == ["7", "8"]
+    refusals = [line for line in lines if "not saved" in line]
+    assert [line.split()[1] for line in refusals] == ["7", "8"]
+    assert all(line.endswith("; the newest checkpoint (6) stays the last good state") for line in refusals)
     assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir()) == [2, 4, 6]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("checkpoint_skipped")] == [7, 8]
+    closing = where_results_are(load(run_dir, "train.steps=8"))
+    assert closing[-1] == "resume or extend: run the same command again (from checkpoint 6; train.steps=8 now)"
 
     lowered = run(load(run_dir, "train.steps=8", *SAVED[1:]))
     assert lowered.first_step == 6 and np.isfinite(lowered.losses).all()
     assert max(record["param_norm"] for record in lowered.history) < 1.1 * healthy_norm
     assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir())[-1] == 8
+
+
+def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
+    blowing_up = ["train.steps=4", "checkpoint.every=2", "optimizer.lr=10", "optimizer.clip_norm=0"]
+    assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/blow", *blowing_up]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    refusals = [line for line in lines if "not saved" in line]
+    assert [line.split()[1] for line in refusals] == ["2", "4"]  # every save, the last one's included
+    assert all(line.endswith("; no checkpoint is kept yet") for line in refusals)
+    assert list((tmp_path / "runs" / "blow" / "checkpoints").iterdir()) == []
+    assert lines[-2:] == ["run dir: runs/blow  (config.yaml, metrics.jsonl, checkpoints/ empty)",
+                          "no checkpoint kept: every save was refused (see above), so running the same command "
+                          "again starts from step 0; lower optimizer.lr (or raise optimizer.warmup_steps, set "
+                          "optimizer.clip_norm) first"]
 
 
 # A driver that runs `nestor train` with Orbax's and nestor's save functions wrapped to kill -9 the
