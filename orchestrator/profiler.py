@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 from orchestrator.config import Config
+from orchestrator.paths import shown
 
 
 class StepProfiler:
@@ -57,7 +58,7 @@ class StepProfiler:
             jax.block_until_ready(outputs)
             ready = time.perf_counter()
             self.stop()
-            self.log(f"profiled steps {self.first}..{self.last}: {self.directory} (TensorBoard's Profile tab)")
+            self.log(f"profiled steps {self.first}..{self.last}: {shown(self.directory)} (TensorBoard's Profile tab)")
             return ready
         return None
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from orchestrator.config import ConfigError
+from orchestrator.paths import shown
 
 LOCK_NAME = "nestor.lock"
 
@@ -79,7 +80,8 @@ class RunDirLock:
         except ConfigError:
             raise
         except OSError as error:  # a read-only or full run.dir, a file system without locks
-            raise ConfigError([("run.dir", f"cannot take the lock {self.path}: {error.strerror or error}")]) from None
+            problem = f"cannot take the lock {shown(self.path)}: {error.strerror or error}"
+            raise ConfigError([("run.dir", problem)]) from None
 
     def _acquire(self) -> "RunDirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +106,7 @@ class RunDirLock:
             os.close(fd)
             raise self._refusal(holder)
         if holder:
-            self.log(f"took over {self.path} from a run that is gone: {_describe(holder)}")
+            self.log(f"took over {shown(self.path)} from a run that is gone: {_describe(holder)}")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "start_ticks": _start_ticks(os.getpid())}
         os.ftruncate(fd, 0)
@@ -113,9 +115,9 @@ class RunDirLock:
         return self
 
     def _refusal(self, holder: dict | None) -> ConfigError:
-        return ConfigError([("run.dir", f"{self.path.parent} is in use by another run: {self.path} is held by "
-                                        f"{_describe(holder)}; wait for that run to end, stop it, or choose "
-                                        "another run.dir")])
+        return ConfigError([("run.dir", f"{shown(self.path.parent)} is in use by another run: {shown(self.path)} is "
+                                        f"held by {_describe(holder)}; wait for that run to end, stop it, or "
+                                        "choose another run.dir")])
 
     def __exit__(self, *exc) -> None:
         if self._fd is None:

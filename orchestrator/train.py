@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
+from orchestrator.checkpoint_restore import finalized_steps
 from orchestrator.data.pipeline import DataPipeline, batch_shape
 from orchestrator.evaluation.loss import Evaluator
 from orchestrator.health import StateHealth
@@ -100,7 +101,7 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the parameters became NaN or Inf; the newest checkpoint is the last good state."""
+    """The loss or the parameters became NaN or Inf; the newest checkpoint, if any, is the last good state."""
 
 
 @dataclasses.dataclass
@@ -165,12 +166,16 @@ def _to_host(metrics: dict) -> dict:
     return {name: np.asarray(value) for name, value in metrics.items()}
 
 
-def _check_finite(step: int, values: dict) -> None:
+def _check_finite(step: int, values: dict, checkpointer: Checkpointer) -> None:
     for name in ("loss", "param_norm"):
         if name in values and not np.isfinite(values[name]):
+            checkpointer.raise_if_failed(wait=True)  # a save in flight is kept (or its failure said) first
+            kept = finalized_steps(checkpointer.directory)
+            rerun = (f"checkpoint {kept[-1]} holds the last good state, and running again resumes from it" if kept
+                     else "no checkpoint is kept, so running again starts from step 0")
             raise TrainingDiverged(f"{name} is {float(values[name])} at step {step}; stopped without saving this "
-                                   "state. The newest checkpoint holds the last good one: lower optimizer.lr, "
-                                   "raise optimizer.warmup_steps or set optimizer.clip_norm, then resume")
+                                   f"state. {rerun}: lower optimizer.lr, raise optimizer.warmup_steps or set "
+                                   "optimizer.clip_norm first")
 
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
@@ -293,7 +298,7 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
             # Off logging steps, only what every step needs comes to the host.
             values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
             finished_at = time.perf_counter() if finished is None else finished
-            _check_finite(step, values)  # before the state goes to disk
+            _check_finite(step, values, checkpointer)  # before the state goes to disk
             result.losses.append(float(values["loss"]))
             if unhealthy := health.judge(values):
                 checkpointer.refused.add(step)
