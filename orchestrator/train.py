@@ -345,7 +345,8 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
         checkpointer.raise_if_failed()  # a save that failed in the background stops the run now
         # The trace starts once the previous step (its evaluation included) is done; its start is no step's.
         if (ready := profiler.before(step + 1, (state, pending and pending.metrics))) is not None:
-            pending = pending and pending._replace(finished=ready)
+            if pending is not None and pending.finished is None:  # an evaluated step's end is known already
+                pending = pending._replace(finished=ready)
             last = time.perf_counter()
         with profiler.annotation(step + 1):
             state, metrics = job.step_fn(state, job.data.batch(step))

@@ -99,12 +99,15 @@ def test_traced_steps_are_timed_without_the_trace_starting_or_being_written(tmp_
     assert sorted(seconds) == [1, 2, 3, 4] and max(seconds.values()) < TRACER_SECONDS, seconds
 
 
-EVALUATOR_SECONDS = 1.0  # a stand-in evaluation takes at least this long
+EVALUATOR_SECONDS = 2.0  # a stand-in evaluation takes at least this long; a tiny step about 0.05 s
 
 
-def test_an_evaluation_is_timed_as_eval_s_and_never_as_a_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("overrides", [(), ("profile.start_step=3", "profile.steps=1")],
+                         ids=["untraced", "trace_after_the_evaluation"])
+def test_an_evaluation_is_timed_as_eval_s_and_never_as_a_step(tmp_path, monkeypatch, overrides):
     # An evaluation used to be dispatched before the previous step was read, so on CPU (where it runs
-    # as it is dispatched) its time, its first compile included, landed on the step before it.
+    # as it is dispatched) its time, its first compile included, landed on the step before it; and a
+    # trace starting after an evaluated step must not move that step's end past its evaluation.
     from orchestrator.evaluation.loss import Evaluator
 
     evaluate = Evaluator.__call__
@@ -115,7 +118,7 @@ def test_an_evaluation_is_timed_as_eval_s_and_never_as_a_step(tmp_path, monkeypa
 
     monkeypatch.setattr(Evaluator, "__call__", slow)
     config = config_lib.load(None, [*TINY, f"run.dir={tmp_path}", "train.steps=4", "eval.every=2",
-                                    "eval.steps=1", "eval.source=synthetic"])
+                                    "eval.steps=1", "eval.source=synthetic", *overrides])
     run(config)
     records = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl"))}
     assert sorted(records) == [1, 2, 3, 4]
