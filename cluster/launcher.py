@@ -125,7 +125,7 @@ def _connect(spec: ClusterSpec) -> None:
             ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
                      runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
                                   "env_vars": _start_timeout(spec)})
-        except (ConnectionError, RuntimeError, ValueError) as error:
+        except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             # Something answered there (_check_reachable): a GCS that refused us, or not a GCS at all.
             raise ClusterError(f"cluster.address={spec.address}: could not connect to Ray there ({first_line}); "

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,17 +36,17 @@ TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_hos
              "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
-def user_shell() -> dict[str, str]:
-    """This process's environment without the Ray auth mode an earlier test's client set in it: a user's
-    shell has none, and `ray start` and nestor must turn token auth on themselves."""
-    return {key: value for key, value in os.environ.items() if key != "RAY_AUTH_MODE"}
+def user_shell(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's environment) without the Ray auth mode an earlier test's client set
+    in it: a user's shell has none, and `ray start` and nestor must turn token auth on themselves."""
+    return {key: value for key, value in (env or os.environ).items() if key != "RAY_AUTH_MODE"}
 
 
-def nestor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Runs the `nestor` CLI of this checkout in a fresh process, from a user's shell; returns it finished."""
-    env = child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}")
-    env.pop("RAY_AUTH_MODE", None)  # a user's shell has none (user_shell)
-    return subprocess.run([PYTHON, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env, text=True,
+def nestor(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs the `nestor` CLI of this checkout in a fresh process, from a user's shell (plus `env`); returns it
+    finished."""
+    shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", **(env or {})))
+    return subprocess.run([PYTHON, "-m", "orchestrator.cli", *args], cwd=ROOT, env=shell, text=True,
                           capture_output=True, timeout=timeout)
 
 
@@ -187,6 +188,18 @@ def test_unreachable_address_is_one_line(command, prefix):
     assert process.returncode == 1
     lines = process.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(prefix), process.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_token_path_that_holds_no_token_is_one_line(tmp_path):
+    # Something listens at the address, and RAY_AUTH_TOKEN_PATH names no file: Ray's AuthenticationError.
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        process = nestor("train", "configs/quickstart.yaml", f"cluster.address=127.0.0.1:{port}",
+                         env={"RAY_AUTH_TOKEN_PATH": str(tmp_path / "absent")}, timeout=100)
+    lines = process.stderr.strip().splitlines()
+    assert process.returncode == 1 and len(lines) == 1, process.stderr[-3000:]
+    assert lines[0].startswith(f"nestor: cluster.address=127.0.0.1:{port}: could not connect") and "token" in lines[0]
 
 
 # Process 1 gets a SIGINT at its third call; the processes go at different paces.
