@@ -23,27 +23,36 @@ def _tensorboard_command(log_dir: str) -> str:
 
 def where_results_are(config) -> list[str]:
     """Returns the closing lines of a run: where its files are, how to look at them, and what running the
-    same command again does, from the checkpoints on disk (whichever launcher ran it): resume from the
-    newest, or start from step 0 when every save was refused."""
+    same command again does: resume from the newest checkpoint, or, when run.dir shows that every save
+    was refused (whichever launcher ran it), start from step 0. A driver that cannot see run.dir (a
+    cluster's storage) says what it said before any checkpoint was read."""
     from orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
+    from orchestrator.health import CALMER
 
     run_dir = config.run.dir
     kept = finalized_steps(checkpoint_dir(run_dir))
-    files = ["config.yaml", "metrics.jsonl", "checkpoints/" if kept else "checkpoints/ empty"]
+    refused = not kept and _saves_refused(Path(run_dir) / "metrics.jsonl")
+    files = ["config.yaml", "metrics.jsonl", "checkpoints/ empty" if refused else "checkpoints/"]
     if config.metrics.tensorboard:
         files.append("tb/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
-    if not kept:
-        # A run that ends without error saves its last state unless the health check refused it.
+    if refused:
         lines.append("no checkpoint kept: every save was refused (see above), so running the same command again "
-                     "starts from step 0; lower optimizer.lr (or raise optimizer.warmup_steps, set "
-                     "optimizer.clip_norm) first")
+                     f"starts from step 0; {CALMER} first")
         return lines
-    newest = "" if kept[-1] == config.train.steps else f"from checkpoint {kept[-1]}; "
+    newest = "" if not kept or kept[-1] == config.train.steps else f"from checkpoint {kept[-1]}; "
     lines.append(f"resume or extend: run the same command again ({newest}train.steps={config.train.steps} now)")
     return lines
+
+
+def _saves_refused(metrics_jsonl: Path) -> bool:
+    """Returns whether metrics.jsonl records a checkpoint the health check refused (`checkpoint_skipped`)."""
+    try:
+        return any(json.loads(line).get("checkpoint_skipped") for line in metrics_jsonl.read_text().splitlines())
+    except OSError:
+        return False
 
 
 def _train(config, args) -> int:

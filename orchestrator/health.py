@@ -19,6 +19,8 @@ import numpy as np
 
 HISTORY = 20  # steps whose values make "recent history"
 JUDGED = ("loss", "param_norm")
+# What to change before running a run again that blew up (its checkpoints refused, or NaN).
+CALMER = "lower optimizer.lr, raise optimizer.warmup_steps or set optimizer.clip_norm"
 
 
 class StateHealth:

@@ -23,7 +23,7 @@ from orchestrator.checkpoint import Checkpointer
 from orchestrator.checkpoint_restore import finalized_steps
 from orchestrator.data.pipeline import DataPipeline, batch_shape
 from orchestrator.evaluation.loss import Evaluator
-from orchestrator.health import StateHealth
+from orchestrator.health import CALMER, StateHealth
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from orchestrator.optimizer import schedule_change
 from orchestrator.paths import shown
@@ -174,8 +174,7 @@ def _check_finite(step: int, values: dict, checkpointer: Checkpointer) -> None:
             rerun = (f"checkpoint {kept[-1]} holds the last good state, and running again resumes from it" if kept
                      else "no checkpoint is kept, so running again starts from step 0")
             raise TrainingDiverged(f"{name} is {float(values[name])} at step {step}; stopped without saving this "
-                                   f"state. {rerun}: lower optimizer.lr, raise optimizer.warmup_steps or set "
-                                   "optimizer.clip_norm first")
+                                   f"state. {rerun}: {CALMER} first")
 
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:

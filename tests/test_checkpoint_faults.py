@@ -161,8 +161,16 @@ def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path,
     assert list((tmp_path / "runs" / "blow" / "checkpoints").iterdir()) == []
     assert lines[-2:] == ["run dir: runs/blow  (config.yaml, metrics.jsonl, checkpoints/ empty)",
                           "no checkpoint kept: every save was refused (see above), so running the same command "
-                          "again starts from step 0; lower optimizer.lr (or raise optimizer.warmup_steps, set "
-                          "optimizer.clip_norm) first"]
+                          "again starts from step 0; lower optimizer.lr, raise optimizer.warmup_steps or set "
+                          "optimizer.clip_norm first"]
+
+
+def test_a_driver_that_cannot_see_run_dir_offers_the_resume_it_offered_before(tmp_path):
+    # With cluster.address, run.dir may be the cluster's storage, which the driver's machine does not
+    # mount: no checkpoint on its disk is no sign that every save was refused.
+    lines = where_results_are(load(tmp_path / "on_the_cluster", "train.steps=7"))
+    assert lines[0].endswith("  (config.yaml, metrics.jsonl, checkpoints/)")
+    assert lines[-1] == "resume or extend: run the same command again (train.steps=7 now)"
 
 
 # A driver that runs `nestor train` with Orbax's and nestor's save functions wrapped to kill -9 the
