@@ -318,7 +318,7 @@ def restore_state(config: Config, layout: StateLayout, step: int | None = None) 
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {checkpointer.directory}")
+            raise FileNotFoundError(f"no checkpoint in {shown(checkpointer.directory)}")
         return step, checkpointer.restore(step)[0]
     finally:
         checkpointer.close()

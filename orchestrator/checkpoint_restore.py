@@ -129,13 +129,13 @@ def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLa
     saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
     if saved == wanted:
         return
-    current = config.to_dict()
-    problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {step_dir} was written with {value!r}")
+    current, written = config.to_dict(), shown(step_dir)
+    problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {written} was written with {value!r}")
                 for section in ("model", "moe") for key, value in saved_config.get(section, {}).items()
                 if key != "preset" and current[section].get(key) != value]
     differing = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
     differences = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
-    problems.append(("run.dir", f"{step_dir} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "
+    problems.append(("run.dir", f"{written} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "
                                 f"config (checkpoint vs now: {differences}{', ...' if len(differing) > 3 else ''}); "
                                 "use the checkpoint's values or a new run.dir"))
     raise ConfigError(problems)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cluster.rendezvous import ClusterError
 from orchestrator.config import Config
+from orchestrator.paths import shown
 
 _HOSTNAME_BYTES = 64  # a host's name as it travels in the run.dir check
 
@@ -76,7 +77,7 @@ def check_shared_run_dir(run_dir: Path) -> None:
     hosts = [bytes(row[1:]).rstrip(b"\0").decode(errors="replace") for row in every]
     missing = [f"process {index} on {hosts[index]}" for index, row in enumerate(every) if not row[0]]
     if missing:
-        raise ClusterError(f"run.dir={run_dir} is not the same directory on every host: {', '.join(missing)} "
+        raise ClusterError(f"run.dir={shown(run_dir)} is not the same directory on every host: {', '.join(missing)} "
                            "cannot see what process 0 wrote there; put run.dir on storage every host shares "
                            "(NFS, Filestore, GCS FUSE)")
 

@@ -255,7 +255,8 @@ def holding_run_dir(run_dir: Path, lock: bool, log):
             from jax.experimental import multihost_utils
 
             if multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)) and refusal is None:
-                refusal = ConfigError([("run.dir", f"{run_dir} is in use by another run (process 0 says whose)")])
+                whose = "is in use by another run (process 0 says whose)"
+                refusal = ConfigError([("run.dir", f"{shown(run_dir)} {whose}")])
         if refusal is not None:
             raise refusal
         yield
