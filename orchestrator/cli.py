@@ -152,9 +152,19 @@ def _data_prepare(args) -> int:
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
               f"{len(counts['shards'])} shards")
-    print(f"train on it: data.source=tokens data.paths=[{shown(options.out)}] "
-          f"model.vocab_size={metadata['tokenizer']['vocab_size']} (or more)")
+    # A command to paste, the user's config in place of CONFIG. The embedding is split over the mesh's
+    # tensor (and fsdp) axes, so the vocabulary is padded to a multiple of 128 as Megatron and MaxText do.
+    ids = metadata["tokenizer"]["vocab_size"]
+    padded = -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    print(f"train on it: nestor train CONFIG data.source=tokens data.paths=[{shown(options.out)}] "
+          f"model.vocab_size={padded}")
+    if padded != ids:
+        print(f"(model.vocab_size: the tokenizer's {ids:,} ids rounded up to a multiple of {VOCAB_MULTIPLE}, "
+              "so that any mesh splits the vocabulary)")
     return 0
+
+
+VOCAB_MULTIPLE = 128  # `data prepare`'s suggested model.vocab_size is a multiple of this
 
 
 def _fraction(text: str) -> float:

@@ -124,3 +124,26 @@ def test_inputs_that_do_not_fit_are_errors_naming_the_option(corpus, tmp_path, c
     assert caught.value.problems[0][0] == key
     with pytest.raises(ConfigError, match="SOURCE: .*none.jsonl names no file"):
         prepare([str(tmp_path / "none.jsonl")], options(corpus, tmp_path / "out"), log=lambda line: None)
+
+
+def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkeypatch, capsys):
+    # It printed the overrides with "(or more)" after them, which a shell refuses once pasted, and the
+    # tokenizer's own vocabulary (19 ids here), which the quickstart's tensor2 mesh cannot split.
+    import shlex
+
+    from orchestrator.cli import main
+    from orchestrator.config import load
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["data", "prepare", *sources(corpus), "--tokenizer", str(corpus[0] / "words.json"),
+                 "--out", "runs/words", "--text-field", "body", "--parquet-column", "body"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    [hint] = [line for line in printed if line.startswith("train on it: ")]
+    nestor, train, config, *overrides = shlex.split(hint.removeprefix("train on it: "))
+    assert (nestor, train, config) == ("nestor", "train", "CONFIG")
+    loaded = load(ROOT / "configs/quickstart.yaml", overrides)  # the user's config in place of CONFIG
+    ids = json.loads((tmp_path / "runs" / "words" / METADATA).read_text())["tokenizer"]["vocab_size"]
+    assert loaded.data.paths == (str(tmp_path / "runs" / "words"),) and loaded.model.vocab_size == 128
+    assert printed[-1] == f"(model.vocab_size: the tokenizer's {ids} ids rounded up to a multiple of 128, so that " \
+                          "any mesh splits the vocabulary)"
