@@ -131,7 +131,7 @@ def status(address: str, job_id: str) -> str:
     Raises ClusterError when the cluster is unreachable or does not know the job.
     """
     jobs = client(address)
-    return str(_jobs_call(address, f"job {job_id}", lambda: jobs.get_job_status(job_id)).value)
+    return str(_jobs_call(address, f"asking the status of job {job_id}", lambda: jobs.get_job_status(job_id)).value)
 
 
 def stop(address: str, job_id: str) -> bool:
@@ -140,4 +140,4 @@ def stop(address: str, job_id: str) -> bool:
     Raises ClusterError when the cluster is unreachable or does not know the job.
     """
     jobs = client(address)
-    return _jobs_call(address, f"job {job_id}", lambda: jobs.stop_job(job_id))
+    return _jobs_call(address, f"stopping job {job_id}", lambda: jobs.stop_job(job_id))

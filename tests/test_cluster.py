@@ -327,8 +327,10 @@ def test_kuberay_rayjob_names_image_entrypoint_and_resources():
 @pytest.mark.timeout(120)
 def test_jobs_api_errors_are_one_line(ray_head):
     url, _ = ray_head
-    for command in ("status", "stop"):
+    # "job X failed: ..." read as if the job had run and failed
+    for command, what in (("status", "asking the status of job"), ("stop", "stopping job")):
         process = nestor(command, "raysubmit_doesnotexist", "--address", url, timeout=100)
         lines = process.stderr.strip().splitlines()
         assert process.returncode == 1 and len(lines) == 1, process.stderr
-        assert lines[0].startswith(f"nestor: --address {url}: job raysubmit_doesnotexist failed: ")
+        assert lines[0].startswith(f"nestor: --address {url}: {what} raysubmit_doesnotexist failed: ")
+        assert "does not exist" in lines[0], lines[0]
