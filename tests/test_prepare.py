@@ -147,3 +147,17 @@ def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkey
     assert loaded.data.paths == (str(tmp_path / "runs" / "words"),) and loaded.model.vocab_size == 128
     assert printed[-1] == f"(model.vocab_size: the tokenizer's {ids} ids rounded up to a multiple of 128, so that " \
                           "any mesh splits the vocabulary)"
+
+
+def test_an_eval_source_leaves_no_empty_shard_in_either_split(corpus, tmp_path):
+    # Each unit wrote a shard per split, so a held-out file's units left empty train shards, listed and
+    # counted ("2 shards" for one), and the training files' units empty eval shards.
+    out = tmp_path / "prepared"
+    metadata = prepare([sources(corpus)[0]], options(corpus, out, eval_fraction=0.0), [sources(corpus)[1]],
+                       log=lambda line: None)
+    for split in ("train", "eval"):
+        shards = metadata["splits"][split]["shards"]
+        assert shards and all(shard["documents"] and shard["tokens"] for shard in shards)
+    listed = {shard["name"] for split in ("train", "eval") for shard in metadata["splits"][split]["shards"]}
+    assert {path.stem for path in out.glob("*.tokens")} == listed
+    assert len(split_documents(out, "eval")) == 1000 and len(split_documents(out, "train")) == 2000

@@ -186,7 +186,9 @@ def prepare_unit(index: int, unit: list[Piece], options: Options) -> dict:
             by_split["eval" if held_out else "train"].append(np.asarray(tokenizer.encode(text), dtype))
     marker = {}
     for split, docs in by_split.items():
-        tokens, count = write_shard(options.out, shard_name(split, index), docs, dtype)
+        # A unit of an --eval-source file has no train documents, and one of a SOURCE none held out
+        # without --eval-fraction: no empty shard is written or listed.
+        tokens, count = write_shard(options.out, shard_name(split, index), docs, dtype) if docs else (0, 0)
         marker[split] = {"name": shard_name(split, index), "tokens": tokens, "documents": count}
     write_atomically(options.out / UNITS / f"{index:05d}.json", json.dumps(marker).encode())
     return marker
@@ -240,7 +242,7 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
                                                 "vocab_size": tokenizer.vocab_size},
                 "dtype": token_dtype(tokenizer.vocab_size).name, "splits": {}}
     for split in SPLITS:
-        shards = [markers[index][split] for index in range(len(units))]
+        shards = [markers[index][split] for index in range(len(units)) if markers[index][split]["documents"]]
         metadata["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),
                                      "documents": sum(s["documents"] for s in shards), "shards": shards}
     write_atomically(options.out / METADATA, json.dumps(metadata, indent=1).encode())
