@@ -272,7 +272,7 @@ def _choices(text: str, allowed: tuple) -> tuple:
 
 
 def main() -> None:
-    """Runs the benchmark, prints the table and writes its section of docs/benchmarks.md."""
+    """Runs the benchmark, prints the table and writes its section of docs/benchmarks.md (not with --no-write)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10,
                         help="timed rounds (each steps every model once) after one warm-up round; 0 = compile only")
@@ -282,6 +282,7 @@ def main() -> None:
                         help="comma-separated top-k values, e.g. 2")
     parser.add_argument("--dispatches", type=lambda text: _choices(text, DISPATCHES), default=DISPATCHES,
                         help="comma-separated dispatches, e.g. einsum,sort")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
     from orchestrator.runtime import configure_jax
@@ -304,7 +305,8 @@ def main() -> None:
     text = "\n".join(["## MoE (GShard routing; einsum, sort and dropless dispatch)", "", f"Command: `{command}`", "",
                       setup, "", table(rows), "", READING, ""])
     print(text)
-    write_section("moe", text)
+    if not args.no_write:
+        write_section("moe", text)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true",
                         help="only print temp bytes of gpipe, 1f1b, interleaved_1f1b and zero_bubble over M at a fixed micro-batch "
                              "(compile only)")
+    parser.add_argument("--no-write", action="store_true",
+                        help="print only; leave docs/benchmarks.md and docs/pipeline.png alone")
     args = parser.parse_args(argv)
     from orchestrator.runtime import configure_jax
 
@@ -231,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(HEADER, flush=True)
     baseline, rows = run_bench(args.steps)
+    if args.no_write:
+        print(f"non-pipelined step: {baseline * 1e3:.1f} ms")
+        return 0
     DOCS.mkdir(exist_ok=True)
     plot(rows, DOCS / "pipeline.png")
     write_markdown(baseline, rows, args.steps, list(memory_rows()))

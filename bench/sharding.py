@@ -127,10 +127,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "125m"], choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mesh (0: no timing)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
     tables = [table(preset, measure(preset, args.steps)) for preset in args.presets]
     text = "\n\n".join(tables)
     print(text)
+    if args.no_write:
+        return
     command = "python -m bench.sharding " + " ".join(sys.argv[1:])
     write_section("sharding", f"## Sharding (GSPMD meshes)\n\nCommand: `{command}` ({jax.devices()[0].device_kind}, "
                               f"8 simulated devices on {os.cpu_count()} cores, jax {jax.__version__})\n\n{text}\n\n{READING}")

@@ -282,9 +282,17 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _rounds(text: str) -> int:
+    rounds = int(text)
+    if rounds < 2:
+        raise argparse.ArgumentTypeError(f"{rounds}: the interquartile range needs 2 rounds or more")
+    return rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds per mesh")
+    parser.add_argument("--rounds", type=_rounds, default=8, help="alternating rounds per mesh (2 or more: the "
+                                                                 "quartiles of the ratio need two)")
     parser.add_argument("--steps", type=int, default=1, help="steps per side per round")
     parser.add_argument("--meshes", nargs="*", default=list(MESHES), choices=list(MESHES))
     parser.add_argument("--programs", action="store_true",
