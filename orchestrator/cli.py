@@ -42,6 +42,9 @@ def where_results_are(config) -> list[str]:
         lines.append("no checkpoint kept: every save was refused (see above), so running the same command again "
                      f"starts from step 0; {CALMER} first")
         return lines
+    if kept and kept[-1] > config.train.steps:  # nothing was trained: the run is past train.steps
+        lines.append(f"extend: run the same command with train.steps above {kept[-1]}, the newest checkpoint")
+        return lines
     newest = "" if not kept or kept[-1] == config.train.steps else f"from checkpoint {kept[-1]}; "
     lines.append(f"resume or extend: run the same command again ({newest}train.steps={config.train.steps} now)")
     return lines

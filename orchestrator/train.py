@@ -278,8 +278,10 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
         start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
         health = StateHealth(config.checkpoint.health_factor, float(start_norm))
         if first_step >= config.train.steps:
-            log(f"nothing to train: the checkpoint in {shown(config.run.dir)} is at step {first_step} = "
-                "train.steps; raise train.steps to train on")
+            steps = config.train.steps
+            reached = " = train.steps" if first_step == steps else f", past train.steps={steps}"
+            log(f"nothing to train: the checkpoint in {shown(config.run.dir)} is at step {first_step}{reached}; "
+                f"set train.steps above {first_step} to train on")
             return result
         job.step_fn, compile_s = _compile(job, state, first_step, console)
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)

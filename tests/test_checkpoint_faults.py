@@ -165,6 +165,19 @@ def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path,
                           "optimizer.clip_norm first"]
 
 
+def test_a_run_past_train_steps_says_so_and_how_to_extend_it(tmp_path, monkeypatch, capsys):
+    # It said "at step 2 = train.steps" and offered to run the same command again, which does nothing.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
+    assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/a", "train.steps=2"]) == 0
+    capsys.readouterr()
+    assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/a", "train.steps=1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("nothing to train: the checkpoint in runs/a is at step 2, past train.steps=1; set train.steps above 2 "
+            "to train on") in lines
+    assert lines[-1] == "extend: run the same command with train.steps above 2, the newest checkpoint"
+
+
 def test_a_driver_that_cannot_see_run_dir_offers_the_resume_it_offered_before(tmp_path):
     # With cluster.address, run.dir may be the cluster's storage, which the driver's machine does not
     # mount: no checkpoint on its disk is no sign that every save was refused.
