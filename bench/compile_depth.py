@@ -8,10 +8,11 @@ wall and process CPU time are printed (on a shared host, CPU time is the steadie
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+
+simulate_cpu_devices_before_import(8)
 
 from orchestrator.config import load  # noqa: E402
 from orchestrator.explain import compile_step  # noqa: E402

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,9 @@ import time
 from pathlib import Path
 
 # The quickstart's mesh needs 8 devices: simulated on a CPU, set before jax starts.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+
+simulate_cpu_devices_before_import(8)
 
 import numpy as np  # noqa: E402
 

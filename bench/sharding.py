@@ -13,7 +13,9 @@ import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+
+simulate_cpu_devices_before_import(8)
 import jax  # noqa: E402
 
 from bench.report import write_section  # noqa: E402

@@ -34,12 +34,13 @@ the ratio is the median over rounds of nestor / bare.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
 import time
 from collections import Counter
+
+from cluster.launcher import simulate_cpu_devices_before_import
 
 MESHES = {
     "fsdp8": {"mesh.fsdp": 8},
@@ -299,7 +300,7 @@ def main() -> None:
                         help="compare the compiled programs (FLOPs, bytes, temporaries, collectives) instead of timing")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    simulate_cpu_devices_before_import(8)
     if args.programs:
         for mesh in args.meshes:
             print(mesh, compiled_programs(MESHES[mesh]), flush=True)

@@ -361,3 +361,32 @@ def _simulate_cpu_devices(jax, devices: int) -> None:
     jax.config.update("jax_platforms", "cpu")
     if devices > 0:
         jax.config.update("jax_num_cpu_devices", devices)
+        size_cpu_thread_pool(devices)
+
+
+# Threads XLA:CPU gets per simulated device: every thread is then blocked only when each device waits in
+# two collectives at once on average, as the pipeline step's eighth device did (a loop's collective-permute
+# and an all-gather beside the loop).
+THREADS_PER_DEVICE = 2
+
+
+def size_cpu_thread_pool(devices: int) -> None:
+    """Gives XLA:CPU two threads per simulated device, unless PJRT_NPROC is set; before jax's backend starts.
+
+    XLA:CPU runs each device's independent thunks on one shared pool of max(cores, devices) threads,
+    and a collective holds its thread until every device has joined it. When a device runs two
+    collectives at once, the pool can fill with waiters: in a pipeline4 x fsdp2 step on 2 cores,
+    seven devices waited in the pipeline loop's collective-permute for the eighth, whose loop had
+    no thread left because its one thread waited in an all-gather for the seven. XLA aborts the
+    process when the rendezvous times out ("Fatal Python error: Aborted" mid-step, no message).
+    A waiting thread costs no CPU; the pool's size is read from PJRT_NPROC when the backend starts.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("PJRT_NPROC", str(max(cores, THREADS_PER_DEVICE * devices)))
+
+
+def simulate_cpu_devices_before_import(devices: int) -> None:
+    """For a script that has not imported jax yet: `devices` simulated CPU devices and their threads."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={devices}").strip()
+    size_cpu_thread_pool(devices)

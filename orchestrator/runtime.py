@@ -7,6 +7,7 @@ import secrets
 import socket
 from pathlib import Path
 
+from cluster.launcher import size_cpu_thread_pool
 from cluster.rendezvous import ClusterError
 from orchestrator.config import Config
 from orchestrator.paths import shown
@@ -27,7 +28,9 @@ def configure_jax(config: Config) -> None:
     if config.cluster.accelerator == "cpu":
         jax.config.update("jax_platforms", "cpu")
         if config.cluster.devices_per_host > 0:
-            jax.config.update("jax_num_cpu_devices", config.cluster.hosts * config.cluster.devices_per_host)
+            devices = config.cluster.hosts * config.cluster.devices_per_host
+            jax.config.update("jax_num_cpu_devices", devices)
+            size_cpu_thread_pool(devices)
     enable_compile_cache(config)
 
 

@@ -9,11 +9,14 @@ from pathlib import Path
 # are equal to the default build's); results differ from the default build in the last bits, so every
 # process a test compares with gets the flag too (tests.helpers.child_env). Doc blocks run as users do.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-                                    FAST_COMPILE]).strip()
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
+
+from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+
+simulate_cpu_devices_before_import(8)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

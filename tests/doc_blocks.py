@@ -53,7 +53,7 @@ def fresh_copy(destination: Path) -> Path:
 
 def user_env() -> dict[str, str]:
     """The environment of a user's shell: none of the test suite's JAX settings."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PJRT_NPROC")}
 
 
 def ray_daemons() -> set[int]:

@@ -1,0 +1,63 @@
+"""XLA:CPU's thread pool for simulated devices, in each kind of process that simulates them.
+
+A pipeline4 x fsdp2 step aborted the suite ("Fatal Python error: Aborted", no message) when every thread
+of XLA:CPU's pool (8 threads for 8 devices on 2 cores) waited in a collective for a device that had no
+thread left to join it; `cluster.launcher.size_cpu_thread_pool` gives the pool two threads per device.
+These tests read the pool's threads from /proc, so they also check that the installed XLA reads the size.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+
+from cluster.launcher import THREADS_PER_DEVICE
+from tests.conftest import ROOT
+from tests.doc_blocks import user_env
+
+COUNT_POOL_THREADS = textwrap.dedent("""
+    import jax
+    import jax.numpy as jnp
+    from pathlib import Path
+    assert float(jnp.arange(4.0).sum()) == 6.0  # the backend is up and has run a program
+    names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
+    print(jax.device_count(), names.count("tf_XLAEigen"))
+""")
+SETUPS = {
+    "nestor train": "from orchestrator.config import load\nfrom orchestrator.runtime import configure_jax\n"
+                    "configure_jax(load(None, []))",
+    "ray worker": "import jax\nfrom cluster.launcher import _simulate_cpu_devices\n_simulate_cpu_devices(jax, 8)",
+    "bench script": "from cluster.launcher import simulate_cpu_devices_before_import\n"
+                    "simulate_cpu_devices_before_import(8)",
+}
+
+
+def devices_and_pool_threads(setup: str, tmp_path: Path, **env: str) -> tuple[int, int]:
+    """Runs `setup` in a fresh process from a user's shell; returns its device count and pool threads."""
+    done = subprocess.run([sys.executable, "-c", setup + "\n" + COUNT_POOL_THREADS], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=120, env={**user_env(), "PYTHONPATH": str(ROOT), **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    devices, threads = done.stdout.split()
+    return int(devices), int(threads)
+
+
+@pytest.mark.parametrize("process", list(SETUPS))
+def test_every_process_that_simulates_devices_gives_the_pool_two_threads_per_device(process, tmp_path):
+    devices, threads = devices_and_pool_threads(SETUPS[process], tmp_path)
+    assert devices == 8  # the embedded default's 8 simulated devices
+    assert threads >= THREADS_PER_DEVICE * devices
+
+
+def test_a_pool_size_the_user_set_is_kept(tmp_path):
+    assert devices_and_pool_threads(SETUPS["nestor train"], tmp_path, PJRT_NPROC="11") == (8, 11)
+
+
+def test_the_suites_own_process_has_the_pool_it_needs():
+    devices = jax.device_count()  # starts the backend, if no test has yet
+    names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
+    assert names.count("tf_XLAEigen") >= THREADS_PER_DEVICE * devices
