@@ -9,6 +9,11 @@ and it is the function's job to resume from its newest checkpoint. A function
 that stopped for a preemption notice (after saving) raises `Preempted` on every
 worker: the group then starts again at once, without spending `max_failures`.
 
+SIGINT or SIGTERM to the driver (Ctrl-C in its terminal) is passed on: the
+workers' `stop_requested()` returns the signal, the train function saves and
+returns, the group is not started again and `launch` returns the signal. A
+second one stops the workers at once, without a save (KeyboardInterrupt).
+
 Workers' own output stays in Ray's log files (unless `spec.worker_logs`):
 what the user should see, a worker sends to the driver as messages through a
 small actor (the mailbox), and the driver hands them to `on_message` in its
@@ -22,15 +27,18 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 
 LOCALHOST = "127.0.0.1"
+STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to stop
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the token it generated
@@ -67,13 +75,20 @@ class ClusterSpec:
         return {"CPU": 1}
 
 
-def launch(train_fn: Callable[[Any, Callable[[Any], None]], Any], argument: Any, spec: ClusterSpec,
-           storage_dir: str, on_message: Callable[[Any], None] = lambda message: None) -> None:
-    """Runs `train_fn(argument, send)` on `spec.hosts` workers joined by jax.distributed; returns when all finish.
+def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[[], int | None]], Any], argument: Any,
+           spec: ClusterSpec, storage_dir: str, on_message: Callable[[Any], None] = lambda message: None,
+           on_stop: Callable[[int], None] = lambda signum: None) -> int | None:
+    """Runs `train_fn(argument, send, stop_requested)` on `spec.hosts` workers joined by jax.distributed;
+    returns when all finish: None, or the signal the driver was stopped by.
 
     `send(message)` (any picklable value) reaches `on_message(message)` in this
     process, in order. A group whose workers raise `Preempted` is started
-    again, as often as that happens. Connects to `spec.address`, else to the
+    again, as often as that happens. A first SIGINT or SIGTERM to this process
+    (when it runs `launch` in its main thread) calls `on_stop(signal)` and makes
+    every worker's `stop_requested()` return that signal (within STOP_POLL_S):
+    `train_fn` should save, every worker at the same step, and return; the
+    group is then not started again. A second one raises KeyboardInterrupt
+    here, and the workers stop without a save. Connects to `spec.address`, else to the
     cluster of the surrounding Ray job, else starts an embedded local cluster
     (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
     unreachable, too small for the spec (checked before any worker starts),
@@ -89,7 +104,8 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None]], Any], argument: Any,
     _connect(spec)
     try:
         check_capacity(spec, ray.nodes())
-        _fit(train_fn, argument, spec, storage_dir, on_message)
+        with _DriverSignals(on_stop) as signals:
+            return _fit(train_fn, argument, spec, storage_dir, on_message, signals)
     finally:
         # Stops the embedded cluster's raylet and GCS too when this process started them.
         ray.shutdown()
@@ -205,12 +221,14 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
 
 
 class Mailbox:
-    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; and whether the
-    group stopped for a preemption (`preempted` marks it, `take_preempted` reads and clears it)."""
+    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; whether the
+    group stopped for a preemption (`preempted` marks it, `take_preempted` reads and clears it); and
+    the signal the driver was told to stop by (`request_stop` sets it, `stop_request` reads it)."""
 
     def __init__(self):
         self.messages: list = []
         self.stopped_for_preemption = False
+        self.stop_signal: int | None = None
 
     def put(self, message) -> None:
         self.messages.append(message)
@@ -229,19 +247,63 @@ class Mailbox:
         stopped, self.stopped_for_preemption = self.stopped_for_preemption, False
         return stopped
 
+    def request_stop(self, signum: int) -> None:
+        self.stop_signal = signum
 
-def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message) -> None:
+    def stop_request(self) -> int | None:
+        return self.stop_signal
+
+
+class _DriverSignals:
+    """In the driver's main thread, while active: the first SIGINT or SIGTERM is kept in `received`, a
+    second raises KeyboardInterrupt. Elsewhere nothing changes. `pass_on` tells the workers, once."""
+
+    def __init__(self, on_stop: Callable[[int], None]):
+        self.on_stop = on_stop
+        self.received: int | None = None
+        self._passed_on = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_DriverSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def pass_on(self, mailbox) -> None:
+        """Marks a received signal on the workers' mailbox and calls `on_stop` (outside the handler)."""
+        import ray
+
+        if self.received is not None and not self._passed_on:
+            self._passed_on = True
+            ray.get(mailbox.request_stop.remote(self.received))
+            self.on_stop(self.received)
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, signals: _DriverSignals) -> int | None:
     import ray
 
     board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
     mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     while True:
-        _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox)
+        _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals)
+        if signals.received is not None:
+            return signals.received  # the workers saved (or never started): no new group
         if not ray.get(mailbox.take_preempted.remote()):
-            return  # else every worker saved the same step after a preemption: a new group resumes it
+            return None  # else every worker saved the same step after a preemption: a new group resumes it
 
 
-def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, board, mailbox) -> None:
+def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, board, mailbox,
+               signals: _DriverSignals) -> None:
     """Runs one Ray Train fit (the group and its restarts); returns when it ends, raises as `launch` does."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -266,11 +328,12 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         except BaseException as error:  # handed to the main thread below
             outcome.append(error)
 
-    # fit() blocks; the main thread meanwhile shows what the workers send.
+    # fit() blocks; the main thread meanwhile shows what the workers send and passes a stop on.
     runner = threading.Thread(target=fit, name="nestor-fit", daemon=True)
     runner.start()
     while runner.is_alive():
         runner.join(timeout=0.2)
+        signals.pass_on(mailbox)
         for message in ray.get(mailbox.take.remote()):
             on_message(message)
     for message in ray.get(mailbox.take.remote()):
@@ -342,11 +405,35 @@ def _worker(config: dict) -> None:
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
     mailbox = config["mailbox"]
+    stop = _StopWatch(mailbox)
     try:
-        config["fn"](config["argument"], mailbox.put.remote)
+        config["fn"](config["argument"], mailbox.put.remote, stop.requested)
     except Preempted:
         mailbox.preempted.remote()  # a clean end for Ray Train; the driver starts the next group
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
+
+
+class _StopWatch:
+    """In a worker: asks the driver's mailbox every STOP_POLL_S, in a thread, whether the driver was told to
+    stop; `requested()` returns the signal it was told by, or None."""
+
+    def __init__(self, mailbox):
+        self._mailbox = mailbox
+        self._signal: int | None = None
+        threading.Thread(target=self._watch, name="nestor-stop-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        import ray
+
+        while self._signal is None:
+            try:
+                self._signal = ray.get(self._mailbox.stop_request.remote())
+            except Exception:  # the driver is gone: Ray ends this worker anyway
+                return
+            time.sleep(STOP_POLL_S)
+
+    def requested(self) -> int | None:
+        return self._signal
 
 
 def without_device_count(xla_flags: str) -> str:

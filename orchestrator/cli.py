@@ -67,8 +67,7 @@ def _train(config, args) -> int:
     if config.cluster.launcher == "ray":
         from orchestrator.launch import train_on_ray
 
-        train_on_ray(config, console)
-        stopped_by = None
+        stopped_by = train_on_ray(config, console)
     else:
         from orchestrator.runtime import configure_jax
         from orchestrator.train import train

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from cluster.launcher import ClusterSpec, Preempted, launch
 from orchestrator.config import Config
 from orchestrator.paths import show_relative_to, user_directory
@@ -18,7 +20,7 @@ def cluster_spec(config: Config) -> ClusterSpec:
                        worker_logs=c.worker_logs)
 
 
-def train_on_worker(job: tuple[Config, str], send) -> None:
+def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     """The function each Ray worker runs once jax.distributed is up: the ordinary train loop of
     `job` = (config, the directory the user ran nestor in).
 
@@ -26,7 +28,8 @@ def train_on_worker(job: tuple[Config, str], send) -> None:
     through `send`, paths in them shown as the driver would show them (Ray
     Train runs workers in a directory of its own); the other processes say
     nothing. Raises Preempted when every process stopped after the same step
-    for a SIGTERM and saved it.
+    for a SIGTERM and saved it; returns when they stopped because the driver
+    was told to (`stop_requested()`).
     """
     import jax
 
@@ -37,15 +40,17 @@ def train_on_worker(job: tuple[Config, str], send) -> None:
     show_relative_to(directory)
     enable_compile_cache(config)
     console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
-    result = train(config, console=console, lock=False)  # the driver holds run.dir's lock (train_on_ray)
-    if result.stopped_by is not None:
+    # The driver holds run.dir's lock (train_on_ray).
+    result = train(config, console=console, lock=False, stop_requested=stop_requested)
+    if result.stopped_by is not None and stop_requested() is None:
         console.log(f"preempted: the worker group starts again from step {int(result.state['step'])}")
         raise Preempted(f"signal {result.stopped_by}")
 
 
-def train_on_ray(config: Config, console: Console) -> None:
+def train_on_ray(config: Config, console: Console) -> int | None:
     """Trains `config` on `cluster.hosts` Ray workers, showing process 0's progress on `console`;
-    returns when they finish.
+    returns when they finish: None, or the signal that stopped this process (the driver), once the
+    workers saved the step they reached (a second signal stops them at once: KeyboardInterrupt).
 
     Raises cluster.launcher.ClusterError (unreachable cluster, too few devices,
     a rank that never joins, failures past `cluster.max_failures`) and the
@@ -55,7 +60,10 @@ def train_on_ray(config: Config, console: Console) -> None:
     """
     try:
         with RunDirLock(config.run.dir, console.log):
-            launch(train_on_worker, (config, str(user_directory())), cluster_spec(config), storage_dir=config.run.dir,
-                   on_message=lambda message: replay(console, message))
+            return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),
+                          storage_dir=config.run.dir, on_message=lambda message: replay(console, message),
+                          on_stop=lambda signum: console.log(
+                              f"{signal.Signals(signum).name}: the workers stop and save at the next step they all "
+                              "reach (press Ctrl-C again to stop them now, without a save)"))
     finally:
         console.close()

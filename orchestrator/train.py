@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -114,15 +114,20 @@ class TrainResult:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step.
+    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
+    (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once).
 
     In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
     `preemption_agreed`), so that every process stops after the same step;
-    SIGINT is handed to it as a SIGTERM.
+    SIGINT is handed to it as a SIGTERM. `requested` (a Ray launcher's
+    `stop_requested`) returns a signal sent to the process that launched this
+    one, or None: it stops the run as that signal here would have.
     """
 
-    def __init__(self):
+    def __init__(self, requested: Callable[[], int | None] = lambda: None):
         self.received: int | None = None
+        self._requested = requested
+        self._passed_on = False  # a request handed to the preemption sync manager
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -136,6 +141,8 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.received = signum
 
     @staticmethod
@@ -145,8 +152,15 @@ class StopSignals:
     def stop_before(self, calls: int) -> bool:
         """Returns whether to stop before this run's `calls`-th step (from 1): a signal came to this
         process, or, in a multi-host run, every process agreed on this step after one got SIGTERM."""
+        if self.received is None and not self._passed_on and (requested := self._requested()) is not None:
+            self._passed_on = True
+            if preemption_is_agreed():
+                os.kill(os.getpid(), signal.SIGTERM)  # every process stops after the step they agree on
+            elif jax.process_count() == 1:
+                self.received = requested
+            # else processes that cannot agree on a step go on: one that stopped alone would hang the rest
         if self.received is None and preemption_agreed(calls):
-            self.received = signal.SIGTERM
+            self.received = self._requested() or signal.SIGTERM
         return self.received is not None
 
     def __exit__(self, *exc) -> None:
@@ -213,12 +227,13 @@ def _compile(job: Job, state: dict, first_step: int, console: Console) -> tuple[
 
 
 def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None,
-          lock: bool = True) -> TrainResult:
+          lock: bool = True, stop_requested: Callable[[], int | None] = lambda: None) -> TrainResult:
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
     (then returns early with `stopped_by` set; in a multi-host run, a SIGTERM
-    to any process stops every process after the same step). Device values
+    to any process stops every process after the same step), and when
+    `stop_requested()` returns a signal (a Ray launcher's driver got it). Device values
     are read one step late, so logging never waits on the step that is running. Progress
     goes to `console` (default: this terminal). With `lock`, process 0 holds
     run.dir's lock for the run (the Ray launcher holds it in the driver and
@@ -237,7 +252,7 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     run_dir.mkdir(parents=True, exist_ok=True)
     check_shared_run_dir(run_dir)
     with holding_run_dir(run_dir, lock, console.log):
-        return _train(config, job, console)
+        return _train(config, job, console, stop_requested)
 
 
 @contextlib.contextmanager
@@ -262,7 +277,7 @@ def holding_run_dir(run_dir: Path, lock: bool, log):
         yield
 
 
-def _train(config: Config, job: Job, console: Console) -> TrainResult:
+def _train(config: Config, job: Job, console: Console, stop_requested: Callable[[], int | None]) -> TrainResult:
     log = console.log
     lead = jax.process_index() == 0
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
@@ -323,7 +338,7 @@ def _train(config: Config, job: Job, console: Console) -> TrainResult:
         profiler = StepProfiler(config, enabled=lead, log=log)
         closing.callback(profiler.stop)
         started = time.perf_counter()
-        with StopSignals() as signals:
+        with StopSignals(stop_requested) as signals:
             result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
                                                     profiler)
     if result.stopped_by is not None:

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after SIGKILL, reshard onto other meshes, torn saves skipped, NaN stops."""
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ from orchestrator import config as config_lib
 from orchestrator.checkpoint import MIN_REPLICA_SLICE_BYTES, Checkpointer, checkpoint_dir, restore_state
 from orchestrator.progress import Console
 from orchestrator.state import init_state
-from orchestrator.train import TrainingDiverged, build_job, train
+from orchestrator.train import StopSignals, TrainingDiverged, build_job, train
 from tests.conftest import ROOT
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
@@ -203,6 +204,21 @@ def test_sigterm_saves_the_current_step_before_exit(tmp_path):
     saved = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and saved[0] >= 3
     assert saved[0] == max(logged_losses(run_dir))  # the saved state is the last one logged
+
+
+def test_stop_signals_keep_the_first_signal_for_the_loop_and_a_second_ctrl_c_interrupts():
+    with StopSignals() as signals:
+        assert not signals.stop_before(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.stop_before(2) and signals.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    # A Ray launcher's driver that got the signal: one process stops as if it had got it.
+    requested: list[int] = []
+    passed_on = StopSignals(lambda: requested[0] if requested else None)
+    assert not passed_on.stop_before(1)
+    requested.append(signal.SIGTERM)
+    assert passed_on.stop_before(2) and passed_on.received == signal.SIGTERM
 
 
 def _files(run_dir: Path) -> dict[str, tuple[int, int]]:

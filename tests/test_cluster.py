@@ -286,6 +286,44 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     assert resumes[0] == agreed and len(resumes) == 2 and resumes[1] > agreed
     np.testing.assert_allclose([r["loss"] for r in records], reference_losses, rtol=1e-5)
 
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_ctrl_c_to_the_ray_driver_saves_the_step_the_workers_reached_and_a_rerun_resumes_it(tmp_path):
+    """The default launcher's Ctrl-C: the driver passes it on, both workers save the step they agree on,
+    the group is not started again, and `nestor train` exits 130 with the resume line."""
+    run_dir = tmp_path / "run"
+    longer = ["train.steps=1000", "checkpoint.every=0"]  # no periodic save: a checkpoint is the stop's
+    shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}"))
+    # A session of its own, as a terminal gives: Ctrl-C is a SIGINT to every process of its group.
+    driver = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS,
+                               *longer, f"run.dir={run_dir}"], cwd=ROOT, env=shell, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(line) for line in driver.stdout], daemon=True).start()
+    try:
+        while not ((run_dir / "metrics.jsonl").exists() and metrics(run_dir)):  # steps are being trained
+            assert driver.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        os.killpg(driver.pid, signal.SIGINT)
+        driver.wait(timeout=300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)  # the embedded cluster's daemons too
+    output = "".join(lines)
+    assert driver.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "SIGINT: the workers stop and save at the next step they all reach" in output
+    stopped = re.search(r"stopped by signal 2 after step (\d+) on every process; checkpoint saved", output)
+    assert stopped and "preempted" not in output and "Traceback" not in output, output[-3000:]
+    step = int(stopped.group(1))
+    assert saved_steps(run_dir) == [step] and 0 < step < 1000
+    assert output.splitlines()[-1] == f"resume or extend: run the same command again (from checkpoint {step}; " \
+                                      "train.steps=1000 now)"
+    resumed = nestor("train", "configs/quickstart.yaml", *TINY, "cluster.launcher=inprocess", "mesh.data=2",
+                     "mesh.fsdp=2", "mesh.tensor=2", f"train.steps={step + 1}", f"run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from checkpoint {step}" in resumed.stdout and [r["step"] for r in metrics(run_dir)][-1] == step + 1
+
+
 MANIFESTS = ROOT / "cluster" / "manifests"
 
 
