@@ -199,9 +199,9 @@ def program(compiled) -> dict:
             **{opcode: opcodes[opcode] for opcode in ("copy", "transpose", "convert")}}
 
 
-def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
+def compiled_programs(mesh: dict[str, int], *overrides: str) -> dict[str, dict]:
     """Returns the `program` of nestor's and of the bare step, compiled for abstract inputs on `mesh`
-    (nothing run)."""
+    (nothing run); `overrides` change the model (tests)."""
     import jax
     import numpy as np
 
@@ -209,7 +209,7 @@ def compiled_programs(mesh: dict[str, int]) -> dict[str, dict]:
     from orchestrator.runtime import enable_compile_cache
     from orchestrator.train import build_job
 
-    config = bench_config(mesh)
+    config = bench_config(mesh, *overrides)
     enable_compile_cache(config)
     job = build_job(config)
     bare, shardings, batch = make_bare_step(config, job)
@@ -283,6 +283,28 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def programs_table(programs: dict[str, dict[str, dict]]) -> str:
+    """Returns the compiled programs (`compiled_programs` per mesh) as a Markdown table, one row per mesh."""
+    lines = ["| mesh | FLOPs nestor / bare | bytes accessed nestor / bare | temporaries MiB nestor / bare "
+             "| collectives per step nestor; bare | copy / transpose / convert nestor; bare |",
+             "| --- | ---: | ---: | ---: | --- | --- |"]
+
+    def counted(kinds: dict[str, int]) -> str:
+        return ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+
+    def ops(program: dict) -> str:
+        return f"{program['copy']} / {program['transpose']} / {program['convert']}"
+
+    for mesh, sides in programs.items():
+        nestor, bare = sides["nestor"], sides["bare"]
+        lines.append(f"| {mesh} | {nestor['flops'] / bare['flops']:.4f} "
+                     f"| {nestor['bytes_accessed'] / bare['bytes_accessed']:.3f} "
+                     f"| {nestor['temp_bytes'] / 2**20:.1f} / {bare['temp_bytes'] / 2**20:.1f} "
+                     f"| {counted(nestor['collectives'])}; {counted(bare['collectives'])} "
+                     f"| {ops(nestor)}; {ops(bare)} |")
+    return "\n".join(lines)
+
+
 def _rounds(text: str) -> int:
     rounds = int(text)
     if rounds < 2:
@@ -302,8 +324,15 @@ def main() -> None:
     args = parser.parse_args()
     simulate_cpu_devices_before_import(8)
     if args.programs:
+        programs = {}
         for mesh in args.meshes:
-            print(mesh, compiled_programs(MESHES[mesh]), flush=True)
+            programs[mesh] = compiled_programs(MESHES[mesh])
+            print(mesh, programs[mesh], flush=True)
+        print(programs_table(programs))
+        if not args.no_write:
+            from bench.report import write_section
+
+            write_section("step-programs", programs_section(programs))
         return
     rows = {}
     for mesh in args.meshes:
@@ -325,6 +354,17 @@ def section(rows: dict[str, dict], args) -> str:
     return (f"## Step time on CPU\n\nCommand: `{command}` (8 simulated {jax.devices()[0].platform} devices on a "
             f"shared 2-core host, jax {jax.__version__}; {args.rounds} alternating rounds of {args.steps} step(s) "
             f"per side per mesh).\n\nModel: {model}; float32 weights.\n\n{table(rows)}\n\n{READING}")
+
+
+def programs_section(programs: dict[str, dict[str, dict]]) -> str:
+    """Returns the docs/benchmarks.md section for the compared programs."""
+    import jax
+
+    return (f"### What nestor's step adds, from the compiled programs\n\nCommand: `python -m bench.step --programs` "
+            f"(jax {jax.__version__}): both steps compiled for abstract inputs on each mesh, nothing run; XLA's "
+            "accounting per device (FLOPs counted once per loop iteration, bytes accessed with loop bodies once; "
+            "copy, transpose and convert instructions counted in the program text).\n\n"
+            f"{programs_table(programs)}")
 
 
 if __name__ == "__main__":
