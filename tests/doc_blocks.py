@@ -51,9 +51,15 @@ def fresh_copy(destination: Path) -> Path:
     return destination
 
 
+# Set in this process by the suite (conftest) or by an earlier test (a Ray client turns token auth on with
+# RAY_AUTH_MODE): a user's shell has none of them.
+SUITE_SETTINGS = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PJRT_NPROC")
+SESSION_SETTINGS = ("RAY_AUTH_MODE",)
+
+
 def user_env() -> dict[str, str]:
-    """The environment of a user's shell: none of the test suite's JAX settings."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "PJRT_NPROC")}
+    """The environment of a user's shell: none of the test suite's settings."""
+    return {k: v for k, v in os.environ.items() if k not in SUITE_SETTINGS + SESSION_SETTINGS}
 
 
 def ray_daemons() -> set[int]:

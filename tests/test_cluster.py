@@ -23,6 +23,7 @@ import yaml
 from cluster.launcher import ClusterSpec, check_capacity
 from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from tests.conftest import ROOT
+from tests.doc_blocks import SESSION_SETTINGS
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 PYTHON = sys.executable
@@ -37,9 +38,10 @@ TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_hos
 
 
 def user_shell(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: this process's environment) without the Ray auth mode an earlier test's client set
-    in it: a user's shell has none, and `ray start` and nestor must turn token auth on themselves."""
-    return {key: value for key, value in (env or os.environ).items() if key != "RAY_AUTH_MODE"}
+    """`env` (default: this process's environment) without what earlier tests set in it (the Ray auth mode
+    a client turned on): `ray start` and nestor must turn token auth on themselves. The suite's compile
+    settings stay, for runs whose results are compared with this process's (`child_env`)."""
+    return {key: value for key, value in (env or os.environ).items() if key not in SESSION_SETTINGS}
 
 
 def nestor(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
