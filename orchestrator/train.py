@@ -286,18 +286,18 @@ def _train(config: Config, job: Job, console: Console, stop_requested: Callable[
         checkpointer = Checkpointer(config, job.layout, log)
         closing.callback(checkpointer.close)
         first_step, state = _start_state(config, job, checkpointer, log)
-        if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
-            (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         result = TrainResult([], state, [], first_step)
-        replicated = NamedSharding(job.mesh, PartitionSpec())  # every process can read the norm
-        start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
-        health = StateHealth(config.checkpoint.health_factor, float(start_norm))
-        if first_step >= config.train.steps:
+        if first_step >= config.train.steps:  # run.dir is left as it was, config.yaml included
             steps = config.train.steps
             reached = " = train.steps" if first_step == steps else f", past train.steps={steps}"
             log(f"nothing to train: the checkpoint in {shown(config.run.dir)} is at step {first_step}{reached}; "
                 f"set train.steps above {first_step} to train on")
             return result
+        if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
+            (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        replicated = NamedSharding(job.mesh, PartitionSpec())  # every process can read the norm
+        start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
+        health = StateHealth(config.checkpoint.health_factor, float(start_norm))
         job.step_fn, compile_s = _compile(job, state, first_step, console)
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
         writer = MetricsWriter(config, throughput, enabled=lead)

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from orchestrator import manifest
 from orchestrator.checkpoint import Checkpointer, checkpoint_dir
@@ -176,6 +177,8 @@ def test_a_run_past_train_steps_says_so_and_how_to_extend_it(tmp_path, monkeypat
     assert ("nothing to train: the checkpoint in runs/a is at step 2, past train.steps=1; set train.steps above 2 "
             "to train on") in lines
     assert lines[-1] == "extend: run the same command with train.steps above 2, the newest checkpoint"
+    kept = yaml.safe_load((tmp_path / "runs" / "a" / "config.yaml").read_text())
+    assert kept["train"]["steps"] == 2  # the config of the run that trained, not of the one that did not
 
 
 def test_a_driver_that_cannot_see_run_dir_offers_the_resume_it_offered_before(tmp_path):
