@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.launcher import cpu_pool_threads
+
 MARK = "@@bench "
 MAXTEXT_MODEL = ("hardware=cpu", "dataset_type=synthetic", "attention=dot_product", "decoder_block=llama2",
                  "base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=64",
@@ -171,8 +173,8 @@ class Worker:
 
     def __init__(self, name: str, python: str, arguments: list[str], log: Path):
         self.name = name
-        environment = dict(os.environ, PYTHONPATH=str(REPOSITORY),
-                           XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        environment = dict(os.environ, PYTHONPATH=str(REPOSITORY), XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                           PJRT_NPROC=cpu_pool_threads(8))
         self.log = log.open("w")
         self.process = subprocess.Popen([python, "-m", "bench.maxtext", "--serve", *arguments], cwd=REPOSITORY,
                                         env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

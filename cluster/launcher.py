@@ -11,8 +11,8 @@ worker: the group then starts again at once, without spending `max_failures`.
 
 SIGINT or SIGTERM to the driver (Ctrl-C in its terminal) is passed on: the
 workers' `stop_requested()` returns the signal, the train function saves and
-returns, the group is not started again and `launch` returns the signal. A
-second one stops the workers at once, without a save (KeyboardInterrupt).
+raises `Stopped`, no group is started again and `launch` returns the signal.
+A second one stops the workers at once, without a save (KeyboardInterrupt).
 
 Workers' own output stays in Ray's log files (unless `spec.worker_logs`):
 what the user should see, a worker sends to the driver as messages through a
@@ -51,6 +51,11 @@ class Preempted(Exception):
     notice; `launch` starts the group again, and it resumes from that state."""
 
 
+class Stopped(Exception):
+    """Raised by a train function on every worker once the group saved its state for a stop the driver
+    was told (`stop_requested`); `launch` returns the driver's signal."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
     """What a launch asks of Ray: workers, their accelerators, restarts, deadlines."""
@@ -75,7 +80,7 @@ class ClusterSpec:
         return {"CPU": 1}
 
 
-def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[[], int | None]], Any], argument: Any,
+def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
            spec: ClusterSpec, storage_dir: str, on_message: Callable[[Any], None] = lambda message: None,
            on_stop: Callable[[int], None] = lambda signum: None) -> int | None:
     """Runs `train_fn(argument, send, stop_requested)` on `spec.hosts` workers joined by jax.distributed;
@@ -85,10 +90,12 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[[], int | No
     process, in order. A group whose workers raise `Preempted` is started
     again, as often as that happens. A first SIGINT or SIGTERM to this process
     (when it runs `launch` in its main thread) calls `on_stop(signal)` and makes
-    every worker's `stop_requested()` return that signal (within STOP_POLL_S):
-    `train_fn` should save, every worker at the same step, and return; the
-    group is then not started again. A second one raises KeyboardInterrupt
-    here, and the workers stop without a save. Connects to `spec.address`, else to the
+    every worker's `stop_requested()` return that signal (within STOP_POLL_S;
+    `stop_requested(now=True)` asks the driver at once): `train_fn` should save,
+    every worker at the same step, and raise `Stopped`; no group is started
+    after that, and `launch` returns the signal (None if the workers finished
+    first). A second one raises KeyboardInterrupt here, and the workers stop
+    without a save. Connects to `spec.address`, else to the
     cluster of the surrounding Ray job, else starts an embedded local cluster
     (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
     unreachable, too small for the spec (checked before any worker starts),
@@ -222,12 +229,14 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
 
 class Mailbox:
     """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; whether the
-    group stopped for a preemption (`preempted` marks it, `take_preempted` reads and clears it); and
-    the signal the driver was told to stop by (`request_stop` sets it, `stop_request` reads it)."""
+    group stopped for a preemption (`preempted` marks it, `take_preempted` reads and clears it) or for
+    the driver (`stopped`, `take_stopped`); and the signal the driver was told to stop by
+    (`request_stop` sets it, `stop_request` reads it)."""
 
     def __init__(self):
         self.messages: list = []
         self.stopped_for_preemption = False
+        self.stopped_for_driver = False
         self.stop_signal: int | None = None
 
     def put(self, message) -> None:
@@ -245,6 +254,13 @@ class Mailbox:
 
     def take_preempted(self) -> bool:
         stopped, self.stopped_for_preemption = self.stopped_for_preemption, False
+        return stopped
+
+    def stopped(self) -> None:
+        self.stopped_for_driver = True
+
+    def take_stopped(self) -> bool:
+        stopped, self.stopped_for_driver = self.stopped_for_driver, False
         return stopped
 
     def request_stop(self, signum: int) -> None:
@@ -295,9 +311,11 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
     board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
     mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     while True:
-        _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals)
         if signals.received is not None:
-            return signals.received  # the workers saved (or never started): no new group
+            return signals.received  # a stop before this group started: it does not
+        _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals)
+        if ray.get(mailbox.take_stopped.remote()):
+            return signals.received  # every worker saved the step they agreed on
         if not ray.get(mailbox.take_preempted.remote()):
             return None  # else every worker saved the same step after a preemption: a new group resumes it
 
@@ -410,12 +428,15 @@ def _worker(config: dict) -> None:
         config["fn"](config["argument"], mailbox.put.remote, stop.requested)
     except Preempted:
         mailbox.preempted.remote()  # a clean end for Ray Train; the driver starts the next group
+    except Stopped:
+        mailbox.stopped.remote()  # a clean end for Ray Train; the driver starts none
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 
 class _StopWatch:
     """In a worker: asks the driver's mailbox every STOP_POLL_S, in a thread, whether the driver was told to
-    stop; `requested()` returns the signal it was told by, or None."""
+    stop; `requested()` returns the signal it was told by, or None (`requested(now=True)` asks at once:
+    workers poll at their own moments, and one may stop for a request before its own poll saw it)."""
 
     def __init__(self, mailbox):
         self._mailbox = mailbox
@@ -432,7 +453,11 @@ class _StopWatch:
                 return
             time.sleep(STOP_POLL_S)
 
-    def requested(self) -> int | None:
+    def requested(self, now: bool = False) -> int | None:
+        if now and self._signal is None:
+            import ray
+
+            self._signal = ray.get(self._mailbox.stop_request.remote())
         return self._signal
 
 
@@ -458,7 +483,8 @@ THREADS_PER_DEVICE = 2
 
 
 def size_cpu_thread_pool(devices: int) -> None:
-    """Gives XLA:CPU two threads per simulated device, unless PJRT_NPROC is set; before jax's backend starts.
+    """Gives XLA:CPU two threads per simulated device (PJRT_NPROC), a larger PJRT_NPROC already set kept;
+    call it before jax's backend starts.
 
     XLA:CPU runs each device's independent thunks on one shared pool of max(cores, devices) threads,
     and a collective holds its thread until every device has joined it. When a device runs two
@@ -468,8 +494,15 @@ def size_cpu_thread_pool(devices: int) -> None:
     process when the rendezvous times out ("Fatal Python error: Aborted" mid-step, no message).
     A waiting thread costs no CPU; the pool's size is read from PJRT_NPROC when the backend starts.
     """
+    os.environ["PJRT_NPROC"] = cpu_pool_threads(devices)
+
+
+def cpu_pool_threads(devices: int) -> str:
+    """Returns PJRT_NPROC for `devices` simulated devices: the cores this process may use, two threads per
+    device, or the size this environment already asks for, whichever is largest."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("PJRT_NPROC", str(max(cores, THREADS_PER_DEVICE * devices)))
+    already = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC", "")  # XLA reads them in this order
+    return str(max(cores, THREADS_PER_DEVICE * devices, int(already) if already.isdigit() else 0))
 
 
 def simulate_cpu_devices_before_import(devices: int) -> None:
