@@ -27,6 +27,9 @@ SUBMITTED_CONFIG = ".nestor/config.yaml"
 # What a job needs of the project: its packages and configs, no run dirs, venvs or docs.
 JOB_FILES = ("pyproject.toml", "configs", "orchestrator", "parallel", "models", "cluster")
 AGENT_WAIT_S = 60.0  # how long a submission waits for a just-started head's job agent
+# How long `stop` lets the job's driver end after its SIGTERM (the workers save the step they reach) before
+# Ray kills it: Ray's own default is 3 s. RAY_JOB_STOP_WAIT_TIME_S in the submitting shell overrides it.
+STOP_WAIT_S = 600
 # The job's Python: the first of python3, python on the head's PATH (POSIX sh).
 ENTRYPOINT_PYTHON = '"$(command -v python3 || command -v python)"'
 # Ray's own INFO records in a job's log ("Runtime env is setting up."), which `follow` leaves out.
@@ -92,7 +95,8 @@ def submit(address: str, config_yaml: str, command: str = "train") -> str:
         (working_dir / SUBMITTED_CONFIG).write_text(config_yaml)
         submit_job = functools.partial(
             jobs.submit_job, entrypoint=f"{ENTRYPOINT_PYTHON} -m orchestrator {command} {SUBMITTED_CONFIG}",
-            runtime_env={"working_dir": str(working_dir)})
+            runtime_env={"working_dir": str(working_dir), "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": os.environ.get(
+                "RAY_JOB_STOP_WAIT_TIME_S", str(STOP_WAIT_S))}})
         return _jobs_call(address, "submitting the job", lambda: _when_agent_ready(submit_job))
 
 
@@ -135,7 +139,9 @@ def status(address: str, job_id: str) -> str:
 
 
 def stop(address: str, job_id: str) -> bool:
-    """Asks the cluster to stop the job; returns True if it was still running.
+    """Asks the cluster to stop the job; returns True if it was still running. Ray sends the job's driver a
+    SIGTERM, which the workers of `nestor train` answer by saving the step they reach; the driver is
+    killed if it has not ended within the job's RAY_JOB_STOP_WAIT_TIME_S (`submit`: STOP_WAIT_S).
 
     Raises ClusterError when the cluster is unreachable or does not know the job.
     """

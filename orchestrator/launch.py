@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from cluster.launcher import ClusterSpec, Preempted, launch
+from cluster.launcher import ClusterSpec, Preempted, Stopped, launch
 from orchestrator.config import Config
 from orchestrator.paths import show_relative_to, user_directory
 from orchestrator.progress import Console, ForwardingConsole, replay
@@ -28,8 +28,8 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     through `send`, paths in them shown as the driver would show them (Ray
     Train runs workers in a directory of its own); the other processes say
     nothing. Raises Preempted when every process stopped after the same step
-    for a SIGTERM and saved it; returns when they stopped because the driver
-    was told to (`stop_requested()`).
+    for a SIGTERM and saved it; Stopped when they stopped so because the
+    driver was told to (`stop_requested`).
     """
     import jax
 
@@ -42,9 +42,12 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
     # The driver holds run.dir's lock (train_on_ray).
     result = train(config, console=console, lock=False, stop_requested=stop_requested)
-    if result.stopped_by is not None and stop_requested() is None:
-        console.log(f"preempted: the worker group starts again from step {int(result.state['step'])}")
-        raise Preempted(f"signal {result.stopped_by}")
+    if result.stopped_by is None:
+        return
+    if stop_requested(now=True) is not None:
+        raise Stopped(f"signal {result.stopped_by}")
+    console.log(f"preempted: the worker group starts again from step {int(result.state['step'])}")
+    raise Preempted(f"signal {result.stopped_by}")
 
 
 def train_on_ray(config: Config, console: Console) -> int | None:

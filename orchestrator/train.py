@@ -121,10 +121,11 @@ class StopSignals:
     `preemption_agreed`), so that every process stops after the same step;
     SIGINT is handed to it as a SIGTERM. `requested` (a Ray launcher's
     `stop_requested`) returns a signal sent to the process that launched this
-    one, or None: it stops the run as that signal here would have.
+    one, or None: it stops the run as that signal here would have
+    (`requested(now=True)` asks at once, where it matters: which signal stopped the run).
     """
 
-    def __init__(self, requested: Callable[[], int | None] = lambda: None):
+    def __init__(self, requested: Callable[..., int | None] = lambda now=False: None):
         self.received: int | None = None
         self._requested = requested
         self._passed_on = False  # a request handed to the preemption sync manager
@@ -160,7 +161,7 @@ class StopSignals:
                 self.received = requested
             # else processes that cannot agree on a step go on: one that stopped alone would hang the rest
         if self.received is None and preemption_agreed(calls):
-            self.received = self._requested() or signal.SIGTERM
+            self.received = self._requested(now=True) or signal.SIGTERM
         return self.received is not None
 
     def __exit__(self, *exc) -> None:
@@ -227,7 +228,7 @@ def _compile(job: Job, state: dict, first_step: int, console: Console) -> tuple[
 
 
 def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None,
-          lock: bool = True, stop_requested: Callable[[], int | None] = lambda: None) -> TrainResult:
+          lock: bool = True, stop_requested: Callable[..., int | None] = lambda now=False: None) -> TrainResult:
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT
@@ -277,7 +278,7 @@ def holding_run_dir(run_dir: Path, lock: bool, log):
         yield
 
 
-def _train(config: Config, job: Job, console: Console, stop_requested: Callable[[], int | None]) -> TrainResult:
+def _train(config: Config, job: Job, console: Console, stop_requested: Callable[..., int | None]) -> TrainResult:
     log = console.log
     lead = jax.process_index() == 0
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")

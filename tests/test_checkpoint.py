@@ -215,7 +215,7 @@ def test_stop_signals_keep_the_first_signal_for_the_loop_and_a_second_ctrl_c_int
             os.kill(os.getpid(), signal.SIGINT)
     # A Ray launcher's driver that got the signal: one process stops as if it had got it.
     requested: list[int] = []
-    passed_on = StopSignals(lambda: requested[0] if requested else None)
+    passed_on = StopSignals(lambda now=False: requested[0] if requested else None)
     assert not passed_on.stop_before(1)
     requested.append(signal.SIGTERM)
     assert passed_on.stop_before(2) and passed_on.received == signal.SIGTERM

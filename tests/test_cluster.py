@@ -83,6 +83,34 @@ def test_capacity_check_names_the_numbers():
         check_capacity(ClusterSpec(hosts=2, devices_per_host=4, accelerator="gpu"), nodes)
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_nestor_stop_lets_the_submitted_run_save_the_step_it_reached(ray_head, tmp_path):
+    from cluster.jobs import STOP_WAIT_S, client
+
+    url, _ = ray_head
+    run_dir = tmp_path / "run"
+    submitted = nestor("submit", "configs/quickstart.yaml", *TINY, *TWO_HOSTS, "train.steps=100000",
+                       "checkpoint.every=0", f"run.dir={run_dir}", "--address", url)
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    job_id = submitted.stdout.split()[0]
+    deadline = time.monotonic() + 240
+    while not ((run_dir / "metrics.jsonl").exists() and metrics(run_dir)):  # steps are being trained
+        assert time.monotonic() < deadline, nestor("status", job_id, "--address", url).stdout
+        time.sleep(0.2)
+    assert nestor("stop", job_id, "--address", url).stdout.strip() == "stopped"
+    while (state := nestor("status", job_id, "--address", url).stdout.strip()) not in ("STOPPED", "FAILED",
+                                                                                       "SUCCEEDED"):
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+    assert state == "STOPPED"
+    saved = saved_steps(run_dir)  # no periodic save: the stop's
+    assert len(saved) == 1 and saved[0] == metrics(run_dir)[-1]["step"] > 0
+    # Ray's supervisor would kill the driver 3 s after its SIGTERM; the job asks for longer to save.
+    env_vars = client(url).get_job_info(job_id).runtime_env["env_vars"]
+    assert env_vars["RAY_JOB_STOP_WAIT_TIME_S"] == str(STOP_WAIT_S)
+
+
 def head_answers(url: str) -> bool:
     from cluster.jobs import client
 
