@@ -8,7 +8,6 @@ These tests read the pool's threads from /proc, so they also check that the inst
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -38,18 +37,17 @@ SETUPS = {
 }
 
 
-def two_cores() -> None:
-    """Runs the child on 2 cores, as on this project's machines: XLA's own pool there (max(cores, devices)
-    threads) is 8 for 8 devices, so a pool of 16 shows nestor sized it, whatever the host's cores."""
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+# The child runs on 2 cores, as on this project's machines: XLA's own pool there (max(cores, devices)
+# threads) is 8 for 8 devices, so a pool of 16 shows nestor sized it, whatever the host's cores.
+TWO_CORES = "import os\nos.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])\n"
 
 
 def devices_and_pool_threads(setup: str, tmp_path: Path, **env: str) -> tuple[int, int]:
     """Runs `setup` in a fresh process from a user's shell, on 2 cores; returns its device count and pool
     threads."""
-    done = subprocess.run([sys.executable, "-c", setup + "\n" + COUNT_POOL_THREADS], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=120, env={**user_env(), "PYTHONPATH": str(ROOT), **env},
-                          preexec_fn=two_cores)
+    done = subprocess.run([sys.executable, "-c", TWO_CORES + setup + "\n" + COUNT_POOL_THREADS], cwd=tmp_path,
+                          text=True, capture_output=True, timeout=120,
+                          env={**user_env(), "PYTHONPATH": str(ROOT), **env})
     assert done.returncode == 0, done.stderr[-3000:]
     devices, threads = done.stdout.split()
     return int(devices), int(threads)
