@@ -2,6 +2,6 @@
 
 import sys
 
-from orchestrator.cli import main
+from orchestrator.cli import console
 
-sys.exit(main())
+sys.exit(console())

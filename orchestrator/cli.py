@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -64,23 +65,29 @@ def _train(config, args) -> int:
     from orchestrator.train import TrainingDiverged
 
     console = Console()
-    if config.cluster.launcher == "ray":
-        from orchestrator.launch import train_on_ray
+    try:
+        if config.cluster.launcher == "ray":
+            from orchestrator.launch import train_on_ray
 
-        stopped_by = train_on_ray(config, console)
-    else:
-        from orchestrator.runtime import configure_jax
-        from orchestrator.train import train
+            stopped_by = train_on_ray(config, console)
+        else:
+            from orchestrator.runtime import configure_jax
+            from orchestrator.train import train
 
-        configure_jax(config)
-        try:
+            configure_jax(config)
             stopped_by = train(config, console=console).stopped_by
-        except TrainingDiverged as error:
-            print(f"nestor: training diverged: {error}", file=sys.stderr)
-            return 1
-        except CheckpointWriteError as error:
-            print(f"nestor: {error}", file=sys.stderr)
-            return 1
+    except TrainingDiverged as error:
+        print(f"nestor: training diverged: {error}", file=sys.stderr)
+        return 1
+    except CheckpointWriteError as error:
+        print(f"nestor: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        print("nestor: interrupted: stopped without saving the steps since the newest checkpoint", file=sys.stderr)
+        if (Path(config.run.dir) / "checkpoints").is_dir():  # the run got as far as its checkpoints
+            for line in where_results_are(config):
+                print(line)
+        return 130
     for line in where_results_are(config):
         print(line)
     # A preempted run exits as the signal would have made it (128 + signal), after its checkpoint.
@@ -296,5 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def console() -> int:
+    """The `nestor` console script (and `python -m orchestrator`): `main`, then a Ctrl-C while the process
+    exits is ignored; the run has stopped and said where it is, and JAX's exit handlers would show it as
+    a traceback (a second Ctrl-C that came after a first one had already stopped the run)."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

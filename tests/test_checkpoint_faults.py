@@ -181,6 +181,25 @@ def test_a_run_past_train_steps_says_so_and_how_to_extend_it(tmp_path, monkeypat
     assert kept["train"]["steps"] == 2  # the config of the run that trained, not of the one that did not
 
 
+def test_an_interrupted_run_says_what_a_rerun_resumes_from(tmp_path, monkeypatch, capsys):
+    # A second Ctrl-C (or one before training started) stops without a save; it said "interrupted" only.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
+    assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/a", "train.steps=2"]) == 0
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("orchestrator.train.train", interrupted)
+    for run_dir, closing in (("runs/a", "resume or extend: run the same command again (from checkpoint 2; "
+                                        "train.steps=4 now)"), ("runs/new", None)):
+        assert main(["train", "tiny.yaml", *BASE, f"run.dir={run_dir}", "train.steps=4"]) == 130
+        out, err = capsys.readouterr()
+        assert err == "nestor: interrupted: stopped without saving the steps since the newest checkpoint\n"
+        assert (out.splitlines()[-1] if closing else out) == (closing or "")  # nothing to show for a run never begun
+
+
 def test_a_driver_that_cannot_see_run_dir_offers_the_resume_it_offered_before(tmp_path):
     # With cluster.address, run.dir may be the cluster's storage, which the driver's machine does not
     # mount: no checkpoint on its disk is no sign that every save was refused.
