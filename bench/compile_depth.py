@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 

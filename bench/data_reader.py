@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 # The quickstart's mesh needs 8 devices: simulated on a CPU, set before jax starts.
-from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.launcher import cpu_pool_threads
+from cluster.cpu_devices import cpu_pool_threads
 
 MARK = "@@bench "
 MAXTEXT_MODEL = ("hardware=cpu", "dataset_type=synthetic", "attention=dot_product", "decoder_block=llama2",

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 import jax  # noqa: E402

@@ -40,7 +40,7 @@ import sys
 import time
 from collections import Counter
 
-from cluster.launcher import simulate_cpu_devices_before_import
+from cluster.cpu_devices import simulate_cpu_devices_before_import
 
 MESHES = {
     "fsdp8": {"mesh.fsdp": 8},
@@ -327,7 +327,6 @@ def main() -> None:
         programs = {}
         for mesh in args.meshes:
             programs[mesh] = compiled_programs(MESHES[mesh])
-            print(mesh, programs[mesh], flush=True)
         print(programs_table(programs))
         if not args.no_write:
             from bench.report import write_section

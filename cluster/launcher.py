@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from cluster.cpu_devices import simulate_cpu_devices
 from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 
 LOCALHOST = "127.0.0.1"
@@ -94,8 +94,9 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     `stop_requested(now=True)` asks the driver at once): `train_fn` should save,
     every worker at the same step, and raise `Stopped`; no group is started
     after that, and `launch` returns the signal (None if the workers finished
-    first). A second one raises KeyboardInterrupt here, and the workers stop
-    without a save. Connects to `spec.address`, else to the
+    first). A second one, or a first one before any group started, raises
+    KeyboardInterrupt here, and the workers stop without a save; once the
+    workers have ended, signals are ignored while Ray shuts down. Connects to `spec.address`, else to the
     cluster of the surrounding Ray job, else starts an embedded local cluster
     (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
     unreachable, too small for the spec (checked before any worker starts),
@@ -109,13 +110,15 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     import ray
 
     _connect(spec)
-    try:
-        check_capacity(spec, ray.nodes())
-        with _DriverSignals(on_stop) as signals:
-            return _fit(train_fn, argument, spec, storage_dir, on_message, signals)
-    finally:
-        # Stops the embedded cluster's raylet and GCS too when this process started them.
-        ray.shutdown()
+    with _DriverSignals(on_stop) as signals:
+        try:
+            check_capacity(spec, ray.nodes())
+            stopped_by = _fit(train_fn, argument, spec, storage_dir, on_message, signals)
+            signals.settled = True  # the workers have ended: a Ctrl-C now would only cut Ray's shutdown short
+            return stopped_by
+        finally:
+            # Stops the embedded cluster's raylet and GCS too when this process started them.
+            ray.shutdown()
 
 
 def use_token_if_present() -> None:
@@ -228,15 +231,13 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
 
 
 class Mailbox:
-    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; whether the
-    group stopped for a preemption (`preempted` marks it, `take_preempted` reads and clears it) or for
-    the driver (`stopped`, `take_stopped`); and the signal the driver was told to stop by
-    (`request_stop` sets it, `stop_request` reads it)."""
+    """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; why the group
+    ended early, "preempted" or "stopped" (`ended` says it, `take_ended` reads and clears it); and the
+    signal the driver was told to stop by (`request_stop` sets it, `stop_request` reads it)."""
 
     def __init__(self):
         self.messages: list = []
-        self.stopped_for_preemption = False
-        self.stopped_for_driver = False
+        self.ended_for: str | None = None
         self.stop_signal: int | None = None
 
     def put(self, message) -> None:
@@ -249,19 +250,12 @@ class Mailbox:
     def sync(self) -> None:
         """Returns once every earlier call of the caller has run."""
 
-    def preempted(self) -> None:
-        self.stopped_for_preemption = True
+    def ended(self, reason: str) -> None:
+        self.ended_for = reason
 
-    def take_preempted(self) -> bool:
-        stopped, self.stopped_for_preemption = self.stopped_for_preemption, False
-        return stopped
-
-    def stopped(self) -> None:
-        self.stopped_for_driver = True
-
-    def take_stopped(self) -> bool:
-        stopped, self.stopped_for_driver = self.stopped_for_driver, False
-        return stopped
+    def take_ended(self) -> str | None:
+        reason, self.ended_for = self.ended_for, None
+        return reason
 
     def request_stop(self, signum: int) -> None:
         self.stop_signal = signum
@@ -272,11 +266,13 @@ class Mailbox:
 
 class _DriverSignals:
     """In the driver's main thread, while active: the first SIGINT or SIGTERM is kept in `received`, a
-    second raises KeyboardInterrupt. Elsewhere nothing changes. `pass_on` tells the workers, once."""
+    second raises KeyboardInterrupt, and once `settled` (the workers have ended) they are ignored.
+    Elsewhere nothing changes. `pass_on` tells the workers, once."""
 
     def __init__(self, on_stop: Callable[[int], None]):
         self.on_stop = on_stop
         self.received: int | None = None
+        self.settled = False
         self._passed_on = False
         self._previous: dict[int, Any] = {}
 
@@ -287,6 +283,8 @@ class _DriverSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
+        if self.settled:
+            return
         if self.received is not None:
             raise KeyboardInterrupt
         self.received = signum
@@ -312,11 +310,12 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
     mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     while True:
         if signals.received is not None:
-            return signals.received  # a stop before this group started: it does not
+            raise KeyboardInterrupt  # a stop before this group started: none starts, nothing new to save
         _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals)
-        if ray.get(mailbox.take_stopped.remote()):
+        ended = ray.get(mailbox.take_ended.remote())
+        if ended == "stopped":
             return signals.received  # every worker saved the step they agreed on
-        if not ray.get(mailbox.take_preempted.remote()):
+        if ended != "preempted":
             return None  # else every worker saved the same step after a preemption: a new group resumes it
 
 
@@ -412,7 +411,7 @@ def _worker(config: dict) -> None:
 
         context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
-        _simulate_cpu_devices(jax, spec.devices_per_host)
+        simulate_cpu_devices(jax, spec.devices_per_host)
         host = ray.util.get_node_ip_address()
         # Every start of the worker group (first or restart) gets its own placement group.
         group = ray.util.get_current_placement_group()
@@ -427,9 +426,9 @@ def _worker(config: dict) -> None:
     try:
         config["fn"](config["argument"], mailbox.put.remote, stop.requested)
     except Preempted:
-        mailbox.preempted.remote()  # a clean end for Ray Train; the driver starts the next group
+        mailbox.ended.remote("preempted")  # a clean end for Ray Train; the driver starts the next group
     except Stopped:
-        mailbox.stopped.remote()  # a clean end for Ray Train; the driver starts none
+        mailbox.ended.remote("stopped")  # a clean end for Ray Train; the driver starts none
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 
@@ -459,54 +458,3 @@ class _StopWatch:
 
             self._signal = ray.get(self._mailbox.stop_request.remote())
         return self._signal
-
-
-def without_device_count(xla_flags: str) -> str:
-    """Returns XLA_FLAGS without a simulated host device count, every other flag kept."""
-    return " ".join(re.sub(r"--xla_force_host_platform_device_count=\d+", "", xla_flags).split())
-
-
-def _simulate_cpu_devices(jax, devices: int) -> None:
-    """Makes this process show `devices` CPU devices; must run before jax starts its backend."""
-    # A device count inherited through XLA_FLAGS (tests set 8) would override the config.
-    os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
-    jax.config.update("jax_platforms", "cpu")
-    if devices > 0:
-        jax.config.update("jax_num_cpu_devices", devices)
-        size_cpu_thread_pool(devices)
-
-
-# Threads XLA:CPU gets per simulated device: every thread is then blocked only when each device waits in
-# two collectives at once on average, as the pipeline step's eighth device did (a loop's collective-permute
-# and an all-gather beside the loop).
-THREADS_PER_DEVICE = 2
-
-
-def size_cpu_thread_pool(devices: int) -> None:
-    """Gives XLA:CPU two threads per simulated device (PJRT_NPROC), a larger PJRT_NPROC already set kept;
-    call it before jax's backend starts.
-
-    XLA:CPU runs each device's independent thunks on one shared pool of max(cores, devices) threads,
-    and a collective holds its thread until every device has joined it. When a device runs two
-    collectives at once, the pool can fill with waiters: in a pipeline4 x fsdp2 step on 2 cores,
-    seven devices waited in the pipeline loop's collective-permute for the eighth, whose loop had
-    no thread left because its one thread waited in an all-gather for the seven. XLA aborts the
-    process when the rendezvous times out ("Fatal Python error: Aborted" mid-step, no message).
-    A waiting thread costs no CPU; the pool's size is read from PJRT_NPROC when the backend starts.
-    """
-    os.environ["PJRT_NPROC"] = cpu_pool_threads(devices)
-
-
-def cpu_pool_threads(devices: int) -> str:
-    """Returns PJRT_NPROC for `devices` simulated devices: the cores this process may use, two threads per
-    device, or the size this environment already asks for, whichever is largest."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    already = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC", "")  # XLA reads them in this order
-    return str(max(cores, THREADS_PER_DEVICE * devices, int(already) if already.isdigit() else 0))
-
-
-def simulate_cpu_devices_before_import(devices: int) -> None:
-    """For a script that has not imported jax yet: `devices` simulated CPU devices and their threads."""
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={devices}").strip()
-    size_cpu_thread_pool(devices)

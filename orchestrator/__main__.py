@@ -2,6 +2,6 @@
 
 import sys
 
-from orchestrator.cli import console
+from orchestrator.cli import console_script
 
-sys.exit(console())
+sys.exit(console_script())

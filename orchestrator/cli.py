@@ -303,14 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def console() -> int:
-    """The `nestor` console script (and `python -m orchestrator`): `main`, then a Ctrl-C while the process
-    exits is ignored; the run has stopped and said where it is, and JAX's exit handlers would show it as
-    a traceback (a second Ctrl-C that came after a first one had already stopped the run)."""
+def console_script() -> int:
+    """The `nestor` console script (and `python -m orchestrator`): returns `main`'s exit code, after which
+    a Ctrl-C while the process exits is ignored; the run has stopped and said where it is, and JAX's exit
+    handlers would show it as a traceback (a second Ctrl-C that came after a first one had stopped the run)."""
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(console())
+    sys.exit(console_script())

@@ -50,6 +50,13 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     raise Preempted(f"signal {result.stopped_by}")
 
 
+def stopping_line(signum: int) -> str:
+    """What the driver says when a signal reaches it; the hint of a second Ctrl-C only for a Ctrl-C (a
+    submitted job's driver gets `nestor stop`'s SIGTERM, and its log has no keyboard)."""
+    again = " (press Ctrl-C again to stop them now, without a save)" if signum == signal.SIGINT else ""
+    return f"{signal.Signals(signum).name}: the workers stop and save at the next step they all reach{again}"
+
+
 def train_on_ray(config: Config, console: Console) -> int | None:
     """Trains `config` on `cluster.hosts` Ray workers, showing process 0's progress on `console`;
     returns when they finish: None, or the signal that stopped this process (the driver), once the
@@ -65,8 +72,6 @@ def train_on_ray(config: Config, console: Console) -> int | None:
         with RunDirLock(config.run.dir, console.log):
             return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),
                           storage_dir=config.run.dir, on_message=lambda message: replay(console, message),
-                          on_stop=lambda signum: console.log(
-                              f"{signal.Signals(signum).name}: the workers stop and save at the next step they all "
-                              "reach (press Ctrl-C again to stop them now, without a save)"))
+                          on_stop=lambda signum: console.log(stopping_line(signum)))
     finally:
         console.close()

@@ -7,7 +7,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from cluster.launcher import size_cpu_thread_pool
+from cluster.cpu_devices import simulate_cpu_devices
 from cluster.rendezvous import ClusterError
 from orchestrator.config import Config
 from orchestrator.paths import shown
@@ -26,11 +26,7 @@ def configure_jax(config: Config) -> None:
     import jax
 
     if config.cluster.accelerator == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-        if config.cluster.devices_per_host > 0:
-            devices = config.cluster.hosts * config.cluster.devices_per_host
-            jax.config.update("jax_num_cpu_devices", devices)
-            size_cpu_thread_pool(devices)
+        simulate_cpu_devices(jax, config.cluster.hosts * config.cluster.devices_per_host)
     enable_compile_cache(config)
 
 

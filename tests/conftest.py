@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
 
-from cluster.launcher import simulate_cpu_devices_before_import  # noqa: E402
+from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 

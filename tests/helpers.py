@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from cluster.launcher import without_device_count
+from cluster.cpu_devices import without_device_count
 from orchestrator.config import Config
 from orchestrator.data.prepare import Options, prepare
 from orchestrator.progress import Console

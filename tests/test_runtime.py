@@ -2,12 +2,13 @@
 
 A pipeline4 x fsdp2 step aborted the suite ("Fatal Python error: Aborted", no message) when every thread
 of XLA:CPU's pool (8 threads for 8 devices on 2 cores) waited in a collective for a device that had no
-thread left to join it; `cluster.launcher.size_cpu_thread_pool` gives the pool two threads per device.
+thread left to join it; `cluster.cpu_devices.size_cpu_thread_pool` gives the pool two threads per device.
 These tests read the pool's threads from /proc, so they also check that the installed XLA reads the size.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from cluster.launcher import THREADS_PER_DEVICE
+from cluster.cpu_devices import THREADS_PER_DEVICE
 from tests.conftest import ROOT
 from tests.doc_blocks import user_env
 
@@ -31,8 +32,8 @@ COUNT_POOL_THREADS = textwrap.dedent("""
 SETUPS = {
     "nestor train": "from orchestrator.config import load\nfrom orchestrator.runtime import configure_jax\n"
                     "configure_jax(load(None, []))",
-    "ray worker": "import jax\nfrom cluster.launcher import _simulate_cpu_devices\n_simulate_cpu_devices(jax, 8)",
-    "bench script": "from cluster.launcher import simulate_cpu_devices_before_import\n"
+    "ray worker": "import jax\nfrom cluster.cpu_devices import simulate_cpu_devices\nsimulate_cpu_devices(jax, 8)",
+    "bench script": "from cluster.cpu_devices import simulate_cpu_devices_before_import\n"
                     "simulate_cpu_devices_before_import(8)",
 }
 
@@ -66,4 +67,5 @@ def test_a_larger_pool_the_user_set_is_kept_and_a_smaller_one_raised(tmp_path):
 def test_the_suites_own_process_has_the_pool_it_needs():
     devices = jax.device_count()  # starts the backend, if no test has yet
     names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
-    assert names.count("tf_XLAEigen") >= THREADS_PER_DEVICE * devices
+    # The size the suite asked for (so not XLA's own, whatever the host's cores) and two per device.
+    assert names.count("tf_XLAEigen") == int(os.environ["PJRT_NPROC"]) >= THREADS_PER_DEVICE * devices

@@ -36,7 +36,6 @@ def test_nestors_step_compiles_to_the_bare_steps_work_without_extra_copies_or_tr
         assert nestor["flops"] < 1.005 * bare["flops"], programs_table(programs)
         assert nestor["bytes_accessed"] < 1.06 * bare["bytes_accessed"], programs_table(programs)
         assert nestor["copy"] <= bare["copy"] and nestor["transpose"] <= bare["transpose"], programs_table(programs)
-        assert f"| {mesh} | 1.00" in programs_table(programs)
 
 
 def test_maxtext_bench_runs_nestors_model_mesh_and_micro_batches():

@@ -1,0 +1,64 @@
+"""Simulated CPU devices: how many a process shows, and the threads XLA:CPU gives them.
+
+Tests, the inprocess launcher, Ray workers on CPU and the bench scripts run
+a mesh of N devices in one process (`--xla_force_host_platform_device_count`,
+`jax_num_cpu_devices`). Imports nothing heavy, so a script can call it before
+it imports jax.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def without_device_count(xla_flags: str) -> str:
+    """Returns XLA_FLAGS without a simulated host device count, every other flag kept."""
+    return " ".join(re.sub(r"--xla_force_host_platform_device_count=\d+", "", xla_flags).split())
+
+
+def simulate_cpu_devices(jax, devices: int) -> None:
+    """Makes this process's jax use the CPU and show `devices` devices (0: jax's default, one), with the
+    threads they need; must run before jax starts its backend."""
+    # A device count inherited through XLA_FLAGS (tests set 8) would override the config.
+    os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
+    jax.config.update("jax_platforms", "cpu")
+    if devices > 0:
+        jax.config.update("jax_num_cpu_devices", devices)
+        size_cpu_thread_pool(devices)
+
+
+# Threads XLA:CPU gets per simulated device: every thread is then blocked only when each device waits in
+# two collectives at once on average, as the pipeline step's eighth device did (a loop's collective-permute
+# and an all-gather beside the loop).
+THREADS_PER_DEVICE = 2
+
+
+def size_cpu_thread_pool(devices: int) -> None:
+    """Gives XLA:CPU two threads per simulated device (PJRT_NPROC), a larger PJRT_NPROC already set kept;
+    call it before jax's backend starts.
+
+    XLA:CPU runs each device's independent thunks on one shared pool of max(cores, devices) threads,
+    and a collective holds its thread until every device has joined it. When a device runs two
+    collectives at once, the pool can fill with waiters: in a pipeline4 x fsdp2 step on 2 cores,
+    seven devices waited in the pipeline loop's collective-permute for the eighth, whose loop had
+    no thread left because its one thread waited in an all-gather for the seven. XLA aborts the
+    process when the rendezvous times out ("Fatal Python error: Aborted" mid-step, no message).
+    A waiting thread costs no CPU; the pool's size is read from PJRT_NPROC when the backend starts.
+    """
+    os.environ["PJRT_NPROC"] = cpu_pool_threads(devices)
+
+
+def cpu_pool_threads(devices: int) -> str:
+    """Returns PJRT_NPROC for `devices` simulated devices: the cores this process may use, two threads per
+    device, or the size this environment already asks for, whichever is largest."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    already = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC", "")  # XLA reads them in this order
+    return str(max(cores, THREADS_PER_DEVICE * devices, int(already) if already.isdigit() else 0))
+
+
+def simulate_cpu_devices_before_import(devices: int) -> None:
+    """For a script that has not imported jax yet: `devices` simulated CPU devices and their threads."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={devices}").strip()
+    size_cpu_thread_pool(devices)
