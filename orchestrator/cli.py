@@ -61,6 +61,7 @@ def _saves_refused(metrics_jsonl: Path) -> bool:
 
 def _train(config, args) -> int:
     from orchestrator.checkpoint import CheckpointWriteError
+    from orchestrator.checkpoint_restore import checkpoint_dir
     from orchestrator.progress import Console
     from orchestrator.train import TrainingDiverged
 
@@ -84,7 +85,7 @@ def _train(config, args) -> int:
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         print("nestor: interrupted: stopped without saving the steps since the newest checkpoint", file=sys.stderr)
-        if (Path(config.run.dir) / "checkpoints").is_dir():  # the run got as far as its checkpoints
+        if checkpoint_dir(config.run.dir).is_dir():  # the run got as far as its checkpoints
             for line in where_results_are(config):
                 print(line)
         return 130

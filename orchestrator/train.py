@@ -113,6 +113,10 @@ class TrainResult:
     stopped_by: int | None = None  # the signal that ended the run early, if one did
 
 
+def no_stop_request(now: bool = False) -> None:
+    """The `stop_requested` of a run that no launcher can stop: never a signal."""
+
+
 class StopSignals:
     """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
     (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once).
@@ -125,7 +129,7 @@ class StopSignals:
     (`requested(now=True)` asks at once, where it matters: which signal stopped the run).
     """
 
-    def __init__(self, requested: Callable[..., int | None] = lambda now=False: None):
+    def __init__(self, requested: Callable[..., int | None] = no_stop_request):
         self.received: int | None = None
         self._requested = requested
         self._passed_on = False  # a request handed to the preemption sync manager
@@ -228,7 +232,7 @@ def _compile(job: Job, state: dict, first_step: int, console: Console) -> tuple[
 
 
 def train(config: Config, devices: list[jax.Device] | None = None, console: Console | None = None,
-          lock: bool = True, stop_requested: Callable[..., int | None] = lambda now=False: None) -> TrainResult:
+          lock: bool = True, stop_requested: Callable[..., int | None] = no_stop_request) -> TrainResult:
     """Trains up to `config.train.steps` steps, resuming from run.dir's newest complete checkpoint.
 
     Saves every `checkpoint.every` steps, at the end, and on SIGTERM/SIGINT

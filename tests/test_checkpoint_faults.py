@@ -150,9 +150,15 @@ def test_a_blown_up_finite_state_is_not_saved_and_a_lower_lr_resumes(saved, tmp_
     assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir())[-1] == 8
 
 
-def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def user_directory(tmp_path, monkeypatch):
+    """Runs the test in tmp_path, as a user's directory holding `tiny.yaml` (the tiny preset)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
+
+
+@pytest.mark.usefixtures("user_directory")
+def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path, capsys):
     blowing_up = ["train.steps=4", "checkpoint.every=2", "optimizer.lr=10", "optimizer.clip_norm=0"]
     assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/blow", *blowing_up]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -166,10 +172,9 @@ def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path,
                           "optimizer.clip_norm first"]
 
 
-def test_a_run_past_train_steps_says_so_and_how_to_extend_it(tmp_path, monkeypatch, capsys):
+@pytest.mark.usefixtures("user_directory")
+def test_a_run_past_train_steps_says_so_and_how_to_extend_it(tmp_path, capsys):
     # It said "at step 2 = train.steps" and offered to run the same command again, which does nothing.
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
     assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/a", "train.steps=2"]) == 0
     capsys.readouterr()
     assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/a", "train.steps=1"]) == 0
@@ -181,10 +186,9 @@ def test_a_run_past_train_steps_says_so_and_how_to_extend_it(tmp_path, monkeypat
     assert kept["train"]["steps"] == 2  # the config of the run that trained, not of the one that did not
 
 
-def test_an_interrupted_run_says_what_a_rerun_resumes_from(tmp_path, monkeypatch, capsys):
+@pytest.mark.usefixtures("user_directory")
+def test_an_interrupted_run_says_what_a_rerun_resumes_from(monkeypatch, capsys):
     # A second Ctrl-C (or one before training started) stops without a save; it said "interrupted" only.
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")
     assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/a", "train.steps=2"]) == 0
     capsys.readouterr()
 

@@ -95,7 +95,7 @@ def test_nestor_stop_lets_the_submitted_run_save_the_step_it_reached(ray_head, t
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     job_id = submitted.stdout.split()[0]
     deadline = time.monotonic() + 240
-    while not ((run_dir / "metrics.jsonl").exists() and metrics(run_dir)):  # steps are being trained
+    while not trained_a_step(run_dir):
         assert time.monotonic() < deadline, nestor("status", job_id, "--address", url).stdout
         time.sleep(0.2)
     assert nestor("stop", job_id, "--address", url).stdout.strip() == "stopped"
@@ -255,6 +255,39 @@ def test_a_signal_to_one_process_stops_every_process_before_the_same_call(tmp_pa
     assert second == first and int(calls) > 3 and received == str(int(signal.SIGTERM))
 
 
+class Driver:
+    """`nestor train configs/quickstart.yaml ARGS` of this checkout in a session of its own, as a terminal
+    starts it (Ctrl-C is a SIGINT to its process group), its output lines collected as they come; on
+    leaving the `with`, the group (the embedded cluster's daemons too) is killed if still running."""
+
+    def __init__(self, *args: str, env: dict[str, str]):
+        self.process = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *args],
+                                        cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(line) for line in self.process.stdout],
+                         daemon=True).start()
+
+    def wait_until(self, condition) -> None:
+        while not condition():
+            assert self.process.poll() is None, self.output()[-3000:]
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def __enter__(self) -> "Driver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def trained_a_step(run_dir: Path) -> bool:
+    return (run_dir / "metrics.jsonl").exists() and bool(metrics(run_dir))
+
+
 def ray_train_workers(driver: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in psutil.Process(driver.pid).children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
 
@@ -280,34 +313,20 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     reference = config_lib.load(QUICKSTART, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
     reference_losses = run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
     run_dir = tmp_path / "restarted"
-    driver = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *TINY,
-                               *TWO_HOSTS, *longer, "cluster.max_failures=1", f"run.dir={run_dir}"],
-                              cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(line) for line in driver.stdout], daemon=True).start()
-
-    def wait_until(condition) -> None:
-        while not condition():
-            assert driver.poll() is None, "".join(lines)[-3000:]
-            time.sleep(0.1)
-
-    try:
-        wait_until(lambda: saved_steps(run_dir))  # a finished step
-        first_group = ray_train_workers(driver)
+    with Driver(*TINY, *TWO_HOSTS, *longer, "cluster.max_failures=1", f"run.dir={run_dir}", env=child_env()) as driver:
+        driver.wait_until(lambda: saved_steps(run_dir))  # a finished step
+        first_group = ray_train_workers(driver.process)
         assert len(first_group) == 2
         os.kill(first_group[-1].pid, signal.SIGTERM)
-        wait_until(lambda: any("preempted: the worker group starts again" in line for line in lines))
-        agreed = int(re.search(r"starts again from step (\d+)", "".join(lines)).group(1))
-        wait_until(lambda: saved_steps(run_dir)[-1] > agreed)  # the second group trains on
-        second_group = ray_train_workers(driver)
+        driver.wait_until(lambda: "preempted: the worker group starts again" in driver.output())
+        agreed = int(re.search(r"starts again from step (\d+)", driver.output()).group(1))
+        driver.wait_until(lambda: saved_steps(run_dir)[-1] > agreed)  # the second group trains on
+        second_group = ray_train_workers(driver.process)
         assert len(second_group) == 2 and not {p.pid for p in second_group} & {p.pid for p in first_group}
         os.kill(second_group[-1].pid, signal.SIGKILL)
-        driver.wait(timeout=600)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-    output = "".join(lines)
-    assert driver.returncode == 0, output[-3000:]
+        driver.process.wait(timeout=600)
+    output = driver.output()
+    assert driver.process.returncode == 0, output[-3000:]
     assert output.count("stopped by signal 15 after step") == 1, output[-3000:]
     records = metrics(run_dir)
     # A resume drops the records the interrupted group wrote past its checkpoint and logs them again.
@@ -325,23 +344,12 @@ def test_ctrl_c_to_the_ray_driver_saves_the_step_the_workers_reached_and_a_rerun
     run_dir = tmp_path / "run"
     longer = ["train.steps=1000", "checkpoint.every=0"]  # no periodic save: a checkpoint is the stop's
     shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}"))
-    # A session of its own, as a terminal gives: Ctrl-C is a SIGINT to every process of its group.
-    driver = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *TINY, *TWO_HOSTS,
-                               *longer, f"run.dir={run_dir}"], cwd=ROOT, env=shell, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(line) for line in driver.stdout], daemon=True).start()
-    try:
-        while not ((run_dir / "metrics.jsonl").exists() and metrics(run_dir)):  # steps are being trained
-            assert driver.poll() is None, "".join(lines)[-3000:]
-            time.sleep(0.1)
-        os.killpg(driver.pid, signal.SIGINT)
-        driver.wait(timeout=300)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)  # the embedded cluster's daemons too
-    output = "".join(lines)
-    assert driver.returncode == 128 + signal.SIGINT, output[-3000:]
+    with Driver(*TINY, *TWO_HOSTS, *longer, f"run.dir={run_dir}", env=shell) as driver:
+        driver.wait_until(lambda: trained_a_step(run_dir))
+        os.killpg(driver.process.pid, signal.SIGINT)  # Ctrl-C in its terminal
+        driver.process.wait(timeout=300)
+    output = driver.output()
+    assert driver.process.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "SIGINT: the workers stop and save at the next step they all reach" in output
     stopped = re.search(r"stopped by signal 2 after step (\d+) on every process; checkpoint saved", output)
     assert stopped and "preempted" not in output and "Traceback" not in output, output[-3000:]
