@@ -22,40 +22,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from orchestrator import config as config_lib  # noqa: E402
+# The suite's order, and how it is shared between pytest-xdist workers (hooks of this conftest).
+from tests.xdist_groups import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: E402,F401
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-
-# The files whose tests start Ray clusters (the `ray` mark): they count the machine's Ray daemons and stop
-# every Ray node (`ray stop`), so they must not run beside each other.
-RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Runs the Ray files first (they take longest: under pytest-xdist one worker starts on them while the
-    other takes the rest), each file's tests in their order."""
-    stray = [item.nodeid for item in items if item.get_closest_marker("ray") and item.path.name not in RAY_FILES]
-    if stray:
-        raise pytest.UsageError(f"tests marked `ray` outside tests/conftest.py's RAY_FILES: {stray}")
-    items.sort(key=lambda item: item.path.name not in RAY_FILES)  # a stable sort
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (the README's `-n 2`): a worker takes a whole file at a time (its module fixtures,
-    compiled steps among them, are built once), and the Ray files all go to one worker, in collection order."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class RayFilesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "ray" if Path(file).name in RAY_FILES else file
-
-        def schedule(self) -> None:
-            self.config.option.loadscopereorder = False  # collection order: the Ray files first
-            super().schedule()
-
-    return RayFilesTogether(config, log)
 
 
 # Adam's eps at 1e-6 in runs compared across meshes: at the default 1e-8, an element whose gradient is

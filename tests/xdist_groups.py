@@ -1,0 +1,43 @@
+"""How the suite's tests are ordered and shared between pytest-xdist workers (the README's `-n 2`); the
+hooks are tests/conftest.py's, kept here without jax so that a test can run them on a small suite.
+
+A worker takes a whole file at a time (its module fixtures, compiled steps among them, are built once), and
+the files whose tests start Ray clusters all go to one worker, first (they take longest): they count the
+machine's Ray daemons and stop every Ray node (`ray stop`), so they must never run beside each other.
+xdist's own `--dist loadgroup` cannot do this under pytest 9.2 (it renames `item._nodeid`, which pytest
+no longer reads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# The files whose tests start Ray clusters (the `ray` mark).
+RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the Ray files first, each file's tests in their order; a `ray` test elsewhere is a usage error."""
+    stray = [item.nodeid for item in items if item.get_closest_marker("ray") and item.path.name not in RAY_FILES]
+    if stray:
+        raise pytest.UsageError(f"tests marked `ray` outside tests/xdist_groups.py's RAY_FILES: {stray}")
+    items.sort(key=lambda item: item.path.name not in RAY_FILES)  # a stable sort
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Returns xdist's scheduler by file, with the Ray files as one unit of work, handed out first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "ray" if Path(file).name in RAY_FILES else file
+
+        def schedule(self) -> None:
+            self.config.option.loadscopereorder = False  # collection order: the Ray files first
+            super().schedule()
+
+    return RayFilesTogether(config, log)
