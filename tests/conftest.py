@@ -23,7 +23,8 @@ import pytest  # noqa: E402
 
 from orchestrator import config as config_lib  # noqa: E402
 # The suite's order, and how it is shared between pytest-xdist workers (hooks of this conftest).
-from tests.xdist_groups import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: E402,F401
+from tests.xdist_groups import (pytest_collection_modifyitems, pytest_runtest_setup,  # noqa: E402,F401
+                                 pytest_xdist_make_scheduler)
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -8,17 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 # Each test notes its file and worker, in the order the tests run.
 TESTS = '''
-import os, time
+import os
 import pytest
 
 def note():
     with open(os.environ["NOTES"], "a") as notes:
         notes.write(f"{{os.path.basename(__file__)}} {{os.environ.get('PYTEST_XDIST_WORKER', 'main')}}\\n")
-    time.sleep(0.2)  # long enough that both workers are busy at once
 
 {tests}
 '''
@@ -30,8 +31,8 @@ def small_suite(directory: Path, files: dict[str, str]) -> Path:
     """Writes a suite whose conftest takes the hooks of tests/xdist_groups.py; returns its directory."""
     directory.mkdir()
     (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    ray: starts a local Ray cluster\n")
-    (directory / "conftest.py").write_text(
-        "from tests.xdist_groups import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa\n")
+    (directory / "conftest.py").write_text("from tests.xdist_groups import pytest_collection_modifyitems, "
+                                           "pytest_runtest_setup, pytest_xdist_make_scheduler  # noqa\n")
     for name, tests in files.items():
         (directory / name).write_text(TESTS.format(tests=tests))
     return directory
@@ -40,20 +41,23 @@ def small_suite(directory: Path, files: dict[str, str]) -> Path:
 def run_pytest(suite: Path, notes: Path, *args: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
     env.update(PYTHONPATH=str(ROOT), NOTES=str(notes))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=suite,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={suite.parent / 'basetemp'}", *args], cwd=suite, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_the_ray_files_run_on_one_worker_before_anything_else_it_runs(tmp_path):
-    plain = "\n".join(PLAIN.format(i=i) for i in range(3))
+    # Two plain files hold more tests than the Ray files together: xdist's own order (the largest unit of
+    # work first) would hand those out first.
+    plain, larger = ("\n".join(PLAIN.format(i=i) for i in range(count)) for count in (3, 7))
     ray = "\n".join(RAY.format(i=i) for i in range(2)) + "\n" + PLAIN.format(i=9)
-    suite = small_suite(tmp_path / "suite", {"test_a.py": plain, "test_b.py": plain, "test_c.py": plain,
+    suite = small_suite(tmp_path / "suite", {"test_a.py": larger, "test_b.py": larger, "test_c.py": plain,
                                              "test_cluster.py": ray, "test_docs.py": ray, "test_d.py": plain})
     notes = tmp_path / "notes"
     done = run_pytest(suite, notes, "-n", "2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ran = [line.split() for line in notes.read_text().splitlines()]
-    assert len(ran) == 18
+    assert len(ran) == 26
     ray_workers = {worker for file, worker in ran if file in ("test_cluster.py", "test_docs.py")}
     assert len(ray_workers) == 1, ran
     [ray_worker] = ray_workers
@@ -65,8 +69,13 @@ def test_the_ray_files_run_on_one_worker_before_anything_else_it_runs(tmp_path):
         assert len({worker for name, worker in ran if name == file}) == 1, ran
 
 
-def test_a_ray_test_outside_the_ray_files_is_a_usage_error(tmp_path):
-    suite = small_suite(tmp_path / "suite", {"test_a.py": PLAIN.format(i=0) + "\n" + RAY.format(i=1)})
-    done = run_pytest(suite, tmp_path / "notes")
-    assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "tests marked `ray` outside tests/xdist_groups.py's RAY_FILES: ['test_a.py::test_ray_1']" in done.stderr
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two workers"])
+def test_a_ray_test_outside_the_ray_files_fails_before_it_runs(tmp_path, workers):
+    suite = small_suite(tmp_path / "suite", {"test_a.py": PLAIN.format(i=0) + "\n" + RAY.format(i=1),
+                                             "test_b.py": PLAIN.format(i=0)})
+    notes = tmp_path / "notes"
+    done = run_pytest(suite, notes, *workers)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "test_a.py::test_ray_1 is marked `ray` but its file is not in tests/xdist_groups.py's RAY_FILES" \
+        in done.stdout, done.stdout[-3000:]
+    assert sorted(line.split()[0] for line in notes.read_text().splitlines()) == ["test_a.py", "test_b.py"]

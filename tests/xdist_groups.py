@@ -19,11 +19,17 @@ RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Runs the Ray files first, each file's tests in their order; a `ray` test elsewhere is a usage error."""
-    stray = [item.nodeid for item in items if item.get_closest_marker("ray") and item.path.name not in RAY_FILES]
-    if stray:
-        raise pytest.UsageError(f"tests marked `ray` outside tests/xdist_groups.py's RAY_FILES: {stray}")
+    """Runs the Ray files first, each file's tests in their order."""
     items.sort(key=lambda item: item.path.name not in RAY_FILES)  # a stable sort
+
+
+def pytest_runtest_setup(item):
+    """Fails a `ray` test outside RAY_FILES before it starts anything: it could run beside the Ray files.
+    (A collection error would do under one process, but breaks xdist's controller: its workers have
+    already sent their collections.)"""
+    if item.get_closest_marker("ray") and item.path.name not in RAY_FILES:
+        pytest.fail(f"{item.nodeid} is marked `ray` but its file is not in tests/xdist_groups.py's RAY_FILES, "
+                    "so it could run beside the tests that start Ray clusters", pytrace=False)
 
 
 @pytest.hookimpl(optionalhook=True)
