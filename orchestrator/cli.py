@@ -60,10 +60,8 @@ def _saves_refused(metrics_jsonl: Path) -> bool:
 
 
 def _train(config, args) -> int:
-    from orchestrator.checkpoint import CheckpointWriteError
     from orchestrator.checkpoint_restore import checkpoint_dir
     from orchestrator.progress import Console
-    from orchestrator.train import TrainingDiverged
 
     console = Console()
     try:
@@ -77,12 +75,6 @@ def _train(config, args) -> int:
 
             configure_jax(config)
             stopped_by = train(config, console=console).stopped_by
-    except TrainingDiverged as error:
-        print(f"nestor: training diverged: {error}", file=sys.stderr)
-        return 1
-    except CheckpointWriteError as error:
-        print(f"nestor: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         print("nestor: interrupted: stopped without saving the steps since the newest checkpoint", file=sys.stderr)
         if checkpoint_dir(config.run.dir).is_dir():  # the run got as far as its checkpoints
@@ -285,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from cluster.rendezvous import ClusterError
     from orchestrator.config import ConfigError, load
+    from orchestrator.errors import RunFailed
 
     try:
         if args.handler is None:
@@ -298,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ClusterError as error:
         print(f"nestor: {error}", file=sys.stderr)
+        return 1
+    except RunFailed as error:  # a diverged run, a failed checkpoint write
+        print(f"nestor: {error.headline}{error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("nestor: interrupted", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""The error a user's config causes, in a module of its own: light enough for processes that never
-touch JAX (the workers of `nestor data prepare`). `orchestrator.config` re-exports it."""
+"""The errors nestor reports to the user as themselves, in a module of its own: light enough for processes
+that never touch JAX (the workers of `nestor data prepare`). `orchestrator.config` re-exports ConfigError."""
 
 from __future__ import annotations
 
@@ -15,3 +15,10 @@ class ConfigError(ValueError):
     def __reduce__(self):
         # Ray ships a worker's exception to the driver by pickling it.
         return ConfigError, (self.problems,)
+
+
+class RunFailed(RuntimeError):
+    """A run stopped for a reason its message tells in full; the CLI prints `headline` + message as one
+    line and exits 1."""
+
+    headline = ""

@@ -22,6 +22,7 @@ from orchestrator.config import Config, ConfigError
 from orchestrator.checkpoint import Checkpointer
 from orchestrator.checkpoint_restore import finalized_steps
 from orchestrator.data.pipeline import DataPipeline, batch_shape
+from orchestrator.errors import RunFailed
 from orchestrator.evaluation.loss import Evaluator
 from orchestrator.health import CALMER, StateHealth
 from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
@@ -100,8 +101,10 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     return Job(config, mesh, rules, layout, step_fn, data, evaluator)
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunFailed):
     """The loss or the parameters became NaN or Inf; the newest checkpoint, if any, is the last good state."""
+
+    headline = "training diverged: "
 
 
 @dataclasses.dataclass
