@@ -6,7 +6,9 @@ weights, on 8 simulated CPU devices over three meshes.
 
 What the bare step is: the same transformer written here in plain jax
 (embedding, RMSNorm, RoPE, `jax.nn.dot_product_attention`, SwiGLU, a
-`lax.scan` over the stacked layers, float32 logits and cross-entropy),
+`lax.scan` over the stacked layers, float32 logits and cross-entropy; its
+weight matmuls are `models.matmul.einsum`, as the model's, so that on CPU
+both sum in float32 and round once),
 `jax.value_and_grad`, and the same optax chain (clip + AdamW on the same
 schedule) applied to the same parameter tree, jitted with the same parameter
 shardings and the batch split over the data-parallel axes. It has none of
@@ -82,20 +84,24 @@ def _bare_layer(cfg, pin):
     import jax
     import jax.numpy as jnp
 
+    from models import matmul
     from models.transformer import rotary
 
     dtype = cfg.compute_dtype
 
+    def project(equation, x, weight):
+        return matmul.einsum(equation, x, weight.astype(dtype), float32_outputs=cfg.float32_matmul_outputs)
+
     def layer(x, p):
         attention, mlp = p["attention"], p["mlp"]
         h = _rms_norm(x, p["attention_norm"]["scale"], cfg.norm_eps)
-        q, k, v = (jnp.einsum("btd,dhk->bthk", h, attention[name].astype(dtype)) for name in ("query", "key", "value"))
+        q, k, v = (project("btd,dhk->bthk", h, attention[name]) for name in ("query", "key", "value"))
         q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
         context = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + jnp.einsum("bthk,hkd->btd", context, attention["out"].astype(dtype))
+        x = x + project("bthk,hkd->btd", context, attention["out"])
         h = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
-        hidden = jax.nn.silu(h @ mlp["gate"].astype(dtype)) * (h @ mlp["up"].astype(dtype))
-        return pin(x + hidden @ mlp["down"].astype(dtype)), None
+        hidden = jax.nn.silu(project("...d,dm->...m", h, mlp["gate"])) * project("...d,dm->...m", h, mlp["up"])
+        return pin(x + project("...m,md->...d", hidden, mlp["down"])), None
 
     return layer
 
@@ -138,6 +144,8 @@ def bare_loss(params: dict, tokens, cfg, residual=None, pipeline=None):
     import jax.numpy as jnp
     import optax
 
+    from models import matmul
+
     dtype = cfg.compute_dtype
     pin = (lambda x: x) if residual is None else (lambda x: jax.lax.with_sharding_constraint(x, residual))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -148,7 +156,7 @@ def bare_loss(params: dict, tokens, cfg, residual=None, pipeline=None):
     else:
         x = pin(_bare_gpipe(layer, params["blocks"], x, *pipeline))
     x = _rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["unembedding"].astype(dtype), preferred_element_type=jnp.float32)
+    logits = matmul.einsum("btd,dv->btv", x, params["unembedding"].astype(dtype), jnp.float32, float32_outputs=True)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 
 

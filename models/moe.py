@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import axes, remat_names
+from models import axes, matmul, remat_names
 from models.axes import constrain
 from models.params import param
 
@@ -441,6 +442,7 @@ class MoEFeedForward(nnx.Module):
                                if cfg.moe.bias_update_rate else None)
         self.moe = cfg.moe
         self.dtype = cfg.compute_dtype
+        self.float32_matmul_outputs = cfg.float32_matmul_outputs
 
     def bias(self) -> jax.Array | None:
         """Returns the selection bias [experts] of auxiliary-loss-free balancing, or None without it."""
@@ -449,13 +451,14 @@ class MoEFeedForward(nnx.Module):
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
         dtype = self.dtype
-        gate = checkpoint_name(jnp.einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
+        project = functools.partial(matmul.einsum, float32_outputs=self.float32_matmul_outputs)
+        gate = checkpoint_name(project("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
                                remat_names.MLP_GATE)
-        up = checkpoint_name(jnp.einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
+        up = checkpoint_name(project("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
                              remat_names.MLP_UP)
         hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
-        return jnp.einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
+        return project("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
 
     def __call__(self, x: jax.Array, *, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:

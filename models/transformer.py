@@ -26,6 +26,7 @@ token costs one position of work; the prompt is the first call (prefill).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import axes, remat_names
+from models import axes, matmul, remat_names
 from models.axes import constrain
 from models.moe import MoEFeedForward, MoELayerConfig
 from models.params import param
@@ -64,6 +65,7 @@ class TransformerConfig:
     init_std: float = 0.02
     dtype: str = "float32"
     attention: str = "xla"    # jax.nn.dot_product_attention's implementation: xla | cudnn
+    float32_matmul_outputs: bool = False  # weight matmuls round their float32 sums (models.matmul; bfloat16 on CPU)
     moe: MoELayerConfig = MoELayerConfig()
 
     @property
@@ -120,38 +122,6 @@ class KVCache(NamedTuple):
 CACHE_LAYER_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None)
 
 
-@jax.custom_vjp
-def project_to_vocab(x: jax.Array, unembedding: jax.Array) -> jax.Array:
-    """Returns float32 logits [batch, length, vocab] of `x` [batch, length, embed] and `unembedding`
-    [embed, vocab], both in the compute dtype, accumulated in float32.
-
-    In bfloat16 the backward pass casts the logits' float32 gradient to
-    bfloat16 before its two matmuls, as every other layer's gradients already
-    are: autodiff would promote the other operand to float32 instead and run
-    the largest matmuls of the step at float32 rates (tf32 kernels, 5.7% of a
-    1b step on an H100). bfloat16 has float32's range; float16 has not (the
-    gradient's small softmax terms would underflow), so float16, like
-    float32, keeps autodiff's float32 matmuls.
-    """
-    return jnp.einsum("btd,dv->btv", x, unembedding, preferred_element_type=jnp.float32)
-
-
-def _project_to_vocab_forward(x: jax.Array, unembedding: jax.Array):
-    return project_to_vocab(x, unembedding), (x, unembedding)
-
-
-def _project_to_vocab_backward(saved: tuple[jax.Array, jax.Array], gradient: jax.Array):
-    x, unembedding = saved
-    dtype = jnp.bfloat16 if x.dtype == unembedding.dtype == jnp.bfloat16 else jnp.float32
-    gradient, x_in, unembedding_in = (value.astype(dtype) for value in (gradient, x, unembedding))
-    x_gradient = jnp.einsum("btv,dv->btd", gradient, unembedding_in, preferred_element_type=jnp.float32)
-    unembedding_gradient = jnp.einsum("btd,btv->dv", x_in, gradient, preferred_element_type=jnp.float32)
-    return x_gradient.astype(x.dtype), unembedding_gradient.astype(unembedding.dtype)
-
-
-project_to_vocab.defvjp(_project_to_vocab_forward, _project_to_vocab_backward)
-
-
 def document_mask(segment_ids: jax.Array) -> jax.Array:
     """Returns the boolean mask [batch, 1, length, length]: query t may see key s of the same segment."""
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
@@ -179,9 +149,10 @@ class Attention(nnx.Module):
         and keys rotated as positions offset, offset + 1, ..."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
-        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
-        k = checkpoint_name(jnp.einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
-        v = checkpoint_name(jnp.einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
+        project = functools.partial(matmul.einsum, float32_outputs=cfg.float32_matmul_outputs)
+        q = checkpoint_name(project("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
+        k = checkpoint_name(project("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
+        v = checkpoint_name(project("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
         q = constrain(rotary(q, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
         k = constrain(rotary(k, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
@@ -191,7 +162,8 @@ class Attention(nnx.Module):
         """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
         context = constrain(checkpoint_name(context, remat_names.ATTENTION_CONTEXT),
                             (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        return checkpoint_name(jnp.einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
+        return checkpoint_name(matmul.einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype),
+                                             float32_outputs=self.cfg.float32_matmul_outputs),
                                remat_names.OUT_PROJ)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -231,16 +203,18 @@ class MLP(nnx.Module):
         self.up = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (m, d), (axes.MLP, axes.EMBED), out_std)
         self.dtype = cfg.compute_dtype
+        self.float32_matmul_outputs = cfg.float32_matmul_outputs
 
     def __call__(self, x: jax.Array, *, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (output, no stats): the feed-forward interface MoEFeedForward shares."""
         del train, routing_key  # a dense feed-forward neither routes nor changes in eval
-        gate = checkpoint_name(x @ self.gate[...].astype(self.dtype), remat_names.MLP_GATE)
-        up = checkpoint_name(x @ self.up[...].astype(self.dtype), remat_names.MLP_UP)
+        project = functools.partial(matmul.einsum, float32_outputs=self.float32_matmul_outputs)
+        gate = checkpoint_name(project("...d,dm->...m", x, self.gate[...].astype(self.dtype)), remat_names.MLP_GATE)
+        up = checkpoint_name(project("...d,dm->...m", x, self.up[...].astype(self.dtype)), remat_names.MLP_UP)
         hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
-        return hidden @ self.down[...].astype(self.dtype), {}
+        return project("...m,md->...d", hidden, self.down[...].astype(self.dtype)), {}
 
 
 def shared_experts(cfg: TransformerConfig, rngs: nnx.Rngs) -> MLP | None:
@@ -407,7 +381,8 @@ class Transformer(nnx.Module):
         """Returns the float32 logits [batch, length, vocab] of the stack's output `x` [batch, length, embed]."""
         x = self.final_norm(x)
         unembedding = self.embedding[...].T if self.cfg.tie_embeddings else self.unembedding[...]
-        logits = project_to_vocab(x, unembedding.astype(self.cfg.compute_dtype))
+        logits = matmul.einsum("btd,dv->btv", x, unembedding.astype(self.cfg.compute_dtype), jnp.float32,
+                               float32_outputs=True)
         return constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:

@@ -11,8 +11,9 @@ what else is; everything else is recomputed in the backward pass.
   of memory at twice the batch); TPUs have not been measured.
 - `none`: keep everything (no recomputation).
 - `full`: keep only each unit's input; recompute the whole unit.
-- `dots`: keep every matmul output (jax's `dots_saveable`), attention scores
-  included on the xla attention path, and cuDNN's fused attention outputs
+- `dots`: keep every matmul output (jax's `dots_saveable`, and the weight
+  matmuls that round their float32 sums themselves, `models.matmul`, by
+  name), attention scores included on the xla attention path, and cuDNN's fused attention outputs
   (context and softmax statistics) on the cudnn path; recompute the
   elementwise work.
   `dots_with_no_batch_dims_saveable` would skip the scores, but the pipeline
@@ -106,7 +107,8 @@ def remat_policy(config: Config, platform: str) -> Callable[..., Any] | None:
         return jax.checkpoint_policies.nothing_saveable
     both = jax.checkpoint_policies.save_from_both_policies
     if name == "dots":
-        return both(jax.checkpoint_policies.dots_saveable, fused_attention_saveable)
+        weight_matmuls = jax.checkpoint_policies.save_only_these_names(remat_names.WEIGHT_MATMUL)
+        return both(both(jax.checkpoint_policies.dots_saveable, weight_matmuls), fused_attention_saveable)
     names = saved_names(config)
     if name == "offload":
         return jax.checkpoint_policies.save_and_offload_only_these_names(

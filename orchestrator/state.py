@@ -43,14 +43,17 @@ def attention_implementation(choice: str, platform: str, dtype: str) -> str:
 
 def model_config(config: Config, platform: str | None = None) -> TransformerConfig:
     """Returns the model's own config from the run config, attention resolved for `platform`
-    (a jax platform name; default: jax's default backend)."""
+    (a jax platform name; default: jax's default backend). In bfloat16 on CPU the weight matmuls return
+    float32 sums that the model rounds (models.matmul: XLA:CPU of jax 0.10 would upcast the dots)."""
     m = config.model
-    attention = attention_implementation(m.attention, platform or jax.default_backend(), m.dtype)
+    platform = platform or jax.default_backend()
+    attention = attention_implementation(m.attention, platform, m.dtype)
     return TransformerConfig(
         vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, attention=attention, moe=moe_layer_config(config),
+        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, attention=attention,
+        float32_matmul_outputs=platform == "cpu" and m.dtype == "bfloat16", moe=moe_layer_config(config),
     )
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.transformer import Transformer, TransformerConfig, project_to_vocab
+from models.matmul import einsum
+from models.transformer import Transformer, TransformerConfig
 from tests.helpers import equations
 
 
@@ -16,6 +17,10 @@ def _inputs(dtype, tokens=8, vocab=32):
     unembedding = jax.random.normal(keys[1], (16, vocab)).astype(dtype)
     labels = jax.random.randint(keys[2], (2, tokens), 0, vocab)
     return x, unembedding, labels
+
+
+def project_to_vocab(x, unembedding):
+    return einsum("btd,dv->btv", x, unembedding, jnp.float32, float32_outputs=True)
 
 
 def _einsum_logits(x, unembedding):

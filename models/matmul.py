@@ -1,0 +1,83 @@
+"""Matmuls of activations by weights, and on CPU their float32 sums.
+
+`einsum(equation, x, weight)` is `jnp.einsum` in the operands' dtype, unless
+`float32_outputs`: then the matmul returns its float32 sums
+(`preferred_element_type`), rounded once to the activations' dtype (or to
+`out_dtype`), and the backward pass does the same for its two matmuls, on
+the gradient in the compute dtype.
+
+Why: XLA:CPU of jax 0.10 runs a bfloat16 x bfloat16 -> bfloat16 dot as a
+float32 dot of upcast operands (twice the bytes, half the rate: a 1024^2
+matmul 6.3 ms against 3.5 ms with float32 outputs, docs/benchmarks.md), while
+bfloat16 in, float32 out runs natively; jax 0.11's XLA runs both at 3.3-3.4
+ms. GPUs and TPUs sum in float32 inside a bfloat16 dot already, and writing
+float32 outputs there would cost memory traffic no one has measured, so the
+model asks for float32 outputs in bfloat16 on CPU only (`TransformerConfig`), and for the
+float32 logits everywhere. Autodiff of a float32-output einsum would promote
+the weight to float32 in the backward pass (its cotangent is float32) and run
+the largest matmuls at float32 rates, hence the custom backward pass. The
+forward output is tagged `remat_names.WEIGHT_MATMUL`: the custom rule hides
+its dot from `dots_saveable`, and the name lets `dots` keep it in the compute
+dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from models import remat_names
+
+
+def einsum(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None, *,
+           float32_outputs: bool) -> jax.Array:
+    """Returns `jnp.einsum(equation, x, weight)` in `out_dtype` (default x's dtype): with `float32_outputs`
+    from the float32 sums of the matmul, else as jnp.einsum gives it (x's dtype). `equation` is "x,weight->out" with
+    explicit output indices, every index of one operand found in the other or in the output (so the
+    backward pass is two einsums of the same kind)."""
+    if float32_outputs:
+        return _float32_sums(equation, x, weight, jnp.dtype(out_dtype or x.dtype))
+    return jnp.einsum(equation, x, weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _float32_sums(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _forward(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype):
+    return checkpoint_name(_float32_sums(equation, x, weight, out_dtype), remat_names.WEIGHT_MATMUL), (x, weight)
+
+
+def gradient_dtype(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype) -> jnp.dtype:
+    """Returns the dtype of the backward matmuls' operands.
+
+    bfloat16 operands keep their gradient in bfloat16 even when the output is
+    float32 (the logits): bfloat16 has float32's range. float16 has not (a
+    float32 output's small gradient terms, the softmax's, would underflow), so
+    there only a float16 output's gradient stays float16; float32 stays float32.
+    """
+    if x.dtype == weight.dtype == jnp.bfloat16:
+        return jnp.dtype(jnp.bfloat16)
+    if x.dtype == weight.dtype == out_dtype:
+        return x.dtype
+    return jnp.dtype(jnp.float32)
+
+
+def _backward(equation: str, out_dtype: jnp.dtype, saved: tuple[jax.Array, jax.Array], gradient: jax.Array):
+    x, weight = saved
+    inputs, out = equation.replace(" ", "").split("->")
+    x_indices, weight_indices = inputs.split(",")
+    dtype = gradient_dtype(x, weight, out_dtype)
+    gradient, x_in, weight_in = (value.astype(dtype) for value in (gradient, x, weight))
+    x_gradient = jnp.einsum(f"{out},{weight_indices}->{x_indices}", gradient, weight_in,
+                            preferred_element_type=jnp.float32)
+    weight_gradient = jnp.einsum(f"{x_indices},{out}->{weight_indices}", x_in, gradient,
+                                 preferred_element_type=jnp.float32)
+    return x_gradient.astype(x.dtype), weight_gradient.astype(weight.dtype)
+
+
+_float32_sums.defvjp(_forward, _backward)

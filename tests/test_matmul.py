@@ -1,0 +1,108 @@
+"""Weight matmuls from float32 sums (models.matmul): autodiff's numbers, bfloat16 backward matmuls, kept by
+`dots`, and on XLA:CPU dots whose operands stay bfloat16."""
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from models import matmul
+from orchestrator.config import load
+from orchestrator.remat import remat_policy
+from orchestrator.state import model_config
+from tests.helpers import equations
+
+# (equation, x shape, weight shape): the model's projections, its MLP's, an expert's
+EQUATIONS = [("btd,dhk->bthk", (2, 8, 16), (16, 4, 8)), ("bthk,hkd->btd", (2, 8, 4, 8), (4, 8, 16)),
+             ("...d,dm->...m", (2, 8, 16), (16, 32)), ("egcm,emh->egch", (4, 2, 8, 16), (4, 16, 32))]
+
+
+def _operands(x_shape, weight_shape, dtype):
+    x_key, weight_key = jax.random.split(jax.random.key(0))
+    return jax.random.normal(x_key, x_shape).astype(dtype), jax.random.normal(weight_key, weight_shape).astype(dtype)
+
+
+def _mlp(project):
+    """Returns loss(x, up, down) of a two-matmul MLP on x [batch, length, embed] whose matmuls are
+    `project(equation, x, weight)`."""
+    def loss(x, up, down):
+        hidden = jax.nn.silu(project("btd,dm->btm", x, up))
+        return jnp.square(project("btm,md->btd", hidden, down).astype(jnp.float32)).sum()
+    return loss
+
+
+@pytest.mark.parametrize("equation, x_shape, weight_shape", EQUATIONS)
+def test_float32_values_and_gradients_equal_the_plain_einsums(equation, x_shape, weight_shape):
+    x, weight = _operands(x_shape, weight_shape, jnp.float32)
+    ours = lambda x, w: (matmul.einsum(equation, x, w, float32_outputs=True) ** 2).sum()  # noqa: E731
+    plain = lambda x, w: (jnp.einsum(equation, x, w) ** 2).sum()  # noqa: E731
+    np.testing.assert_allclose(ours(x, weight), plain(x, weight), rtol=1e-6)
+    for got, want in zip(jax.grad(ours, (0, 1))(x, weight), jax.grad(plain, (0, 1))(x, weight)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("equation, x_shape, weight_shape", EQUATIONS)
+def test_bfloat16_matmuls_sum_in_float32_both_ways_on_bfloat16_operands(equation, x_shape, weight_shape):
+    x, weight = _operands(x_shape, weight_shape, jnp.bfloat16)
+    loss = lambda x, w: matmul.einsum(equation, x, w, float32_outputs=True).astype(jnp.float32).sum()  # noqa: E731
+    assert matmul.einsum(equation, x, weight, float32_outputs=True).dtype == jnp.bfloat16
+    dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, weight).jaxpr, "dot_general")
+    assert len(dots) == 3  # forward, and the gradients of x and of the weight
+    assert all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars)
+    assert all(eqn.params["preferred_element_type"] == jnp.float32 for eqn in dots)
+    # Autodiff of the same float32-output einsum would feed its float32 cotangent to the backward matmuls.
+    autodiff = lambda x, w: jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).sum()  # noqa: E731
+    autodiff_dots = equations(jax.make_jaxpr(jax.grad(autodiff, (0, 1)))(x, weight).jaxpr, "dot_general")
+    assert sum(any(v.aval.dtype == jnp.float32 for v in eqn.invars) for eqn in autodiff_dots) == 2
+
+
+def test_dots_keeps_what_it_keeps_of_plain_einsums():
+    x, up = _operands((2, 8, 16), (16, 32), jnp.bfloat16)
+    down = up.T
+    policy = remat_policy(load(None, ["model.remat=dots"]), "cpu")
+
+    def kept(project) -> list[str]:
+        """Returns the residuals' types ("bf16[8,32]") that the backward pass reads (jax prints them only)."""
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(jax.checkpoint(_mlp(project), policy=policy), x, up, down)
+        return sorted(line.split()[0] for line in printed.getvalue().splitlines())
+
+    ours = kept(lambda equation, x, w: matmul.einsum(equation, x, w, float32_outputs=True))
+    plain = kept(lambda equation, x, w: jnp.einsum(equation, x, w))
+    assert ours == plain
+    assert "bf16[2,8,32]" in ours  # the first matmul's output, in the compute dtype
+
+
+def test_the_model_asks_for_float32_outputs_in_bfloat16_on_cpu_only():
+    bfloat16 = load(None, ["model.dtype=bfloat16"])
+    assert model_config(bfloat16, "cpu").float32_matmul_outputs
+    assert not model_config(bfloat16, "gpu").float32_matmul_outputs
+    assert not model_config(bfloat16, "tpu").float32_matmul_outputs
+    assert not model_config(load(None, ["model.dtype=float32"]), "cpu").float32_matmul_outputs
+
+
+def _upcast_dots(float32_outputs: bool) -> tuple[int, int]:
+    """Returns (dots, dots of float32 operands) XLA:CPU compiles for the bfloat16 MLP's gradient."""
+    x, up = _operands((4, 16, 128), (128, 256), jnp.bfloat16)
+    project = lambda equation, x, w: matmul.einsum(equation, x, w, float32_outputs=float32_outputs)  # noqa: E731
+    text = jax.jit(jax.grad(_mlp(project), (0, 1, 2))).lower(x, up, up.T).compile().as_text()
+    dots = re.findall(r"= (\w+)\[[^\]]*\]\{[^}]*\} dot\(([^)]*)\)", text)
+    operand_types = {name: dtype for dtype, name in re.findall(r"(\w+)\[[^\]]*\]\{[^}]*\} (%[\w.-]+)", text)}
+    operand_types |= dict(re.findall(r"(%[\w.-]+) = (\w+)\[", text))
+    upcast = sum(any(operand_types.get(arg.strip()) == "f32" for arg in args.split(",")) for _, args in dots)
+    return len(dots), upcast
+
+
+def test_xla_cpu_runs_the_matmuls_on_bfloat16_operands():
+    """jax 0.10's XLA:CPU upcasts bfloat16 -> bfloat16 dots to float32 ones (half the rate); float32 sums it
+    runs on bfloat16 operands. jax 0.11 keeps both in bfloat16, so only ours is asserted on every version."""
+    dots, upcast = _upcast_dots(float32_outputs=True)
+    assert dots == 6 and upcast == 0
+    if jax.__version_info__ < (0, 11):
+        assert _upcast_dots(float32_outputs=False)[1] > 0
