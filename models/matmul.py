@@ -1,4 +1,4 @@
-"""Matmuls of activations by weights, and on CPU their float32 sums.
+"""Matmuls of activations by weights: plain einsums, or their float32 sums rounded once.
 
 `einsum(equation, x, weight)` is `jnp.einsum` in the operands' dtype, unless
 `float32_outputs`: then the matmul returns its float32 sums
@@ -7,18 +7,17 @@
 the gradient in the compute dtype.
 
 Why: XLA:CPU of jax 0.10 runs a bfloat16 x bfloat16 -> bfloat16 dot as a
-float32 dot of upcast operands (twice the bytes, half the rate: a 1024^2
-matmul 6.3 ms against 3.5 ms with float32 outputs, docs/benchmarks.md), while
-bfloat16 in, float32 out runs natively; jax 0.11's XLA runs both at 3.3-3.4
-ms. GPUs and TPUs sum in float32 inside a bfloat16 dot already, and writing
-float32 outputs there would cost memory traffic no one has measured, so the
-model asks for float32 outputs in bfloat16 on CPU only (`TransformerConfig`), and for the
-float32 logits everywhere. Autodiff of a float32-output einsum would promote
-the weight to float32 in the backward pass (its cotangent is float32) and run
-the largest matmuls at float32 rates, hence the custom backward pass. The
-forward output is tagged `remat_names.WEIGHT_MATMUL`: the custom rule hides
-its dot from `dots_saveable`, and the name lets `dots` keep it in the compute
-dtype.
+float32 dot of upcast operands (a 1024^3 matmul 5.4-5.7 ms against 2.3-2.6
+ms with float32 outputs, docs/benchmarks.md), while bfloat16 in, float32 out
+runs on its bfloat16 kernels; jax 0.11's XLA runs both in 2.3-2.8 ms. GPUs
+and TPUs sum in float32 inside a bfloat16 dot already, and float32 outputs
+there would add memory traffic no one has measured, so the model asks for
+them in bfloat16 on CPU only (`TransformerConfig.float32_matmul_outputs`),
+and for the float32 logits everywhere. Autodiff of a float32-output einsum
+would hand its float32 cotangent to the backward matmuls, which then run at
+float32 rates, hence the custom backward pass. The forward output is tagged
+`remat_names.WEIGHT_MATMUL`: the custom rule hides its dot from
+`dots_saveable`, and the name lets `dots` keep it in the compute dtype.
 """
 
 from __future__ import annotations
