@@ -171,12 +171,13 @@ def serve(run, settings: dict, compiled) -> None:
 class Worker:
     """One framework's step loop in its own process, answering timing requests."""
 
-    def __init__(self, name: str, python: str, arguments: list[str], log: Path):
+    def __init__(self, name: str, python: str, arguments: list[str], log: Path, repository: Path = REPOSITORY):
+        """Starts `python -m bench.maxtext --serve *arguments` in `repository` (a checkout of nestor)."""
         self.name = name
-        environment = dict(os.environ, PYTHONPATH=str(REPOSITORY), XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        environment = dict(os.environ, PYTHONPATH=str(repository), XLA_FLAGS="--xla_force_host_platform_device_count=8",
                            PJRT_NPROC=cpu_pool_threads(8))
         self.log = log.open("w")
-        self.process = subprocess.Popen([python, "-m", "bench.maxtext", "--serve", *arguments], cwd=REPOSITORY,
+        self.process = subprocess.Popen([python, "-m", "bench.maxtext", "--serve", *arguments], cwd=repository,
                                         env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.log, text=True)
 

@@ -88,9 +88,10 @@ def _bare_layer(cfg, pin):
     from models.transformer import rotary
 
     dtype = cfg.compute_dtype
+    einsum = matmul.weight_einsum(cfg.float32_matmul_outputs)
 
     def project(equation, x, weight):
-        return matmul.einsum(equation, x, weight.astype(dtype), float32_outputs=cfg.float32_matmul_outputs)
+        return einsum(equation, x, weight.astype(dtype))
 
     def layer(x, p):
         attention, mlp = p["attention"], p["mlp"]

@@ -23,6 +23,7 @@ float32 rates, hence the custom backward pass. The forward output is tagged
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +34,38 @@ from models import remat_names
 
 def einsum(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None, *,
            float32_outputs: bool) -> jax.Array:
-    """Returns `jnp.einsum(equation, x, weight)` in `out_dtype` (default x's dtype): with `float32_outputs`
-    from the float32 sums of the matmul, else as jnp.einsum gives it (x's dtype). `equation` is "x,weight->out" with
-    explicit output indices, every index of one operand found in the other or in the output (so the
-    backward pass is two einsums of the same kind)."""
+    """Returns `jnp.einsum(equation, x, weight)`: with `float32_outputs`, from the matmul's float32 sums
+    rounded once to `out_dtype` (default x's dtype); without, as jnp.einsum gives it.
+
+    `equation` is "x,weight->out" with explicit output indices, every index of
+    one operand found in the other or in the output (the backward pass is two
+    einsums of the same kind). Raises ValueError for an equation of another
+    form, or for an `out_dtype` without `float32_outputs`.
+    """
+    _operand_indices(equation)
     if float32_outputs:
         return _float32_sums(equation, x, weight, jnp.dtype(out_dtype or x.dtype))
+    if out_dtype is not None:
+        raise ValueError(f"out_dtype={out_dtype} needs float32_outputs: the plain einsum keeps its operands' dtype")
     return jnp.einsum(equation, x, weight)
+
+
+def weight_einsum(float32_outputs: bool) -> Callable[..., jax.Array]:
+    """Returns `einsum` with `float32_outputs` fixed: what a layer calls for its weight matmuls."""
+    return functools.partial(einsum, float32_outputs=float32_outputs)
+
+
+def _operand_indices(equation: str) -> tuple[str, str, str]:
+    """Returns the indices (x, weight, out) of "x,weight->out"; raises ValueError when one of x's or
+    weight's is in neither of the other two."""
+    inputs, arrow, out = equation.replace(" ", "").partition("->")
+    x_indices, comma, weight_indices = inputs.partition(",")
+    letters = lambda indices: set(indices.replace("...", ""))  # noqa: E731
+    if not (arrow and comma) or letters(x_indices) - letters(weight_indices + out) \
+            or letters(weight_indices) - letters(x_indices + out):
+        raise ValueError(f"einsum {equation!r}: write 'x,weight->out' with every index of an operand in the "
+                         "other operand or in the output")
+    return x_indices, weight_indices, out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
@@ -51,7 +77,7 @@ def _forward(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtyp
     return checkpoint_name(_float32_sums(equation, x, weight, out_dtype), remat_names.WEIGHT_MATMUL), (x, weight)
 
 
-def gradient_dtype(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype) -> jnp.dtype:
+def _gradient_dtype(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype) -> jnp.dtype:
     """Returns the dtype of the backward matmuls' operands.
 
     bfloat16 operands keep their gradient in bfloat16 even when the output is
@@ -68,9 +94,8 @@ def gradient_dtype(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype) -> jnp
 
 def _backward(equation: str, out_dtype: jnp.dtype, saved: tuple[jax.Array, jax.Array], gradient: jax.Array):
     x, weight = saved
-    inputs, out = equation.replace(" ", "").split("->")
-    x_indices, weight_indices = inputs.split(",")
-    dtype = gradient_dtype(x, weight, out_dtype)
+    x_indices, weight_indices, out = _operand_indices(equation)
+    dtype = _gradient_dtype(x, weight, out_dtype)
     gradient, x_in, weight_in = (value.astype(dtype) for value in (gradient, x, weight))
     x_gradient = jnp.einsum(f"{out},{weight_indices}->{x_indices}", gradient, weight_in,
                             preferred_element_type=jnp.float32)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -451,14 +450,14 @@ class MoEFeedForward(nnx.Module):
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
         dtype = self.dtype
-        project = functools.partial(matmul.einsum, float32_outputs=self.float32_matmul_outputs)
-        gate = checkpoint_name(project("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
+        einsum = matmul.weight_einsum(self.float32_matmul_outputs)
+        gate = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
                                remat_names.MLP_GATE)
-        up = checkpoint_name(project("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
+        up = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
                              remat_names.MLP_UP)
         hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
-        return project("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
+        return einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
 
     def __call__(self, x: jax.Array, *, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:

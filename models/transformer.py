@@ -26,7 +26,6 @@ token costs one position of work; the prompt is the first call (prefill).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -149,10 +148,10 @@ class Attention(nnx.Module):
         and keys rotated as positions offset, offset + 1, ..."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
-        project = functools.partial(matmul.einsum, float32_outputs=cfg.float32_matmul_outputs)
-        q = checkpoint_name(project("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
-        k = checkpoint_name(project("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
-        v = checkpoint_name(project("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
+        einsum = matmul.weight_einsum(cfg.float32_matmul_outputs)
+        q = checkpoint_name(einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
+        k = checkpoint_name(einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
+        v = checkpoint_name(einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
         q = constrain(rotary(q, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
         k = constrain(rotary(k, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
@@ -162,8 +161,8 @@ class Attention(nnx.Module):
         """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
         context = constrain(checkpoint_name(context, remat_names.ATTENTION_CONTEXT),
                             (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        return checkpoint_name(matmul.einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype),
-                                             float32_outputs=self.cfg.float32_matmul_outputs),
+        einsum = matmul.weight_einsum(self.cfg.float32_matmul_outputs)
+        return checkpoint_name(einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
                                remat_names.OUT_PROJ)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -209,12 +208,12 @@ class MLP(nnx.Module):
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (output, no stats): the feed-forward interface MoEFeedForward shares."""
         del train, routing_key  # a dense feed-forward neither routes nor changes in eval
-        project = functools.partial(matmul.einsum, float32_outputs=self.float32_matmul_outputs)
-        gate = checkpoint_name(project("...d,dm->...m", x, self.gate[...].astype(self.dtype)), remat_names.MLP_GATE)
-        up = checkpoint_name(project("...d,dm->...m", x, self.up[...].astype(self.dtype)), remat_names.MLP_UP)
+        einsum = matmul.weight_einsum(self.float32_matmul_outputs)
+        gate = checkpoint_name(einsum("...d,dm->...m", x, self.gate[...].astype(self.dtype)), remat_names.MLP_GATE)
+        up = checkpoint_name(einsum("...d,dm->...m", x, self.up[...].astype(self.dtype)), remat_names.MLP_UP)
         hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
-        return project("...m,md->...d", hidden, self.down[...].astype(self.dtype)), {}
+        return einsum("...m,md->...d", hidden, self.down[...].astype(self.dtype)), {}
 
 
 def shared_experts(cfg: TransformerConfig, rngs: nnx.Rngs) -> MLP | None:

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
+from flax import nnx
+
 from models import matmul
+from models.moe import MoELayerConfig
+from models.transformer import Transformer, TransformerConfig
 from orchestrator.config import load
 from orchestrator.remat import remat_policy
 from orchestrator.state import model_config
@@ -61,6 +65,30 @@ def test_bfloat16_matmuls_sum_in_float32_both_ways_on_bfloat16_operands(equation
     assert sum(any(v.aval.dtype == jnp.float32 for v in eqn.invars) for eqn in autodiff_dots) == 2
 
 
+@pytest.mark.parametrize("dtype, out_dtype, gradient_dtype", [
+    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32, jnp.bfloat16),  # logits too
+    (jnp.float16, jnp.float16, jnp.float16), (jnp.float16, jnp.float32, jnp.float32),  # float16 would underflow
+    (jnp.float32, jnp.float32, jnp.float32)])
+def test_backward_matmuls_take_the_gradient_in_a_dtype_with_the_outputs_range(dtype, out_dtype, gradient_dtype):
+    x, weight = _operands((2, 8, 16), (16, 32), dtype)
+    loss = lambda x, w: matmul.einsum("btd,dm->btm", x, w, out_dtype, float32_outputs=True).sum()  # noqa: E731
+    dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, weight).jaxpr, "dot_general")
+    assert [v.aval.dtype for eqn in dots[1:] for v in eqn.invars] == [gradient_dtype] * 4
+
+
+@pytest.mark.parametrize("equation", ["btd,dm", "btd->btm", "btd,dm->bt", "btdq,dm->btm"])
+def test_an_equation_without_a_backward_pass_of_the_same_kind_is_refused(equation):
+    x, weight = _operands((2, 8, 16), (16, 32), jnp.float32)
+    with pytest.raises(ValueError, match="every index of an operand"):
+        matmul.einsum(equation, x, weight, float32_outputs=True)
+
+
+def test_an_output_dtype_needs_float32_outputs():
+    x, weight = _operands((2, 8, 16), (16, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs float32_outputs"):
+        matmul.einsum("btd,dm->btm", x, weight, jnp.float32, float32_outputs=False)
+
+
 def test_dots_keeps_what_it_keeps_of_plain_einsums():
     x, up = _operands((2, 8, 16), (16, 32), jnp.bfloat16)
     down = up.T
@@ -85,6 +113,28 @@ def test_the_model_asks_for_float32_outputs_in_bfloat16_on_cpu_only():
     assert not model_config(bfloat16, "gpu").float32_matmul_outputs
     assert not model_config(bfloat16, "tpu").float32_matmul_outputs
     assert not model_config(load(None, ["model.dtype=float32"]), "cpu").float32_matmul_outputs
+
+
+def test_every_weight_matmul_of_the_model_sums_bfloat16_operands_in_float32_both_ways():
+    """A bfloat16 model with a dense and an MoE layer, its shapes chosen so that only the weight matmuls (the
+    attention's, the SwiGLU's, the experts', the vocabulary projection) have a parameter-shaped operand or
+    output: each of them, forward and backward, takes bfloat16 operands and sums in float32."""
+    config = TransformerConfig(vocab_size=56, embed_dim=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
+                               mlp_dim=40, dtype="bfloat16", float32_matmul_outputs=True,
+                               moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=2.0))
+    graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
+    router = (24, 3)  # routes in float32 by design
+    shapes = {leaf.shape[1:] for leaf in jax.tree.leaves(params) if leaf.ndim > 1} - {router} | {(24, 56)}
+
+    def loss(params):
+        return nnx.merge(graph, params)(jnp.ones((2, 10), jnp.int32))[0].astype(jnp.float32).mean()
+
+    dots = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "dot_general")
+    weight_dots = [eqn for eqn in dots if {tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)} & shapes]
+    assert len(weight_dots) == 3 * (2 * 4 + 3 + 3 + 1)  # attention in 2 layers, SwiGLU, experts, logits
+    for eqn in weight_dots:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+        assert eqn.params["preferred_element_type"] == jnp.float32, eqn
 
 
 def _upcast_dots(float32_outputs: bool) -> tuple[int, int]:
