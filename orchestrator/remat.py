@@ -11,11 +11,11 @@ what else is; everything else is recomputed in the backward pass.
   of memory at twice the batch); TPUs have not been measured.
 - `none`: keep everything (no recomputation).
 - `full`: keep only each unit's input; recompute the whole unit.
-- `dots`: keep every matmul output (jax's `dots_saveable`, and the weight
-  matmuls that round their float32 sums themselves, `models.matmul`, by
-  name), attention scores included on the xla attention path, and cuDNN's fused attention outputs
-  (context and softmax statistics) on the cudnn path; recompute the
-  elementwise work.
+- `dots`: keep every matmul output (jax's `dots_saveable`, and by name the
+  weight matmuls that round their float32 sums themselves, `models.matmul`),
+  attention scores included on the xla attention path, and cuDNN's fused
+  attention outputs (context and softmax statistics) on the cudnn path;
+  recompute the elementwise work.
   `dots_with_no_batch_dims_saveable` would skip the scores, but the pipeline
   runs stages under a `vmap`, which gives every matmul a batch dimension: it
   would keep nothing there, so one name would mean two things.
