@@ -156,3 +156,33 @@ def test_xla_cpu_runs_the_matmuls_on_bfloat16_operands():
     assert dots == 6 and upcast == 0
     if jax.__version_info__ < (0, 11):
         assert _upcast_dots(float32_outputs=False)[1] > 0
+
+
+
+def _model_gradients(dtype: str, float32_matmul_outputs: bool) -> list:
+    """Returns the parameter gradients of a small model's mean cross-entropy, the same parameters each time."""
+    config = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                               mlp_dim=64, dtype=dtype, float32_matmul_outputs=float32_matmul_outputs)
+    graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 64)
+
+    def loss(params):
+        logits = nnx.merge(graph, params)(tokens[:, :-1])[0]
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1).mean()
+
+    return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+
+def _relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_bfloat16_gradients_are_as_close_to_float32_as_the_plain_einsums():
+    """Measured on jax 0.10.2: relative errors 0.4-0.8% for both, equal to 3 digits (XLA:CPU computes a plain
+    bfloat16 dot from float32 sums too)."""
+    exact = _model_gradients("float32", False)
+    ours, plain = _model_gradients("bfloat16", True), _model_gradients("bfloat16", False)
+    errors = [(_relative_error(got, want), _relative_error(theirs, want)) for got, theirs, want in zip(ours, plain, exact)]
+    assert len(errors) == 12  # embedding, unembedding, final norm, 9 stacked layer tensors
+    assert all(error <= max(0.01, 1.1 * theirs) for error, theirs in errors), errors
