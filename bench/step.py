@@ -82,7 +82,6 @@ def _rms_norm(x, scale, eps):
 def _bare_layer(cfg, pin):
     """Returns layer(x, p) -> (x, None): one transformer block of the bare model, `pin` applied to its output."""
     import jax
-    import jax.numpy as jnp
 
     from models import matmul
     from models.transformer import rotary

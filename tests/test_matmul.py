@@ -1,5 +1,5 @@
-"""Weight matmuls from float32 sums (models.matmul): autodiff's numbers, bfloat16 backward matmuls, kept by
-`dots`, and on XLA:CPU dots whose operands stay bfloat16."""
+"""Weight matmuls from float32 sums (models.matmul): autodiff's numbers (float32) and precision (bfloat16),
+bfloat16 backward matmuls, kept by `dots`, and on XLA:CPU dots whose operands stay bfloat16."""
 
 import contextlib
 import io
@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.ad_checkpoint import print_saved_residuals
-
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from models import matmul
 from models.moe import MoELayerConfig
