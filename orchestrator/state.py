@@ -23,6 +23,7 @@ from models.transformer import Transformer, TransformerConfig
 from orchestrator.config import Config, ConfigError
 from orchestrator.moe import moe_layer_config
 from orchestrator.optimizer import make_optimizer
+from orchestrator.remat import target_platform
 from parallel.rules import Rules, tree_shardings
 
 
@@ -43,8 +44,9 @@ def attention_implementation(choice: str, platform: str, dtype: str) -> str:
 
 def model_config(config: Config, platform: str | None = None) -> TransformerConfig:
     """Returns the model's own config from the run config, attention resolved for `platform`
-    (a jax platform name; default: jax's default backend). In bfloat16 on CPU the weight matmuls return
-    float32 sums that the model rounds (models.matmul: XLA:CPU of jax 0.10 would upcast the dots)."""
+    (a jax platform name; default: jax's default backend). In bfloat16, for a run meant for CPUs
+    (`target_platform`: not `nestor explain` on CPU for an H100), the weight matmuls return float32 sums
+    that the model rounds (models.matmul: XLA:CPU of jax 0.10 would upcast the dots)."""
     m = config.model
     platform = platform or jax.default_backend()
     attention = attention_implementation(m.attention, platform, m.dtype)
@@ -53,7 +55,8 @@ def model_config(config: Config, platform: str | None = None) -> TransformerConf
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
         norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, attention=attention,
-        float32_matmul_outputs=platform == "cpu" and m.dtype == "bfloat16", moe=moe_layer_config(config),
+        float32_matmul_outputs=target_platform(config, platform) == "cpu" and m.dtype == "bfloat16",
+        moe=moe_layer_config(config),
     )
 
 

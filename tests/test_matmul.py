@@ -106,12 +106,15 @@ def test_dots_keeps_what_it_keeps_of_plain_einsums():
     assert "bf16[2,8,32]" in ours  # the first matmul's output, in the compute dtype
 
 
-def test_the_model_asks_for_float32_outputs_in_bfloat16_on_cpu_only():
+def test_the_model_asks_for_float32_outputs_in_bfloat16_for_cpus_only():
     bfloat16 = load(None, ["model.dtype=bfloat16"])
     assert model_config(bfloat16, "cpu").float32_matmul_outputs
     assert not model_config(bfloat16, "gpu").float32_matmul_outputs
     assert not model_config(bfloat16, "tpu").float32_matmul_outputs
     assert not model_config(load(None, ["model.dtype=float32"]), "cpu").float32_matmul_outputs
+    # `nestor explain` on CPU for an H100 or a TPU compiles the program those would run
+    for target in ("cluster.device_kind=h100", "cluster.device_kind=tpu-v5e", "cluster.accelerator=gpu"):
+        assert not model_config(load(None, ["model.dtype=bfloat16", target]), "cpu").float32_matmul_outputs
 
 
 def test_every_weight_matmul_of_the_model_sums_bfloat16_operands_in_float32_both_ways():
