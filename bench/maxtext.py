@@ -44,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.step import round_ratios
 from cluster.cpu_devices import cpu_pool_threads
 
 MARK = "@@bench "
@@ -213,27 +214,32 @@ def measure(mesh: str, args) -> dict:
         workers[f"nestor {variant}"] = Worker(f"nestor {variant}", args.nestor_python,
                                               ["nestor", mesh, remat, schedule, repeats],
                                               log_dir / f"nestor-{variant.replace(' ', '-')}-{slug}.log")
-    try:
-        ready = {name: worker.reply() for name, worker in workers.items()}
-        times = {name: [] for name in workers}
-        names = list(workers)
-        for index in range(args.rounds):
-            shift = index % len(names)
-            for name in names[shift:] + names[:shift]:
-                times[name].append(workers[name].time(args.steps))
-            print(f"{mesh} round {index}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()),
-                  file=sys.stderr, flush=True)
-    finally:
-        for worker in workers.values():
-            worker.close()
+    ready, times = alternate(workers, args.rounds, args.steps, mesh)
     result = {"settings": {name: r["ready"] for name, r in ready.items()},
               "programs": {name: r["program"] for name, r in ready.items()},
               "seconds": {name: statistics.median(t) for name, t in times.items()}}
     for variant in variants(args):
-        ratios = sorted(a / b for a, b in zip(times[f"nestor {variant}"], times["maxtext"]))
-        quartiles = statistics.quantiles(ratios, n=4)
-        result[variant] = {"ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
+        result[variant] = round_ratios(times[f"nestor {variant}"], times["maxtext"])
     return result
+
+
+def alternate(workers: dict[str, Worker], rounds: int, steps: int, label: str) -> tuple[dict, dict[str, list[float]]]:
+    """Returns (each worker's ready message, its seconds per step in each round): `rounds` rounds of `steps`
+    steps per worker, the order rotating every round, progress on stderr under `label`; closes the workers."""
+    try:
+        ready = {name: worker.reply() for name, worker in workers.items()}
+        times = {name: [] for name in workers}
+        names = list(workers)
+        for index in range(rounds):
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(workers[name].time(steps))
+            print(f"{label} round {index}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()),
+                  file=sys.stderr, flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return ready, times
 
 
 def variants(args) -> dict[str, tuple[str, str]]:

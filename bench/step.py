@@ -275,10 +275,16 @@ def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
         order = (("nestor", run_nestor), ("bare", run_bare))
         for name, run in order if index % 2 == 0 else order[::-1]:
             times[name].append(_time(run, steps))
-    ratios = sorted(a / b for a, b in zip(times["nestor"], times["bare"]))
-    quartiles = statistics.quantiles(ratios, n=4)
     return {"nestor_ms": 1e3 * statistics.median(times["nestor"]), "bare_ms": 1e3 * statistics.median(times["bare"]),
-            "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
+            **round_ratios(times["nestor"], times["bare"])}
+
+
+def round_ratios(numerators: list[float], denominators: list[float]) -> dict[str, float]:
+    """Returns the median of the per-round ratios numerator / denominator ("ratio") and their quartiles
+    ("q1", "q3"); two rounds or more."""
+    ratios = sorted(a / b for a, b in zip(numerators, denominators))
+    quartiles = statistics.quantiles(ratios, n=4)
+    return {"ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
 
 
 def table(rows: dict[str, dict]) -> str:

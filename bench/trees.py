@@ -6,7 +6,7 @@
 
 Each side is a worker of bench.maxtext's (`--serve nestor`, started in its own checkout, so the other one
 needs bench/maxtext.py too) on bench/step.py's model and meshes, compiled and warmed before timing; the
-driver asks them in turn for `--steps` steps, the order flipping every round, and prints per mesh and
+driver asks them in turn for `--steps` steps, the order flipping every round (`bench.maxtext.alternate`), and prints per mesh and
 `--nestor-remat` policy each side's median ms per step, the median over rounds of this / other with its
 quartiles, and each compiled step's converts. Nothing is written to the docs.
 """
@@ -18,7 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.maxtext import MAXTEXT_MESHES, REPOSITORY, Worker
+from bench.maxtext import MAXTEXT_MESHES, REPOSITORY, Worker, alternate
+from bench.step import round_ratios
 
 
 def compare(other: Path, mesh: str, remat: str, args) -> str:
@@ -29,21 +30,12 @@ def compare(other: Path, mesh: str, remat: str, args) -> str:
     workers = {side: Worker(side, args.nestor_python, ["nestor", mesh, remat, "gpipe", "1"],
                             log_dir / f"{side}-{remat}-{mesh.replace(' ', '')}.log", repository=tree)
                for side, tree in trees.items()}
-    try:
-        ready = {side: worker.reply() for side, worker in workers.items()}
-        times = {side: [] for side in workers}
-        for index in range(args.rounds):
-            for side in (["this", "other"] if index % 2 == 0 else ["other", "this"]):
-                times[side].append(workers[side].time(args.steps))
-    finally:
-        for worker in workers.values():
-            worker.close()
-    ratios = sorted(a / b for a, b in zip(times["this"], times["other"]))
-    quartiles = statistics.quantiles(ratios, n=4)
+    ready, times = alternate(workers, args.rounds, args.steps, f"{mesh} {remat}")
+    summary = round_ratios(times["this"], times["other"])
     ms = {side: statistics.median(seconds) * 1e3 for side, seconds in times.items()}
     converts = {side: reply["program"]["convert"] for side, reply in ready.items()}
-    return (f"| {mesh} | {remat} | {ms['this']:.0f} | {ms['other']:.0f} | {statistics.median(ratios):.3f} "
-            f"({quartiles[0]:.3f}-{quartiles[2]:.3f}) | {converts['this']} / {converts['other']} |")
+    return (f"| {mesh} | {remat} | {ms['this']:.0f} | {ms['other']:.0f} | {summary['ratio']:.3f} "
+            f"({summary['q1']:.3f}-{summary['q3']:.3f}) | {converts['this']} / {converts['other']} |")
 
 
 def main() -> None:

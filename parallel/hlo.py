@@ -162,6 +162,17 @@ def _collective_kind(instruction: _Instruction) -> str | None:
     return kind if kind in COLLECTIVE_KINDS else None
 
 
+def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
+    """Returns the operand dtypes of every `dot` instruction in the module, fused computations' included
+    (a dot of bfloat16 values that XLA upcast reads `f32` operands)."""
+    computations, _ = _computations(hlo_text)
+    instructions = [instruction for body in computations.values() for instruction in body]
+    dtypes = {instruction.name: _arrays(instruction.shape)[0][0] for instruction in instructions
+              if _arrays(instruction.shape)}
+    return [tuple(dtypes[name] for name in instruction.operands) for instruction in instructions
+            if instruction.op == "dot"]
+
+
 def collective_lines(hlo_text: str, kind: str) -> list[str]:
     """Returns the HLO instruction lines of one collective kind (for tests and debugging)."""
     return [line.strip() for line in hlo_text.splitlines()

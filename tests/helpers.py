@@ -73,6 +73,12 @@ def equations(jaxpr, primitive: str) -> list:
     return found
 
 
+def relative_error(got, want) -> float:
+    """Returns ||got - want|| / ||want|| over all elements, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def run(config: Config) -> TrainResult:
     """Trains quietly in config.run.dir (resuming from a checkpoint there); returns the result."""
     return train(config, console=Console.silent())

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from orchestrator.explain import cost_flops
-from parallel.hlo import collectives, estimated_flops, flops_per_run
+from parallel.hlo import collectives, dot_operand_dtypes, estimated_flops, flops_per_run
 
 _ELEMENT = "f32[1,2,40,128]{3,2,1,0}"
 
@@ -66,3 +66,20 @@ def test_flops_per_run_counts_each_nested_loop_body_once_per_iteration():
     assert cost_flops(rolled) < dots / 6 < dots < cost_flops(unrolled)  # XLA alone counts each body once
     # Only the rolled program's loop counters and conditions (a few dozen FLOPs) are extra.
     assert flops_per_run(rolled.as_text(), cost_flops(rolled)) == pytest.approx(cost_flops(unrolled), rel=1e-3)
+
+
+def test_dot_operand_dtypes_read_fused_computations_parameters():
+    text = ("%fused (param_0: bf16[4,8], param_1: f32[8,2]) -> f32[4,2] {\n"
+            "  %param_0 = bf16[4,8]{1,0} parameter(0)\n"
+            "  %param_1 = f32[8,2]{1,0} parameter(1)\n"
+            "  %convert = f32[4,8]{1,0} convert(%param_0)\n"
+            "  ROOT %dot.1 = f32[4,2]{1,0} dot(%convert, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+            "}\n\n"
+            "ENTRY %main (a: bf16[4,8], b: bf16[8,2], c: f32[8,2]) -> f32[4,2] {\n"
+            "  %a = bf16[4,8]{1,0} parameter(0)\n"
+            "  %b = bf16[8,2]{1,0} parameter(1)\n"
+            "  %c = f32[8,2]{1,0} parameter(2)\n"
+            "  %dot.2 = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+            "  ROOT %fusion = f32[4,2]{1,0} fusion(%a, %c), kind=kCustom, calls=%fused\n"
+            "}\n")
+    assert sorted(dot_operand_dtypes(text)) == [("bf16", "bf16"), ("f32", "f32")]

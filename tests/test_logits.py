@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.matmul import einsum
 from models.transformer import Transformer, TransformerConfig
-from tests.helpers import equations
+from tests.helpers import equations, relative_error
 
 
 def _inputs(dtype, tokens=8, vocab=32):
@@ -39,11 +39,6 @@ def _gradients(logits_fn, x, unembedding, labels):
     return jax.grad(_loss(logits_fn), (0, 1))(x, unembedding, labels)
 
 
-def _relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 def test_float32_gradients_equal_autodiff_of_the_plain_einsum():
     inputs = _inputs(jnp.float32)
     for got, want in zip(_gradients(project_to_vocab, *inputs), _gradients(_einsum_logits, *inputs)):
@@ -59,7 +54,7 @@ def test_low_precision_gradients_are_as_close_to_float32_as_autodiffs(dtype, tol
                                                                                       labels)
     for got, theirs, want in zip(ours, autodiff, exact):
         assert got.dtype == dtype
-        assert _relative_error(got, want) <= max(tolerance, 1.1 * _relative_error(theirs, want))
+        assert relative_error(got, want) <= max(tolerance, 1.1 * relative_error(theirs, want))
 
 
 def _matmuls(fn, *args) -> list:

@@ -3,7 +3,6 @@ bfloat16 backward matmuls, kept by `dots`, and on XLA:CPU dots whose operands st
 
 import contextlib
 import io
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,8 @@ from models.transformer import Transformer, TransformerConfig
 from orchestrator.config import load
 from orchestrator.remat import remat_policy
 from orchestrator.state import model_config
-from tests.helpers import equations
+from parallel.hlo import dot_operand_dtypes
+from tests.helpers import equations, relative_error
 
 # (equation, x shape, weight shape): the model's projections, its MLP's, an expert's
 EQUATIONS = [("btd,dhk->bthk", (2, 8, 16), (16, 4, 8)), ("bthk,hkd->btd", (2, 8, 4, 8), (4, 8, 16)),
@@ -143,12 +143,8 @@ def _upcast_dots(float32_outputs: bool) -> tuple[int, int]:
     """Returns (dots, dots of float32 operands) XLA:CPU compiles for the bfloat16 MLP's gradient."""
     x, up = _operands((4, 16, 128), (128, 256), jnp.bfloat16)
     project = lambda equation, x, w: matmul.einsum(equation, x, w, float32_outputs=float32_outputs)  # noqa: E731
-    text = jax.jit(jax.grad(_mlp(project), (0, 1, 2))).lower(x, up, up.T).compile().as_text()
-    dots = re.findall(r"= (\w+)\[[^\]]*\]\{[^}]*\} dot\(([^)]*)\)", text)
-    operand_types = {name: dtype for dtype, name in re.findall(r"(\w+)\[[^\]]*\]\{[^}]*\} (%[\w.-]+)", text)}
-    operand_types |= dict(re.findall(r"(%[\w.-]+) = (\w+)\[", text))
-    upcast = sum(any(operand_types.get(arg.strip()) == "f32" for arg in args.split(",")) for _, args in dots)
-    return len(dots), upcast
+    dots = dot_operand_dtypes(jax.jit(jax.grad(_mlp(project), (0, 1, 2))).lower(x, up, up.T).compile().as_text())
+    return len(dots), sum("f32" in operands for operands in dots)
 
 
 def test_xla_cpu_runs_the_matmuls_on_bfloat16_operands():
@@ -175,16 +171,11 @@ def _model_gradients(dtype: str, float32_matmul_outputs: bool) -> list:
     return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
 
 
-def _relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 def test_bfloat16_gradients_are_as_close_to_float32_as_the_plain_einsums():
     """Measured on jax 0.10.2: relative errors 0.4-0.8% for both, equal to 3 digits (XLA:CPU computes a plain
     bfloat16 dot from float32 sums too)."""
     exact = _model_gradients("float32", False)
     ours, plain = _model_gradients("bfloat16", True), _model_gradients("bfloat16", False)
-    errors = [(_relative_error(got, want), _relative_error(theirs, want)) for got, theirs, want in zip(ours, plain, exact)]
+    errors = [(relative_error(got, want), relative_error(theirs, want)) for got, theirs, want in zip(ours, plain, exact)]
     assert len(errors) == 12  # embedding, unembedding, final norm, 9 stacked layer tensors
     assert all(error <= max(0.01, 1.1 * theirs) for error, theirs in errors), errors
