@@ -9,8 +9,8 @@ arXiv 2412.19437), a stack of their own that runs before the units.
 
 The units are one module whose parameters are stacked `[layers, ...]`
 (built with `nnx.vmap`), run by a `scan` so compile time does not grow with
-depth. Whoever calls the model may run that stack differently (a pipeline) by
-passing `stack_runner`, and may rematerialise each unit: the tensors a remat
+depth. Whoever calls the model may run that stack differently (a pipeline, or
+`unrolled_layers`) by passing `stack_runner`, and may rematerialise each unit: the tensors a remat
 policy can keep are tagged by name (models.remat_names). Every parameter names
 its dimensions with logical axes (models.axes); activations are constrained by
 logical name at block boundaries.
@@ -286,6 +286,28 @@ def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs
     if remat_policy is not None:
         layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)  # no CSE to fear in a scan
     return jax.lax.scan(lambda carry, params: layer_fn(params, carry, row_inputs), x, stacked_params)
+
+
+def unrolled_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None, *,
+                    remat_policy: RematPolicy | None = None) -> tuple[jax.Array, Stats]:
+    """`scan_layers` written out: one call of `layer_fn` per unit, in order, on the same inputs and outputs.
+
+    A scan keeps what its backward pass needs of each unit in buffers stacked
+    [layers, ...] that XLA zero-fills before the loop and writes slice by
+    slice; unrolled, each unit's saved activations are buffers of their own
+    and its parameters' gradients are concatenated once (the transpose of
+    `lax.split`). Compile time grows with depth.
+    """
+    if remat_policy is not None:  # unrolled, XLA could merge a recomputation with the forward pass: keep them apart
+        layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=True)
+    leaves, treedef = jax.tree.flatten(stacked_params)
+    count = leaves[0].shape[0]
+    parts = [jax.lax.split(leaf, (1,) * count, axis=0) for leaf in leaves]
+    stats = []
+    for index in range(count):
+        x, unit_stats = layer_fn(treedef.unflatten([jnp.squeeze(part[index], 0) for part in parts]), x, row_inputs)
+        stats.append(unit_stats)
+    return x, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
 
 
 def stacked(make_unit: Callable[[nnx.Rngs], nnx.Module], count: int, axis_name: str, rngs: nnx.Rngs) -> nnx.Module:

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models import axes
 from models.axes import activation_sharding
 from models.moe import expert_parallelism
-from models.transformer import StackRunner, scan_layers
+from models.transformer import RematPolicy, StackRunner, scan_layers, unrolled_layers
 from orchestrator.config import Config, MoEConfig
 from orchestrator.data.pipeline import document_ids, masks_documents
 from orchestrator.moe import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange, moe_loss_and_metrics,
@@ -113,12 +113,17 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     return None if stages == 1 else schedule_for(config, stages)
 
 
+def layer_runner(config: Config, policy: RematPolicy | None) -> StackRunner:
+    """Returns how a stack of layers runs outside a pipeline: a scan, or unrolled (`model.scan_layers=false`)."""
+    return functools.partial(scan_layers if config.model.scan_layers else unrolled_layers, remat_policy=policy)
+
+
 def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
     """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else a scan) and how an
     MoE model's first dense layers run (a scan, before the pipeline: on every stage); every unit is
     rematerialised by `model.remat`."""
     policy = remat_policy(config, mesh.devices.flat[0].platform)
-    scan = functools.partial(scan_layers, remat_policy=policy)
+    scan = layer_runner(config, policy)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
         return scan, scan
@@ -141,7 +146,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
         return jax.value_and_grad(loss_fn, has_aux=True)
     policy = remat_policy(config, mesh.devices.flat[0].platform)
     value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
-    dense_runner = functools.partial(scan_layers, remat_policy=policy)
+    dense_runner = layer_runner(config, policy)
     constrainer = activation_constrainer(mesh, rules)
     exchange = dropless_exchange(config.moe, mesh, rules)
     moe = config.moe

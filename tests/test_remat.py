@@ -18,8 +18,11 @@ STACKS = {
 }
 # Every stack with full (it changes the most); the named-tensor policies where they differ: the scan
 # (per unit) and the pipeline (per layer inside a stage). offload is minimal on CPU (tested below).
+# The unrolled stack (model.scan_layers=false) against the scanned one without remat: same training.
 CASES = [("scanned_fsdp4_tensor2", "full"), ("scanned_fsdp4_tensor2", "dots"), ("scanned_fsdp4_tensor2", "minimal"),
-         ("pipeline2_data2_tensor2", "full"), ("pipeline2_data2_tensor2", "minimal"), ("moe_expert2_data4", "full")]
+         ("pipeline2_data2_tensor2", "full"), ("pipeline2_data2_tensor2", "minimal"), ("moe_expert2_data4", "full"),
+         ("scanned_fsdp4_tensor2", "dots unrolled"), ("scanned_fsdp4_tensor2", "none unrolled"),
+         ("moe_expert2_data4", "dots unrolled")]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,9 @@ def without_remat(tmp_path_factory):
 @pytest.mark.parametrize("stack, policy", CASES, ids=[f"{stack}-{policy}" for stack, policy in CASES])
 def test_every_policy_trains_to_the_same_losses_as_no_remat(without_remat, stack, policy):
     make, reference = without_remat(stack)
-    assert_same_training(run_fresh(make(f"model.remat={policy}")), reference, loss_rtol=1e-6)
+    policy, *unrolled = policy.split()
+    assert_same_training(run_fresh(make(f"model.remat={policy}", *(["model.scan_layers=false"] if unrolled else []))),
+                         reference, loss_rtol=1e-6)
 
 
 def temporaries(config) -> tuple[int, float]:
@@ -143,3 +148,14 @@ def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_k
     named = "model.remat_names=[query_proj,attention_context]"
     assert forward_kernels(tiny_config("model.remat=minimal", named)) == 1
     assert forward_kernels(tiny_config("model.remat=minimal")) == 2
+
+
+def test_unrolled_stack_compiles_no_loop_where_the_scan_has_one(tiny_config):
+    # model.scan_layers=false writes the units out: no while loop, so no [layers, ...] buffers of saved
+    # activations zero-filled before it (on an H100, moe-1b 31.2% -> 35.5% MFU: docs/benchmarks.md).
+    def loops(*overrides):
+        hlo = compile_step(build_job(tiny_config("model.remat=dots", *overrides))).as_text()
+        return sum(" while(" in line for line in hlo.splitlines())
+
+    assert loops() >= 1
+    assert loops("model.scan_layers=false") == 0
