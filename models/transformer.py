@@ -10,10 +10,10 @@ arXiv 2412.19437), a stack of their own that runs before the units.
 The units are one module whose parameters are stacked `[layers, ...]`
 (built with `nnx.vmap`), run by a `scan` so compile time does not grow with
 depth. Whoever calls the model may run that stack differently (a pipeline, or
-`unrolled_layers`) by passing `stack_runner`, and may rematerialise each unit: the tensors a remat
-policy can keep are tagged by name (models.remat_names). Every parameter names
-its dimensions with logical axes (models.axes); activations are constrained by
-logical name at block boundaries.
+`unrolled_layers`) by passing `stack_runner`, and may rematerialise each unit:
+the tensors a remat policy can keep are tagged by name (models.remat_names).
+Every parameter names its dimensions with logical axes (models.axes);
+activations are constrained by logical name at block boundaries.
 
 Packed sequences: `segment_ids` [batch, length] (equal ids = one document)
 keep attention inside each document; the caller decides where documents start.

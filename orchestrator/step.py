@@ -119,9 +119,9 @@ def layer_runner(config: Config, policy: RematPolicy | None) -> StackRunner:
 
 
 def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
-    """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else a scan) and how an
-    MoE model's first dense layers run (a scan, before the pipeline: on every stage); every unit is
-    rematerialised by `model.remat`."""
+    """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else `layer_runner`'s) and
+    how an MoE model's first dense layers run (`layer_runner`'s, before the pipeline: on every stage); every unit
+    is rematerialised by `model.remat`."""
     policy = remat_policy(config, mesh.devices.flat[0].platform)
     scan = layer_runner(config, policy)
     schedule = pipeline_schedule(config, mesh)
