@@ -149,13 +149,16 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def fit_line(fit: dict[str, Any]) -> str:
-    """Returns the one line that answers "will it fit?" for explain's `fit` entry."""
+    """Returns the line that answers "will it fit?" for explain's `fit` entry, and a `note:` line under it
+    when the figures carry a caveat."""
     parts = (f"parameters + optimizer {_fmt_bytes(fit['state_bytes'])}, temporaries "
              f"{_fmt_bytes(fit['temporaries_bytes'])}, total {_fmt_bytes(fit['total_bytes'])}")
     if fit["device_memory_bytes"] is None:
-        return f"per device: {parts}; {fit['verdict']}"
-    return (f"per device: {parts} of {fit['device_memory_bytes'] / GIB:.0f} GiB "
-            f"({fit['device_kind'] or 'cluster.device_memory_gb'}): {fit['verdict']}")
+        line = f"per device: {parts}; {fit['verdict']}"
+    else:
+        line = (f"per device: {parts} of {fit['device_memory_bytes'] / GIB:.0f} GiB "
+                f"({fit['device_kind'] or 'cluster.device_memory_gb'}): {fit['verdict']}")
+    return line + (f"\nnote: {fit['caveat']}" if fit.get("caveat") else "")
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from orchestrator.config import Config
+from orchestrator.remat import target_platform
 
 GIB = 2**30
 
@@ -60,13 +61,29 @@ def verdict(total_bytes: int, capacity_gib: float | None) -> str:
     return "fits" if short <= 0 else f"does not fit, short by {math.ceil(short * 10) / 10:.1f} GiB"
 
 
+# XLA:CPU's temporaries for an unrolled stack are about the same whatever model.remat, as if it ran every
+# recomputation early (llama3-8b at 8192 on fsdp8: 628.7 GiB none, 632.0 full, against 43.1 GiB scanned
+# with full), while on one GPU the unrolled moe-1b and 1b needed 9-11% more than scanned (docs/benchmarks.md).
+UNROLLED_ON_CPU = ("model.scan_layers=false compiled by XLA:CPU for an accelerator: XLA:CPU's schedule of an "
+                   "unrolled stack keeps every unit's activations whatever model.remat, a GPU's did not (one GPU: "
+                   "9-11% more than scanned), so these figures overstate it; the scanned stack's are the guide")
+
+
+def unrolled_caveat(config: Config, platform: str) -> str | None:
+    """Returns why the figures of an unrolled stack compiled on CPU for an accelerator overstate its memory,
+    or None where they hold (a scanned stack, a run meant for CPUs, a compile for the devices themselves)."""
+    if config.model.scan_layers or platform != "cpu" or target_platform(config, platform) == "cpu":
+        return None
+    return UNROLLED_ON_CPU
+
+
 def fit_report(config: Config, platform: str, device_kind: str, state_bytes: int, temporaries_bytes: int,
                total_bytes: int) -> dict[str, Any]:
     """Returns explain's `fit` entry: per device the state (parameters + optimizer), XLA's temporaries
-    and the total, in bytes, the device checked against, its memory and the verdict (`fits` is None
-    when the memory is unknown)."""
+    and the total, in bytes, the device checked against, its memory, the verdict (`fits` is None
+    when the memory is unknown) and a `caveat` (None, or why the figures overstate the need)."""
     kind, capacity_gib = device_memory(config, platform, device_kind)
     return {"state_bytes": state_bytes, "temporaries_bytes": temporaries_bytes, "total_bytes": total_bytes,
             "device_kind": kind, "device_memory_bytes": None if capacity_gib is None else int(capacity_gib * GIB),
             "fits": None if capacity_gib is None else total_bytes <= capacity_gib * GIB,
-            "verdict": verdict(total_bytes, capacity_gib)}
+            "verdict": verdict(total_bytes, capacity_gib), "caveat": unrolled_caveat(config, platform)}

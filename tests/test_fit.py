@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.config import ConfigError, load
 from orchestrator.explain import explain, fit_line
-from orchestrator.fit import GIB, device_memory, table_entry, verdict
+from orchestrator.fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, unrolled_caveat, verdict
 from orchestrator.train import build_job
 from tests.conftest import ROOT
 from tests.test_cli import nestor
@@ -67,6 +67,18 @@ def test_fit_line_names_state_temporaries_total_and_verdict():
     fit.update(state_bytes=3 * 2**20, device_kind=None, device_memory_bytes=None, fits=None, verdict=verdict(1, None))
     assert fit_line(fit).startswith("per device: parameters + optimizer 3.0 MiB, temporaries 75.0 GiB, total 86.0 GiB; "
                                     "no device memory limit known")
+
+
+def test_an_unrolled_stack_compiled_on_cpu_for_an_accelerator_carries_its_caveat(tiny_config):
+    unrolled = "model.scan_layers=false"
+    assert unrolled_caveat(tiny_config(unrolled, "cluster.device_kind=h100"), "cpu") == UNROLLED_ON_CPU
+    assert unrolled_caveat(tiny_config(unrolled, "cluster.accelerator=gpu"), "cpu") == UNROLLED_ON_CPU
+    assert unrolled_caveat(tiny_config("cluster.device_kind=h100"), "cpu") is None  # scanned
+    assert unrolled_caveat(tiny_config(unrolled), "cpu") is None                    # a run meant for CPUs
+    assert unrolled_caveat(tiny_config(unrolled), "gpu") is None                    # compiled by the GPU itself
+    fit = {"state_bytes": GIB, "temporaries_bytes": GIB, "total_bytes": 2 * GIB, "device_kind": "h100",
+           "device_memory_bytes": 80 * GIB, "fits": True, "verdict": "fits", "caveat": UNROLLED_ON_CPU}
+    assert fit_line(fit).splitlines() == [fit_line({**fit, "caveat": None}), f"note: {UNROLLED_ON_CPU}"]
 
 
 def test_moe_preset_sets_its_experts_below_the_run_yaml():
