@@ -127,9 +127,9 @@ class ModelConfig:
                      "(CPU: = minimal)", choices=REMAT_CHOICES)
     remat_names: tuple[str, ...] = key((), "minimal/offload: activations to keep (models/remat_names.py); empty = "
                                        "the policy's default set", choices=remat_names.ALL)
-    scan_layers: bool = key(True, "run the layer stack as a lax.scan (compile time independent of depth); false "
-                            "unrolls it (faster on GPU, more temporaries, compile time grows with depth); a pipeline's "
-                            "stages keep their loop")
+    scan_layers: bool = key(True, "train and evaluate the layer stack as a lax.scan (compile time independent of "
+                            "depth); false unrolls it (faster on GPU, other temporaries, compile time grows with "
+                            "depth); a pipeline's stages and generation keep their loops")
 
 
 @dataclasses.dataclass(frozen=True)
