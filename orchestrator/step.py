@@ -123,14 +123,14 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     how an MoE model's first dense layers run (`layer_runner`'s, before the pipeline: on every stage); every unit
     is rematerialised by `model.remat`."""
     policy = remat_policy(config, mesh.devices.flat[0].platform)
-    scan = layer_runner(config, policy)
+    layers = layer_runner(config, policy)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
-        return scan, scan
+        return layers, layers
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
-    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), scan
+    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), layers
 
 
 def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:
