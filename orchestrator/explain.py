@@ -122,7 +122,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
             "peak_estimate": peak_bytes,
         },
         "fit": fit_report(config, device.platform, device.device_kind, params_bytes + optimizer_bytes,
-                          memory.temp_size_in_bytes, peak_bytes),
+                          memory.temp_size_in_bytes, peak_bytes, job.mesh.shape["pipeline"]),
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory.temp_size_in_bytes),

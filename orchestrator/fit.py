@@ -71,19 +71,20 @@ UNROLLED_ON_CPU = ("model.scan_layers=false compiled by XLA:CPU for an accelerat
                    "temporaries with full remat, -29% with dots)")
 
 
-def unrolled_caveat(config: Config, platform: str) -> str | None:
+def unrolled_caveat(config: Config, platform: str, pipeline_stages: int = 1) -> str | None:
     """Returns why the figures of an unrolled stack compiled on CPU for an accelerator do not apply there,
     or None where they hold (a scanned stack, a run meant for CPUs, a compile for the devices themselves,
-    a pipeline with no first dense layers: its stages keep their loop, nothing is unrolled)."""
+    a mesh of several `pipeline_stages` and no first dense layers: the stages keep their loop, nothing is
+    unrolled)."""
     if config.model.scan_layers or platform != "cpu" or target_platform(config, platform) == "cpu":
         return None
-    if config.mesh.pipeline > 1 and not (config.moe_layers and config.moe.first_dense_layers):
+    if pipeline_stages > 1 and not (config.moe_layers and config.moe.first_dense_layers):
         return None
     return UNROLLED_ON_CPU
 
 
 def fit_report(config: Config, platform: str, device_kind: str, state_bytes: int, temporaries_bytes: int,
-               total_bytes: int) -> dict[str, Any]:
+               total_bytes: int, pipeline_stages: int = 1) -> dict[str, Any]:
     """Returns explain's `fit` entry: per device the state (parameters + optimizer), XLA's temporaries
     and the total, in bytes, the device checked against, its memory, the verdict (`fits` is None
     when the memory is unknown) and a `caveat` (None, or why the figures do not apply)."""
@@ -91,4 +92,4 @@ def fit_report(config: Config, platform: str, device_kind: str, state_bytes: int
     return {"state_bytes": state_bytes, "temporaries_bytes": temporaries_bytes, "total_bytes": total_bytes,
             "device_kind": kind, "device_memory_bytes": None if capacity_gib is None else int(capacity_gib * GIB),
             "fits": None if capacity_gib is None else total_bytes <= capacity_gib * GIB,
-            "verdict": verdict(total_bytes, capacity_gib), "caveat": unrolled_caveat(config, platform)}
+            "verdict": verdict(total_bytes, capacity_gib), "caveat": unrolled_caveat(config, platform, pipeline_stages)}

@@ -167,8 +167,7 @@ def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
     (a dot of bfloat16 values that XLA upcast reads `f32` operands)."""
     computations, _ = _computations(hlo_text)
     instructions = [instruction for body in computations.values() for instruction in body]
-    dtypes = {instruction.name: _arrays(instruction.shape)[0][0] for instruction in instructions
-              if _arrays(instruction.shape)}
+    dtypes = {instruction.name: arrays[0][0] for instruction in instructions if (arrays := _arrays(instruction.shape))}
     return [tuple(dtypes[name] for name in instruction.operands) for instruction in instructions
             if instruction.op == "dot"]
 

@@ -77,8 +77,8 @@ def test_an_unrolled_stack_compiled_on_cpu_for_an_accelerator_carries_its_caveat
     assert unrolled_caveat(tiny_config(unrolled), "cpu") is None                    # a run meant for CPUs
     assert unrolled_caveat(tiny_config(unrolled), "gpu") is None                    # compiled by the GPU itself
     pipelined = (unrolled, "cluster.device_kind=h100", "mesh.pipeline=2", "moe.num_experts=4", "moe.every=1")
-    assert unrolled_caveat(tiny_config(*pipelined), "cpu") is None  # the stages keep their loop: nothing unrolled
-    assert unrolled_caveat(tiny_config(*pipelined, "moe.first_dense_layers=2"), "cpu") == UNROLLED_ON_CPU
+    assert unrolled_caveat(tiny_config(*pipelined), "cpu", 2) is None  # the stages keep their loop: nothing unrolled
+    assert unrolled_caveat(tiny_config(*pipelined, "moe.first_dense_layers=2"), "cpu", 2) == UNROLLED_ON_CPU
     fit = {"state_bytes": GIB, "temporaries_bytes": GIB, "total_bytes": 2 * GIB, "device_kind": "h100",
            "device_memory_bytes": 80 * GIB, "fits": True, "verdict": "fits", "caveat": UNROLLED_ON_CPU}
     assert fit_line(fit).splitlines() == [fit_line({**fit, "caveat": None}), f"note: {UNROLLED_ON_CPU}"]
