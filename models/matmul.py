@@ -1,4 +1,4 @@
-"""Matmuls of activations by weights: plain einsums, or their float32 sums rounded once.
+"""Matmuls of activations by weights, and attention, from float32 sums rounded once.
 
 `einsum(equation, x, weight)` is `jnp.einsum` in the operands' dtype, unless
 `float32_outputs`: then the matmul returns its float32 sums
@@ -16,13 +16,26 @@ them in bfloat16 on CPU only (`TransformerConfig.float32_matmul_outputs`),
 and for the float32 logits everywhere. Autodiff of a float32-output einsum
 would hand its float32 cotangent to the backward matmuls, which then run at
 float32 rates, hence the custom backward pass. The forward output is tagged
-`remat_names.WEIGHT_MATMUL`: the custom rule hides its dot from
+`remat_names.MATMUL_SUMS`: the custom rule hides its dot from
 `dots_saveable`, and the name lets `dots` keep it in the compute dtype.
+
+`causal_attention(query, key, value, mask)` is jax.nn.dot_product_attention's
+xla implementation (float32 scores and softmax, grouped-query heads as they
+are) for the same reason: there the probabilities x values product is a
+bfloat16 -> bfloat16 dot and the backward products take the float32
+gradient of the scores, 5 of its 6 dots upcast on jax 0.10's XLA:CPU. Here
+all of them take bfloat16 operands and sum in float32; the backward pass
+recomputes the probabilities from the queries and keys (flash attention's
+backward, arXiv 2205.14135, in one block) instead of keeping the
+[batch, heads, length, length] scores, and `dots` keeps the context by name.
+The model calls it where it asks for float32 outputs (bfloat16 on CPU);
+everywhere else it calls jax.nn.dot_product_attention.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -74,7 +87,7 @@ def _float32_sums(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp
 
 
 def _forward(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype):
-    return checkpoint_name(_float32_sums(equation, x, weight, out_dtype), remat_names.WEIGHT_MATMUL), (x, weight)
+    return checkpoint_name(_float32_sums(equation, x, weight, out_dtype), remat_names.MATMUL_SUMS), (x, weight)
 
 
 def _gradient_dtype(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype) -> jnp.dtype:
@@ -105,3 +118,64 @@ def _backward(equation: str, out_dtype: jnp.dtype, saved: tuple[jax.Array, jax.A
 
 
 _float32_sums.defvjp(_forward, _backward)
+
+
+def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Returns `jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True)` [batch, length,
+    heads, head_dim] with every product (forward and backward) summed in float32 from operands in the
+    inputs' dtype, each result rounded once to it.
+
+    query [batch, length, heads, head_dim]; key, value [batch, length, kv_heads, head_dim], query head h
+    reading key/value head h // (heads / kv_heads); mask None or boolean, broadcastable to [batch, 1,
+    length, length], True where query t may see key s (on top of the causal mask).
+    """
+    return _attention(query, key, value, mask)
+
+
+def _probabilities(query: jax.Array, key: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Returns (probabilities [batch, kv_heads, group, length, length] in float32, the queries grouped
+    [batch, length, kv_heads, group, head_dim]), the scores masked and scaled as jax's xla path does."""
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btgrk,bsgk->bgrts", grouped, key, preferred_element_type=jnp.float32)
+    scores = scores * jnp.array(1 / math.sqrt(head_dim), jnp.float32)
+    visible = jnp.tril(jnp.ones((length, key.shape[1]), bool))
+    if mask is not None:
+        visible = jnp.logical_and(visible, jnp.asarray(mask)[:, :, None])  # [batch, 1, 1, length, length]
+    scores = jnp.where(visible, scores, -0.7 * jnp.finfo(jnp.float32).max)  # jax's "large negative number"
+    return jax.nn.softmax(scores, axis=-1), grouped
+
+
+@jax.custom_vjp
+def _attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
+    probabilities, _ = _probabilities(query, key, mask)
+    context = jnp.einsum("bgrts,bsgk->btgrk", probabilities.astype(value.dtype), value,
+                         preferred_element_type=jnp.float32)
+    return context.reshape(query.shape).astype(query.dtype)
+
+
+def _attention_forward(query, key, value, mask):
+    context = checkpoint_name(_attention(query, key, value, mask), remat_names.MATMUL_SUMS)
+    return context, (query, key, value, mask)
+
+
+def _attention_backward(saved, gradient: jax.Array):
+    query, key, value, mask = saved
+    dtype, scale = query.dtype, 1 / math.sqrt(query.shape[-1])
+    probabilities, grouped = _probabilities(query, key, mask)
+    gradient = gradient.astype(dtype).reshape(grouped.shape)
+    value_gradient = jnp.einsum("bgrts,btgrk->bsgk", probabilities.astype(dtype), gradient,
+                                preferred_element_type=jnp.float32)
+    probability_gradient = jnp.einsum("btgrk,bsgk->bgrts", gradient, value, preferred_element_type=jnp.float32)
+    # The softmax's backward pass, in float32: p * (dp - sum_s p dp), scaled as the scores were.
+    score_gradient = probabilities * (probability_gradient
+                                      - jnp.sum(probabilities * probability_gradient, axis=-1, keepdims=True))
+    score_gradient = (score_gradient * jnp.array(scale, jnp.float32)).astype(dtype)
+    query_gradient = jnp.einsum("bgrts,bsgk->btgrk", score_gradient, key, preferred_element_type=jnp.float32)
+    key_gradient = jnp.einsum("bgrts,btgrk->bsgk", score_gradient, grouped, preferred_element_type=jnp.float32)
+    return (query_gradient.reshape(query.shape).astype(dtype), key_gradient.astype(key.dtype),
+            value_gradient.astype(value.dtype), None)
+
+
+_attention.defvjp(_attention_forward, _attention_backward)

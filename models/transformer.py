@@ -64,7 +64,7 @@ class TransformerConfig:
     init_std: float = 0.02
     dtype: str = "float32"
     attention: str = "xla"    # jax.nn.dot_product_attention's implementation: xla | cudnn
-    float32_matmul_outputs: bool = False  # weight matmuls round their float32 sums (models.matmul; bfloat16 on CPU)
+    float32_matmul_outputs: bool = False  # matmuls and attention round float32 sums (models.matmul; bfloat16 CPU)
     moe: MoELayerConfig = MoELayerConfig()
 
     @property
@@ -169,9 +169,14 @@ class Attention(nnx.Module):
         """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]
         no token attends to a token of another segment."""
         q, k, v = self.project(x)
-        # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand.
+        # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand;
+        # where the weight matmuls return float32 sums, attention's products do too (models.matmul).
         mask = None if segment_ids is None else document_mask(segment_ids)
-        context = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=self.cfg.attention)
+        if self.cfg.float32_matmul_outputs:
+            context = matmul.causal_attention(q, k, v, mask)
+        else:
+            context = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                   implementation=self.cfg.attention)
         return self.output(context)
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],

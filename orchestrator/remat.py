@@ -12,10 +12,12 @@ what else is; everything else is recomputed in the backward pass.
 - `none`: keep everything (no recomputation).
 - `full`: keep only each unit's input; recompute the whole unit.
 - `dots`: keep every matmul output (jax's `dots_saveable`, and by name the
-  weight matmuls that round their float32 sums themselves, `models.matmul`),
+  matmuls that round their float32 sums themselves, `models.matmul`),
   attention scores included on the xla attention path, and cuDNN's fused
   attention outputs (context and softmax statistics) on the cudnn path;
-  recompute the elementwise work.
+  recompute the elementwise work. Where the model computes attention from
+  float32 sums (bfloat16 on CPU) only its context is kept: its backward pass
+  recomputes the scores.
   `dots_with_no_batch_dims_saveable` would skip the scores, but the pipeline
   runs stages under a `vmap`, which gives every matmul a batch dimension: it
   would keep nothing there, so one name would mean two things.
@@ -107,8 +109,8 @@ def remat_policy(config: Config, platform: str) -> Callable[..., Any] | None:
         return jax.checkpoint_policies.nothing_saveable
     both = jax.checkpoint_policies.save_from_both_policies
     if name == "dots":
-        weight_matmuls = jax.checkpoint_policies.save_only_these_names(remat_names.WEIGHT_MATMUL)
-        return both(both(jax.checkpoint_policies.dots_saveable, weight_matmuls), fused_attention_saveable)
+        float32_sums = jax.checkpoint_policies.save_only_these_names(remat_names.MATMUL_SUMS)
+        return both(both(jax.checkpoint_policies.dots_saveable, float32_sums), fused_attention_saveable)
     names = saved_names(config)
     if name == "offload":
         return jax.checkpoint_policies.save_and_offload_only_these_names(

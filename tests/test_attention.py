@@ -1,6 +1,8 @@
 """Attention through jax.nn.dot_product_attention: the numbers of the einsum it replaced, grouped-query
-heads as they are, and a document mask that keeps packed documents apart."""
+heads as they are, and a document mask that keeps packed documents apart (also where a bfloat16 model on CPU
+computes attention from float32 sums, models.matmul)."""
 
+import dataclasses
 import math
 
 import jax
@@ -16,6 +18,8 @@ from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                            mlp_dim=64, init_std=0.2)
+# jax.nn.dot_product_attention, and models.matmul.causal_attention (what the model runs in bfloat16 on CPU)
+CONFIGS = {"jax": CONFIG, "float32 sums": dataclasses.replace(CONFIG, dtype="bfloat16", float32_matmul_outputs=True)}
 
 
 def einsum_attention(self: Attention, x: jax.Array, segment_ids=None) -> jax.Array:
@@ -47,8 +51,9 @@ def test_dot_product_attention_equals_the_einsum_it_replaced(monkeypatch):
     np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_a_mask_of_one_document_changes_nothing():
-    model = Transformer(CONFIG, nnx.Rngs(params=0))
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS)
+def test_a_mask_of_one_document_changes_nothing(config):
+    model = Transformer(config, nnx.Rngs(params=0))
     tokens = tokens_without_separator()
     unmasked, _ = model(tokens)
     masked, _ = model(tokens, segment_ids=document_ids(tokens))
@@ -67,9 +72,10 @@ def two_documents(first_seed: int) -> jax.Array:
     return jnp.concatenate([first, jnp.full((2, 1), DOCUMENT_SEPARATOR), second], axis=1)
 
 
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS)
 @pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
-def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(masked):
-    model = Transformer(CONFIG, nnx.Rngs(params=0))
+def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(masked, config):
+    model = Transformer(config, nnx.Rngs(params=0))
     logits = []
     for seed in (1, 2):
         tokens = two_documents(seed)

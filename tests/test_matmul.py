@@ -117,10 +117,11 @@ def test_the_model_asks_for_float32_outputs_in_bfloat16_for_cpus_only():
         assert not model_config(load(None, ["model.dtype=bfloat16", target]), "cpu").float32_matmul_outputs
 
 
-def test_every_weight_matmul_of_the_model_sums_bfloat16_operands_in_float32_both_ways():
+def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_operands_in_float32_both_ways():
     """A bfloat16 model with a dense and an MoE layer, its shapes chosen so that only the weight matmuls (the
     attention's, the SwiGLU's, the experts', the vocabulary projection) have a parameter-shaped operand or
-    output: each of them, forward and backward, takes bfloat16 operands and sums in float32."""
+    output, and only attention's products a five-dimensional operand (heads grouped): each of them, forward
+    and backward, takes bfloat16 operands and sums in float32."""
     config = TransformerConfig(vocab_size=56, embed_dim=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
                                mlp_dim=40, dtype="bfloat16", float32_matmul_outputs=True,
                                moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=2.0))
@@ -134,7 +135,9 @@ def test_every_weight_matmul_of_the_model_sums_bfloat16_operands_in_float32_both
     dots = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "dot_general")
     weight_dots = [eqn for eqn in dots if {tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)} & shapes]
     assert len(weight_dots) == 3 * (2 * 4 + 3 + 3 + 1)  # attention in 2 layers, SwiGLU, experts, logits
-    for eqn in weight_dots:
+    attention_dots = [eqn for eqn in dots if any(v.aval.ndim == 5 for v in eqn.invars)]
+    assert len(attention_dots) == 2 * (2 + 5)  # 2 layers: scores, context; the backward's scores again, 4 products
+    for eqn in weight_dots + attention_dots:
         assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
         assert eqn.params["preferred_element_type"] == jnp.float32, eqn
 
@@ -179,3 +182,93 @@ def test_bfloat16_gradients_are_as_close_to_float32_as_the_plain_einsums():
     errors = [(relative_error(got, want), relative_error(theirs, want)) for got, theirs, want in zip(ours, plain, exact)]
     assert len(errors) == 12  # embedding, unembedding, final norm, 9 stacked layer tensors
     assert all(error <= max(0.01, 1.1 * theirs) for error, theirs in errors), errors
+
+
+def _attention_inputs(dtype, documents: bool):
+    """Returns (query [2, 24, 4, 8], key and value [2, 24, 2, 8], mask or None): grouped-query heads, and
+    with `documents` a mask of two documents per row (positions 0-9 and 10-23)."""
+    query_key, key_key, value_key = jax.random.split(jax.random.key(3), 3)
+    query = jax.random.normal(query_key, (2, 24, 4, 8)).astype(dtype)
+    key, value = (jax.random.normal(k, (2, 24, 2, 8)).astype(dtype) for k in (key_key, value_key))
+    segments = (jnp.arange(24) >= 10).astype(jnp.int32)[None].repeat(2, axis=0)
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None] if documents else None
+    return query, key, value, mask
+
+
+def _attention_loss(attend, mask):
+    """Returns loss(query, key, value): a weighted sum of `attend`'s context (weights fixed, not uniform)."""
+    weights = jax.random.normal(jax.random.key(4), (2, 24, 4, 8))
+    return lambda q, k, v: (attend(q, k, v, mask).astype(jnp.float32) * weights).sum()
+
+
+def _jax_attention(q, k, v, mask):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(documents):
+    q, k, v, mask = _attention_inputs(jnp.float32, documents)
+    np.testing.assert_allclose(matmul.causal_attention(q, k, v, mask), _jax_attention(q, k, v, mask), rtol=1e-6,
+                               atol=1e-6)
+    ours, theirs = (jax.grad(_attention_loss(attend, mask), (0, 1, 2))(q, k, v)
+                    for attend in (matmul.causal_attention, _jax_attention))
+    for got, want in zip(ours, theirs):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_operands_both_ways(documents):
+    exact = _attention_inputs(jnp.float32, documents)
+    inputs = _attention_inputs(jnp.bfloat16, documents)
+    want = jax.grad(_attention_loss(_jax_attention, exact[3]), (0, 1, 2))(*exact[:3])
+    ours, theirs = (jax.grad(_attention_loss(attend, inputs[3]), (0, 1, 2))(*inputs[:3])
+                    for attend in (matmul.causal_attention, _jax_attention))
+    errors = [(relative_error(got, exact), relative_error(their, exact)) for got, their, exact in zip(ours, theirs, want)]
+    assert all(error <= max(0.01, 1.1 * their) for error, their in errors), errors
+    assert relative_error(matmul.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
+    loss = _attention_loss(matmul.causal_attention, inputs[3])
+    dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*inputs[:3]).jaxpr, "dot_general")
+    assert len(dots) == 2 + 5  # scores and context; the backward's scores again and its four products
+    for eqn in dots:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+        assert eqn.params["preferred_element_type"] == jnp.float32, eqn
+
+
+def test_xla_cpu_runs_the_attention_products_on_bfloat16_operands():
+    """jax 0.10's XLA:CPU upcasts 5 of the 6 dots of jax.nn.dot_product_attention's forward and backward pass
+    in bfloat16 (jax 0.11's keeps them bfloat16); ours keep bfloat16 operands on every version."""
+    q, k, v, mask = _attention_inputs(jnp.bfloat16, documents=True)
+
+    def upcast(attend) -> tuple[int, int]:
+        text = jax.jit(jax.grad(_attention_loss(attend, mask), (0, 1, 2))).lower(q, k, v).compile().as_text()
+        dots = dot_operand_dtypes(text)
+        return len(dots), sum("f32" in operands for operands in dots)
+
+    dots, upcast_dots = upcast(matmul.causal_attention)
+    assert dots >= 5 and upcast_dots == 0  # XLA computes the scores once for both passes here (no remat)
+    if jax.__version_info__ < (0, 11):
+        assert upcast(_jax_attention)[1] > 0
+
+
+def test_dots_keeps_the_attention_context_not_its_scores():
+    """The output projection's backward pass reads the context: `dots` keeps it (jax's dots_saveable does not
+    see it through the custom rule), not the [batch, heads, length, length] scores jax's own path keeps."""
+    q, k, v, _ = _attention_inputs(jnp.bfloat16, documents=False)
+    out = jax.random.normal(jax.random.key(5), (4, 8, 16)).astype(jnp.bfloat16)
+
+    def layer(attend):
+        def loss(q, k, v, out):
+            context = attend(q, k, v, None)
+            return jnp.square(matmul.einsum("bthk,hkd->btd", context, out, float32_outputs=True)).sum()
+        return loss
+
+    def kept(attend) -> list[str]:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(jax.checkpoint(layer(attend), policy=remat_policy(load(None, ["model.remat=dots"]),
+                                                                                     "cpu")), q, k, v, out)
+        return sorted(line.split()[0] for line in printed.getvalue().splitlines())
+
+    inputs = ["bf16[2,24,2,8]"] * 2 + ["bf16[2,24,4,8]", "bf16[4,8,16]"]
+    assert kept(matmul.causal_attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
+    assert any(residual.startswith("f32[") and residual.count(",") == 4 for residual in kept(_jax_attention))  # scores

@@ -2,6 +2,7 @@
 
 import time
 
+import numpy as np
 import pytest
 
 from orchestrator.config import ConfigError
@@ -18,6 +19,10 @@ STACKS = {
     # a dense first layer (its own stack, run before the units) and random routing keys stacked with the units
     "moe_first_dense_random": (dict(expert=2, data=4), ("moe.num_experts=4", "moe.every=1", "moe.first_dense_layers=2",
                                                         "moe.second_expert_policy=random")),
+    # bfloat16 on CPU: the matmuls and attention from float32 sums (models.matmul), their custom backward passes
+    "bfloat16_scanned_fsdp4_tensor2": (dict(fsdp=4, tensor=2), ("model.dtype=bfloat16",)),
+    "bfloat16_pipeline2_data2_tensor2": (dict(pipeline=2, data=2, tensor=2),
+                                         ("pipeline.microbatches=4", "model.dtype=bfloat16")),
 }
 # Every stack with full (it changes the most); the named-tensor policies where they differ: the scan
 # (per unit) and the pipeline (per layer inside a stage). offload is minimal on CPU (tested below).
@@ -25,7 +30,9 @@ STACKS = {
 CASES = [("scanned_fsdp4_tensor2", "full"), ("scanned_fsdp4_tensor2", "dots"), ("scanned_fsdp4_tensor2", "minimal"),
          ("pipeline2_data2_tensor2", "full"), ("pipeline2_data2_tensor2", "minimal"), ("moe_expert2_data4", "full"),
          ("scanned_fsdp4_tensor2", "dots unrolled"), ("scanned_fsdp4_tensor2", "none unrolled"),
-         ("moe_expert2_data4", "dots unrolled"), ("moe_first_dense_random", "dots unrolled")]
+         ("moe_expert2_data4", "dots unrolled"), ("moe_first_dense_random", "dots unrolled"),
+         ("bfloat16_scanned_fsdp4_tensor2", "dots"), ("bfloat16_scanned_fsdp4_tensor2", "full"),
+         ("bfloat16_pipeline2_data2_tensor2", "dots")]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +61,15 @@ def without_remat(tmp_path_factory):
 def test_every_policy_trains_to_the_same_losses_as_no_remat(without_remat, stack, policy):
     make, reference = without_remat(stack)
     policy, *unrolled = policy.split()
-    assert_same_training(run_fresh(make(f"model.remat={policy}", *(["model.scan_layers=false"] if unrolled else []))),
-                         reference, loss_rtol=1e-6)
+    result = run_fresh(make(f"model.remat={policy}", *(["model.scan_layers=false"] if unrolled else [])))
+    if stack.startswith("bfloat16"):
+        # XLA skips some bfloat16 roundings inside its fusions (excess precision), which fuse differently with and
+        # without remat: the pipelined step-0 loss moves by 2.5e-5 relative under `dots` before any update, and
+        # AdamW's normalised steps turn such differences in near-zero gradients into parameter differences of
+        # 1e-3. So in bfloat16 the three steps' losses are compared, at rtol 1e-4.
+        np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-4)
+    else:
+        assert_same_training(result, reference, loss_rtol=1e-6)
 
 
 def temporaries(config) -> tuple[int, float]:
