@@ -63,7 +63,7 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"
-    attention: str = "xla"    # jax.nn.dot_product_attention's implementation: xla | cudnn
+    attention: str = "xla"    # jax.nn.dot_product_attention's implementation: xla | cudnn (unless the next)
     float32_matmul_outputs: bool = False  # matmuls and attention round float32 sums (models.matmul; bfloat16 CPU)
     moe: MoELayerConfig = MoELayerConfig()
 

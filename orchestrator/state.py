@@ -45,8 +45,9 @@ def attention_implementation(choice: str, platform: str, dtype: str) -> str:
 def model_config(config: Config, platform: str | None = None) -> TransformerConfig:
     """Returns the model's own config from the run config, attention resolved for `platform`
     (a jax platform name; default: jax's default backend). In bfloat16, for a run meant for CPUs
-    (`target_platform`: not `nestor explain` on CPU for an H100), the weight matmuls return float32 sums
-    that the model rounds (models.matmul: XLA:CPU of jax 0.10 would upcast the dots)."""
+    (`target_platform`: not `nestor explain` on CPU for an H100), the weight matmuls and attention's
+    products return float32 sums that the model rounds (models.matmul: XLA:CPU of jax 0.10 would upcast
+    the dots)."""
     m = config.model
     platform = platform or jax.default_backend()
     attention = attention_implementation(m.attention, platform, m.dtype)
