@@ -7,8 +7,9 @@ weights, on 8 simulated CPU devices over three meshes.
 What the bare step is: the same transformer written here in plain jax
 (embedding, RMSNorm, RoPE, `jax.nn.dot_product_attention`, SwiGLU, a
 `lax.scan` over the stacked layers, float32 logits and cross-entropy; its
-weight matmuls are `models.matmul.einsum`, as the model's, so that on CPU
-both sum in float32 and round once),
+weight matmuls are `models.matmul.einsum` and, where the model's are float32
+sums, its attention is `models.matmul.causal_attention`, as the model's, so
+that on CPU both sum in float32 and round once),
 `jax.value_and_grad`, and the same optax chain (clip + AdamW on the same
 schedule) applied to the same parameter tree, jitted with the same parameter
 shardings and the batch split over the data-parallel axes. It has none of
@@ -97,7 +98,10 @@ def _bare_layer(cfg, pin):
         h = _rms_norm(x, p["attention_norm"]["scale"], cfg.norm_eps)
         q, k, v = (project("btd,dhk->bthk", h, attention[name]) for name in ("query", "key", "value"))
         q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
-        context = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        if cfg.float32_matmul_outputs:
+            context = matmul.causal_attention(q, k, v)
+        else:
+            context = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         x = x + project("bthk,hkd->btd", context, attention["out"])
         h = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
         hidden = jax.nn.silu(project("...d,dm->...m", h, mlp["gate"])) * project("...d,dm->...m", h, mlp["up"])

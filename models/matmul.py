@@ -28,8 +28,9 @@ all of them take bfloat16 operands and sum in float32; the backward pass
 recomputes the probabilities from the queries and keys (flash attention's
 backward, arXiv 2205.14135, in one block) instead of keeping the
 [batch, heads, length, length] scores, and `dots` keeps the context by name.
-The model calls it where it asks for float32 outputs (bfloat16 on CPU);
-everywhere else it calls jax.nn.dot_product_attention.
+The model's layers call it where they ask for float32 outputs (bfloat16 on
+CPU); everywhere else, and when decoding (no backward pass), the model calls
+jax.nn.dot_product_attention.
 """
 
 from __future__ import annotations
@@ -126,15 +127,20 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: j
     inputs' dtype, each result rounded once to it.
 
     query [batch, length, heads, head_dim]; key, value [batch, length, kv_heads, head_dim], query head h
-    reading key/value head h // (heads / kv_heads); mask None or boolean, broadcastable to [batch, 1,
-    length, length], True where query t may see key s (on top of the causal mask).
+    reading key/value head h // (heads / kv_heads); mask None or boolean [batch or 1, 1, length, length],
+    True where query t may see key s (on top of the causal mask). A row that sees no key gets the mean of
+    the values and no gradient to its query or the keys, as in jax.
     """
+    if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1):
+        raise ValueError(f"mask of shape {mask.shape}: give [batch or 1, 1, length, length]")
     return _attention(query, key, value, mask)
 
 
-def _probabilities(query: jax.Array, key: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def _probabilities(query: jax.Array, key: jax.Array,
+                   mask: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (probabilities [batch, kv_heads, group, length, length] in float32, the queries grouped
-    [batch, length, kv_heads, group, head_dim]), the scores masked and scaled as jax's xla path does."""
+    [batch, length, kv_heads, group, head_dim], where query t sees key s), the scores masked and scaled
+    as jax's xla path does."""
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
@@ -144,12 +150,12 @@ def _probabilities(query: jax.Array, key: jax.Array, mask: jax.Array | None) -> 
     if mask is not None:
         visible = jnp.logical_and(visible, jnp.asarray(mask)[:, :, None])  # [batch, 1, 1, length, length]
     scores = jnp.where(visible, scores, -0.7 * jnp.finfo(jnp.float32).max)  # jax's "large negative number"
-    return jax.nn.softmax(scores, axis=-1), grouped
+    return jax.nn.softmax(scores, axis=-1), grouped, visible
 
 
 @jax.custom_vjp
 def _attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
-    probabilities, _ = _probabilities(query, key, mask)
+    probabilities, _, _ = _probabilities(query, key, mask)
     context = jnp.einsum("bgrts,bsgk->btgrk", probabilities.astype(value.dtype), value,
                          preferred_element_type=jnp.float32)
     return context.reshape(query.shape).astype(query.dtype)
@@ -163,14 +169,16 @@ def _attention_forward(query, key, value, mask):
 def _attention_backward(saved, gradient: jax.Array):
     query, key, value, mask = saved
     dtype, scale = query.dtype, 1 / math.sqrt(query.shape[-1])
-    probabilities, grouped = _probabilities(query, key, mask)
+    probabilities, grouped, visible = _probabilities(query, key, mask)
     gradient = gradient.astype(dtype).reshape(grouped.shape)
     value_gradient = jnp.einsum("bgrts,btgrk->bsgk", probabilities.astype(dtype), gradient,
                                 preferred_element_type=jnp.float32)
     probability_gradient = jnp.einsum("btgrk,bsgk->bgrts", gradient, value, preferred_element_type=jnp.float32)
-    # The softmax's backward pass, in float32: p * (dp - sum_s p dp), scaled as the scores were.
+    # The softmax's backward pass, in float32: p * (dp - sum_s p dp), scaled as the scores were; nothing
+    # flows to a hidden score (p is 0 there, except in a row that sees no key: uniform, as jax's `where`).
     score_gradient = probabilities * (probability_gradient
                                       - jnp.sum(probabilities * probability_gradient, axis=-1, keepdims=True))
+    score_gradient = jnp.where(visible, score_gradient, 0.0)
     score_gradient = (score_gradient * jnp.array(scale, jnp.float32)).astype(dtype)
     query_gradient = jnp.einsum("bgrts,bsgk->btgrk", score_gradient, key, preferred_element_type=jnp.float32)
     key_gradient = jnp.einsum("bgrts,btgrk->bsgk", score_gradient, grouped, preferred_element_type=jnp.float32)

@@ -184,14 +184,22 @@ def test_bfloat16_gradients_are_as_close_to_float32_as_the_plain_einsums():
     assert all(error <= max(0.01, 1.1 * theirs) for error, theirs in errors), errors
 
 
-def _attention_inputs(dtype, documents: bool):
+MASKS = ("causal", "documents", "blind rows")
+
+
+def _attention_inputs(dtype, masks: str):
     """Returns (query [2, 24, 4, 8], key and value [2, 24, 2, 8], mask or None): grouped-query heads, and
-    with `documents` a mask of two documents per row (positions 0-9 and 10-23)."""
+    besides the causal mask none ("causal"), two documents per row (positions 0-9 and 10-23), or those
+    documents with queries 3-5 of the first row seeing no key at all ("blind rows")."""
     query_key, key_key, value_key = jax.random.split(jax.random.key(3), 3)
     query = jax.random.normal(query_key, (2, 24, 4, 8)).astype(dtype)
     key, value = (jax.random.normal(k, (2, 24, 2, 8)).astype(dtype) for k in (key_key, value_key))
+    if masks == "causal":
+        return query, key, value, None
     segments = (jnp.arange(24) >= 10).astype(jnp.int32)[None].repeat(2, axis=0)
-    mask = (segments[:, :, None] == segments[:, None, :])[:, None] if documents else None
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+    if masks == "blind rows":
+        mask = mask.at[0, 0, 3:6].set(False)
     return query, key, value, mask
 
 
@@ -205,9 +213,9 @@ def _jax_attention(q, k, v, mask):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(documents):
-    q, k, v, mask = _attention_inputs(jnp.float32, documents)
+@pytest.mark.parametrize("masks", MASKS)
+def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(masks):
+    q, k, v, mask = _attention_inputs(jnp.float32, masks)
     np.testing.assert_allclose(matmul.causal_attention(q, k, v, mask), _jax_attention(q, k, v, mask), rtol=1e-6,
                                atol=1e-6)
     ours, theirs = (jax.grad(_attention_loss(attend, mask), (0, 1, 2))(q, k, v)
@@ -216,15 +224,15 @@ def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_operands_both_ways(documents):
-    exact = _attention_inputs(jnp.float32, documents)
-    inputs = _attention_inputs(jnp.bfloat16, documents)
+@pytest.mark.parametrize("masks", MASKS)
+def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_operands_both_ways(masks):
+    exact = _attention_inputs(jnp.float32, masks)
+    inputs = _attention_inputs(jnp.bfloat16, masks)
     want = jax.grad(_attention_loss(_jax_attention, exact[3]), (0, 1, 2))(*exact[:3])
     ours, theirs = (jax.grad(_attention_loss(attend, inputs[3]), (0, 1, 2))(*inputs[:3])
                     for attend in (matmul.causal_attention, _jax_attention))
     errors = [(relative_error(got, exact), relative_error(their, exact)) for got, their, exact in zip(ours, theirs, want)]
-    assert all(error <= max(0.01, 1.1 * their) for error, their in errors), errors
+    assert all(error <= 1.2 * their for error, their in errors), errors  # measured: 0.3-0.45%, at most 1.06x
     assert relative_error(matmul.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
     loss = _attention_loss(matmul.causal_attention, inputs[3])
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*inputs[:3]).jaxpr, "dot_general")
@@ -237,7 +245,7 @@ def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_oper
 def test_xla_cpu_runs_the_attention_products_on_bfloat16_operands():
     """jax 0.10's XLA:CPU upcasts 5 of the 6 dots of jax.nn.dot_product_attention's forward and backward pass
     in bfloat16 (jax 0.11's keeps them bfloat16); ours keep bfloat16 operands on every version."""
-    q, k, v, mask = _attention_inputs(jnp.bfloat16, documents=True)
+    q, k, v, mask = _attention_inputs(jnp.bfloat16, "documents")
 
     def upcast(attend) -> tuple[int, int]:
         text = jax.jit(jax.grad(_attention_loss(attend, mask), (0, 1, 2))).lower(q, k, v).compile().as_text()
@@ -245,15 +253,22 @@ def test_xla_cpu_runs_the_attention_products_on_bfloat16_operands():
         return len(dots), sum("f32" in operands for operands in dots)
 
     dots, upcast_dots = upcast(matmul.causal_attention)
-    assert dots >= 5 and upcast_dots == 0  # XLA computes the scores once for both passes here (no remat)
+    assert dots >= 5 and upcast_dots == 0  # 5 compiled here: without remat XLA shares the scores between passes
     if jax.__version_info__ < (0, 11):
         assert upcast(_jax_attention)[1] > 0
+
+
+def test_a_mask_of_another_rank_or_per_head_is_refused():
+    q, k, v, mask = _attention_inputs(jnp.bfloat16, "documents")
+    for wrong in (mask[0, 0], mask[:, 0], jnp.repeat(mask, 4, axis=1)):
+        with pytest.raises(ValueError, match=r"batch or 1, 1, length, length"):
+            matmul.causal_attention(q, k, v, wrong)
 
 
 def test_dots_keeps_the_attention_context_not_its_scores():
     """The output projection's backward pass reads the context: `dots` keeps it (jax's dots_saveable does not
     see it through the custom rule), not the [batch, heads, length, length] scores jax's own path keeps."""
-    q, k, v, _ = _attention_inputs(jnp.bfloat16, documents=False)
+    q, k, v, _ = _attention_inputs(jnp.bfloat16, "causal")
     out = jax.random.normal(jax.random.key(5), (4, 8, 16)).astype(jnp.bfloat16)
 
     def layer(attend):

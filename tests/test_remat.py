@@ -67,7 +67,8 @@ def test_every_policy_trains_to_the_same_losses_as_no_remat(without_remat, stack
         # without remat: the pipelined step-0 loss moves by 6e-6 relative under `dots` before any update (equal
         # with --xla_allow_excess_precision=false, which the suite's process does not set), and
         # AdamW's normalised steps turn such differences in near-zero gradients into parameter differences of
-        # 1e-3. So in bfloat16 the three steps' losses are compared, at rtol 1e-4.
+        # 1e-3. So for every bfloat16 stack the three steps' losses are compared, at rtol 1e-4 (after two updates
+        # the pipelined `dots` run's losses differ by up to 2.5e-5 relative).
         np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-4)
     else:
         assert_same_training(result, reference, loss_rtol=1e-6)
