@@ -98,10 +98,7 @@ def _bare_layer(cfg, pin):
         h = _rms_norm(x, p["attention_norm"]["scale"], cfg.norm_eps)
         q, k, v = (project("btd,dhk->bthk", h, attention[name]) for name in ("query", "key", "value"))
         q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
-        if cfg.float32_matmul_outputs:
-            context = matmul.causal_attention(q, k, v)
-        else:
-            context = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        context = matmul.attention(q, k, v, float32_outputs=cfg.float32_matmul_outputs)
         x = x + project("bthk,hkd->btd", context, attention["out"])
         h = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
         hidden = jax.nn.silu(project("...d,dm->...m", h, mlp["gate"])) * project("...d,dm->...m", h, mlp["up"])

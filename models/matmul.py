@@ -28,9 +28,10 @@ all of them take bfloat16 operands and sum in float32; the backward pass
 recomputes the probabilities from the queries and keys (flash attention's
 backward, arXiv 2205.14135, in one block) instead of keeping the
 [batch, heads, length, length] scores, and `dots` keeps the context by name.
-The model's layers call it where they ask for float32 outputs (bfloat16 on
-CPU); everywhere else, and when decoding (no backward pass), the model calls
-jax.nn.dot_product_attention.
+`attention(..., float32_outputs=...)` picks it or jax.nn.dot_product_attention,
+as `einsum` picks its sums: the model's layers (and bench.step's bare step)
+ask for float32 outputs in bfloat16 on CPU; decoding (no backward pass) always
+calls jax.nn.dot_product_attention.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ def _backward(equation: str, out_dtype: jnp.dtype, saved: tuple[jax.Array, jax.A
 
 
 _float32_sums.defvjp(_forward, _backward)
+
+
+def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None, *,
+              float32_outputs: bool, implementation: str | None = None) -> jax.Array:
+    """Returns causal attention [batch, length, heads, head_dim]: with `float32_outputs`,
+    `causal_attention`'s; without, `jax.nn.dot_product_attention`'s with `implementation` (xla, cudnn)."""
+    if float32_outputs:
+        return causal_attention(query, key, value, mask)
+    return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation=implementation)
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -172,11 +172,8 @@ class Attention(nnx.Module):
         # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand;
         # where the weight matmuls return float32 sums, attention's products do too (models.matmul).
         mask = None if segment_ids is None else document_mask(segment_ids)
-        if self.cfg.float32_matmul_outputs:
-            context = matmul.causal_attention(q, k, v, mask)
-        else:
-            context = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                   implementation=self.cfg.attention)
+        context = matmul.attention(q, k, v, mask, float32_outputs=self.cfg.float32_matmul_outputs,
+                                   implementation=self.cfg.attention)
         return self.output(context)
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],

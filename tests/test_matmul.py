@@ -88,17 +88,22 @@ def test_an_output_dtype_needs_float32_outputs():
         matmul.einsum("btd,dm->btm", x, weight, jnp.float32, float32_outputs=False)
 
 
+def _saved_residuals(function, *args) -> list[str]:
+    """Returns the types ("bf16[8,32]") of the residuals the backward pass of `function` reads, sorted (jax
+    only prints them)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(function, *args)
+    return sorted(line.split()[0] for line in printed.getvalue().splitlines())
+
+
 def test_dots_keeps_what_it_keeps_of_plain_einsums():
     x, up = _operands((2, 8, 16), (16, 32), jnp.bfloat16)
     down = up.T
     policy = remat_policy(load(None, ["model.remat=dots"]), "cpu")
 
     def kept(project) -> list[str]:
-        """Returns the residuals' types ("bf16[8,32]") that the backward pass reads (jax prints them only)."""
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            print_saved_residuals(jax.checkpoint(_mlp(project), policy=policy), x, up, down)
-        return sorted(line.split()[0] for line in printed.getvalue().splitlines())
+        return _saved_residuals(jax.checkpoint(_mlp(project), policy=policy), x, up, down)
 
     ours = kept(lambda equation, x, w: matmul.einsum(equation, x, w, float32_outputs=True))
     plain = kept(lambda equation, x, w: jnp.einsum(equation, x, w))
@@ -278,11 +283,8 @@ def test_dots_keeps_the_attention_context_not_its_scores():
         return loss
 
     def kept(attend) -> list[str]:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            print_saved_residuals(jax.checkpoint(layer(attend), policy=remat_policy(load(None, ["model.remat=dots"]),
-                                                                                     "cpu")), q, k, v, out)
-        return sorted(line.split()[0] for line in printed.getvalue().splitlines())
+        policy = remat_policy(load(None, ["model.remat=dots"]), "cpu")
+        return _saved_residuals(jax.checkpoint(layer(attend), policy=policy), q, k, v, out)
 
     inputs = ["bf16[2,24,2,8]"] * 2 + ["bf16[2,24,4,8]", "bf16[4,8,16]"]
     assert kept(matmul.causal_attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
