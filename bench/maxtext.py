@@ -80,7 +80,7 @@ def nestor_runner(mesh: str, remat: str, schedule: str = "gpipe", repeats: str =
     import jax
 
     from bench.step import MESHES, bench_config
-    from orchestrator.state import init_state
+    from orchestrator.state import attention_run, init_state
     from orchestrator.train import build_job
 
     pipelined = [f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"] if "pipeline" in mesh else []
@@ -93,7 +93,7 @@ def nestor_runner(mesh: str, remat: str, schedule: str = "gpipe", repeats: str =
         state["state"], metrics = compiled(state["state"], job.data.batch(step))
         return metrics
 
-    settings = {"remat": config.model.remat, "attention": config.model.attention, "dtype": config.model.dtype,
+    settings = {"remat": config.model.remat, "attention": attention_run(config), "dtype": config.model.dtype,
                 "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats, "jax": jax.__version__}
     return run, settings, compiled
 
@@ -172,10 +172,13 @@ def serve(run, settings: dict, compiled) -> None:
 class Worker:
     """One framework's step loop in its own process, answering timing requests."""
 
-    def __init__(self, name: str, python: str, arguments: list[str], log: Path, repository: Path = REPOSITORY):
-        """Starts `python -m bench.maxtext --serve *arguments` in `repository` (a checkout of nestor)."""
+    def __init__(self, name: str, python: str, arguments: list[str], log: Path, repository: Path = REPOSITORY,
+                 xla_flags: str = ""):
+        """Starts `python -m bench.maxtext --serve *arguments` in `repository` (a checkout of nestor), with
+        `xla_flags` added to the 8 simulated devices' XLA_FLAGS."""
         self.name = name
-        environment = dict(os.environ, PYTHONPATH=str(repository), XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        environment = dict(os.environ, PYTHONPATH=str(repository),
+                           XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {xla_flags}".strip(),
                            PJRT_NPROC=cpu_pool_threads(8))
         self.log = log.open("w")
         self.process = subprocess.Popen([python, "-m", "bench.maxtext", "--serve", *arguments], cwd=repository,

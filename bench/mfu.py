@@ -57,7 +57,7 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
 
     from orchestrator.explain import compile_step
     from orchestrator.flops import model_flops_per_step, peak_tflops
-    from orchestrator.state import init_state
+    from orchestrator.state import attention_run, init_state
     from orchestrator.train import build_job
 
     job = build_job(config)
@@ -87,7 +87,8 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
     return {"seconds": seconds, "steps": steps, "devices": devices, "flops_per_step": flops,
             "tokens_per_s": config.train.global_batch * config.train.seq_len * steps / seconds,
             "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "profile": profile}
+            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "profile": profile,
+            "attention_run": attention_run(config)}
 
 
 def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str, steps: int, warmup: int,
@@ -115,7 +116,9 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
 
 def row_line(row: dict) -> str:
     """Returns one Markdown table row."""
-    head = f"| {row['model']} | {row['remat']} | {row['attention']} |"
+    runs = row.get("attention_run", "")  # named where it is not the implementation asked for (bfloat16 on CPU)
+    attention = f"{row['attention']} ({runs})" if runs.startswith("causal_attention") else row["attention"]
+    head = f"| {row['model']} | {row['remat']} | {attention} |"
     if "error" in row:
         return head + f" {row['error']} | | | | |"
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"

@@ -131,6 +131,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
     return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation=implementation)
 
 
+def attention_name(float32_outputs: bool, implementation: str | None = None) -> str:
+    """Returns, for reports, what `attention(..., float32_outputs=, implementation=)` runs."""
+    if float32_outputs:
+        return "causal_attention (float32 sums)"
+    return f"jax.nn.dot_product_attention ({implementation or 'auto'})"
+
+
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Returns `jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True)` [batch, length,
     heads, head_dim] with every product (forward and backward) summed in float32 from operands in the

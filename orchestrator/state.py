@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.matmul import attention_name
 from models.moe import ExpertBias
 from models.transformer import Transformer, TransformerConfig
 from orchestrator.config import Config, ConfigError
@@ -59,6 +60,13 @@ def model_config(config: Config, platform: str | None = None) -> TransformerConf
         float32_matmul_outputs=target_platform(config, platform) == "cpu" and m.dtype == "bfloat16",
         moe=moe_layer_config(config),
     )
+
+
+def attention_run(config: Config, platform: str | None = None) -> str:
+    """Returns, for reports, what the model's attention runs on `platform` (models.matmul.attention_name):
+    `model.attention`'s implementation, or causal_attention where bfloat16 on CPU sums in float32."""
+    model = model_config(config, platform)
+    return attention_name(model.float32_matmul_outputs, model.attention)
 
 
 def build_model(config: Config, seed: int, platform: str | None = None) -> Transformer:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from models.transformer import Attention, Transformer, TransformerConfig, rotary
 from orchestrator.data.pipeline import DOCUMENT_SEPARATOR, document_ids
-from orchestrator.state import attention_implementation
+from orchestrator.state import attention_implementation, attention_run
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -95,6 +95,19 @@ def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision():
     assert attention_implementation("auto", "gpu", "bfloat16") == "cudnn"
     assert attention_implementation("auto", "gpu", "float16") == "cudnn"
     assert attention_implementation("xla", "gpu", "bfloat16") == "xla"
+
+
+def test_reports_name_the_attention_that_runs(tiny_config):
+    from bench.mfu import row_line
+
+    bfloat16 = tiny_config("model.dtype=bfloat16")
+    assert attention_run(bfloat16, "cpu") == "causal_attention (float32 sums)"  # what a bfloat16 CPU step calls
+    assert attention_run(bfloat16, "gpu") == "jax.nn.dot_product_attention (cudnn)"
+    assert attention_run(tiny_config(), "cpu") == "jax.nn.dot_product_attention (xla)"
+    row = {"model": "tiny", "remat": "dots", "attention": "xla", "error": "-"}
+    assert row_line(row | {"attention_run": attention_run(bfloat16, "cpu")}).startswith(
+        "| tiny | dots | xla (causal_attention (float32 sums)) |")
+    assert row_line(row | {"attention_run": attention_run(tiny_config(), "cpu")}).startswith("| tiny | dots | xla |")
 
 
 def test_cudnn_in_float32_names_model_attention(tiny_config):
