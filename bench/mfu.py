@@ -57,7 +57,7 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
 
     from orchestrator.explain import compile_step
     from orchestrator.flops import model_flops_per_step, peak_tflops
-    from orchestrator.state import attention_run, init_state
+    from orchestrator.state import init_state
     from orchestrator.train import build_job
 
     job = build_job(config)
@@ -87,8 +87,7 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
     return {"seconds": seconds, "steps": steps, "devices": devices, "flops_per_step": flops,
             "tokens_per_s": config.train.global_batch * config.train.seq_len * steps / seconds,
             "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
-            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "profile": profile,
-            "attention_run": attention_run(config)}
+            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "profile": profile}
 
 
 def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str, steps: int, warmup: int,
@@ -96,6 +95,8 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
     """Returns a row per model x remat x attention; a config that fails (too big, no cuDNN) gets its
     error, on one line, instead of numbers. `report` receives each row as it is measured, then its
     profile's lines when `profile_dir` is given (each row traced into a numbered folder of it)."""
+    from orchestrator.state import attention_run
+
     out = []
     for model in models:
         for remat in remats:
@@ -103,8 +104,9 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
                 row = {"model": model, "remat": remat, "attention": attention}
                 row_profile = profile_dir and f"{profile_dir}/{len(out)}"
                 try:
-                    row |= measure(model_config(model, remat, attention, dtype, steps), steps, warmup,
-                                   peak_override, row_profile)
+                    config = model_config(model, remat, attention, dtype, steps)
+                    row["attention_run"] = attention_run(config)
+                    row |= measure(config, steps, warmup, peak_override, row_profile)
                 except Exception as error:  # a row that cannot run says why; the others still run
                     row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
                 report(row_line(row))
@@ -115,9 +117,13 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
 
 
 def row_line(row: dict) -> str:
-    """Returns one Markdown table row."""
-    runs = row.get("attention_run", "")  # named where it is not the implementation asked for (bfloat16 on CPU)
-    attention = f"{row['attention']} ({runs})" if runs.startswith("causal_attention") else row["attention"]
+    """Returns one Markdown table row; the attention cell adds what runs where it is not jax's
+    implementation asked for (`row["attention_run"]`, orchestrator.state.attention_run)."""
+    from models.matmul import attention_name
+
+    attention, runs = row["attention"], row.get("attention_run")
+    if runs and runs != attention_name(False, attention):  # auto resolved, or causal_attention (bfloat16 on CPU)
+        attention = f"{attention}: {runs}"
     head = f"| {row['model']} | {row['remat']} | {attention} |"
     if "error" in row:
         return head + f" {row['error']} | | | | |"

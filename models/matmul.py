@@ -131,11 +131,12 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
     return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation=implementation)
 
 
-def attention_name(float32_outputs: bool, implementation: str | None = None) -> str:
-    """Returns, for reports, what `attention(..., float32_outputs=, implementation=)` runs."""
+def attention_name(float32_outputs: bool, implementation: str | None) -> str:
+    """Returns, for reports, what `attention(..., float32_outputs=, implementation=)` runs: the function's
+    name, then in brackets what it runs with."""
     if float32_outputs:
         return "causal_attention (float32 sums)"
-    return f"jax.nn.dot_product_attention ({implementation or 'auto'})"
+    return f"jax.nn.dot_product_attention ({implementation})"
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -64,7 +64,8 @@ def model_config(config: Config, platform: str | None = None) -> TransformerConf
 
 def attention_run(config: Config, platform: str | None = None) -> str:
     """Returns, for reports, what the model's attention runs on `platform` (models.matmul.attention_name):
-    `model.attention`'s implementation, or causal_attention where bfloat16 on CPU sums in float32."""
+    `model.attention`'s implementation, or causal_attention where bfloat16 on CPU sums in float32.
+    Raises ConfigError as model_config does (cuDNN asked for off a GPU)."""
     model = model_config(config, platform)
     return attention_name(model.float32_matmul_outputs, model.attention)
 

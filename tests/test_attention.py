@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models import matmul
 from models.transformer import Attention, Transformer, TransformerConfig, rotary
 from orchestrator.data.pipeline import DOCUMENT_SEPARATOR, document_ids
-from orchestrator.state import attention_implementation, attention_run
+from orchestrator.state import attention_implementation, attention_run, build_model
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -97,17 +98,34 @@ def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision():
     assert attention_implementation("xla", "gpu", "bfloat16") == "xla"
 
 
-def test_reports_name_the_attention_that_runs(tiny_config):
+def test_attention_run_names_the_function_the_model_calls(tiny_config, monkeypatch):
+    calls = []
+
+    def counted(name, function):
+        return lambda *args, **kwargs: calls.append(name) or function(*args, **kwargs)
+
+    monkeypatch.setattr(matmul, "causal_attention", counted("causal_attention", matmul.causal_attention))
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        counted("jax.nn.dot_product_attention", jax.nn.dot_product_attention))
+    for overrides in ((), ("model.dtype=bfloat16",)):  # float32: jax's; bfloat16 on CPU: float32 sums
+        config = tiny_config(*overrides)
+        calls.clear()
+        build_model(config, seed=0, platform="cpu")(jnp.zeros((1, 8), jnp.int32))
+        assert calls and set(calls) == {attention_run(config, "cpu").split(" (")[0]}
+    assert attention_run(tiny_config("model.dtype=bfloat16"), "gpu") == "jax.nn.dot_product_attention (cudnn)"
+
+
+def test_mfu_rows_add_what_runs_where_it_is_not_the_implementation_asked_for(tiny_config):
     from bench.mfu import row_line
 
-    bfloat16 = tiny_config("model.dtype=bfloat16")
-    assert attention_run(bfloat16, "cpu") == "causal_attention (float32 sums)"  # what a bfloat16 CPU step calls
-    assert attention_run(bfloat16, "gpu") == "jax.nn.dot_product_attention (cudnn)"
-    assert attention_run(tiny_config(), "cpu") == "jax.nn.dot_product_attention (xla)"
-    row = {"model": "tiny", "remat": "dots", "attention": "xla", "error": "-"}
-    assert row_line(row | {"attention_run": attention_run(bfloat16, "cpu")}).startswith(
-        "| tiny | dots | xla (causal_attention (float32 sums)) |")
-    assert row_line(row | {"attention_run": attention_run(tiny_config(), "cpu")}).startswith("| tiny | dots | xla |")
+    row = {"model": "tiny", "remat": "dots", "error": "-"}
+    for asked, config, platform, cell in (
+            ("xla", tiny_config("model.dtype=bfloat16"), "cpu", "xla: causal_attention (float32 sums)"),
+            ("auto", tiny_config("model.dtype=bfloat16", "model.attention=auto"), "gpu",
+             "auto: jax.nn.dot_product_attention (cudnn)"),
+            ("xla", tiny_config(), "cpu", "xla")):
+        line = row_line(row | {"attention": asked, "attention_run": attention_run(config, platform)})
+        assert line.startswith(f"| tiny | dots | {cell} |")
 
 
 def test_cudnn_in_float32_names_model_attention(tiny_config):

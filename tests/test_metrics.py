@@ -320,11 +320,13 @@ def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak(tmp_path):
                            report=printed.append, profile_dir=str(tmp_path))
     config = mfu.model_config(model, "full", "xla", "float32", 2)
     assert row["devices"] == 2 and row["flops_per_step"] == model_flops_per_step(config)
+    assert row["attention_run"] == "jax.nn.dot_product_attention (xla)"  # what was asked: the cell says xla
     assert row["tflops_per_device"] == pytest.approx(row["flops_per_step"] * 2 / row["seconds"] / 2 / 1e12)
     assert row["tokens_per_s"] == pytest.approx(8 * 32 * 2 / row["seconds"])
     assert row["mfu"] == pytest.approx(row["tflops_per_device"] / 2.0)
     assert 0 < row["temp_gib"] < 1
     cells = [cell.strip() for cell in printed[0].strip("|").split("|")]
+    assert cells[2] == "xla"
     assert float(cells[3].replace(",", "")) == pytest.approx(row["tokens_per_s"], abs=0.5)
     assert float(cells[5].rstrip("%")) == pytest.approx(100 * row["mfu"], abs=0.05)
     assert "model.attention" in failed["error"]  # cuDNN in float32 is refused with the config key, the row kept
