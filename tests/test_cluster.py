@@ -121,34 +121,63 @@ def head_answers(url: str) -> bool:
         return False
 
 
+def start_ray_head(env: dict, log: Path) -> tuple[subprocess.Popen, str, str]:
+    """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago, its output in `log`; returns
+    (the process, its dashboard URL, its GCS address) once the Jobs API answers, or raises AssertionError
+    with the log's end if it exits first or takes over 90 s."""
+    port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
+    with log.open("w") as output:
+        head = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+             # its own agent port: the default (52365) may be held by another Ray node on this machine
+             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--num-cpus=3", "--disable-usage-stats"],
+            env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard}"
+    deadline = time.monotonic() + 90
+    while not head_answers(url):
+        if time.monotonic() > deadline or head.poll() is not None:
+            stop_ray_head(head)
+            raise AssertionError(f"ray head did not come up (exit {head.poll()}): ..."
+                                 + "\n".join(log.read_text().splitlines()[-15:]))
+        time.sleep(2)
+    return head, url, f"127.0.0.1:{port}"
+
+
+def stop_ray_head(head: subprocess.Popen) -> None:
+    """Stops the head and its daemons: they share one process group, started by start_ray_head."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            break
+        if sig == signal.SIGTERM:
+            time.sleep(5)  # a moment to shut down cleanly; then whatever is left goes
+    head.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """A `ray start --head` on 127.0.0.1 with the Jobs API, under token auth as on a user's machine after
     the quickstart (Ray's token file exists, RAY_AUTH_MODE unset); yields its dashboard URL and GCS
-    address; stops what it started."""
-    port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
+    address; stops what it started. A head that exits before it answers is started once more on new
+    ports (a CI run of 2026-11-26 saw `ray start` exit at once, why unknown: its output was not kept),
+    the first log kept in the error if the second fails too."""
     # Without the flag Ray trades 127.0.0.1 for the machine's routable address.
     env = dict(user_shell(), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         # its own agent port: the default (52365) may be held by another Ray node on this machine
-         f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--num-cpus=3", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{dashboard}"
+    logs = tmp_path_factory.mktemp("ray-head")
     try:
-        deadline = time.monotonic() + 90
-        while not head_answers(url):
-            assert time.monotonic() < deadline and head.poll() is None, "ray head did not come up"
-            time.sleep(2)
-        yield url, f"127.0.0.1:{port}"
+        head, url, gcs_address = start_ray_head(env, logs / "head-1.log")
+    except AssertionError as first:
+        try:
+            head, url, gcs_address = start_ray_head(env, logs / "head-2.log")
+        except AssertionError as second:
+            raise AssertionError(f"{second}\nthe first try: {first}") from None
+    try:
+        yield url, gcs_address
     finally:
-        # The head and its daemons share one process group, started above; nothing else is in it.
-        os.killpg(head.pid, signal.SIGTERM)
-        time.sleep(5)  # a moment to shut down cleanly; then whatever is left goes
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(timeout=30)
+        stop_ray_head(head)
 
 
 @pytest.mark.ray
