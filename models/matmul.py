@@ -126,17 +126,21 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
               float32_outputs: bool, implementation: str | None = None) -> jax.Array:
     """Returns causal attention [batch, length, heads, head_dim]: with `float32_outputs`,
     `causal_attention`'s; without, `jax.nn.dot_product_attention`'s with `implementation` (xla, cudnn)."""
-    if float32_outputs:
-        return causal_attention(query, key, value, mask)
-    return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True, implementation=implementation)
+    return _chosen_attention(float32_outputs, implementation)[1](query, key, value, mask=mask)
 
 
 def attention_name(float32_outputs: bool, implementation: str | None) -> str:
     """Returns, for reports, what `attention(..., float32_outputs=, implementation=)` runs: the function's
     name, then in brackets what it runs with."""
+    return _chosen_attention(float32_outputs, implementation)[0]
+
+
+def _chosen_attention(float32_outputs: bool, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+    """Returns (its name, f(query, key, value, mask=)): the one choice `attention` and `attention_name` share."""
     if float32_outputs:
-        return "causal_attention (float32 sums)"
-    return f"jax.nn.dot_product_attention ({implementation})"
+        return "causal_attention (float32 sums)", causal_attention
+    return (f"jax.nn.dot_product_attention ({implementation})",
+            functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation))
 
 
 def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -2,6 +2,7 @@
 bfloat16 backward matmuls, kept by `dots`, and on XLA:CPU dots whose operands stay bfloat16."""
 
 import contextlib
+import functools
 import io
 
 import jax
@@ -214,8 +215,7 @@ def _attention_loss(attend, mask):
     return lambda q, k, v: (attend(q, k, v, mask).astype(jnp.float32) * weights).sum()
 
 
-def _jax_attention(q, k, v, mask):
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+_jax_attention = functools.partial(matmul.attention, float32_outputs=False, implementation="xla")
 
 
 @pytest.mark.parametrize("masks", MASKS)
