@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -44,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models import axes, matmul, remat_names
 from models.axes import constrain
+from models.grouped import grouped_matmul
 from models.params import param
 
 if TYPE_CHECKING:
@@ -69,6 +71,7 @@ class MoELayerConfig:
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
     first_dense_layers: int = 0       # the first layers are dense (DeepSeek-V3); `every` counts the rest
     bias_update_rate: float = 0.0     # > 0: each layer has an `ExpertBias` (auxiliary-loss-free balancing)
+    grouped_matmul: str = "xla"       # dropless layers' grouped matmuls: models.grouped.IMPLEMENTATIONS
 
     @property
     def enabled(self) -> bool:
@@ -387,32 +390,37 @@ def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local:
     return order, group_sizes
 
 
-def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights) -> jax.Array:
+def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
+                   implementation: str = "xla") -> jax.Array:
     """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
-    expert's SwiGLU, [N, embed]; rows past the last group come out as zeros."""
+    expert's SwiGLU, [N, embed], by the grouped matmuls of `implementation` (models.grouped); rows past
+    the last group come out as zeros."""
     gate_weight, up_weight, down_weight = (weight.astype(rows.dtype) for weight in weights)
-    gate = checkpoint_name(jax.lax.ragged_dot(rows, gate_weight, group_sizes), remat_names.MLP_GATE)
-    up = checkpoint_name(jax.lax.ragged_dot(rows, up_weight, group_sizes), remat_names.MLP_UP)
+    matmul_of = functools.partial(grouped_matmul, group_sizes=group_sizes, implementation=implementation)
+    gate = checkpoint_name(matmul_of(rows, gate_weight), remat_names.MLP_GATE)
+    up = checkpoint_name(matmul_of(rows, up_weight), remat_names.MLP_UP)
     hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
-    return jax.lax.ragged_dot(hidden, down_weight, group_sizes)
+    return matmul_of(hidden, down_weight)
 
 
 def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
-                            first_expert: jax.Array | int = 0) -> jax.Array:
+                            first_expert: jax.Array | int = 0, *, matmuls: str = "xla") -> jax.Array:
     """Returns [T, embed]: each of `tokens` [T, embed] through those of its assigned `experts` [T, k]
     whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k].
 
     The T x k assignments are sorted by expert into one buffer of T x k rows
-    (static: the most a device can be asked for), grouped matmuls run over the
-    experts' group sizes, and each assignment gathers its row back (both
-    gathers gather in the backward pass too, see `take_rows`).
+    (static: the most a device can be asked for), grouped matmuls
+    (of implementation `matmuls`, models.grouped) run over the experts' group sizes, and
+    each assignment gathers its row back (both gathers gather in the backward
+    pass too, see `take_rows`).
     """
     num_tokens, top_k = experts.shape
     num_local = weights[0].shape[0]
     order, group_sizes = sort_by_expert(experts, first_expert, num_local)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))  # sorted row of each
     rows = take_rows(tokens, order // top_k, position.reshape(num_tokens, top_k))  # [T x k, embed]
-    outputs = take_rows(grouped_swiglu(rows, group_sizes, weights), position, order[:, None])  # [T x k, embed]
+    outputs = grouped_swiglu(rows, group_sizes, weights, matmuls)
+    outputs = take_rows(outputs, position, order[:, None])  # [T x k, embed]
     routed = position < jnp.sum(group_sizes)  # [T x k] the assignments to a local expert
     outputs = jnp.where(routed[:, None], outputs, 0).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tk,tkm->tm", gates, outputs)
@@ -521,11 +529,12 @@ class MoEFeedForward(nnx.Module):
         gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
         weights = (self.gate[...], self.up[...], self.down[...])
         tokens = grouped.reshape(groups * tokens_per_group, dim)
+        local_experts = functools.partial(dropless_expert_outputs, matmuls=self.moe.grouped_matmul)
         exchange = _exchange.get()
         if exchange is None:
-            output = dropless_expert_outputs(tokens, experts, gates, weights)
+            output = local_experts(tokens, experts, gates, weights)
         else:
-            output = exchange(dropless_expert_outputs, tokens, experts, gates, weights)
+            output = exchange(local_experts, tokens, experts, gates, weights)
         return output.reshape(groups, tokens_per_group, dim), choices.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:

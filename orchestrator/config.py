@@ -246,6 +246,10 @@ class MoEConfig:
                         "and TPU, all_gather on CPU) | all_gather (all-gather + reduce-scatter, every backend) | "
                         "ragged_all_to_all (only routed rows move; GPU, TPU)",
                         choices=("auto", "all_gather", "ragged_all_to_all"))
+    grouped_matmul: str = key("auto", "dropless layers' grouped matmuls: auto (mosaic_gpu on Hopper GPUs in "
+                              "bf16/fp16 where each device's embed and expert width are multiples of 128, else xla) "
+                              "| xla (jax.lax.ragged_dot; XLA:GPU multiplies every row by every expert) | mosaic_gpu "
+                              "(jax's Pallas grouped-GEMM kernels, Hopper only)", choices=("auto", "xla", "mosaic_gpu"))
     router: str = key("softmax", "softmax | sigmoid (DeepSeek-V3: per-expert sigmoid scores, gates renormalised over "
                       "the top k)", choices=("softmax", "sigmoid"))
     expert_mlp_dim: int = key(0, "hidden width of each routed expert (fine-grained experts); 0 = model.mlp_dim",

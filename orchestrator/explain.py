@@ -181,7 +181,8 @@ def format_report(report: dict[str, Any]) -> str:
                       f"micro-batches in flight per stage {'/'.join(map(str, p['in_flight']))}, "
                       f"temporaries {_fmt_bytes(p['temporaries'])}"]
     if (d := report["dropless_moe"]) is not None:
-        lines += ["", f"dropless MoE: exchange {d['exchange']}, worst-case buffer {d['buffer_rows']:,} rows, "
+        lines += ["", f"dropless MoE: exchange {d['exchange']}, grouped matmuls {d['grouped_matmul']}, "
+                      f"worst-case buffer {d['buffer_rows']:,} rows, "
                       f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
                   f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",

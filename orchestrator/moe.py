@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from models import axes
+from models.grouped import TILE, tiles
 from models.moe import MoELayerConfig
 from orchestrator.config import Config, ConfigError, MoEConfig
 from orchestrator.validation import moe_tokens_per_device
@@ -28,8 +29,9 @@ EXPERT_LAYOUT = ExpertLayout(batch=axes.BATCH, expert=axes.EXPERT, hidden=axes.M
 Metrics = dict[str, jax.Array]
 
 
-def moe_layer_config(config: Config) -> MoELayerConfig:
-    """Returns the model's MoE settings from the run config's `moe` section."""
+def moe_layer_config(config: Config, platform: str) -> MoELayerConfig:
+    """Returns the model's MoE settings from the run config's `moe` section, the grouped matmuls of
+    dropless layers resolved for devices of jax platform `platform` (`grouped_matmul_implementation`)."""
     moe = config.moe
     return MoELayerConfig(
         num_experts=moe.num_experts, every=moe.every, top_k=moe.top_k, capacity_factor=moe.capacity_factor,
@@ -37,7 +39,34 @@ def moe_layer_config(config: Config) -> MoELayerConfig:
         second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
         expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
         first_dense_layers=moe.first_dense_layers, bias_update_rate=moe.bias_update_rate,
+        grouped_matmul=grouped_matmul_implementation(config, platform),
     )
+
+
+def hopper(platform: str) -> bool:
+    """True when the devices of jax platform `platform` are NVIDIA Hopper GPUs (compute capability 9.x),
+    the GPUs jax's Mosaic GPU grouped-matmul kernels are written for."""
+    if platform not in ("gpu", "cuda"):
+        return False
+    capability = getattr(jax.devices(platform)[0], "compute_capability", "")
+    return str(capability).split(".")[0] == "9"
+
+
+def grouped_matmul_implementation(config: Config, platform: str) -> str:
+    """Returns the grouped matmuls (models.grouped.IMPLEMENTATIONS) of `moe.grouped_matmul` on devices of
+    `platform`: for `auto`, mosaic_gpu_or_xla on Hopper GPUs in bfloat16 or float16 (the kernels where
+    each device's expert weights tile, else ragged_dot), else xla. Raises ConfigError when mosaic_gpu is
+    asked for off a Hopper GPU, in float32, or for an embedding or expert width that does not tile."""
+    choice, dtype = config.moe.grouped_matmul, config.model.dtype
+    kernels_run = platform in ("gpu", "cuda") and hopper(platform) and dtype in ("bfloat16", "float16")
+    if choice == "auto":
+        return "mosaic_gpu_or_xla" if kernels_run else "xla"
+    if choice == "mosaic_gpu" and not (kernels_run and tiles(config.model.embed_dim,
+                                                             config.moe.expert_mlp_dim or config.model.mlp_dim)):
+        raise ConfigError([("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU, model.dtype bfloat16 or float16 "
+                            f"and model.embed_dim and the expert width multiples of {TILE} (devices: {platform}, "
+                            f"dtype {dtype}); use auto or xla")])
+    return choice
 
 
 def routing_key(seed: int, step: jax.Array) -> jax.Array:
@@ -83,9 +112,10 @@ def dropless_exchange(moe: MoEConfig, mesh: Mesh, rules: Rules):
 
 def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
     """Returns explain's entry for dropless MoE layers (None for a dense model or capacity dispatch):
-    the expert-parallel exchange the mesh gets, and the worst-case sorted buffer of one layer per device:
-    its rows (every token of the expert devices, k times) and their bytes, counting the rows in and out
-    ([rows, embed] each) and the SwiGLU's gate, up and hidden ([rows, expert width / mlp shards] each)."""
+    the expert-parallel exchange the mesh gets, the grouped matmuls its devices run (models.grouped), and
+    the worst-case sorted buffer of one layer per device: its rows (every token of the expert devices,
+    k times) and their bytes, counting the rows in and out ([rows, embed] each) and the SwiGLU's gate, up
+    and hidden ([rows, expert width / mlp shards] each)."""
     moe = config.moe
     if not (moe.num_experts and moe.every and moe.capacity_factor == 0):
         return None
@@ -94,8 +124,11 @@ def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
     mlp_shards = int(np.prod([degrees[a] for a in rules.get(axes.MLP, ())]))
     width = (moe.expert_mlp_dim or config.model.mlp_dim) // mlp_shards
     row_bytes = (2 * config.model.embed_dim + 3 * width) * np.dtype(config.model.dtype).itemsize
-    return {"exchange": exchange_name(chosen_exchange(moe, mesh), mesh, rules, EXPERT_LAYOUT), "buffer_rows": rows,
-            "buffer_bytes_per_device": rows * row_bytes}
+    matmuls = grouped_matmul_implementation(config, mesh.devices.flat[0].platform)
+    if matmuls == "mosaic_gpu_or_xla":
+        matmuls = "mosaic_gpu" if tiles(config.model.embed_dim, width) else "xla"
+    return {"exchange": exchange_name(chosen_exchange(moe, mesh), mesh, rules, EXPERT_LAYOUT),
+            "grouped_matmul": matmuls, "buffer_rows": rows, "buffer_bytes_per_device": rows * row_bytes}
 
 
 def balanced_expert_bias(expert_bias: dict, expert_load: jax.Array, rate: float) -> dict:

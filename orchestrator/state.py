@@ -58,7 +58,7 @@ def model_config(config: Config, platform: str | None = None) -> TransformerConf
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
         norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, attention=attention,
         float32_matmul_outputs=target_platform(config, platform) == "cpu" and m.dtype == "bfloat16",
-        moe=moe_layer_config(config),
+        moe=moe_layer_config(config, platform),
     )
 
 

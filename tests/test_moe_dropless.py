@@ -75,7 +75,7 @@ def test_explain_reports_the_exchange_and_its_worst_case_buffer(tiny_config, cap
     report = explain(config, job)["dropless_moe"]
     tokens_per_device = 16 * 32 // 8
     rows = tokens_per_device * 4 * 2  # every token of the 4 expert devices, k = 2 times
-    assert report == {"exchange": ALL_GATHER, "buffer_rows": rows,
+    assert report == {"exchange": ALL_GATHER, "grouped_matmul": "xla", "buffer_rows": rows,
                       "buffer_bytes_per_device": rows * (2 * 64 + 3 * 128) * 4}
     found = collectives(compile_step(job).as_text())
     assert found["all-to-all"]["count"] == 0

@@ -1,0 +1,123 @@
+"""Grouped matmuls of dropless MoE layers: rows sorted by expert times each expert's weights.
+
+`grouped_matmul(rows [M, K], weights [G, K, N], group_sizes [G])` multiplies
+the first group_sizes[0] rows by weights[0], the next group_sizes[1] by
+weights[1], and so on; rows past the groups come out as zeros. Two ways (and `mosaic_gpu_or_xla`,
+the second where its kernels take the shapes, else the first):
+
+- `xla`: `jax.lax.ragged_dot`. XLA:GPU of jax 0.11 compiles it as a product
+  of every row with every expert's weights plus selects (docs/benchmarks.md,
+  the H100 section): G times the FLOPs.
+- `mosaic_gpu`: jax's Pallas Mosaic GPU grouped-GEMM kernels for Hopper
+  (`jax.experimental.pallas.ops.gpu`: `ragged_dot_mgpu` tiles each group's
+  rows, the grouped GEMM of MegaBlocks, arXiv 2211.15841), with the gradient
+  written out: d_rows is the same kernel against the transposed weights
+  (no copy: the kernel reads them transposed), d_weights
+  `transposed_ragged_dot_mgpu`, each group's rows^T x gradient rows.
+  The kernels leave rows past the groups unwritten, so both row outputs are
+  masked to zero there. The kernels take and return one dtype (bfloat16 or
+  float16), summing in float32; shapes must tile: K and N multiples of 128.
+
+Both tag their output `remat_names.MATMUL_SUMS`: jax's `dots_saveable` sees
+neither `ragged_dot` nor a Pallas kernel, and the name lets the `dots` remat
+policy keep them as it keeps every dense matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from models import remat_names
+
+IMPLEMENTATIONS = ("xla", "mosaic_gpu", "mosaic_gpu_or_xla")
+TILE = 128  # the kernels' block along K and N; both must be multiples of it
+# Blocks measured on an H100 (docs/benchmarks.md): the forward kernel runs 1.6x faster when each SM walks
+# 4 column blocks of a row block in turn (grid_block_n, which must divide the column blocks), the
+# weight-gradient kernel fastest with 1.
+_BLOCKS = dict(block_m=128, block_n=TILE, block_k=64, max_concurrent_steps=4)
+_FORWARD_GRID_BLOCK_N = 4
+
+
+def tiles(in_dim: int, out_dim: int) -> bool:
+    """True when a [G, in_dim, out_dim] weight's grouped matmul tiles for the Mosaic GPU kernels."""
+    return in_dim % TILE == 0 and out_dim % TILE == 0
+
+
+def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                   implementation: str = "xla") -> jax.Array:
+    """Returns [M, N]: `rows` [M, K] sorted by group (`group_sizes` [G] rows each) times their group's
+    `weights` [G, K, N]; rows past the last group are zeros. `implementation` is one of IMPLEMENTATIONS:
+    `mosaic_gpu_or_xla` runs mosaic_gpu where its kernels take the dtypes and shapes (those of one
+    device, under shard_map), else xla. Raises ValueError for an unknown `implementation`, or for
+    `mosaic_gpu` on dtypes or shapes its kernels do not take."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"grouped matmul implementation {implementation!r}: one of {', '.join(IMPLEMENTATIONS)}")
+    problem = _kernel_problem(rows, weights) if implementation != "xla" else "xla asked for"
+    if problem and implementation == "mosaic_gpu":
+        raise ValueError(f"the Mosaic GPU grouped matmul {problem}; use moe.grouped_matmul=xla")
+    if problem:
+        output = jax.lax.ragged_dot(rows, weights, group_sizes)
+    else:
+        output = kernel_grouped_matmul(mosaic_kernels(), rows, weights, group_sizes)
+    return checkpoint_name(output, remat_names.MATMUL_SUMS)
+
+
+def _kernel_problem(rows: jax.Array, weights: jax.Array) -> str | None:
+    """Returns why the Mosaic GPU kernels cannot multiply `rows` by `weights`, or None when they can."""
+    if rows.dtype != weights.dtype or rows.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"takes bfloat16 or float16 rows and weights of one dtype, got {rows.dtype} and {weights.dtype}"
+    if not tiles(*weights.shape[1:]):
+        return f"needs weights [G, K, N] with K and N multiples of {TILE} on each device, got {weights.shape}"
+    return None
+
+
+def _rows_in_groups(output: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Returns `output` [M, N] with the rows past the last group set to zero."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (output.shape[0], 1), 0)
+    return jnp.where(row < jnp.sum(group_sizes), output, jnp.zeros((), output.dtype))
+
+
+Kernels = tuple  # (ragged_dot, transposed_ragged_dot) with the interfaces of jax's Mosaic GPU kernels
+
+
+def mosaic_kernels() -> Kernels:
+    """Returns jax's Mosaic GPU (ragged_dot, transposed_ragged_dot), imported when first asked for."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+def _rows_times_weights(kernels: Kernels, rows: jax.Array, weights: jax.Array, group_sizes: jax.Array,
+                        transpose_weights: bool) -> jax.Array:
+    """Returns rows [M, K] x weights [G, K, N] (or x weights [G, N, K] transposed) per group, masked."""
+    columns = weights.shape[1] if transpose_weights else weights.shape[2]
+    grid_block_n = math.gcd(_FORWARD_GRID_BLOCK_N, columns // TILE)
+    output = kernels[0](rows, weights, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=transpose_weights,
+                        grid_block_n=grid_block_n, **_BLOCKS)
+    return _rows_in_groups(output, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def kernel_grouped_matmul(kernels: Kernels, rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Returns `grouped_matmul(rows, weights, group_sizes)` through `kernels`, differentiable: the gradient
+    is the forward kernel against the transposed weights (d_rows) and the transposed kernel (d_weights)."""
+    return _rows_times_weights(kernels, rows, weights, group_sizes, False)
+
+
+def _forward(kernels, rows, weights, group_sizes):
+    return _rows_times_weights(kernels, rows, weights, group_sizes, False), (rows, weights, group_sizes)
+
+
+def _backward(kernels, saved, gradient):
+    rows, weights, group_sizes = saved
+    d_rows = _rows_times_weights(kernels, gradient, weights, group_sizes, True)  # [M, N] x [G, K, N]^T
+    d_weights = kernels[1](rows, gradient, group_sizes=group_sizes.astype(jnp.int32),
+                           grid_block_n=1, **_BLOCKS)  # [G, K, N]: each group's rows^T x its gradient rows
+    return d_rows, d_weights.astype(weights.dtype), None
+
+
+kernel_grouped_matmul.defvjp(_forward, _backward)

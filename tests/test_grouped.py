@@ -1,0 +1,160 @@
+"""Grouped matmuls of dropless MoE layers (models.grouped): the Mosaic GPU path's gradient and masking
+against jax.lax.ragged_dot, through stand-ins of the kernels (CPU runs no Mosaic GPU; the kernels
+themselves are checked against a per-group reference by bench.grouped on an H100, docs/benchmarks.md),
+the choice of implementation, and what the `dots` remat policy keeps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import grouped
+from models.grouped import TILE, grouped_matmul, kernel_grouped_matmul
+from models.moe import dropless_expert_outputs, grouped_swiglu
+from orchestrator import moe as orchestrator_moe
+from orchestrator.config import ConfigError
+from orchestrator.moe import grouped_matmul_implementation
+from orchestrator.remat import remat_policy
+from tests.helpers import equations
+
+GROUP_SIZES = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 20 rows in groups; group 1 empty
+ROWS = 20
+
+
+def fake_ragged_dot(lhs, rhs, *, group_sizes, transpose_rhs, block_m, block_n, block_k, max_concurrent_steps,
+                    grid_block_n):
+    """jax's Mosaic GPU ragged_dot as the CPU can run it, leaving NaN in the rows past the groups
+    (the kernel leaves them unwritten)."""
+    columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    assert columns % (grid_block_n * block_n) == 0, (columns, grid_block_n, block_n)  # the kernel's own rule
+    assert lhs.shape[1] % block_k == 0 and block_m and max_concurrent_steps
+    output = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
+    row = jnp.arange(lhs.shape[0])[:, None]
+    return jnp.where(row < jnp.sum(group_sizes), output, jnp.nan).astype(lhs.dtype)
+
+
+def fake_transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps,
+                               grid_block_n):
+    """jax's Mosaic GPU transposed_ragged_dot: [G, K, N], group g's rows of lhs [M, K] transposed times
+    its rows of rhs [M, N]."""
+    assert block_m and block_n and block_k and max_concurrent_steps and grid_block_n
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers).astype(lhs.dtype)
+
+
+FAKES = (fake_ragged_dot, fake_transposed_ragged_dot)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """Makes models.grouped run the stand-ins where it would run jax's Mosaic GPU kernels."""
+    monkeypatch.setattr(grouped, "mosaic_kernels", lambda: FAKES)
+
+
+def random(shape, seed, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def test_kernel_path_equals_ragged_dot_in_value_and_gradient_with_rows_past_the_groups_zero():
+    rows, weights = random((ROWS, 2 * TILE), 0), random((4, 2 * TILE, 3 * TILE), 1)
+    cotangent = random((ROWS, 3 * TILE), 2)
+
+    def loss(matmul, rows, weights):
+        return jnp.sum(matmul(rows, weights, GROUP_SIZES) * cotangent)
+
+    kernel_path = lambda r, w, g: kernel_grouped_matmul(FAKES, r, w, g)  # noqa: E731
+    output = kernel_path(rows, weights, GROUP_SIZES)
+    np.testing.assert_array_equal(output[15:], 0.0)  # the NaN the kernel leaves is masked
+    np.testing.assert_allclose(output, jax.lax.ragged_dot(rows, weights, GROUP_SIZES), rtol=1e-6)
+    got = jax.grad(loss, argnums=(1, 2))(kernel_path, rows, weights)
+    want = jax.grad(loss, argnums=(1, 2))(jax.lax.ragged_dot, rows, weights)
+    for name, a, b in zip(("d_rows", "d_weights"), got, want):
+        assert bool(jnp.all(jnp.isfinite(a))), name
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(got[0][15:], 0.0)  # rows past the groups get no gradient
+    np.testing.assert_array_equal(got[1][1], 0.0)  # nor does the empty group's weight
+
+
+def test_dropless_experts_on_the_kernel_path_equal_ragged_dot_in_bfloat16(fake_kernels):
+    tokens, experts = random((12, TILE), 3, jnp.bfloat16), jax.random.randint(jax.random.key(4), (12, 2), 0, 8)
+    gates = jax.nn.softmax(random((12, 2), 5)).astype(jnp.bfloat16)
+    weights = (random((4, TILE, 2 * TILE), 6, jnp.bfloat16), random((4, TILE, 2 * TILE), 7, jnp.bfloat16),
+               random((4, 2 * TILE, TILE), 8, jnp.bfloat16))
+
+    def loss(matmuls, tokens, weights):  # experts 4..7 on this device: some assignments go elsewhere
+        out = dropless_expert_outputs(tokens, experts, gates, weights, 4, matmuls=matmuls)
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    results = {name: jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(name, tokens, weights)
+               for name in ("mosaic_gpu", "xla")}
+    (_, kernel_out), kernel_grads = results["mosaic_gpu"]
+    (_, xla_out), xla_grads = results["xla"]
+    np.testing.assert_array_equal(kernel_out, xla_out)  # both sum in float32 and round the same
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(kernel_grads), jax.tree.leaves(xla_grads)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_an_unknown_implementation_or_what_the_kernels_do_not_take_is_a_clear_error(fake_kernels):
+    rows, weights = random((ROWS, TILE), 0), random((4, TILE, TILE), 1)
+    with pytest.raises(ValueError, match="one of xla, mosaic_gpu, mosaic_gpu_or_xla"):
+        grouped_matmul(rows, weights, GROUP_SIZES, "triton")
+    with pytest.raises(ValueError, match="bfloat16 or float16.*float32.*moe.grouped_matmul=xla"):
+        grouped_matmul(rows, weights, GROUP_SIZES, "mosaic_gpu")
+    with pytest.raises(ValueError, match=r"multiples of 128 on each device, got \(4, 128, 96\)"):
+        grouped_matmul(rows.astype(jnp.bfloat16), weights[..., :96].astype(jnp.bfloat16), GROUP_SIZES, "mosaic_gpu")
+
+
+def test_mosaic_gpu_or_xla_runs_the_kernels_only_where_they_take_the_shapes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(grouped, "mosaic_kernels", lambda: calls.append(1) or FAKES)
+    rows, weights = random((ROWS, TILE), 0, jnp.bfloat16), random((4, TILE, TILE), 1, jnp.bfloat16)
+    grouped_matmul(rows, weights[..., :96], GROUP_SIZES, "mosaic_gpu_or_xla")  # a device's slice of 96 columns
+    grouped_matmul(rows.astype(jnp.float32), weights.astype(jnp.float32), GROUP_SIZES, "mosaic_gpu_or_xla")
+    assert not calls
+    grouped_matmul(rows, weights, GROUP_SIZES, "mosaic_gpu_or_xla")
+    assert calls == [1]
+
+
+def test_auto_picks_the_kernels_on_hopper_gpus_in_bfloat16_only(tiny_config, monkeypatch):
+    assert grouped_matmul_implementation(tiny_config("model.dtype=bfloat16"), "cpu") == "xla"
+    with pytest.raises(ConfigError, match="moe.grouped_matmul: mosaic_gpu needs a Hopper GPU"):
+        grouped_matmul_implementation(tiny_config("moe.grouped_matmul=mosaic_gpu"), "cpu")
+    monkeypatch.setattr(orchestrator_moe, "hopper", lambda platform: platform == "gpu")
+    assert grouped_matmul_implementation(tiny_config("model.dtype=bfloat16"), "gpu") == "mosaic_gpu_or_xla"
+    assert grouped_matmul_implementation(tiny_config("model.dtype=float32"), "gpu") == "xla"
+    assert grouped_matmul_implementation(tiny_config("model.dtype=bfloat16", "moe.grouped_matmul=xla"), "gpu") == "xla"
+    wide = ("model.dtype=bfloat16", "model.embed_dim=256", "model.mlp_dim=512", "moe.grouped_matmul=mosaic_gpu")
+    assert grouped_matmul_implementation(tiny_config(*wide), "gpu") == "mosaic_gpu"
+    with pytest.raises(ConfigError, match="multiples of 128"):  # the tiny model's embedding does not tile
+        grouped_matmul_implementation(tiny_config("model.dtype=bfloat16", "moe.grouped_matmul=mosaic_gpu"), "gpu")
+
+
+@pytest.mark.parametrize("implementation", ["mosaic_gpu", "xla"])
+def test_dots_remat_keeps_the_grouped_matmul_outputs(tiny_config, fake_kernels, monkeypatch, implementation):
+    # jax's dots_saveable sees neither ragged_dot nor a Pallas kernel; the MATMUL_SUMS name is what keeps gate
+    # and up for the backward pass (without it `dots` traces the forward matmuls again, as `full` does).
+    monkeypatch.setattr(grouped, "_kernel_problem", lambda rows, weights: None)  # the stand-ins take float32
+    rows = random((ROWS, TILE), 0)
+    weights = tuple(random((4, TILE, TILE), seed) for seed in (1, 2, 3))
+
+    def matmuls(remat: str) -> int:
+        unit = jax.checkpoint(lambda r, w: jnp.sum(grouped_swiglu(r, GROUP_SIZES, w, implementation) ** 2),
+                              policy=remat_policy(tiny_config(f"model.remat={remat}"), "gpu"))
+        return len(equations(jax.make_jaxpr(jax.grad(unit, argnums=(0, 1)))(rows, weights).jaxpr,
+                             "ragged_dot_general"))
+
+    assert matmuls("dots") == 9  # 3 forward, 3 x 2 backward
+    assert matmuls("full") == 12  # 3 forward again (the down projection's unused: XLA drops it)
+
+
+def test_the_bench_checks_each_implementation_this_device_runs_against_the_reference():
+    from bench.grouped import group_sizes, main
+
+    sizes = group_sizes(1000, 8)
+    assert sizes[1] == 0 and 890 <= sizes.sum() <= 900 and sizes.min() >= 0
+    results = main(["--rows", "512", "--embed", "128", "--width", "256", "--experts", "4", "--repeats", "1"])
+    assert [row["implementation"] for row in results] == ["xla", "reference"]  # a CPU runs no mosaic_gpu
+    assert results[0]["forward_error"] < 1e-5 and results[0]["d_rows_error"] < 1e-5
+    assert results[0]["d_weights_error"] < 1e-5 and results[0]["past_groups_zero"] and results[0]["finite"]
