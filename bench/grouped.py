@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.grouped import IMPLEMENTATIONS, grouped_matmul
+from orchestrator.moe import hopper
 
 ALONE = tuple(name for name in IMPLEMENTATIONS if name != "mosaic_gpu_or_xla")  # each of them on its own
 
@@ -55,10 +56,8 @@ def reference(rows: jax.Array, weights: jax.Array, sizes: jax.Array) -> jax.Arra
 
 
 def runs_here(implementation: str, device) -> bool:
-    """True when `device` runs `implementation`: mosaic_gpu needs a Hopper GPU (compute capability 9.x)."""
-    if implementation != "mosaic_gpu":
-        return True
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+    """True when `device` runs `implementation`: mosaic_gpu needs a Hopper GPU."""
+    return implementation != "mosaic_gpu" or hopper(device.platform)
 
 
 def timed(function, *args, repeats: int) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,8 @@ from models import remat_names
 IMPLEMENTATIONS = ("xla", "mosaic_gpu", "mosaic_gpu_or_xla")
 TILE = 128  # the kernels' block along K and N; both must be multiples of it
 # Blocks measured on an H100 (docs/benchmarks.md): the forward kernel runs 1.6x faster when each SM walks
-# 4 column blocks of a row block in turn (grid_block_n, which must divide the column blocks), the
-# weight-gradient kernel fastest with 1.
+# 4 column blocks of a row block in turn (grid_block_n; kept to a divisor of the column blocks, the only
+# values jax's own tuner of the kernel tries), the weight-gradient kernel fastest with 1.
 _BLOCKS = dict(block_m=128, block_n=TILE, block_k=64, max_concurrent_steps=4)
 _FORWARD_GRID_BLOCK_N = 4
 
@@ -57,13 +58,16 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array,
     `mosaic_gpu` on dtypes or shapes its kernels do not take."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"grouped matmul implementation {implementation!r}: one of {', '.join(IMPLEMENTATIONS)}")
-    problem = _kernel_problem(rows, weights) if implementation != "xla" else "xla asked for"
-    if problem and implementation == "mosaic_gpu":
-        raise ValueError(f"the Mosaic GPU grouped matmul {problem}; use moe.grouped_matmul=xla")
-    if problem:
-        output = jax.lax.ragged_dot(rows, weights, group_sizes)
-    else:
+    kernels = False
+    if implementation != "xla":
+        problem = _kernel_problem(rows, weights)
+        if problem and implementation == "mosaic_gpu":
+            raise ValueError(f"the Mosaic GPU grouped matmul {problem}; use moe.grouped_matmul=xla")
+        kernels = problem is None
+    if kernels:
         output = kernel_grouped_matmul(mosaic_kernels(), rows, weights, group_sizes)
+    else:
+        output = jax.lax.ragged_dot(rows, weights, group_sizes)
     return checkpoint_name(output, remat_names.MATMUL_SUMS)
 
 
@@ -82,7 +86,8 @@ def _rows_in_groups(output: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jnp.where(row < jnp.sum(group_sizes), output, jnp.zeros((), output.dtype))
 
 
-Kernels = tuple  # (ragged_dot, transposed_ragged_dot) with the interfaces of jax's Mosaic GPU kernels
+# (ragged_dot, transposed_ragged_dot) with the interfaces of jax's Mosaic GPU kernels
+Kernels = tuple[Callable[..., jax.Array], Callable[..., jax.Array]]
 
 
 def mosaic_kernels() -> Kernels:
@@ -117,7 +122,7 @@ def _backward(kernels, saved, gradient):
     d_rows = _rows_times_weights(kernels, gradient, weights, group_sizes, True)  # [M, N] x [G, K, N]^T
     d_weights = kernels[1](rows, gradient, group_sizes=group_sizes.astype(jnp.int32),
                            grid_block_n=1, **_BLOCKS)  # [G, K, N]: each group's rows^T x its gradient rows
-    return d_rows, d_weights.astype(weights.dtype), None
+    return d_rows, d_weights, None
 
 
 kernel_grouped_matmul.defvjp(_forward, _backward)

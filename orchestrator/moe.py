@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from models import axes
-from models.grouped import TILE, tiles
+from models.grouped import tiles
 from models.moe import MoELayerConfig
 from orchestrator.config import Config, ConfigError, MoEConfig
 from orchestrator.validation import moe_tokens_per_device
@@ -55,18 +55,19 @@ def hopper(platform: str) -> bool:
 def grouped_matmul_implementation(config: Config, platform: str) -> str:
     """Returns the grouped matmuls (models.grouped.IMPLEMENTATIONS) of `moe.grouped_matmul` on devices of
     `platform`: for `auto`, mosaic_gpu_or_xla on Hopper GPUs in bfloat16 or float16 (the kernels where
-    each device's expert weights tile, else ragged_dot), else xla. Raises ConfigError when mosaic_gpu is
-    asked for off a Hopper GPU, in float32, or for an embedding or expert width that does not tile."""
-    choice, dtype = config.moe.grouped_matmul, config.model.dtype
-    kernels_run = platform in ("gpu", "cuda") and hopper(platform) and dtype in ("bfloat16", "float16")
-    if choice == "auto":
+    each device's expert weights tile, else ragged_dot), else xla. Raises ConfigError when a dropless
+    model asks for mosaic_gpu off a Hopper GPU or in float32 (whether its shapes tile is
+    orchestrator.validation's check)."""
+    moe, dtype = config.moe, config.model.dtype
+    if not (moe.num_experts and moe.every and moe.capacity_factor == 0):
+        return "xla"  # no grouped matmul runs
+    kernels_run = hopper(platform) and dtype in ("bfloat16", "float16")
+    if moe.grouped_matmul == "auto":
         return "mosaic_gpu_or_xla" if kernels_run else "xla"
-    if choice == "mosaic_gpu" and not (kernels_run and tiles(config.model.embed_dim,
-                                                             config.moe.expert_mlp_dim or config.model.mlp_dim)):
-        raise ConfigError([("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU, model.dtype bfloat16 or float16 "
-                            f"and model.embed_dim and the expert width multiples of {TILE} (devices: {platform}, "
-                            f"dtype {dtype}); use auto or xla")])
-    return choice
+    if moe.grouped_matmul == "mosaic_gpu" and not kernels_run:
+        raise ConfigError([("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
+                            f"float16 (devices: {platform}, dtype {dtype}); use auto or xla")])
+    return moe.grouped_matmul
 
 
 def routing_key(seed: int, step: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import warnings
 
+from models.grouped import TILE, tiles
 from models.moe import expert_capacity
 from orchestrator.config import Config, ConfigError, key_table
 from orchestrator.fit import DEVICE_MEMORY_GIB, table_entry
@@ -271,9 +272,14 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
         factor = getattr(moe, key)
         if expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
             problems.append((f"moe.{key}", f"{factor:g} gives experts no capacity (under one token per group); raise it"))
+    mlp_shards = 1 if degrees is None else math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("mlp") or ())
+    width = (moe.expert_mlp_dim or m.mlp_dim) // mlp_shards
+    if moe.grouped_matmul == "mosaic_gpu" and moe.capacity_factor == 0 and not tiles(m.embed_dim, width):
+        problems.append(("moe.grouped_matmul", f"mosaic_gpu needs model.embed_dim ({m.embed_dim}) and each device's "
+                                               f"expert width ({width}, over {mlp_shards} 'mlp' shards) multiples of "
+                                               f"{TILE}; use auto or xla"))
     if degrees is None:
         return problems
-    mlp_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("mlp") or ())
     if moe.expert_mlp_dim % mlp_shards:
         problems.append(("moe.expert_mlp_dim", f"{moe.expert_mlp_dim} is not divisible by the {mlp_shards} devices "
                                                "'mlp' is sharded over; use a multiple of it"))

@@ -15,6 +15,7 @@ from orchestrator import moe as orchestrator_moe
 from orchestrator.config import ConfigError
 from orchestrator.moe import grouped_matmul_implementation
 from orchestrator.remat import remat_policy
+from orchestrator.train import build_job
 from tests.helpers import equations
 
 GROUP_SIZES = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 20 rows in groups; group 1 empty
@@ -26,7 +27,7 @@ def fake_ragged_dot(lhs, rhs, *, group_sizes, transpose_rhs, block_m, block_n, b
     """jax's Mosaic GPU ragged_dot as the CPU can run it, leaving NaN in the rows past the groups
     (the kernel leaves them unwritten)."""
     columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    assert columns % (grid_block_n * block_n) == 0, (columns, grid_block_n, block_n)  # the kernel's own rule
+    assert columns % (grid_block_n * block_n) == 0, (columns, grid_block_n, block_n)  # what jax's tuner tries
     assert lhs.shape[1] % block_k == 0 and block_m and max_concurrent_steps
     output = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
     row = jnp.arange(lhs.shape[0])[:, None]
@@ -36,8 +37,12 @@ def fake_ragged_dot(lhs, rhs, *, group_sizes, transpose_rhs, block_m, block_n, b
 def fake_transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps,
                                grid_block_n):
     """jax's Mosaic GPU transposed_ragged_dot: [G, K, N], group g's rows of lhs [M, K] transposed times
-    its rows of rhs [M, N]."""
-    assert block_m and block_n and block_k and max_concurrent_steps and grid_block_n
+    its rows of rhs [M, N]. Like the kernel, it masks the rows outside the groups by multiplying with
+    0 or 1, so a NaN there spreads."""
+    assert lhs.shape[1] % block_m == 0 and rhs.shape[1] % block_n == 0, (lhs.shape, rhs.shape)  # its own checks
+    assert block_k and max_concurrent_steps and grid_block_n
+    inside = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None].astype(lhs.dtype)
+    lhs, rhs = lhs * inside, rhs * inside
     numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers).astype(lhs.dtype)
@@ -117,18 +122,41 @@ def test_mosaic_gpu_or_xla_runs_the_kernels_only_where_they_take_the_shapes(monk
     assert calls == [1]
 
 
+DROPLESS = ("moe.num_experts=4", "moe.every=1", "moe.capacity_factor=0")
+WIDE = ("model.embed_dim=256", "model.mlp_dim=512")  # the tiny model's 64 and 128 do not tile
+
+
 def test_auto_picks_the_kernels_on_hopper_gpus_in_bfloat16_only(tiny_config, monkeypatch):
-    assert grouped_matmul_implementation(tiny_config("model.dtype=bfloat16"), "cpu") == "xla"
+    bf16 = (*DROPLESS, *WIDE, "model.dtype=bfloat16")
+    assert grouped_matmul_implementation(tiny_config(*bf16), "cpu") == "xla"
     with pytest.raises(ConfigError, match="moe.grouped_matmul: mosaic_gpu needs a Hopper GPU"):
-        grouped_matmul_implementation(tiny_config("moe.grouped_matmul=mosaic_gpu"), "cpu")
+        grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "cpu")
+    # a model without dropless layers runs no grouped matmul, whatever the key says
+    assert grouped_matmul_implementation(tiny_config("moe.grouped_matmul=mosaic_gpu"), "cpu") == "xla"
     monkeypatch.setattr(orchestrator_moe, "hopper", lambda platform: platform == "gpu")
-    assert grouped_matmul_implementation(tiny_config("model.dtype=bfloat16"), "gpu") == "mosaic_gpu_or_xla"
-    assert grouped_matmul_implementation(tiny_config("model.dtype=float32"), "gpu") == "xla"
-    assert grouped_matmul_implementation(tiny_config("model.dtype=bfloat16", "moe.grouped_matmul=xla"), "gpu") == "xla"
-    wide = ("model.dtype=bfloat16", "model.embed_dim=256", "model.mlp_dim=512", "moe.grouped_matmul=mosaic_gpu")
-    assert grouped_matmul_implementation(tiny_config(*wide), "gpu") == "mosaic_gpu"
-    with pytest.raises(ConfigError, match="multiples of 128"):  # the tiny model's embedding does not tile
-        grouped_matmul_implementation(tiny_config("model.dtype=bfloat16", "moe.grouped_matmul=mosaic_gpu"), "gpu")
+    assert grouped_matmul_implementation(tiny_config(*bf16), "gpu") == "mosaic_gpu_or_xla"
+    assert grouped_matmul_implementation(tiny_config(*DROPLESS, *WIDE, "model.dtype=float32"), "gpu") == "xla"
+    assert grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=xla"), "gpu") == "xla"
+    assert grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "gpu") == "mosaic_gpu"
+
+
+def test_mosaic_gpu_on_widths_that_do_not_tile_on_each_device_is_a_config_error(tiny_config):
+    forced = (*DROPLESS, "moe.grouped_matmul=mosaic_gpu", "mesh.data=4", "mesh.tensor=2")
+    tiny_config(*forced, *WIDE)  # 512 / 2 = 256 columns a device: tiles
+    with pytest.raises(ConfigError, match=r"moe.grouped_matmul: .*each device's expert width \(192, over 2"):
+        tiny_config(*forced, *WIDE, "model.mlp_dim=384")
+    with pytest.raises(ConfigError, match=r"model.embed_dim \(64\)"):
+        tiny_config(*forced)
+    tiny_config(*DROPLESS, "mesh.data=4", "mesh.tensor=2")  # auto falls back
+
+
+def test_explain_names_the_grouped_matmuls_each_device_runs(tiny_config, monkeypatch):
+    monkeypatch.setattr(orchestrator_moe, "hopper", lambda platform: True)
+    for mlp_dim, runs in ((512, "mosaic_gpu"), (384, "xla")):  # 256 or 192 columns a device
+        config = tiny_config(*DROPLESS, *WIDE, f"model.mlp_dim={mlp_dim}", "model.dtype=bfloat16", "mesh.data=4",
+                             "mesh.tensor=2")
+        job = build_job(config, with_data=False)
+        assert orchestrator_moe.dropless_report(config, job.mesh, job.rules)["grouped_matmul"] == runs, mlp_dim
 
 
 @pytest.mark.parametrize("implementation", ["mosaic_gpu", "xla"])
