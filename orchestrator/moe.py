@@ -45,11 +45,15 @@ def moe_layer_config(config: Config, platform: str) -> MoELayerConfig:
 
 def hopper(platform: str) -> bool:
     """True when the devices of jax platform `platform` are NVIDIA Hopper GPUs (compute capability 9.x),
-    the GPUs jax's Mosaic GPU grouped-matmul kernels are written for."""
+    the GPUs jax's Mosaic GPU grouped-matmul kernels are written for; False when this process has none
+    (a report for GPUs written on a CPU)."""
     if platform not in ("gpu", "cuda"):
         return False
-    capability = getattr(jax.devices(platform)[0], "compute_capability", "")
-    return str(capability).split(".")[0] == "9"
+    try:
+        device = jax.devices(platform)[0]
+    except RuntimeError:  # jax: no such platform here
+        return False
+    return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
 
 
 def grouped_matmul_implementation(config: Config, platform: str) -> str:

@@ -129,6 +129,8 @@ WIDE = ("model.embed_dim=256", "model.mlp_dim=512")  # the tiny model's 64 and 1
 def test_auto_picks_the_kernels_on_hopper_gpus_in_bfloat16_only(tiny_config, monkeypatch):
     bf16 = (*DROPLESS, *WIDE, "model.dtype=bfloat16")
     assert grouped_matmul_implementation(tiny_config(*bf16), "cpu") == "xla"
+    assert not orchestrator_moe.hopper("gpu")  # asked on a machine without GPUs (a report for GPUs)
+    assert grouped_matmul_implementation(tiny_config(*bf16), "gpu") == "xla"
     with pytest.raises(ConfigError, match="moe.grouped_matmul: mosaic_gpu needs a Hopper GPU"):
         grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "cpu")
     # a model without dropless layers runs no grouped matmul, whatever the key says
