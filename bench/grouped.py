@@ -40,8 +40,7 @@ def group_sizes(rows: int, experts: int, seed: int = 0) -> np.ndarray:
     """Returns [experts] uneven group sizes adding up to 90% of `rows`, expert 1's group empty."""
     shares = np.random.default_rng(seed).uniform(0.5, 1.5, experts)
     shares[1] = 0.0
-    sizes = np.floor(shares / shares.sum() * 0.9 * rows).astype(np.int32)
-    return sizes
+    return np.floor(shares / shares.sum() * 0.9 * rows).astype(np.int32)
 
 
 def reference(rows: jax.Array, weights: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -75,21 +74,18 @@ def measure(name: str, product, rows: jax.Array, weights: jax.Array, sizes: jax.
     """Returns row `name`: the errors against `reference` and the times of `product(rows, weights, sizes)`."""
     cotangent = jax.random.normal(jax.random.key(2), (rows.shape[0], weights.shape[2])).astype(rows.dtype)
 
-    def matmul(r, w):
-        return product(r, w, sizes)
-
-    def gradients(r, w, product):
-        loss = lambda r, w: jnp.sum(product(r, w).astype(jnp.float32) * cotangent.astype(jnp.float32))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(r, w)
+    def gradients(of):
+        """Returns jit(d loss / d (rows, weights)) of the matmul `of`, the loss linear in its output."""
+        loss = lambda r, w: jnp.sum(of(r, w, sizes).astype(jnp.float32) * cotangent.astype(jnp.float32))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
     as_float = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    output, want = as_float(jax.jit(matmul)(rows, weights)), as_float(jax.jit(reference)(rows, weights, sizes))
-    got_grads = jax.jit(lambda r, w: gradients(r, w, matmul))(rows, weights)
-    want_grads = jax.jit(lambda r, w: gradients(r, w, lambda r, w: reference(r, w, sizes)))(rows, weights)
+    output, want = as_float(jax.jit(product)(rows, weights, sizes)), as_float(jax.jit(reference)(rows, weights, sizes))
+    got_grads, want_grads = gradients(product)(rows, weights), gradients(reference)(rows, weights)
     end = int(np.sum(np.asarray(sizes)))
     flops = 2 * end * rows.shape[1] * weights.shape[2]
-    forward = timed(matmul, rows, weights, repeats=repeats)
-    backward = timed(lambda r, w: gradients(r, w, matmul), rows, weights, repeats=repeats)
+    forward = timed(product, rows, weights, sizes, repeats=repeats)
+    backward = timed(gradients(product), rows, weights, repeats=repeats)
     relative = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # noqa: E731
     return {"implementation": name, "forward_error": relative(output, want),
             "d_rows_error": relative(as_float(got_grads[0]), as_float(want_grads[0])),

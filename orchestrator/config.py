@@ -333,6 +333,11 @@ class Config:
             return 0
         return (self.model.num_layers - self.moe.first_dense_layers) // self.moe.every
 
+    @property
+    def dropless_moe(self) -> bool:
+        """True for an MoE model whose layers drop no token (`moe.capacity_factor=0`): grouped matmuls."""
+        return bool(self.moe.num_experts and self.moe.every) and self.moe.capacity_factor == 0
+
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain YAML-able data, keys as users write them."""
         return _to_plain(self)

@@ -63,7 +63,7 @@ def grouped_matmul_implementation(config: Config, platform: str) -> str:
     model asks for mosaic_gpu off a Hopper GPU or in float32 (whether its shapes tile is
     orchestrator.validation's check)."""
     moe, dtype = config.moe, config.model.dtype
-    if not (moe.num_experts and moe.every and moe.capacity_factor == 0):
+    if not config.dropless_moe:
         return "xla"  # no grouped matmul runs
     kernels_run = hopper(platform) and dtype in ("bfloat16", "float16")
     if moe.grouped_matmul == "auto":
@@ -122,7 +122,7 @@ def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
     k times) and their bytes, counting the rows in and out ([rows, embed] each) and the SwiGLU's gate, up
     and hidden ([rows, expert width / mlp shards] each)."""
     moe = config.moe
-    if not (moe.num_experts and moe.every and moe.capacity_factor == 0):
+    if not config.dropless_moe:
         return None
     degrees = dict(mesh.shape)
     rows = worst_case_rows(moe_tokens_per_device(config, degrees), moe.top_k, mesh, rules, EXPERT_LAYOUT)

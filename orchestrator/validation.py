@@ -274,7 +274,7 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
             problems.append((f"moe.{key}", f"{factor:g} gives experts no capacity (under one token per group); raise it"))
     mlp_shards = 1 if degrees is None else math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("mlp") or ())
     width = (moe.expert_mlp_dim or m.mlp_dim) // mlp_shards
-    if moe.grouped_matmul == "mosaic_gpu" and moe.capacity_factor == 0 and not tiles(m.embed_dim, width):
+    if moe.grouped_matmul == "mosaic_gpu" and config.dropless_moe and not tiles(m.embed_dim, width):
         problems.append(("moe.grouped_matmul", f"mosaic_gpu needs model.embed_dim ({m.embed_dim}) and each device's "
                                                f"expert width ({width}, over {mlp_shards} 'mlp' shards) multiples of "
                                                f"{TILE}; use auto or xla"))
