@@ -82,8 +82,6 @@ def _rms_norm(x, scale, eps):
 
 def _bare_layer(cfg, pin):
     """Returns layer(x, p) -> (x, None): one transformer block of the bare model, `pin` applied to its output."""
-    import jax
-
     from models import matmul
     from models.transformer import rotary
 
@@ -101,7 +99,8 @@ def _bare_layer(cfg, pin):
         context = matmul.attention(q, k, v, float32_outputs=cfg.float32_matmul_outputs)
         x = x + project("bthk,hkd->btd", context, attention["out"])
         h = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
-        hidden = jax.nn.silu(project("...d,dm->...m", h, mlp["gate"])) * project("...d,dm->...m", h, mlp["up"])
+        hidden = matmul.swiglu(project("...d,dm->...m", h, mlp["gate"]), project("...d,dm->...m", h, mlp["up"]),
+                               float32=cfg.float32_matmul_outputs)
         return pin(x + project("...m,md->...d", hidden, mlp["down"])), None
 
     return layer

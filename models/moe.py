@@ -463,7 +463,7 @@ class MoEFeedForward(nnx.Module):
                                remat_names.MLP_GATE)
         up = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
                              remat_names.MLP_UP)
-        hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+        hidden = checkpoint_name(matmul.swiglu(gate, up, float32=self.float32_matmul_outputs), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
         return einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
 

@@ -213,7 +213,7 @@ class MLP(nnx.Module):
         einsum = matmul.weight_einsum(self.float32_matmul_outputs)
         gate = checkpoint_name(einsum("...d,dm->...m", x, self.gate[...].astype(self.dtype)), remat_names.MLP_GATE)
         up = checkpoint_name(einsum("...d,dm->...m", x, self.up[...].astype(self.dtype)), remat_names.MLP_UP)
-        hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+        hidden = checkpoint_name(matmul.swiglu(gate, up, float32=self.float32_matmul_outputs), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
         return einsum("...m,md->...d", hidden, self.down[...].astype(self.dtype)), {}
 

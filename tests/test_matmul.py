@@ -148,6 +148,37 @@ def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_op
         assert eqn.params["preferred_element_type"] == jnp.float32, eqn
 
 
+def test_swiglu_from_float32_rounds_once_and_is_closer_to_float32():
+    gate, up = _operands((4, 16, 32), (4, 16, 32), jnp.float32)
+    want = jax.nn.silu(gate) * up
+    np.testing.assert_array_equal(matmul.swiglu(gate, up, float32=True), want)
+    np.testing.assert_array_equal(matmul.swiglu(gate, up, float32=False), want)
+    gate16, up16 = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
+    ours = matmul.swiglu(gate16, up16, float32=True)
+    assert ours.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(ours, (jax.nn.silu(gate16.astype(jnp.float32)) * up16.astype(jnp.float32))
+                                  .astype(jnp.bfloat16))
+    exact = jax.nn.silu(gate16.astype(jnp.float32)) * up16.astype(jnp.float32)
+    assert relative_error(ours, exact) < relative_error(matmul.swiglu(gate16, up16, float32=False), exact)
+
+
+@pytest.mark.parametrize("float32_outputs", [True, False])
+def test_the_models_swiglus_run_in_float32_where_the_matmuls_return_float32_sums(float32_outputs):
+    """The dense layer's and the experts' silu, forward and backward: float32 with the CPU's float32 sums (where
+    XLA:CPU would round between every bfloat16 operation), the compute dtype elsewhere (GPUs, TPUs)."""
+    config = TransformerConfig(vocab_size=56, embed_dim=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
+                               mlp_dim=40, dtype="bfloat16", float32_matmul_outputs=float32_outputs,
+                               moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=2.0))
+    graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
+
+    def loss(params):
+        return nnx.merge(graph, params)(jnp.ones((2, 10), jnp.int32))[0].astype(jnp.float32).mean()
+
+    silus = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "logistic")
+    assert len(silus) == 2  # the dense layer's and the experts'
+    assert {eqn.invars[0].aval.dtype for eqn in silus} == {jnp.dtype(jnp.float32 if float32_outputs else jnp.bfloat16)}
+
+
 def _upcast_dots(float32_outputs: bool) -> tuple[int, int]:
     """Returns (dots, dots of float32 operands) XLA:CPU compiles for the bfloat16 MLP's gradient."""
     x, up = _operands((4, 16, 128), (128, 256), jnp.bfloat16)
