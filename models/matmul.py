@@ -35,7 +35,7 @@ head_dim] operands it transposed every [length, length] block after the dot
 (the forward pass 2.1-2.7x faster at issue 12's CPU shapes, batch 1 and 8).
 The softmax's backward pass takes sum_s p dp as the context's dot product
 with its gradient (flash attention's D): a sum over head_dim instead of over
-the keys, the pass 8x faster there at batch 8 (3.9 against 0.48 ms).
+the keys: that expression alone 3.9 against 0.48 ms there at batch 8.
 
 `attention(..., float32_outputs=...)` picks it or jax.nn.dot_product_attention,
 as `einsum` picks its sums: the model's layers (and bench.step's bare step)
@@ -45,7 +45,7 @@ calls jax.nn.dot_product_attention.
 `swiglu(gate, up, float32=...)` is SwiGLU's silu(gate) * up; with `float32`
 (where the matmuls return float32 sums) computed in float32 and rounded
 once: XLA:CPU, 0.10 and 0.11 alike, runs a chain of bfloat16 elementwise
-operations as float32 ones rounded between each, 2.4-2.7x slower than the
+operations as float32 ones rounded between each, 2.4-2.8x slower than the
 float32 chain for a [2048, 1024] gate, and less accurate.
 """
 
@@ -148,7 +148,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
               float32_outputs: bool, implementation: str | None = None) -> jax.Array:
     """Returns causal attention [batch, length, heads, head_dim]: with `float32_outputs`,
     `causal_attention`'s; without, `jax.nn.dot_product_attention`'s with `implementation` (xla, cudnn)."""
-    return _chosen_attention(float32_outputs, implementation)[1](query, key, value, mask=mask)
+    context = _chosen_attention(float32_outputs, implementation)[1](query, key, value, mask=mask)
+    # causal_attention's rule names its output itself (its backward pass reads the same array)
+    return context if float32_outputs else checkpoint_name(context, remat_names.ATTENTION_CONTEXT)
 
 
 def attention_name(float32_outputs: bool, implementation: str | None) -> str:
@@ -217,7 +219,10 @@ def _attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arr
 
 
 def _attention_forward(query, key, value, mask):
-    context = checkpoint_name(_attention(query, key, value, mask), remat_names.MATMUL_SUMS)
+    # The context under both names, once: `dots` keeps the matmul sums, `minimal` may keep `attention_context`;
+    # the output projection's backward pass and this rule's (flash attention's D) read the same kept array.
+    context = checkpoint_name(checkpoint_name(_attention(query, key, value, mask), remat_names.MATMUL_SUMS),
+                              remat_names.ATTENTION_CONTEXT)
     return context, (query, key, value, mask, context)
 
 
@@ -234,7 +239,7 @@ def _attention_backward(saved, gradient: jax.Array):
     # The softmax's backward pass, in float32: p * (dp - sum_s p dp), scaled as the scores were. sum_s p dp is
     # the context's dot product with its gradient (flash attention's D, arXiv 2205.14135): a sum over head_dim
     # instead of over the keys. Nothing flows to a hidden score: p is 0 there, and a row that sees no key
-    # (uniform, as jax's `where`) gets no gradient at all.
+    # (uniform, as jax's `where`) sends no gradient to its query or the keys (its values still get theirs).
     row_sum = jnp.sum(_head_major(context, kv_heads).astype(jnp.float32) * gradient.astype(jnp.float32), axis=-1,
                       keepdims=True)
     score_gradient = probabilities * (probability_gradient - row_sum) * jnp.array(scale, jnp.float32)

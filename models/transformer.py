@@ -159,8 +159,7 @@ class Attention(nnx.Module):
 
     def output(self, context: jax.Array) -> jax.Array:
         """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
-        context = constrain(checkpoint_name(context, remat_names.ATTENTION_CONTEXT),
-                            (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+        context = constrain(context, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
         einsum = matmul.weight_einsum(self.cfg.float32_matmul_outputs)
         return checkpoint_name(einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
                                remat_names.OUT_PROJ)

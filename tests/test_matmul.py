@@ -268,7 +268,8 @@ def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_oper
     ours, theirs = (jax.grad(_attention_loss(attend, inputs[3]), (0, 1, 2))(*inputs[:3])
                     for attend in (matmul.causal_attention, _jax_attention))
     errors = [(relative_error(got, exact), relative_error(their, exact)) for got, their, exact in zip(ours, theirs, want)]
-    assert all(error <= 1.2 * their for error, their in errors), errors  # measured: 0.3-0.45%, at most 1.06x
+    assert all(error <= 1.2 * their for error, their in errors), errors  # measured: 0.3-0.47%, at most 1.15x (the keys':
+    # flash attention's D reads the context rounded to bfloat16)
     assert relative_error(matmul.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
     loss = _attention_loss(matmul.causal_attention, inputs[3])
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*inputs[:3]).jaxpr, "dot_general")
@@ -320,3 +321,26 @@ def test_dots_keeps_the_attention_context_not_its_scores():
     inputs = ["bf16[2,24,2,8]"] * 2 + ["bf16[2,24,4,8]", "bf16[4,8,16]"]
     assert kept(matmul.causal_attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
     assert any(residual.startswith("f32[") and residual.count(",") == 4 for residual in kept(_jax_attention))  # scores
+
+
+def test_a_policy_keeping_the_attention_context_keeps_it_once_for_both_backward_passes():
+    """The output projection's backward pass and the attention's (flash attention's D reads the context) share one
+    kept array: `minimal` keeping only `attention_context` recomputes no attention product, as `dots` does not."""
+    q, k, v, _ = _attention_inputs(jnp.bfloat16, "causal")
+    out = jax.random.normal(jax.random.key(5), (4, 8, 16)).astype(jnp.bfloat16)
+
+    def loss(q, k, v, out):  # linear in the projection: its own backward pass reads the context only
+        context = matmul.attention(q, k, v, float32_outputs=True)
+        return matmul.einsum("bthk,hkd->btd", context, out, float32_outputs=True).astype(jnp.float32).sum()
+
+    def checkpointed(*overrides: str):
+        return jax.checkpoint(loss, policy=remat_policy(load(None, list(overrides)), "cpu"))
+
+    def products(function) -> int:
+        return len(equations(jax.make_jaxpr(jax.grad(function, (0, 1, 2, 3)))(q, k, v, out).jaxpr, "dot_general"))
+
+    minimal = checkpointed("model.remat=minimal", "model.remat_names=[attention_context]")
+    assert _saved_residuals(minimal, q, k, v, out).count("bf16[2,24,4,8]") == 2  # the queries and the context
+    # forward: scores, context, projection; backward: the scores again and four products, the projection's two
+    assert products(minimal) == products(checkpointed("model.remat=dots")) == 2 + 1 + 5 + 2
+
