@@ -43,8 +43,9 @@ ask for float32 outputs in bfloat16 on CPU; decoding (no backward pass) always
 calls jax.nn.dot_product_attention.
 
 `swiglu(gate, up, float32=...)` is SwiGLU's silu(gate) * up; with `float32`
-(where the matmuls return float32 sums) computed in float32 and rounded
-once: XLA:CPU, 0.10 and 0.11 alike, runs a chain of bfloat16 elementwise
+(which the model's dense, expert and grouped SwiGLUs ask for where its
+weight matmuls return float32 sums: bfloat16 on CPU) computed in float32
+and rounded once: XLA:CPU, 0.10 and 0.11 alike, runs a chain of bfloat16 elementwise
 operations as float32 ones rounded between each, 2.4-2.8x slower than the
 float32 chain for a [2048, 1024] gate, and less accurate.
 """

@@ -391,20 +391,21 @@ def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local:
 
 
 def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
-                   implementation: str = "xla") -> jax.Array:
+                   implementation: str = "xla", float32: bool = False) -> jax.Array:
     """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
     expert's SwiGLU, [N, embed], by the grouped matmuls of `implementation` (models.grouped); rows past
-    the last group come out as zeros."""
+    the last group come out as zeros. `float32`: the silu in float32 (`models.matmul.swiglu`)."""
     gate_weight, up_weight, down_weight = (weight.astype(rows.dtype) for weight in weights)
     matmul_of = functools.partial(grouped_matmul, group_sizes=group_sizes, implementation=implementation)
     gate = checkpoint_name(matmul_of(rows, gate_weight), remat_names.MLP_GATE)
     up = checkpoint_name(matmul_of(rows, up_weight), remat_names.MLP_UP)
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, remat_names.MLP_HIDDEN)
+    hidden = checkpoint_name(matmul.swiglu(gate, up, float32=float32), remat_names.MLP_HIDDEN)
     return matmul_of(hidden, down_weight)
 
 
 def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
-                            first_expert: jax.Array | int = 0, *, matmuls: str = "xla") -> jax.Array:
+                            first_expert: jax.Array | int = 0, *, matmuls: str = "xla",
+                            float32: bool = False) -> jax.Array:
     """Returns [T, embed]: each of `tokens` [T, embed] through those of its assigned `experts` [T, k]
     whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k].
 
@@ -412,14 +413,14 @@ def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Ar
     (static: the most a device can be asked for), grouped matmuls
     (of implementation `matmuls`, models.grouped) run over the experts' group sizes, and
     each assignment gathers its row back (both gathers gather in the backward
-    pass too, see `take_rows`).
+    pass too, see `take_rows`). `float32`: the SwiGLU's silu in float32 (`grouped_swiglu`).
     """
     num_tokens, top_k = experts.shape
     num_local = weights[0].shape[0]
     order, group_sizes = sort_by_expert(experts, first_expert, num_local)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))  # sorted row of each
     rows = take_rows(tokens, order // top_k, position.reshape(num_tokens, top_k))  # [T x k, embed]
-    outputs = grouped_swiglu(rows, group_sizes, weights, matmuls)
+    outputs = grouped_swiglu(rows, group_sizes, weights, matmuls, float32)
     outputs = take_rows(outputs, position, order[:, None])  # [T x k, embed]
     routed = position < jnp.sum(group_sizes)  # [T x k] the assignments to a local expert
     outputs = jnp.where(routed[:, None], outputs, 0).reshape(num_tokens, top_k, -1)
@@ -529,7 +530,8 @@ class MoEFeedForward(nnx.Module):
         gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
         weights = (self.gate[...], self.up[...], self.down[...])
         tokens = grouped.reshape(groups * tokens_per_group, dim)
-        local_experts = functools.partial(dropless_expert_outputs, matmuls=self.moe.grouped_matmul)
+        local_experts = functools.partial(dropless_expert_outputs, matmuls=self.moe.grouped_matmul,
+                                          float32=self.float32_matmul_outputs)
         exchange = _exchange.get()
         if exchange is None:
             output = local_experts(tokens, experts, gates, weights)

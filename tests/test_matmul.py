@@ -162,13 +162,14 @@ def test_swiglu_from_float32_rounds_once_and_is_closer_to_float32():
     assert relative_error(ours, exact) < relative_error(matmul.swiglu(gate16, up16, float32=False), exact)
 
 
+@pytest.mark.parametrize("capacity_factor", [2.0, 0.0])  # capacity dispatch, dropless (grouped matmuls)
 @pytest.mark.parametrize("float32_outputs", [True, False])
-def test_the_models_swiglus_run_in_float32_where_the_matmuls_return_float32_sums(float32_outputs):
+def test_the_models_swiglus_run_in_float32_where_the_matmuls_return_float32_sums(float32_outputs, capacity_factor):
     """The dense layer's and the experts' silu, forward and backward: float32 with the CPU's float32 sums (where
     XLA:CPU would round between every bfloat16 operation), the compute dtype elsewhere (GPUs, TPUs)."""
     config = TransformerConfig(vocab_size=56, embed_dim=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
                                mlp_dim=40, dtype="bfloat16", float32_matmul_outputs=float32_outputs,
-                               moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=2.0))
+                               moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=capacity_factor))
     graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
 
     def loss(params):
