@@ -269,8 +269,8 @@ def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_oper
     ours, theirs = (jax.grad(_attention_loss(attend, inputs[3]), (0, 1, 2))(*inputs[:3])
                     for attend in (matmul.causal_attention, _jax_attention))
     errors = [(relative_error(got, exact), relative_error(their, exact)) for got, their, exact in zip(ours, theirs, want)]
-    assert all(error <= 1.2 * their for error, their in errors), errors  # measured: 0.3-0.47%, at most 1.15x (the keys':
-    # flash attention's D reads the context rounded to bfloat16)
+    # measured: 0.3-0.47%, at most 1.15x (the keys': flash attention's D reads the context rounded to bfloat16)
+    assert all(error <= 1.2 * their for error, their in errors), errors
     assert relative_error(matmul.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
     loss = _attention_loss(matmul.causal_attention, inputs[3])
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*inputs[:3]).jaxpr, "dot_general")
