@@ -189,6 +189,11 @@ def _head_major(x: jax.Array, kv_heads: int) -> jax.Array:
     return x.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
 
 
+def _swap_length_and_heads(x: jax.Array) -> jax.Array:
+    """Returns keys or values [batch, length, kv_heads, head_dim] as [batch, kv_heads, length, head_dim], and back."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def _length_major(x: jax.Array) -> jax.Array:
     """Returns x [batch, kv_heads, group, length, head_dim] as [batch, length, kv_heads * group, head_dim]."""
     batch, kv_heads, group, length, head_dim = x.shape
@@ -212,9 +217,8 @@ def _probabilities(query: jax.Array, key: jax.Array,
 
 @jax.custom_vjp
 def _attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
-    kv_heads = key.shape[2]
-    probabilities, _ = _probabilities(_head_major(query, kv_heads), _head_major(key, kv_heads)[:, :, 0], mask)
-    context = jnp.einsum("bgrts,bgsk->bgrtk", probabilities.astype(value.dtype), _head_major(value, kv_heads)[:, :, 0],
+    probabilities, _ = _probabilities(_head_major(query, key.shape[2]), _swap_length_and_heads(key), mask)
+    context = jnp.einsum("bgrts,bgsk->bgrtk", probabilities.astype(value.dtype), _swap_length_and_heads(value),
                          preferred_element_type=jnp.float32)
     return _length_major(context).astype(query.dtype)
 
@@ -230,28 +234,28 @@ def _attention_forward(query, key, value, mask):
 def _attention_backward(saved, gradient: jax.Array):
     query, key, value, mask, context = saved
     dtype, scale, kv_heads = query.dtype, 1 / math.sqrt(query.shape[-1]), key.shape[2]
-    query_hm, key_hm, value_hm = (_head_major(query, kv_heads), _head_major(key, kv_heads)[:, :, 0],
-                                  _head_major(value, kv_heads)[:, :, 0])
+    query_hm = _head_major(query, kv_heads)
+    key_hm, value_hm = _swap_length_and_heads(key), _swap_length_and_heads(value)
     probabilities, visible = _probabilities(query_hm, key_hm, mask)
     gradient = _head_major(gradient.astype(dtype), kv_heads)
+    # sum_s p dp is the context's dot product with its gradient (flash attention's D, arXiv 2205.14135): a sum
+    # over head_dim instead of over the keys
+    row_sum = jnp.sum(_head_major(context, kv_heads).astype(jnp.float32) * gradient.astype(jnp.float32), axis=-1,
+                      keepdims=True)
     value_gradient = jnp.einsum("bgrts,bgrtk->bgsk", probabilities.astype(dtype), gradient,
                                 preferred_element_type=jnp.float32)
     probability_gradient = jnp.einsum("bgrtk,bgsk->bgrts", gradient, value_hm, preferred_element_type=jnp.float32)
-    # The softmax's backward pass, in float32: p * (dp - sum_s p dp), scaled as the scores were. sum_s p dp is
-    # the context's dot product with its gradient (flash attention's D, arXiv 2205.14135): a sum over head_dim
-    # instead of over the keys. Nothing flows to a hidden score: p is 0 there, and a row that sees no key
-    # (uniform, as jax's `where`) sends no gradient to its query or the keys (its values still get theirs).
-    row_sum = jnp.sum(_head_major(context, kv_heads).astype(jnp.float32) * gradient.astype(jnp.float32), axis=-1,
-                      keepdims=True)
+    # The softmax's backward pass, in float32: p * (dp - sum_s p dp), scaled as the scores were. Nothing flows
+    # to a hidden score: p is 0 there, and a row that sees no key (uniform, as jax's `where`) sends no gradient
+    # to its query or the keys (its values still get theirs).
     score_gradient = probabilities * (probability_gradient - row_sum) * jnp.array(scale, jnp.float32)
     if mask is not None:
         score_gradient = score_gradient * jnp.any(visible, axis=-1, keepdims=True)
     score_gradient = score_gradient.astype(dtype)
     query_gradient = jnp.einsum("bgrts,bgsk->bgrtk", score_gradient, key_hm, preferred_element_type=jnp.float32)
     key_gradient = jnp.einsum("bgrts,bgrtk->bgsk", score_gradient, query_hm, preferred_element_type=jnp.float32)
-    key_value = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [batch, kv_heads, length, head_dim] -> [b, t, g, k]
-    return (_length_major(query_gradient).astype(dtype), key_value(key_gradient).astype(key.dtype),
-            key_value(value_gradient).astype(value.dtype), None)
+    return (_length_major(query_gradient).astype(dtype), _swap_length_and_heads(key_gradient).astype(key.dtype),
+            _swap_length_and_heads(value_gradient).astype(value.dtype), None)
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
