@@ -27,7 +27,7 @@ from orchestrator.data.pipeline import document_ids, masks_documents
 from orchestrator.moe import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange, moe_loss_and_metrics,
                               routing_key)
 from orchestrator.optimizer import learning_rate
-from orchestrator.remat import remat_policy
+from orchestrator.remat import remat_policy, target_platform
 from orchestrator.state import StateLayout
 from orchestrator.validation import schedule_for
 from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
@@ -121,8 +121,11 @@ def layer_runner(config: Config, policy: RematPolicy | None) -> StackRunner:
 def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
     """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else `layer_runner`'s) and
     how an MoE model's first dense layers run (`layer_runner`'s, before the pipeline: on every stage); every unit
-    is rematerialised by `model.remat`."""
-    policy = remat_policy(config, mesh.devices.flat[0].platform)
+    is rematerialised by `model.remat`. A pipeline meant for CPU skips its bubble stages' work: simulated CPU
+    devices share the host's processors, which the busy stages then get; an accelerator's bubble waits either
+    way."""
+    platform = mesh.devices.flat[0].platform
+    policy = remat_policy(config, platform)
     layers = layer_runner(config, policy)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
@@ -130,7 +133,8 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
-    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy), layers
+    skip_bubbles = target_platform(config, platform) == "cpu"
+    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, skip_bubbles), layers
 
 
 def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from parallel.rules import Rules, partition_spec
+from parallel.rules import Rules, partition_spec, shard_map_here
 
 ALL_GATHER = "all-gather + reduce-scatter"
 RAGGED_ALL_TO_ALL = "ragged all-to-all"
@@ -108,7 +108,7 @@ def _shard_map_specs(rules: Rules, layout: ExpertLayout) -> tuple[tuple, tuple[s
 
 def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
     """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
-    -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis."""
+    -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis (`shard_map_here`)."""
     specs, expert_axes, hidden_axes = _shard_map_specs(rules, layout)
 
     def exchange(local_experts, tokens, experts, gates, weights):
@@ -123,8 +123,7 @@ def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Calla
                 outputs = jax.lax.psum_scatter(outputs, expert_axes, scatter_dimension=0, tiled=True)
             return jax.lax.psum(outputs, hidden_axes) if hidden_axes else outputs
 
-        return jax.shard_map(on_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
-            tokens, experts, gates, *weights)
+        return shard_map_here(on_device, mesh, specs, specs[0])(tokens, experts, gates, *weights)
 
     return exchange
 
@@ -194,7 +193,6 @@ def ragged_all_to_all_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -
             outputs = jnp.einsum("tk,tkm->tm", gates, returned[position].reshape(num_tokens, top_k, -1))
             return jax.lax.psum(outputs, hidden_axes) if hidden_axes else outputs
 
-        return jax.shard_map(on_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
-            tokens, experts, gates, *weights)
+        return shard_map_here(on_device, mesh, specs, specs[0])(tokens, experts, gates, *weights)
 
     return exchange

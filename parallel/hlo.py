@@ -162,6 +162,20 @@ def _collective_kind(instruction: _Instruction) -> str | None:
     return kind if kind in COLLECTIVE_KINDS else None
 
 
+def conditional_branch_ops(hlo_text: str, op: str) -> list[tuple[int, ...]]:
+    """Returns, for each `conditional` of the module, how many `op` instructions each of its branches holds
+    (in the branch's computation and the computations it calls, each instruction once), in branch order."""
+    computations, _ = _computations(hlo_text)
+
+    def held(name: str) -> int:
+        return sum(instruction.op == op for callee in _multipliers(computations, name)
+                   for instruction in computations.get(callee, ()))
+
+    return [tuple(held(branch) for branch, _ in _callees(instruction))
+            for instructions in computations.values() for instruction in instructions
+            if instruction.op == "conditional"]
+
+
 def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
     """Returns the operand dtypes of every `dot` instruction in the module, fused computations' included
     (a dot of bfloat16 values that XLA upcast reads `f32` operands)."""

@@ -7,14 +7,18 @@ bubble. The circular schedule gives each stage R non-adjacent groups of layers
 (stage s holds groups s, s + S, s + 2S, ...) and sends every micro-batch round
 the ring R times: R*M + S - 1 iterations, bubble (S-1)/(R*M + S - 1).
 
-There is no per-device program. The stage dimension of every array is
-sharded over the mesh axes of the logical name `stage`; each iteration runs
-all stages at once with a `vmap` over that dimension (its `spmd_axis_name`
-keeps the stage dimension on those axes), and activations move to the next
-stage with `jnp.roll` on the stage-sharded state, which the partitioner lowers
-to a collective-permute. Inside a stage, weights and activations keep the
-shardings of their logical names, so data, fsdp, tensor and expert
-parallelism compose with the pipeline unchanged.
+The stage dimension of every array is sharded over the mesh axes of the
+logical name `stage`; each iteration runs all stages at once with a `vmap`
+over that dimension (its `spmd_axis_name` keeps the stage dimension on those
+axes), and activations move to the next stage with `jnp.roll` on the
+stage-sharded state, which the partitioner lowers to a collective-permute.
+Inside a stage, weights and activations keep the shardings of their logical
+names, so data, fsdp, tensor and expert parallelism compose with the pipeline
+unchanged. A bubble stage's work is on zeros and thrown away. With
+`skip_bubbles` the stages' work is instead a program per stage (`jax.shard_map`
+over the stage axes alone, the other axes still GSPMD's) that skips each layer
+of a bubble iteration by `lax.cond`: where devices share processors (simulated
+CPU devices) the busy stages get the time the bubble would have taken.
 
 The layer stack keeps its canonical layout `[layers, ...]` outside; it is
 viewed as `[repeats, stages, layers_per_stage, ...]` only inside the step.
@@ -27,6 +31,8 @@ the same micro-batches as the activations; each stage reads its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -222,7 +228,7 @@ def _layer_policy(remat_policy: RematPolicy | None) -> RematPolicy:
     return saveable
 
 
-def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None):
+def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stage: bool = False):
     """Returns f(stage_params [R, layers_per_stage, ...], repeat, x, row_inputs) -> (x, stats [layers_per_stage, ...]).
 
     Each layer is a checkpoint of its own (`_layer_policy`, even without remat) that takes the whole
@@ -232,15 +238,38 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None):
     forward a second time in the backward pass to recover each layer's input, with its weights gathered
     again under fsdp: on bench/step.py's model with GPipe on pipeline2 x fsdp2 x tensor2 and
     `model.remat=full`, 204 all-gathers per step and 21.4 MiB of temporaries against 164 and 13.0 MiB now.)
+
+    With `one_stage`, f is one stage's program (`_skipping_stages`): stage_params are [R, 1, layers_per_stage,
+    ...] and f takes `busy` (a bool scalar) after row_inputs; each layer runs under `lax.cond(busy, ...)`, and
+    a bubble passes x through with zero stats. The cond sits inside the layer's checkpoint, so the weights stay
+    its input and are kept once, not per iteration (a cond's residuals are outputs of one branch, which the loop
+    would stack). A policy that recomputes matmuls (`full`, `minimal`) gets a second checkpoint inside the cond,
+    so the recomputation lands in the backward pass's own cond and shares its weights' fsdp all-gathers (one
+    cond for both: 144 all-gathers on the pipelined tiny test model under `full`, as under `dots`, against 204
+    with a cond for each); a policy that keeps them (`dots`, none) recomputes only elementwise work, in a cond of
+    its own, which measured 2-6% faster on bench/step.py's pipeline mesh under `dots` than one cond.
     """
-    def layer(stage_params: Any, repeat: jax.Array, index: jax.Array, x: jax.Array, row_inputs: Any):
-        return layer_fn(jax.tree.map(lambda leaf: leaf[repeat, index], stage_params), x, row_inputs)
+    policy = _layer_policy(remat_policy)
+    recomputes_matmuls = not policy(jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
+    busy_layer = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False) if recomputes_matmuls else layer_fn
 
-    layer = jax.checkpoint(layer, policy=_layer_policy(remat_policy), prevent_cse=False)
+    def layer(stage_params: Any, repeat: jax.Array, index: jax.Array, x: jax.Array, row_inputs: Any,
+              busy: jax.Array | None):
+        params = jax.tree.map(lambda leaf: leaf[(repeat, 0, index) if one_stage else (repeat, index)], stage_params)
+        if busy is None:
+            return layer_fn(params, x, row_inputs)
+        stats = jax.eval_shape(layer_fn, params, x, row_inputs)[1]
 
-    def stage(stage_params: Any, repeat: jax.Array, x: jax.Array, row_inputs: Any):
-        per_stage = jax.tree.leaves(stage_params)[0].shape[1]
-        return jax.lax.scan(lambda h, index: layer(stage_params, repeat, index, h, row_inputs), x,
+        def bubble(params, x, row_inputs):
+            return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
+
+        return jax.lax.cond(busy, busy_layer, bubble, params, x, row_inputs)
+
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+    def stage(stage_params: Any, repeat: jax.Array, x: jax.Array, row_inputs: Any, busy: jax.Array | None = None):
+        per_stage = jax.tree.leaves(stage_params)[0].shape[2 if one_stage else 1]
+        return jax.lax.scan(lambda h, index: layer(stage_params, repeat, index, h, row_inputs, busy), x,
                             jnp.arange(per_stage))
 
     return stage
@@ -254,6 +283,7 @@ class Layout:
         self.rules = rules
         self.activation_axes = activation_axes
         self.stage_axes = tuple(rules[STAGE])
+        self.stage_devices = math.prod(mesh.shape[axis] for axis in self.stage_axes)  # 1 without stage axes
         self.state = NamedSharding(mesh, partition_spec((STAGE, *activation_axes), rules))
         self.buffer = NamedSharding(mesh, partition_spec((None, *activation_axes), rules))
         self.activation = NamedSharding(mesh, partition_spec(activation_axes, rules))
@@ -298,7 +328,7 @@ def stage_view(stacked_params: Any, schedule: Schedule, layout: Layout) -> Any:
 
 
 def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...],
-                    remat_policy: RematPolicy | None = None):
+                    remat_policy: RematPolicy | None = None, skip_bubbles: bool = False):
     """Returns runner(layer_fn, stacked_params, x, row_inputs=None) -> (x, stats) that pipelines a layer stack.
 
     `stacked_params` leaves are `[layers, ...]`; `x` is `[batch, ...]` with
@@ -307,6 +337,8 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     `layer_fn(layer_params, x, row_inputs) -> (x, stats)` sees the rows of its micro-batch.
     `remat_policy` (a `jax.checkpoint` policy; None = save everything) decides
     what each layer keeps for the backward pass besides its input.
+    `skip_bubbles` skips a stage's work on bubble iterations (`_skipping_stages`) where the stage axes hold
+    one stage per device group; the results are the same either way.
     The runner returns the stack's output and each layer's stats stacked
     `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
     Raises ValueError when the batch does not split into
@@ -331,7 +363,13 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         no_work = jnp.zeros((stages,), jnp.int32)
         stats_shape = jax.eval_shape(stage_fn, params, no_work, state, stage_rows(rows, no_work, layout))[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
-        iteration = _iteration_fn(schedule, layout, rows, lambda *args: stage_fn(params, *args))
+        if skip_bubbles and stages == layout.stage_devices:
+            skipping = _skipping_stages(stage_function(layer_fn, remat_policy, one_stage=True), layout, stats_shape)
+            run_stages = functools.partial(skipping, params)
+        else:
+            def run_stages(repeat, x, rows_now, busy):  # every stage works, a bubble on zeros
+                return stage_fn(params, repeat, x, rows_now)
+        iteration = _iteration_fn(schedule, layout, rows, run_stages)
         (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
         out = jax.lax.with_sharding_constraint(from_microbatches(buffer), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
@@ -339,6 +377,28 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         return out, stats
 
     return runner
+
+
+def _skipping_stages(stage: Callable, layout: Layout, stats_shape: Any):
+    """Returns run(params [R, S, ...], repeat [S], x [S, mb, ...], rows [S, mb, ...], busy [S]) -> (x, stats
+    [S, layers_per_stage, ...]): `stage` (stage_function's, `one_stage`) on every stage, each device group
+    running its own stage's under `jax.shard_map` over the stage axes (the others left to GSPMD, so fsdp,
+    tensor and data parallelism inside a stage are as under the vmap), and skipping its layers where `busy`
+    is False."""
+    spec = PartitionSpec(layout.stage_axes)
+
+    def on_stage(params: Any, repeat: jax.Array, x: jax.Array, rows: Any, busy: jax.Array):
+        x, stats = stage(params, repeat[0], x[0], jax.tree.map(lambda leaf: leaf[0], rows), busy[0])
+        return x[None], jax.tree.map(lambda leaf: leaf[None], stats)
+
+    def run(params: Any, repeat: jax.Array, x: jax.Array, rows: Any, busy: jax.Array):
+        in_specs = (jax.tree.map(lambda _: PartitionSpec(None, layout.stage_axes), params), spec, spec,
+                    jax.tree.map(lambda _: spec, rows), spec)
+        out_specs = (spec, jax.tree.map(lambda _: spec, stats_shape))
+        return jax.shard_map(on_stage, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset(layout.stage_axes), check_vma=False)(params, repeat, x, rows, busy)
+
+    return run
 
 
 def stage_rows(rows: Any, micro_index: jax.Array, layout: Layout) -> Any:
@@ -352,7 +412,8 @@ def _iteration_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Cal
     `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and
     receives it back from the last stage, so after the last iteration it holds the outputs
     (and, for R > 1, feeds each micro-batch's next round to stage 0). `rows` [M, mb, ...]
-    stay put: each stage reads those of the micro-batch it works on.
+    stay put: each stage reads those of the micro-batch it works on. `run_stages(repeat, x, rows, busy)`
+    runs every stage, `busy` [S] False on a bubble.
     """
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_ids = jnp.arange(stages)
@@ -363,11 +424,12 @@ def _iteration_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Cal
         valid = (item >= 0) & (item < repeats * micro)
         # Stage s takes stage s-1's output (a collective-permute); stage 0 takes the buffer's next slot.
         incoming = jnp.where(expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
-        # Bubble stages compute on zeros: finite, and their outputs are never read.
+        # Bubble stages get zeros (finite, whether they work on them or skip) and their outputs are never read.
         incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
         repeat = jnp.clip(item // micro, 0, repeats - 1)
         rows_now = stage_rows(rows, jnp.maximum(item, 0) % micro, layout)
-        state, stats = run_stages(repeat, incoming, rows_now)  # [S, mb, ...], stats [S, layers_per_stage, ...]
+        # [S, mb, ...], stats [S, layers_per_stage, ...]
+        state, stats = run_stages(repeat, incoming, rows_now, valid)
         state = jax.lax.with_sharding_constraint(state, layout.state)
         finished = t - (stages - 1)  # the item the last stage just completed
         slot = finished % micro

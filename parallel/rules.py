@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
 
@@ -117,12 +117,47 @@ def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
     )
 
 
+def _without(spec: PartitionSpec, dropped: tuple[str, ...]) -> PartitionSpec:
+    """Returns `spec` with the mesh axes `dropped` taken out of every entry."""
+    entries = []
+    for entry in spec:
+        axes = tuple(axis for axis in ((entry,) if isinstance(entry, str) else entry or ()) if axis not in dropped)
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*entries)
+
+
+def mesh_here(mesh: Mesh) -> tuple[Mesh | AbstractMesh, tuple[str, ...]]:
+    """Returns (the mesh to lay arrays out on at this point of a trace, its manual axes): `mesh` and none,
+    or inside a `jax.shard_map` over some of its axes (a pipeline stage's own program) the context's
+    abstract mesh and those axes."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return mesh, ()
+    return context, tuple(context.manual_axes)
+
+
+def shard_map_here(f: Callable, mesh: Mesh, in_specs: tuple[PartitionSpec, ...], out_specs: PartitionSpec) -> Callable:
+    """Returns `jax.shard_map(f)` over every axis of `mesh` that is not already manual here (`mesh_here`),
+    with those axes taken out of the specs (check_vma off)."""
+    here, manual = mesh_here(mesh)
+    if not manual:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(f, mesh=here, in_specs=tuple(_without(spec, manual) for spec in in_specs),
+                         out_specs=_without(out_specs, manual),
+                         axis_names=frozenset(axis for axis in here.axis_names if axis not in manual), check_vma=False)
+
+
 def activation_constrainer(mesh: Mesh, rules: Rules) -> Callable[[jax.Array, tuple[str | None, ...]], jax.Array]:
-    """Returns f(x, logical_axes) that pins an activation's layout inside a jitted function."""
+    """Returns f(x, logical_axes) that pins an activation's layout inside a jitted function.
+
+    Inside a `jax.shard_map` over some of the mesh axes (a pipeline stage's own program) the layout is on
+    the context's mesh, whose manual axes no activation dimension may name: those are dropped."""
 
     def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
         if len(logical_axes) != x.ndim:
             raise ValueError(f"{len(logical_axes)} logical axes {logical_axes} for an array of rank {x.ndim}")
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition_spec(logical_axes, rules)))
+        here, manual = mesh_here(mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(here, _without(partition_spec(logical_axes, rules),
+                                                                                manual)))
 
     return constrain

@@ -12,7 +12,7 @@ from orchestrator.config import ConfigError
 from orchestrator.explain import compile_step, explain, format_report, param_table
 from orchestrator.state import init_state
 from orchestrator.train import build_job
-from parallel.hlo import collective_lines, collectives
+from parallel.hlo import collective_lines, collectives, conditional_branch_ops, dot_operand_dtypes
 from parallel.mesh import build_mesh
 from parallel.pipeline import Schedule, pipeline_runner
 from parallel.pipeline_1f1b import _phases, one_f_one_b
@@ -95,14 +95,18 @@ def test_pipelined_step_moves_activations_by_collective_permute_and_never_gather
     _assert_no_all_gather_of_the_stack(job, hlo)
 
 
+@pytest.mark.parametrize("target", ["cpu", "cluster.device_kind=h100"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_full_remat_recovers_layer_inputs_without_a_second_stage_forward(schedule, tiny_config):
+def test_full_remat_recovers_layer_inputs_without_a_second_stage_forward(schedule, target, tiny_config):
     # Each layer is its own checkpoint, so the backward pass gathers a stage's weights over fsdp as often under
     # `full` as under `dots`. With one checkpoint around the whole stage it ran the stage's forward once more to
     # recover the layer inputs and gathered them again: 204 and 276 all-gathers here against dots' 144 and 216.
+    # A GPipe step meant for CPU skips its bubbles by a cond per layer (for an H100 it does not): there `full`
+    # recomputes a layer inside the backward pass's cond, else it gathered the weights again (204 against 144).
     programs = {}
     for remat in ("full", "dots"):
-        job = build_job(tiny_config("pipeline.microbatches=4", f"pipeline.schedule={schedule}", f"model.remat={remat}")
+        overrides = ["pipeline.microbatches=4", f"pipeline.schedule={schedule}", f"model.remat={remat}"]
+        job = build_job(tiny_config(*overrides, *([target] if target != "cpu" else []))
                         .replace(**mesh_overrides(pipeline=2, fsdp=2, tensor=2)), with_data=False)
         compiled = compile_step(job)
         programs[remat] = (collectives(compiled.as_text())["all-gather"]["count"],
@@ -216,10 +220,12 @@ def _toy_layer(w, x, rows=None):
     return y, {"mean": jnp.mean(y), "rows": jnp.asarray(x.shape[0], jnp.float32)}
 
 
+@pytest.mark.parametrize("skip_bubbles", [False, True])
 @pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2), (4, 2)])
-def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats):
+def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats, skip_bubbles):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
-    runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None))
+    runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
+                             skip_bubbles=skip_bubbles)
     layers, x = 8, jax.random.normal(jax.random.key(0), (16, 8))
     w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (layers, 8))
 
@@ -251,10 +257,12 @@ def _row_layer(w, x, rows):
     return jnp.tanh(x * w + rows["offset"]), {}
 
 
+@pytest.mark.parametrize("skip_bubbles", [False, True])
 @pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
-def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats):
+def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats, skip_bubbles):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
-    runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None))
+    runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
+                             skip_bubbles=skip_bubbles)
     x = jax.random.normal(jax.random.key(0), (16, 8))
     rows = {"offset": jax.random.normal(jax.random.key(2), (16, 8))}
     w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
@@ -268,14 +276,15 @@ POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
             "full": jax.checkpoint_policies.nothing_saveable}
 
 
+@pytest.mark.parametrize("skip_bubbles", [False, True])
 @pytest.mark.parametrize("remat", POLICIES)
 @pytest.mark.parametrize("repeats", [1, 2])
-def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats, capsys):
+def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats, skip_bubbles, capsys):
     from jax.ad_checkpoint import print_saved_residuals  # the public form of jax's residual listing
 
     mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(2, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
-                             POLICIES[remat])
+                             POLICIES[remat], skip_bubbles)
     w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))  # activations [micro-batch 4, 32] never end in (32, 32)
     capsys.readouterr()
     with jax.set_mesh(mesh):
@@ -289,6 +298,26 @@ def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats
         if dims[-2:] == [32, 32] and "from the argument" not in line:
             weight_elements += int(np.prod(dims))
     assert weight_elements <= w.size
+
+
+@pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
+def test_skip_bubbles_puts_every_layer_product_in_a_branch_that_a_bubble_skips(stages, repeats):
+    # Compiled forward and backward: with skip_bubbles every matmul of the layers, forward and backward, sits in
+    # one branch of a conditional whose other branch (the bubble's) has none; without it there is no conditional.
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))
+    dots = {}
+    for skip in (False, True):
+        runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES,
+                                 ("batch", None), skip_bubbles=skip)
+        with jax.set_mesh(mesh):
+            hlo = jax.jit(jax.grad(lambda w: jnp.sum(runner(_matmul_layer, w, x)[0]))).lower(w).compile().as_text()
+        dots[skip] = (dot_operand_dtypes(hlo), conditional_branch_ops(hlo, "dot"))
+    (plain, no_branches), (skipping, branches) = dots[False], dots[True]
+    assert plain and not no_branches
+    layer_branches = [counts for counts in branches if any(counts)]
+    assert len(layer_branches) >= 2 and all(sorted(counts)[0] == 0 for counts in layer_branches), branches
+    assert sum(sum(counts) for counts in layer_branches) == len(skipping) == len(plain)
 
 
 def _toy_input(h, inputs):
