@@ -369,9 +369,12 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         else:
             def run_stages(repeat, x, rows_now, busy):  # every stage works, a bubble on zeros
                 return stage_fn(params, repeat, x, rows_now)
-        iteration = _iteration_fn(schedule, layout, rows, run_stages)
-        (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
-        out = jax.lax.with_sharding_constraint(from_microbatches(buffer), layout.activation)
+        tick = _tick_fn(schedule, layout, rows, run_stages)
+        if repeats == 1:
+            outputs, totals = _gpipe_loop(tick, state, totals, buffer, layout)
+        else:
+            outputs, totals = _circular_loop(tick, state, totals, buffer, schedule)
+        out = jax.lax.with_sharding_constraint(from_microbatches(outputs), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
         stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), totals)
         return out, stats
@@ -406,24 +409,20 @@ def stage_rows(rows: Any, micro_index: jax.Array, layout: Layout) -> Any:
     return jax.tree.map(lambda leaf: layout.rows(leaf[micro_index], STAGE), rows)
 
 
-def _iteration_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Callable):
-    """Returns the scan body: one clock tick of every stage, carry (state, buffer, stats totals).
+def _tick_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Callable):
+    """Returns tick(state [S, mb, ...], totals, t, first [mb, ...]) -> (state, totals): iteration t of every
+    stage, stage 0 taking `first` and stage s stage s-1's output (a collective-permute).
 
-    `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and
-    receives it back from the last stage, so after the last iteration it holds the outputs
-    (and, for R > 1, feeds each micro-batch's next round to stage 0). `rows` [M, mb, ...]
-    stay put: each stage reads those of the micro-batch it works on. `run_stages(repeat, x, rows, busy)`
-    runs every stage, `busy` [S] False on a bubble.
+    `rows` [M, mb, ...] stay put: each stage reads those of the micro-batch it works on.
+    `run_stages(repeat, x, rows, busy)` runs every stage, `busy` [S] False on a bubble.
     """
     stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     stage_ids = jnp.arange(stages)
 
-    def iteration(carry, t):
-        state, buffer, totals = carry
+    def tick(state: jax.Array, totals: Any, t: jax.Array, first: jax.Array):
         item = t - stage_ids  # [S]: the work item r*M + m each stage runs now
         valid = (item >= 0) & (item < repeats * micro)
-        # Stage s takes stage s-1's output (a collective-permute); stage 0 takes the buffer's next slot.
-        incoming = jnp.where(expand(stage_ids == 0, state), buffer[t % micro][None], jnp.roll(state, 1, 0))
+        incoming = jnp.where(expand(stage_ids == 0, state), first[None], jnp.roll(state, 1, 0))
         # Bubble stages get zeros (finite, whether they work on them or skip) and their outputs are never read.
         incoming = jax.lax.with_sharding_constraint(jnp.where(expand(valid, state), incoming, 0), layout.state)
         repeat = jnp.clip(item // micro, 0, repeats - 1)
@@ -431,12 +430,49 @@ def _iteration_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Cal
         # [S, mb, ...], stats [S, layers_per_stage, ...]
         state, stats = run_stages(repeat, incoming, rows_now, valid)
         state = jax.lax.with_sharding_constraint(state, layout.state)
+        return state, add_stats(totals, stats, repeat, valid)
+
+    return tick
+
+
+def _gpipe_loop(tick: Callable, state: jax.Array, totals: Any, inputs: jax.Array, layout: Layout):
+    """Returns (outputs [M, mb, ...], totals) of GPipe's M + S - 1 iterations over the micro-batches `inputs`.
+
+    Micro-batch m enters stage 0 at iteration m and leaves the last stage at m + S - 1, so the inputs
+    (with S - 1 empty slots after them) are the loop's xs and the last stage's outputs its ys: the loop
+    carries only the stages' state. (Carrying an [M, mb, ...] buffer, read and written every iteration,
+    as the circular schedule must, made bench/step.py's pipeline step 3-6% slower on CPU.)
+    """
+    stages = state.shape[0]
+    fed = jnp.concatenate([inputs, jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
+    fed = jax.lax.with_sharding_constraint(fed, layout.buffer)
+
+    def iteration(carry, step):
+        state, totals = tick(*carry, *step)
+        return (state, totals), state[stages - 1]
+
+    (_, totals), outputs = jax.lax.scan(iteration, (state, totals), (jnp.arange(fed.shape[0]), fed))
+    return jax.lax.with_sharding_constraint(outputs[stages - 1:], layout.buffer), totals
+
+
+def _circular_loop(tick: Callable, state: jax.Array, totals: Any, buffer: jax.Array, schedule: Schedule):
+    """Returns (outputs [M, mb, ...], totals) of the circular schedule's R*M + S - 1 iterations.
+
+    `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and receives it back from
+    the last stage, which feeds its next round to stage 0; after the last iteration it holds the outputs.
+    """
+    stages, micro = schedule.stages, schedule.microbatches
+
+    def iteration(carry, t):
+        state, buffer, totals = carry
+        state, totals = tick(state, totals, t, buffer[t % micro])
         finished = t - (stages - 1)  # the item the last stage just completed
         slot = finished % micro
         buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
-        return (state, buffer, add_stats(totals, stats, repeat, valid)), None
+        return (state, buffer, totals), None
 
-    return iteration
+    (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
+    return buffer, totals
 
 
 def add_stats(totals: Any, stats: Any, group: jax.Array, valid: jax.Array) -> Any:
