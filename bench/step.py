@@ -19,9 +19,11 @@ the residual out like the fsdp-split weights and the step runs ~3x slower),
 no remat tags, no metrics beyond the loss, no data pipeline (its batches are
 built before timing). On the pipeline mesh the bare step runs the same GPipe
 schedule written plainly (`_bare_gpipe`: stages as a vmapped dimension, a
-`jnp.roll` between ticks, M + S - 1 ticks), so both sides pay the same bubble;
-an earlier bare step used the pipeline axis for data parallelism instead and
-did 1/1.29 of the FLOPs, which made nestor's pipeline look 1.54x slower.
+`jnp.roll` between ticks, M + S - 1 ticks, every stage working on every
+tick); an earlier bare step used the pipeline axis for data parallelism instead
+and did 1/1.29 of the FLOPs, which made nestor's pipeline look 1.54x slower.
+nestor's step on CPU skips its bubble stages' work and the bare step does not,
+so on the pipeline mesh the ratio is not orchestration overhead alone.
 
 nestor's side is timed as its training loop runs a step: the batch built by
 its data pipeline, then the compiled step, every metric returned.
@@ -59,7 +61,9 @@ READING = (
     "the residual stream pinned to the batch split between layers; no NNX module, no activation constraints "
     "inside the layer, no metrics but the loss, batches built before timing (the module docstring of "
     "`bench/step.py` has the details). On the pipeline mesh the bare step runs the same GPipe schedule "
-    "(4 micro-batches, 2 stages) written plainly, so both sides pay the bubble, (M + S - 1) / M = 1.25. The "
+    "(4 micro-batches, 2 stages) written plainly, every stage working on every tick, bubble included: "
+    "(M + S - 1) / M = 1.25 of the work. nestor's step on CPU skips its bubble stages' work (README, "
+    "Pipeline), so on that mesh the ratio counts this too and is not the orchestration's overhead alone. The "
     "interquartile range of the per-round ratios shows the noise of the shared host."
 )
 

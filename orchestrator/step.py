@@ -121,9 +121,9 @@ def layer_runner(config: Config, policy: RematPolicy | None) -> StackRunner:
 def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
     """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else `layer_runner`'s) and
     how an MoE model's first dense layers run (`layer_runner`'s, before the pipeline: on every stage); every unit
-    is rematerialised by `model.remat`. A pipeline meant for CPU skips its bubble stages' work: simulated CPU
+    is rematerialised by `model.remat`. A pipeline meant for CPU skips its bubble stages' work (simulated CPU
     devices share the host's processors, which the busy stages then get; an accelerator's bubble waits either
-    way."""
+    way) and streams GPipe's micro-batches through its loop (parallel.pipeline.pipeline_runner)."""
     platform = mesh.devices.flat[0].platform
     policy = remat_policy(config, platform)
     layers = layer_runner(config, policy)
@@ -133,8 +133,9 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
-    skip_bubbles = target_platform(config, platform) == "cpu"
-    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, skip_bubbles), layers
+    cpu = target_platform(config, platform) == "cpu"
+    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, skip_bubbles=cpu,
+                           stream_microbatches=cpu), layers
 
 
 def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:

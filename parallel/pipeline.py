@@ -328,7 +328,8 @@ def stage_view(stacked_params: Any, schedule: Schedule, layout: Layout) -> Any:
 
 
 def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...],
-                    remat_policy: RematPolicy | None = None, skip_bubbles: bool = False):
+                    remat_policy: RematPolicy | None = None, skip_bubbles: bool = False,
+                    stream_microbatches: bool = False):
     """Returns runner(layer_fn, stacked_params, x, row_inputs=None) -> (x, stats) that pipelines a layer stack.
 
     `stacked_params` leaves are `[layers, ...]`; `x` is `[batch, ...]` with
@@ -338,7 +339,8 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     `remat_policy` (a `jax.checkpoint` policy; None = save everything) decides
     what each layer keeps for the backward pass besides its input.
     `skip_bubbles` skips a stage's work on bubble iterations (`_skipping_stages`) where the stage axes hold
-    one stage per device group; the results are the same either way.
+    one stage per device group; `stream_microbatches` runs GPipe (R = 1) by `_gpipe_loop`. The results are
+    the same either way.
     The runner returns the stack's output and each layer's stats stacked
     `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
     Raises ValueError when the batch does not split into
@@ -370,7 +372,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
             def run_stages(repeat, x, rows_now, busy):  # every stage works, a bubble on zeros
                 return stage_fn(params, repeat, x, rows_now)
         tick = _tick_fn(schedule, layout, rows, run_stages)
-        if repeats == 1:
+        if repeats == 1 and stream_microbatches:
             outputs, totals = _gpipe_loop(tick, state, totals, buffer, layout)
         else:
             outputs, totals = _circular_loop(tick, state, totals, buffer, schedule)
@@ -440,8 +442,10 @@ def _gpipe_loop(tick: Callable, state: jax.Array, totals: Any, inputs: jax.Array
 
     Micro-batch m enters stage 0 at iteration m and leaves the last stage at m + S - 1, so the inputs
     (with S - 1 empty slots after them) are the loop's xs and the last stage's outputs its ys: the loop
-    carries only the stages' state. (Carrying an [M, mb, ...] buffer, read and written every iteration,
-    as the circular schedule must, made bench/step.py's pipeline step 3-6% slower on CPU.)
+    carries only the stages' state. Carrying an [M, mb, ...] buffer, read and written every iteration,
+    as `_circular_loop` does, made bench/step.py's pipeline step 3-6% slower on CPU; the loop's inputs and
+    outputs take more temporaries (0.8% more for llama3-8b at seq 8192 on pipeline4 x fsdp2, M = 8, `full`:
+    83.3 against 82.6 GiB per device), so accelerators keep the buffer.
     """
     stages = state.shape[0]
     fed = jnp.concatenate([inputs, jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
@@ -456,7 +460,8 @@ def _gpipe_loop(tick: Callable, state: jax.Array, totals: Any, inputs: jax.Array
 
 
 def _circular_loop(tick: Callable, state: jax.Array, totals: Any, buffer: jax.Array, schedule: Schedule):
-    """Returns (outputs [M, mb, ...], totals) of the circular schedule's R*M + S - 1 iterations.
+    """Returns (outputs [M, mb, ...], totals) of the circular schedule's R*M + S - 1 iterations (GPipe's too,
+    R = 1, unless streamed).
 
     `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and receives it back from
     the last stage, which feeds its next round to stage 0; after the last iteration it holds the outputs.

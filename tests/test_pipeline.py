@@ -220,12 +220,16 @@ def _toy_layer(w, x, rows=None):
     return y, {"mean": jnp.mean(y), "rows": jnp.asarray(x.shape[0], jnp.float32)}
 
 
-@pytest.mark.parametrize("skip_bubbles", [False, True])
+CPU_OPTIONS = {"plain": {}, "skip": {"skip_bubbles": True}, "stream": {"stream_microbatches": True},
+               "cpu": {"skip_bubbles": True, "stream_microbatches": True}}
+
+
+@pytest.mark.parametrize("options", CPU_OPTIONS)
 @pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2), (4, 2)])
-def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats, skip_bubbles):
+def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats, options):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
-                             skip_bubbles=skip_bubbles)
+                             **CPU_OPTIONS[options])
     layers, x = 8, jax.random.normal(jax.random.key(0), (16, 8))
     w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (layers, 8))
 
@@ -257,12 +261,12 @@ def _row_layer(w, x, rows):
     return jnp.tanh(x * w + rows["offset"]), {}
 
 
-@pytest.mark.parametrize("skip_bubbles", [False, True])
+@pytest.mark.parametrize("options", ["plain", "cpu"])
 @pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
-def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats, skip_bubbles):
+def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats, options):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
-                             skip_bubbles=skip_bubbles)
+                             **CPU_OPTIONS[options])
     x = jax.random.normal(jax.random.key(0), (16, 8))
     rows = {"offset": jax.random.normal(jax.random.key(2), (16, 8))}
     w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
@@ -318,6 +322,22 @@ def test_skip_bubbles_puts_every_layer_product_in_a_branch_that_a_bubble_skips(s
     layer_branches = [counts for counts in branches if any(counts)]
     assert len(layer_branches) >= 2 and all(sorted(counts)[0] == 0 for counts in layer_branches), branches
     assert sum(sum(counts) for counts in layer_branches) == len(skipping) == len(plain)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_streamed_gpipe_loop_carries_no_microbatch_buffer(stream):
+    # GPipe streamed: the micro-batches are the loop's xs and the outputs its ys; the carry is the stages' state.
+    mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
+    runner = pipeline_runner(Schedule(2, microbatches=4), mesh, DEFAULT_RULES, ("batch", None),
+                             stream_microbatches=stream)
+    w, x = jnp.ones((4, 8)), jnp.ones((16, 8))  # micro-batches [4, 4, 8]; the stages' state [2, 4, 8]
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda w, x: runner(_toy_layer, w, x))(w, x)
+    loops = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    carries = [tuple(v.aval.shape) for eqn in loops
+               for v in eqn.invars[eqn.params["num_consts"]:eqn.params["num_consts"] + eqn.params["num_carry"]]]
+    assert len(loops) == 1 and (2, 4, 8) in carries
+    assert ((4, 4, 8) in carries) is not stream, carries
 
 
 def _toy_input(h, inputs):
