@@ -250,7 +250,9 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stag
     its own, which measured 2-6% faster on bench/step.py's pipeline mesh under `dots` than one cond.
     """
     policy = _layer_policy(remat_policy)
-    recomputes_matmuls = not policy(jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
+    kept = policy(jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
+    # False, or jax's Recompute marker from an offloading policy (truthy, like its Saveable and Offloadable)
+    recomputes_matmuls = kept is False or type(kept).__name__ == "RecomputeType"
     busy_layer = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False) if recomputes_matmuls else layer_fn
 
     def layer(stage_params: Any, repeat: jax.Array, index: jax.Array, x: jax.Array, row_inputs: Any,
