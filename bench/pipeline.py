@@ -5,8 +5,9 @@ For S = 4 stages and the schedules GPipe (arXiv 1811.06965, R = 1), circular
 R = 2) and zero-bubble (ZB-H1, arXiv 2401.10241, R = 1), times the train step
 over M micro-batches as a ratio to the same model's non-pipelined step (the
 same devices as a data mesh), the two interleaved step by step, next to the
-theory (`theory`): every tick runs all stages, so the bubble's share of the
-work is the share of the time (1F1B also recomputes each stage's forward in its
+theory (`theory`): the bubble's share of the ticks counted as time, as where
+every tick runs all stages (on CPU GPipe and circular skip their bubbles' work,
+so they can beat it; 1F1B also recomputes each stage's forward in its
 backward tick, which the theory leaves out). Also reads XLA's per-device
 temporary bytes over M with and without remat (model.remat, per layer).
 
@@ -16,7 +17,8 @@ temporary bytes over M with and without remat (model.remat, per layer).
                                         # at a fixed micro-batch, compile only (prints only)
 
 On simulated CPU devices the "devices" share the host's cores, so the ratio
-measures total work (bubble included) plus per-iteration overhead, not
+measures total work (the bubble's included, except where GPipe and circular
+skip it on CPU) plus per-iteration overhead, not
 overlap; the memory numbers are what XLA would allocate on each device.
 """
 
@@ -189,11 +191,14 @@ def write_markdown(baseline: float, rows: list[dict], steps: int, memory: list[s
              f"(median; each pipelined step is interleaved with a baseline step, {steps} pairs per row after a warm-up).", "", HEADER, "|---|---|---|---|---|---|---|---|"]
     lines += [format_row(row) for row in rows]
     lines += ["", "![pipeline](pipeline.png)", "",
-              "Simulated CPU devices share the host's cores, so the ratio is total work (bubble iterations "
-              "run every stage on zeros) plus a fixed cost per loop iteration: as M grows there are more "
+              "Simulated CPU devices share the host's cores, so the ratio is total work plus a fixed cost per "
+              "loop iteration (on CPU GPipe and circular skip their bubble iterations' work, \"Skipping the "
+              "bubbles on CPU\" below, so the theory, which counts the bubble as work, is no bound for them; "
+              "1F1B, interleaved 1F1B and zero-bubble run their bubbles on zeros): as M grows there are more "
               "iterations, each on a smaller micro-batch, so the measured ratio rises again at large M while "
               "the theory keeps falling. It is not a measure of overlap between stages, and on this shared host "
-              "a ratio moves by about 0.2 from run to run (below theory means noise). R = 1 runs two layers "
+              "a ratio moves by about 0.2 from run to run (below theory means noise for the schedules that run "
+              "their bubbles). R = 1 runs two layers "
               "per stage in an inner loop whose per-iteration cost on CPU shows here (unrolling it took R=1, "
               "M=16 from 1.65 to 1.42 in a separate A/B run); R = 2 has one layer per stage group. Temp bytes "
               "fall with M (smaller micro-batches, same residuals per layer) and model.remat=full keeps only each "

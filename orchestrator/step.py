@@ -122,8 +122,9 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else `layer_runner`'s) and
     how an MoE model's first dense layers run (`layer_runner`'s, before the pipeline: on every stage); every unit
     is rematerialised by `model.remat`. A pipeline meant for CPU skips its bubble stages' work (simulated CPU
-    devices share the host's processors, which the busy stages then get; an accelerator's bubble waits either
-    way) and streams GPipe's micro-batches through its loop (parallel.pipeline.pipeline_runner)."""
+    devices share the host's processors, which the busy stages then get; on an accelerator, a device per
+    stage, it would save no time) and streams GPipe's micro-batches through its loop
+    (parallel.pipeline.pipeline_runner)."""
     platform = mesh.devices.flat[0].platform
     policy = remat_policy(config, platform)
     layers = layer_runner(config, policy)

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import Recompute
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from parallel.rules import Rules, partition_spec
@@ -250,10 +251,11 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stag
     its own, which measured 2-6% faster on bench/step.py's pipeline mesh under `dots` than one cond.
     """
     policy = _layer_policy(remat_policy)
-    kept = policy(jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
-    # False, or jax's Recompute marker from an offloading policy (truthy, like its Saveable and Offloadable)
-    recomputes_matmuls = kept is False or type(kept).__name__ == "RecomputeType"
-    busy_layer = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False) if recomputes_matmuls else layer_fn
+    busy_layer = layer_fn
+    if one_stage:
+        kept = policy(jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
+        if kept is False or kept is Recompute:  # an offloading policy's marker is truthy
+            busy_layer = jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
 
     def layer(stage_params: Any, repeat: jax.Array, index: jax.Array, x: jax.Array, row_inputs: Any,
               busy: jax.Array | None):
@@ -341,8 +343,8 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     `remat_policy` (a `jax.checkpoint` policy; None = save everything) decides
     what each layer keeps for the backward pass besides its input.
     `skip_bubbles` skips a stage's work on bubble iterations (`_skipping_stages`) where the stage axes hold
-    one stage per device group; `stream_microbatches` runs GPipe (R = 1) by `_gpipe_loop`. The results are
-    the same either way.
+    one stage per device group (else every stage works on every iteration); `stream_microbatches` runs GPipe
+    (R = 1) by `_gpipe_loop`. The results are the same either way, to float rounding.
     The runner returns the stack's output and each layer's stats stacked
     `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
     Raises ValueError when the batch does not split into
@@ -367,7 +369,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         no_work = jnp.zeros((stages,), jnp.int32)
         stats_shape = jax.eval_shape(stage_fn, params, no_work, state, stage_rows(rows, no_work, layout))[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
-        if skip_bubbles and stages == layout.stage_devices:
+        if skip_bubbles and layout.stage_axes and stages == layout.stage_devices:
             skipping = _skipping_stages(stage_function(layer_fn, remat_policy, one_stage=True), layout, stats_shape)
             run_stages = functools.partial(skipping, params)
         else:
