@@ -229,7 +229,7 @@ def _layer_policy(remat_policy: RematPolicy | None) -> RematPolicy:
     return saveable
 
 
-def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stage: bool = False):
+def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, layer_stats: Any = None):
     """Returns f(stage_params [R, layers_per_stage, ...], repeat, x, row_inputs) -> (x, stats [layers_per_stage, ...]).
 
     Each layer is a checkpoint of its own (`_layer_policy`, even without remat) that takes the whole
@@ -240,9 +240,9 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stag
     again under fsdp: on bench/step.py's model with GPipe on pipeline2 x fsdp2 x tensor2 and
     `model.remat=full`, 204 all-gathers per step and 21.4 MiB of temporaries against 164 and 13.0 MiB now.)
 
-    With `one_stage`, f is one stage's program (`_skipping_stages`): stage_params are [R, 1, layers_per_stage,
-    ...] and f takes `busy` (a bool scalar) after row_inputs; each layer runs under `lax.cond(busy, ...)`, and
-    a bubble passes x through with zero stats. The cond sits inside the layer's checkpoint, so the weights stay
+    Given `layer_stats` (the shapes of one layer's stats), f is one stage's program (`_skipping_stages`):
+    stage_params are [R, 1, layers_per_stage, ...] and f takes `busy` (a bool scalar) after row_inputs; each
+    layer runs under `lax.cond(busy, ...)`, and a bubble passes x through with zeros of `layer_stats`. The cond sits inside the layer's checkpoint, so the weights stay
     its input and are kept once, not per iteration (a cond's residuals are outputs of one branch, which the loop
     would stack). A policy that recomputes matmuls (`full`, `minimal`) gets a second checkpoint inside the cond,
     so the recomputation lands in the backward pass's own cond and shares its weights' fsdp all-gathers (one
@@ -251,6 +251,7 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stag
     its own, which measured 2-6% faster on bench/step.py's pipeline mesh under `dots` than one cond.
     """
     policy = _layer_policy(remat_policy)
+    one_stage = layer_stats is not None
     busy_layer = layer_fn
     if one_stage:
         kept = policy(jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ())))
@@ -262,10 +263,9 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, one_stag
         params = jax.tree.map(lambda leaf: leaf[(repeat, 0, index) if one_stage else (repeat, index)], stage_params)
         if busy is None:
             return layer_fn(params, x, row_inputs)
-        stats = jax.eval_shape(layer_fn, params, x, row_inputs)[1]
 
         def bubble(params, x, row_inputs):
-            return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
+            return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), layer_stats)
 
         return jax.lax.cond(busy, busy_layer, bubble, params, x, row_inputs)
 
@@ -370,7 +370,8 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         stats_shape = jax.eval_shape(stage_fn, params, no_work, state, stage_rows(rows, no_work, layout))[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
         if skip_bubbles and layout.stage_axes and stages == layout.stage_devices:
-            skipping = _skipping_stages(stage_function(layer_fn, remat_policy, one_stage=True), layout, stats_shape)
+            layer_stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[2:], s.dtype), stats_shape)
+            skipping = _skipping_stages(stage_function(layer_fn, remat_policy, layer_stats), layout, stats_shape)
             run_stages = functools.partial(skipping, params)
         else:
             def run_stages(repeat, x, rows_now, busy):  # every stage works, a bubble on zeros
@@ -390,7 +391,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
 
 def _skipping_stages(stage: Callable, layout: Layout, stats_shape: Any):
     """Returns run(params [R, S, ...], repeat [S], x [S, mb, ...], rows [S, mb, ...], busy [S]) -> (x, stats
-    [S, layers_per_stage, ...]): `stage` (stage_function's, `one_stage`) on every stage, each device group
+    [S, layers_per_stage, ...]): `stage` (stage_function's, given `layer_stats`) on every stage, each device group
     running its own stage's under `jax.shard_map` over the stage axes (the others left to GSPMD, so fsdp,
     tensor and data parallelism inside a stage are as under the vmap), and skipping its layers where `busy`
     is False."""
