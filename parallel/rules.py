@@ -140,8 +140,6 @@ def shard_map_here(f: Callable, mesh: Mesh, in_specs: tuple[PartitionSpec, ...],
     """Returns `jax.shard_map(f)` over every axis of `mesh` that is not already manual here (`mesh_here`),
     with those axes taken out of the specs (check_vma off)."""
     here, manual = mesh_here(mesh)
-    if not manual:
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     return jax.shard_map(f, mesh=here, in_specs=tuple(_without(spec, manual) for spec in in_specs),
                          out_specs=_without(out_specs, manual),
                          axis_names=frozenset(axis for axis in here.axis_names if axis not in manual), check_vma=False)
