@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
+from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 
-from orchestrator.config import load  # noqa: E402
-from orchestrator.explain import compile_step  # noqa: E402
-from orchestrator.fit import GIB  # noqa: E402
-from orchestrator.train import build_job  # noqa: E402
+from nestor.orchestrator.config import load  # noqa: E402
+from nestor.orchestrator.explain import compile_step  # noqa: E402
+from nestor.orchestrator.fit import GIB  # noqa: E402
+from nestor.orchestrator.train import build_job  # noqa: E402
 
 # llama3-8b at seq 8192, one sequence per device on fsdp8 (the quickstart's pipeline and MoE off).
 OVERRIDES = ["model.preset=llama3-8b", "model.dtype=bfloat16", "train.seq_len=8192", "train.global_batch=8",

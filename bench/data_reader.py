@@ -31,17 +31,17 @@ import time
 from pathlib import Path
 
 # The quickstart's mesh needs 8 devices: simulated on a CPU, set before jax starts.
-from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
+from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 
 import numpy as np  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from orchestrator.config import load  # noqa: E402
-from orchestrator.data.pipeline import make_source  # noqa: E402
-from orchestrator.data.shards import FORMAT, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
-from orchestrator.flops import model_flops_per_step  # noqa: E402
+from nestor.orchestrator.config import load  # noqa: E402
+from nestor.orchestrator.data.pipeline import make_source  # noqa: E402
+from nestor.orchestrator.data.shards import FORMAT, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
+from nestor.orchestrator.flops import model_flops_per_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -70,8 +70,8 @@ def random_token_directory(out: Path, tokens: int, vocab_size: int, documents: i
 
 def quickstart_step_time(run_dir: Path, steps: int) -> float:
     """Trains the quickstart in this process for `steps` steps; returns the median step_time_s after the first."""
-    from orchestrator.progress import Console
-    from orchestrator.train import train
+    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.train import train
 
     config = load(QUICKSTART, [f"run.dir={run_dir}", f"train.steps={steps}", "train.log_every=1",
                                "cluster.launcher=inprocess", "checkpoint.every=0", "metrics.tensorboard=false"])
@@ -99,7 +99,7 @@ def main() -> None:
 
     import jax
 
-    from orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.data.prepare import Options, prepare
 
     work = Path(tempfile.mkdtemp(prefix="nestor-bench-data-"))
     text_source = make_source(load(QUICKSTART, [f"run.dir={work / 'run'}"]))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.data.shards import FORMAT, METADATA, TokenStream, shard_name, write_shard
+from nestor.orchestrator.data.shards import FORMAT, METADATA, TokenStream, shard_name, write_shard
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Grouped matmuls of dropless MoE layers (models.grouped): each implementation's error against a
+"""Grouped matmuls of dropless MoE layers (nestor.backend.mosaic_gpu, models.ops.ragged_dot): each implementation's error against a
 per-group reference and its time, forward and backward, on the first local device.
 
 The problem is one expert layer's gate projection on one device: `--rows` rows
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.grouped import IMPLEMENTATIONS, grouped_matmul
-from orchestrator.moe import hopper
+from nestor.backend import is_hopper
+from nestor.backend.mosaic_gpu import IMPLEMENTATIONS, grouped_matmul_op
 
 ALONE = tuple(name for name in IMPLEMENTATIONS if name != "mosaic_gpu_or_xla")  # each of them on its own
 
@@ -56,7 +56,8 @@ def reference(rows: jax.Array, weights: jax.Array, sizes: jax.Array) -> jax.Arra
 
 def runs_here(implementation: str, device) -> bool:
     """True when `device` runs `implementation`: mosaic_gpu needs a Hopper GPU."""
-    return implementation != "mosaic_gpu" or hopper(device.platform)
+    return implementation != "mosaic_gpu" or (device.platform in ("gpu", "cuda") and is_hopper(
+        device.device_kind, getattr(device, "compute_capability", None)))
 
 
 def timed(function, *args, repeats: int) -> float:
@@ -125,8 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, {jnp.dtype(dtype).name}: "
           f"rows {args.rows} ({int(sizes.sum())} in groups), embed {args.embed}, width {args.width}, "
           f"{args.experts} experts")
-    products = {name: functools.partial(grouped_matmul, implementation=name)
-                for name in ALONE if runs_here(name, device)}
+    products = {name: grouped_matmul_op(name) for name in ALONE if runs_here(name, device)}
     results = [measure(name, product, rows, weights, sizes, args.repeats)
                for name, product in {**products, "reference": reference}.items()]
     print(table(results))

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from bench.step import round_ratios
-from cluster.cpu_devices import cpu_pool_threads
+from nestor.cluster.cpu_devices import cpu_pool_threads
 
 MARK = "@@bench "
 MAXTEXT_MODEL = ("hardware=cpu", "dataset_type=synthetic", "attention=dot_product", "decoder_block=llama2",
@@ -80,8 +80,8 @@ def nestor_runner(mesh: str, remat: str, schedule: str = "gpipe", repeats: str =
     import jax
 
     from bench.step import MESHES, bench_config
-    from orchestrator.state import attention_run, init_state
-    from orchestrator.train import build_job
+    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.train import build_job
 
     pipelined = [f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"] if "pipeline" in mesh else []
     config = bench_config(MESHES[mesh], f"model.remat={remat}", *pipelined)
@@ -93,7 +93,7 @@ def nestor_runner(mesh: str, remat: str, schedule: str = "gpipe", repeats: str =
         state["state"], metrics = compiled(state["state"], job.data.batch(step))
         return metrics
 
-    settings = {"remat": config.model.remat, "attention": attention_run(config), "dtype": config.model.dtype,
+    settings = {"remat": job.backend.remat, "attention": job.backend.report()["attention"], "dtype": config.model.dtype,
                 "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats, "jax": jax.__version__}
     return run, settings, compiled
 

@@ -38,7 +38,7 @@ DEFAULT_MODELS = {  # per platform: a dense and an MoE model
 def model_config(model: str, remat: str, attention: str, dtype: str, steps: int):
     """Returns the Config of one row: the model string's preset and overrides, the row's remat,
     attention and dtype, data parallel over every local device."""
-    from orchestrator.config import load
+    from nestor.orchestrator.config import load
 
     preset, *overrides = model.split()
     return load(None, [f"model.preset={preset}", "cluster.devices_per_host=-1", "mesh.data=-1",
@@ -55,10 +55,10 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
     step.hlo.txt, names the kernels' fusions). Raises what building or compiling raises."""
     import jax
 
-    from orchestrator.explain import compile_step
-    from orchestrator.flops import model_flops_per_step, peak_tflops
-    from orchestrator.state import init_state
-    from orchestrator.train import build_job
+    from nestor.orchestrator.explain import compile_step
+    from nestor.orchestrator.flops import model_flops_per_step, peak_tflops
+    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.train import build_job
 
     job = build_job(config)
     compiled = compile_step(job)
@@ -95,7 +95,9 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
     """Returns a row per model x remat x attention; a config that fails (too big, no cuDNN) gets its
     error, on one line, instead of numbers. `report` receives each row as it is measured, then its
     profile's lines when `profile_dir` is given (each row traced into a numbered folder of it)."""
-    from orchestrator.state import attention_run
+    import jax
+
+    from nestor.backend import backend_of_devices
 
     out = []
     for model in models:
@@ -105,7 +107,7 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
                 row_profile = profile_dir and f"{profile_dir}/{len(out)}"
                 try:
                     config = model_config(model, remat, attention, dtype, steps)
-                    row["attention_run"] = attention_run(config)
+                    row["attention_run"] = backend_of_devices(config, jax.devices()).report()["attention"]
                     row |= measure(config, steps, warmup, peak_override, row_profile)
                 except Exception as error:  # a row that cannot run says why; the others still run
                     row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
@@ -118,11 +120,9 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
 
 def row_line(row: dict) -> str:
     """Returns one Markdown table row; the attention cell adds what runs where it is not jax's
-    implementation asked for (`row["attention_run"]`, orchestrator.state.attention_run)."""
-    from models.matmul import attention_name
-
+    implementation asked for (`row["attention_run"]`, the backend's report)."""
     attention, runs = row["attention"], row.get("attention_run")
-    if runs and runs != attention_name(False, attention):  # auto resolved, or causal_attention (bfloat16 on CPU)
+    if runs and runs != f"jax.nn.dot_product_attention ({attention})":  # auto resolved, or XLA:CPU's bfloat16 one
         attention = f"{attention}: {runs}"
     head = f"| {row['model']} | {row['remat']} | {attention} |"
     if "error" in row:
@@ -138,7 +138,7 @@ TABLE_HEAD = ("| model | remat | attention | tokens/s | model TFLOP/s per device
 
 def main() -> None:
     """Parses the command line, measures every row, prints the table (and writes it with --write)."""
-    from orchestrator.remat import POLICIES as REMAT_POLICIES
+    from nestor.backend.remat import POLICIES as REMAT_POLICIES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="preset plus overrides, quoted; repeatable")

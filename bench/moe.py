@@ -73,7 +73,7 @@ READING = (
 
 
 def _config(*overrides: str):
-    from orchestrator.config import load
+    from nestor.orchestrator.config import load
 
     return load(None, BASE + list(overrides))
 
@@ -117,9 +117,9 @@ def routing_flop_share(config) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.moe import MoEFeedForward, expert_capacity, grouped_swiglu
-    from orchestrator.explain import cost_flops
-    from orchestrator.state import model_config
+    from nestor.models.moe import MoEFeedForward, expert_capacity, grouped_swiglu
+    from nestor.orchestrator.explain import cost_flops
+    from nestor.orchestrator.state import model_config
 
     cfg = model_config(config)
     moe = cfg.moe
@@ -155,9 +155,9 @@ EXCHANGES = ("all-to-all", "all-gather", "reduce-scatter")
 def compiled_step(config) -> dict:
     """Returns the train step compiled for `config` with its token-exchange bytes (all-to-all,
     all-gather, reduce-scatter; all devices) and temporaries per device, ready to time."""
-    from orchestrator.explain import compile_step
-    from orchestrator.train import build_job
-    from parallel.hlo import collectives
+    from nestor.orchestrator.explain import compile_step
+    from nestor.orchestrator.train import build_job
+    from nestor.parallel.hlo import collectives
 
     job = build_job(config)
     compiled = compile_step(job)
@@ -173,7 +173,7 @@ def time_alternately(steps: dict[str, dict], rounds: int) -> None:
     their median."""
     import jax
 
-    from orchestrator.state import init_state
+    from nestor.orchestrator.state import init_state
 
     states = {name: init_state(entry["config"], entry["job"].layout) for name, entry in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
-    from orchestrator.runtime import configure_jax
+    from nestor.orchestrator.runtime import configure_jax
 
     configure_jax(_config())
     import jax

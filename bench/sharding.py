@@ -13,17 +13,17 @@ import statistics
 import sys
 import time
 
-from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
+from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 import jax  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from orchestrator import config as config_lib  # noqa: E402
-from orchestrator.config import ConfigError  # noqa: E402
-from orchestrator.explain import explain  # noqa: E402
-from orchestrator.state import init_state  # noqa: E402
-from orchestrator.train import build_job  # noqa: E402
+from nestor.orchestrator import config as config_lib  # noqa: E402
+from nestor.orchestrator.config import ConfigError  # noqa: E402
+from nestor.orchestrator.explain import explain  # noqa: E402
+from nestor.orchestrator.state import init_state  # noqa: E402
+from nestor.orchestrator.train import build_job  # noqa: E402
 
 MESHES = {
     "1 device": dict(devices=1),

@@ -7,9 +7,8 @@ weights, on 8 simulated CPU devices over three meshes.
 What the bare step is: the same transformer written here in plain jax
 (embedding, RMSNorm, RoPE, `jax.nn.dot_product_attention`, SwiGLU, a
 `lax.scan` over the stacked layers, float32 logits and cross-entropy; its
-weight matmuls are `models.matmul.einsum` and, where the model's are float32
-sums, its attention is `models.matmul.causal_attention`, as the model's, so
-that on CPU both sum in float32 and round once),
+matmuls, attention and SwiGLU are the ops the backend installs for nestor's
+model (models.ops), so that on CPU both sum in float32 and round once),
 `jax.value_and_grad`, and the same optax chain (clip + AdamW on the same
 schedule) applied to the same parameter tree, jitted with the same parameter
 shardings and the batch split over the data-parallel axes. It has none of
@@ -45,7 +44,7 @@ import sys
 import time
 from collections import Counter
 
-from cluster.cpu_devices import simulate_cpu_devices_before_import
+from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
 
 MESHES = {
     "fsdp8": {"mesh.fsdp": 8},
@@ -55,7 +54,7 @@ MESHES = {
 MODEL = ("model.embed_dim=256", "model.num_heads=4", "model.num_kv_heads=4", "model.head_dim=64",
          "model.mlp_dim=1024", "model.num_layers=4", "model.vocab_size=1024", "model.dtype=bfloat16",
          "train.seq_len=256", "train.global_batch=8", "pipeline.microbatches=4", "cluster.devices_per_host=8",
-         "run.dir=/tmp/nestor-bench-step")
+         "model.remat=none", "run.dir=/tmp/nestor-bench-step")  # no remat: the bare step keeps everything too
 READING = (
     "Bare: the same transformer, loss and optax chain in plain jax, jitted with the same parameter shardings and "
     "the residual stream pinned to the batch split between layers; no NNX module, no activation constraints "
@@ -70,7 +69,7 @@ READING = (
 
 def bench_config(mesh: dict[str, int], *overrides: str):
     """Returns the benchmark's config on `mesh` (mesh.<axis> -> degree, the other axes 1)."""
-    from orchestrator.config import load
+    from nestor.orchestrator.config import load
 
     degrees = {f"mesh.{axis}": 1 for axis in ("pipeline", "data", "fsdp", "expert", "tensor")} | mesh
     return load(None, [*MODEL, *(f"{key}={value}" for key, value in degrees.items()), *overrides])
@@ -86,25 +85,23 @@ def _rms_norm(x, scale, eps):
 
 def _bare_layer(cfg, pin):
     """Returns layer(x, p) -> (x, None): one transformer block of the bare model, `pin` applied to its output."""
-    from models import matmul
-    from models.transformer import rotary
+    from nestor.models import ops
+    from nestor.models.transformer import rotary
 
     dtype = cfg.compute_dtype
-    einsum = matmul.weight_einsum(cfg.float32_matmul_outputs)
 
     def project(equation, x, weight):
-        return einsum(equation, x, weight.astype(dtype))
+        return ops.einsum(equation, x, weight.astype(dtype))
 
     def layer(x, p):
         attention, mlp = p["attention"], p["mlp"]
         h = _rms_norm(x, p["attention_norm"]["scale"], cfg.norm_eps)
         q, k, v = (project("btd,dhk->bthk", h, attention[name]) for name in ("query", "key", "value"))
         q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
-        context = matmul.attention(q, k, v, float32_outputs=cfg.float32_matmul_outputs)
+        context = ops.attention(q, k, v)
         x = x + project("bthk,hkd->btd", context, attention["out"])
         h = _rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)
-        hidden = matmul.swiglu(project("...d,dm->...m", h, mlp["gate"]), project("...d,dm->...m", h, mlp["up"]),
-                               float32=cfg.float32_matmul_outputs)
+        hidden = ops.swiglu(project("...d,dm->...m", h, mlp["gate"]), project("...d,dm->...m", h, mlp["up"]))
         return pin(x + project("...m,md->...d", hidden, mlp["down"])), None
 
     return layer
@@ -148,7 +145,7 @@ def bare_loss(params: dict, tokens, cfg, residual=None, pipeline=None):
     import jax.numpy as jnp
     import optax
 
-    from models import matmul
+    from nestor.models import ops
 
     dtype = cfg.compute_dtype
     pin = (lambda x: x) if residual is None else (lambda x: jax.lax.with_sharding_constraint(x, residual))
@@ -160,7 +157,7 @@ def bare_loss(params: dict, tokens, cfg, residual=None, pipeline=None):
     else:
         x = pin(_bare_gpipe(layer, params["blocks"], x, *pipeline))
     x = _rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
-    logits = matmul.einsum("btd,dv->btv", x, params["unembedding"].astype(dtype), jnp.float32, float32_outputs=True)
+    logits = ops.einsum("btd,dv->btv", x, params["unembedding"].astype(dtype), jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 
 
@@ -172,9 +169,11 @@ def make_bare_step(config, job):
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from orchestrator.state import model_config
+    from nestor.models import ops
+    from nestor.orchestrator.state import model_config
 
-    cfg = model_config(config, job.mesh.devices.flat[0].platform)
+    cfg = model_config(config)
+    model_ops = job.backend.compiled_here().ops()
     optimizer = job.layout.optimizer
     batch_axes = tuple(axis for axis in ("data", "fsdp") if job.mesh.shape[axis] > 1) or None
     batch = NamedSharding(job.mesh, PartitionSpec(batch_axes))
@@ -184,7 +183,8 @@ def make_bare_step(config, job):
         stages, config.pipeline.microbatches, NamedSharding(job.mesh, PartitionSpec("pipeline", batch_axes, None, None)))
 
     def step(state, tokens):
-        loss, grads = jax.value_and_grad(bare_loss)(state["params"], tokens, cfg, residual, pipeline)
+        with ops.installed(model_ops):
+            loss, grads = jax.value_and_grad(bare_loss)(state["params"], tokens, cfg, residual, pipeline)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                 "opt_state": opt_state}, loss
@@ -199,7 +199,7 @@ def program(compiled) -> dict:
     """Returns what XLA compiled for one step, per device: FLOPs (loop bodies once per iteration), bytes
     accessed (loop bodies once), temporaries, collectives per step by kind (parallel.hlo), and how many
     copy, transpose and convert instructions the program text holds."""
-    from parallel.hlo import collectives, flops_per_run
+    from nestor.parallel.hlo import collectives, flops_per_run
 
     text = compiled.as_text()
     cost = compiled.cost_analysis()
@@ -217,9 +217,9 @@ def compiled_programs(mesh: dict[str, int], *overrides: str) -> dict[str, dict]:
     import jax
     import numpy as np
 
-    from orchestrator.explain import compile_step
-    from orchestrator.runtime import enable_compile_cache
-    from orchestrator.train import build_job
+    from nestor.orchestrator.explain import compile_step
+    from nestor.orchestrator.runtime import enable_compile_cache
+    from nestor.orchestrator.train import build_job
 
     config = bench_config(mesh, *overrides)
     enable_compile_cache(config)
@@ -247,9 +247,9 @@ def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
     the ratio nestor / bare per round (median, and its quartiles) on `mesh`."""
     import jax
 
-    from orchestrator.runtime import enable_compile_cache
-    from orchestrator.state import init_state
-    from orchestrator.train import build_job
+    from nestor.orchestrator.runtime import enable_compile_cache
+    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.train import build_job
 
     config = bench_config(mesh)
     enable_compile_cache(config)

@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.launcher import PROJECT_ROOT, use_token_if_present
-from cluster.rendezvous import ClusterError
+from nestor.cluster.launcher import PROJECT_ROOT, use_token_if_present
+from nestor.cluster.rendezvous import ClusterError
 
 SUBMITTED_CONFIG = ".nestor/config.yaml"
 # What a job needs of the project: its packages and configs, no run dirs, venvs or docs.
-JOB_FILES = ("pyproject.toml", "configs", "orchestrator", "parallel", "models", "cluster")
+JOB_FILES = ("pyproject.toml", "nestor", "configs", "orchestrator", "backend", "parallel", "models", "cluster")
 AGENT_WAIT_S = 60.0  # how long a submission waits for a just-started head's job agent
 # How long `stop` lets the job's driver end after its SIGTERM (the workers save the step they reach) before
 # Ray kills it: Ray's own default is 3 s. RAY_JOB_STOP_WAIT_TIME_S in the submitting shell overrides it.
@@ -76,7 +76,7 @@ def _jobs_call(address: str, what: str, call):
 def submit(address: str, config_yaml: str, command: str = "train") -> str:
     """Submits `nestor <command>` on `config_yaml` (resolved config text); returns the submission id.
 
-    The job runs `python -m orchestrator` from the project directory (uploaded as
+    The job runs `python -m nestor.orchestrator` from the project directory (uploaded as
     its working dir) with the Python on the cluster's PATH; a Python without
     nestor's dependencies ends the job with one line naming them. Raises
     ClusterError (one line) when the cluster cannot be reached or refuses the job.
@@ -94,7 +94,7 @@ def submit(address: str, config_yaml: str, command: str = "train") -> str:
         (working_dir / SUBMITTED_CONFIG).parent.mkdir(exist_ok=True)
         (working_dir / SUBMITTED_CONFIG).write_text(config_yaml)
         submit_job = functools.partial(
-            jobs.submit_job, entrypoint=f"{ENTRYPOINT_PYTHON} -m orchestrator {command} {SUBMITTED_CONFIG}",
+            jobs.submit_job, entrypoint=f"{ENTRYPOINT_PYTHON} -m nestor.orchestrator {command} {SUBMITTED_CONFIG}",
             runtime_env={"working_dir": str(working_dir), "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": os.environ.get(
                 "RAY_JOB_STOP_WAIT_TIME_S", str(STOP_WAIT_S))}})
         return _jobs_call(address, "submitting the job", lambda: _when_agent_ready(submit_job))

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster.cpu_devices import simulate_cpu_devices
-from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
+from nestor.cluster.cpu_devices import simulate_cpu_devices
+from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 
 LOCALHOST = "127.0.0.1"
 STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to stop

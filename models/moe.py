@@ -20,7 +20,7 @@ over the batch devices -> experts over the `expert` devices) into
 all-to-alls, as in GShard. Dropless (`capacity_factor` 0, as MegaBlocks,
 arXiv 2211.15841) gives every expert room for every token of its group, so
 nothing drops: each token's k assignments are sorted by expert and run through
-grouped matmuls (`jax.lax.ragged_dot` over the experts' group sizes) with no
+grouped matmuls (models.ops.grouped_matmul over the experts' group sizes) with no
 padding slot; whoever runs the model may install, with `expert_parallelism`,
 how the sorted tokens reach the experts' devices (parallel.experts). Besides
 the output, the layer reports GShard's load-balancing loss, the router z-loss
@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -43,13 +42,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import axes, matmul, remat_names
-from models.axes import constrain
-from models.grouped import grouped_matmul
-from models.params import param
+from nestor.models import axes, ops, remat_names
+from nestor.models.axes import constrain
+from nestor.models.params import param
 
 if TYPE_CHECKING:
-    from models.transformer import TransformerConfig
+    from nestor.models.transformer import TransformerConfig
 
 Stats = dict[str, jax.Array]
 
@@ -71,7 +69,6 @@ class MoELayerConfig:
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
     first_dense_layers: int = 0       # the first layers are dense (DeepSeek-V3); `every` counts the rest
     bias_update_rate: float = 0.0     # > 0: each layer has an `ExpertBias` (auxiliary-loss-free balancing)
-    grouped_matmul: str = "xla"       # dropless layers' grouped matmuls: models.grouped.IMPLEMENTATIONS
 
     @property
     def enabled(self) -> bool:
@@ -390,37 +387,33 @@ def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local:
     return order, group_sizes
 
 
-def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
-                   implementation: str = "xla", float32: bool = False) -> jax.Array:
+def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights) -> jax.Array:
     """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
-    expert's SwiGLU, [N, embed], by the grouped matmuls of `implementation` (models.grouped); rows past
-    the last group come out as zeros. `float32`: the silu in float32 (`models.matmul.swiglu`)."""
+    expert's SwiGLU, [N, embed], by the installed grouped matmuls (models.ops); rows past the last group
+    come out as zeros."""
     gate_weight, up_weight, down_weight = (weight.astype(rows.dtype) for weight in weights)
-    matmul_of = functools.partial(grouped_matmul, group_sizes=group_sizes, implementation=implementation)
-    gate = checkpoint_name(matmul_of(rows, gate_weight), remat_names.MLP_GATE)
-    up = checkpoint_name(matmul_of(rows, up_weight), remat_names.MLP_UP)
-    hidden = checkpoint_name(matmul.swiglu(gate, up, float32=float32), remat_names.MLP_HIDDEN)
-    return matmul_of(hidden, down_weight)
+    gate = checkpoint_name(ops.grouped_matmul(rows, gate_weight, group_sizes), remat_names.MLP_GATE)
+    up = checkpoint_name(ops.grouped_matmul(rows, up_weight, group_sizes), remat_names.MLP_UP)
+    hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
+    return ops.grouped_matmul(hidden, down_weight, group_sizes)
 
 
 def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
-                            first_expert: jax.Array | int = 0, *, matmuls: str = "xla",
-                            float32: bool = False) -> jax.Array:
+                            first_expert: jax.Array | int = 0) -> jax.Array:
     """Returns [T, embed]: each of `tokens` [T, embed] through those of its assigned `experts` [T, k]
     whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k].
 
     The T x k assignments are sorted by expert into one buffer of T x k rows
-    (static: the most a device can be asked for), grouped matmuls
-    (of implementation `matmuls`, models.grouped) run over the experts' group sizes, and
-    each assignment gathers its row back (both gathers gather in the backward
-    pass too, see `take_rows`). `float32`: the SwiGLU's silu in float32 (`grouped_swiglu`).
+    (static: the most a device can be asked for), grouped matmuls run over the
+    experts' group sizes, and each assignment gathers its row back (both
+    gathers gather in the backward pass too, see `take_rows`).
     """
     num_tokens, top_k = experts.shape
     num_local = weights[0].shape[0]
     order, group_sizes = sort_by_expert(experts, first_expert, num_local)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))  # sorted row of each
     rows = take_rows(tokens, order // top_k, position.reshape(num_tokens, top_k))  # [T x k, embed]
-    outputs = grouped_swiglu(rows, group_sizes, weights, matmuls, float32)
+    outputs = grouped_swiglu(rows, group_sizes, weights)
     outputs = take_rows(outputs, position, order[:, None])  # [T x k, embed]
     routed = position < jnp.sum(group_sizes)  # [T x k] the assignments to a local expert
     outputs = jnp.where(routed[:, None], outputs, 0).reshape(num_tokens, top_k, -1)
@@ -450,7 +443,6 @@ class MoEFeedForward(nnx.Module):
                                if cfg.moe.bias_update_rate else None)
         self.moe = cfg.moe
         self.dtype = cfg.compute_dtype
-        self.float32_matmul_outputs = cfg.float32_matmul_outputs
 
     def bias(self) -> jax.Array | None:
         """Returns the selection bias [experts] of auxiliary-loss-free balancing, or None without it."""
@@ -459,12 +451,12 @@ class MoEFeedForward(nnx.Module):
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
         dtype = self.dtype
-        einsum = matmul.weight_einsum(self.float32_matmul_outputs)
+        einsum = ops.einsum
         gate = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
                                remat_names.MLP_GATE)
         up = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
                              remat_names.MLP_UP)
-        hidden = checkpoint_name(matmul.swiglu(gate, up, float32=self.float32_matmul_outputs), remat_names.MLP_HIDDEN)
+        hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
         return einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
 
@@ -530,13 +522,11 @@ class MoEFeedForward(nnx.Module):
         gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
         weights = (self.gate[...], self.up[...], self.down[...])
         tokens = grouped.reshape(groups * tokens_per_group, dim)
-        local_experts = functools.partial(dropless_expert_outputs, matmuls=self.moe.grouped_matmul,
-                                          float32=self.float32_matmul_outputs)
         exchange = _exchange.get()
         if exchange is None:
-            output = local_experts(tokens, experts, gates, weights)
+            output = dropless_expert_outputs(tokens, experts, gates, weights)
         else:
-            output = exchange(local_experts, tokens, experts, gates, weights)
+            output = exchange(dropless_expert_outputs, tokens, experts, gates, weights)
         return output.reshape(groups, tokens_per_group, dim), choices.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:

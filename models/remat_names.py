@@ -20,9 +20,8 @@ MLP_UP = "mlp_up"                    # [..., mlp] x @ W_up
 MLP_HIDDEN = "mlp_hidden"            # [..., mlp] silu(gate) * up, the input of W_down
 # mixture of experts
 EXPERT_INPUTS = "expert_inputs"      # [experts, groups, capacity, embed] tokens dispatched to expert slots
-# the matmuls jax's dots_saveable does not see, which `dots` keeps by this name: those computed from float32
-# sums by models.matmul (weight matmuls, and the attention context where the model computes attention
-# there), and the grouped matmuls of dropless MoE layers (models.grouped: ragged_dot or Pallas kernels)
+# the matmuls jax's dots_saveable does not see, which `dots` keeps by this name: those behind a custom
+# gradient rule or a kernel (models.ops: matmuls from float32 sums, grouped matmuls, and a backend's)
 MATMUL_SUMS = "matmul_sums"
 
 ALL = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, ATTENTION_CONTEXT, OUT_PROJ, MLP_GATE, MLP_UP, MLP_HIDDEN, EXPERT_INPUTS)

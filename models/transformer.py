@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models import axes, matmul, remat_names
-from models.axes import constrain
-from models.moe import MoEFeedForward, MoELayerConfig
-from models.params import param
+from nestor.models import axes, ops, remat_names
+from nestor.models.axes import constrain
+from nestor.models.moe import MoEFeedForward, MoELayerConfig
+from nestor.models.params import param
 
 Stats = dict[str, jax.Array]
 # layer_fn(unit_params, x, row_inputs) -> (x, stats); row_inputs are per-row tensors that every
@@ -46,7 +46,6 @@ Stats = dict[str, jax.Array]
 LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Stats]]
 StackRunner = Callable[[LayerFn, Any, jax.Array, Any], tuple[jax.Array, Stats]]
 RematPolicy = Callable[..., Any]  # a jax.checkpoint policy
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +62,6 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"
-    attention: str = "xla"    # jax.nn.dot_product_attention's implementation: xla | cudnn (unless the next)
-    float32_matmul_outputs: bool = False  # matmuls and attention round float32 sums (models.matmul; bfloat16 CPU)
     moe: MoELayerConfig = MoELayerConfig()
 
     @property
@@ -148,7 +145,7 @@ class Attention(nnx.Module):
         and keys rotated as positions offset, offset + 1, ..."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
-        einsum = matmul.weight_einsum(cfg.float32_matmul_outputs)
+        einsum = ops.einsum
         q = checkpoint_name(einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
         k = checkpoint_name(einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
         v = checkpoint_name(einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
@@ -160,19 +157,15 @@ class Attention(nnx.Module):
     def output(self, context: jax.Array) -> jax.Array:
         """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
         context = constrain(context, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        einsum = matmul.weight_einsum(self.cfg.float32_matmul_outputs)
-        return checkpoint_name(einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
+        return checkpoint_name(ops.einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
                                remat_names.OUT_PROJ)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]
         no token attends to a token of another segment."""
         q, k, v = self.project(x)
-        # jax's xla path computes the scores in float32 and the softmax in float32, as the model did by hand;
-        # where the weight matmuls return float32 sums, attention's products do too (models.matmul).
         mask = None if segment_ids is None else document_mask(segment_ids)
-        context = matmul.attention(q, k, v, mask, float32_outputs=self.cfg.float32_matmul_outputs,
-                                   implementation=self.cfg.attention)
+        context = ops.attention(q, k, v, mask)
         return self.output(context)
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],
@@ -203,16 +196,15 @@ class MLP(nnx.Module):
         self.up = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (m, d), (axes.MLP, axes.EMBED), out_std)
         self.dtype = cfg.compute_dtype
-        self.float32_matmul_outputs = cfg.float32_matmul_outputs
 
     def __call__(self, x: jax.Array, *, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (output, no stats): the feed-forward interface MoEFeedForward shares."""
         del train, routing_key  # a dense feed-forward neither routes nor changes in eval
-        einsum = matmul.weight_einsum(self.float32_matmul_outputs)
+        einsum = ops.einsum
         gate = checkpoint_name(einsum("...d,dm->...m", x, self.gate[...].astype(self.dtype)), remat_names.MLP_GATE)
         up = checkpoint_name(einsum("...d,dm->...m", x, self.up[...].astype(self.dtype)), remat_names.MLP_UP)
-        hidden = checkpoint_name(matmul.swiglu(gate, up, float32=self.float32_matmul_outputs), remat_names.MLP_HIDDEN)
+        hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
         return einsum("...m,md->...d", hidden, self.down[...].astype(self.dtype)), {}
 
@@ -403,8 +395,7 @@ class Transformer(nnx.Module):
         """Returns the float32 logits [batch, length, vocab] of the stack's output `x` [batch, length, embed]."""
         x = self.final_norm(x)
         unembedding = self.embedding[...].T if self.cfg.tie_embeddings else self.unembedding[...]
-        logits = matmul.einsum("btd,dv->btv", x, unembedding.astype(self.cfg.compute_dtype), jnp.float32,
-                               float32_outputs=True)
+        logits = ops.einsum("btd,dv->btv", x, unembedding.astype(self.cfg.compute_dtype), jnp.float32)
         return constrain(logits, (axes.BATCH, axes.LENGTH, axes.ACT_VOCAB))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:

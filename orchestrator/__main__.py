@@ -1,7 +1,7 @@
-"""`python -m orchestrator ...` is `nestor ...` (the entrypoint of submitted jobs)."""
+"""`python -m nestor.orchestrator ...` is `nestor ...` (the entrypoint of submitted jobs)."""
 
 import sys
 
-from orchestrator.cli import console_script
+from nestor.orchestrator.cli import console_script
 
 sys.exit(console_script())

@@ -44,14 +44,14 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, finalized_steps,
+from nestor.orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, finalized_steps,
                                              handing_back_failures, quarantine_incomplete)
-from orchestrator.config import Config
-from orchestrator.errors import RunFailed
-from orchestrator.manifest import MANIFEST, records, write_manifest, written_by
-from orchestrator.paths import shown
-from orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
-from orchestrator.state import StateLayout
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.errors import RunFailed
+from nestor.orchestrator.manifest import MANIFEST, records, write_manifest, written_by
+from nestor.orchestrator.paths import shown
+from nestor.orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
+from nestor.orchestrator.state import StateLayout
 
 
 class CheckpointWriteError(RunFailed):

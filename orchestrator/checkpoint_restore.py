@@ -24,11 +24,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from orchestrator.config import Config, ConfigError
-from orchestrator.manifest import MANIFEST, verify_manifest
-from orchestrator.paths import shown
-from orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
-from orchestrator.state import StateLayout
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.manifest import MANIFEST, verify_manifest
+from nestor.orchestrator.paths import shown
+from nestor.orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
+from nestor.orchestrator.state import StateLayout
 
 # Orbax writes this file last into a finalized step directory.
 METADATA_FILE = "_CHECKPOINT_METADATA"

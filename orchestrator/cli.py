@@ -9,8 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from orchestrator.paths import shown
-from orchestrator.preflight import check_dependencies
+from nestor.orchestrator.paths import shown
+from nestor.orchestrator.preflight import check_dependencies
 
 
 def _tensorboard_command(log_dir: str) -> str:
@@ -27,8 +27,8 @@ def where_results_are(config) -> list[str]:
     same command again does: resume from the newest checkpoint, or, when run.dir shows that every save
     was refused (whichever launcher ran it), start from step 0. A driver that cannot see run.dir (a
     cluster's storage) says what it said before any checkpoint was read."""
-    from orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-    from orchestrator.health import CALMER
+    from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
+    from nestor.orchestrator.health import CALMER
 
     run_dir = config.run.dir
     kept = finalized_steps(checkpoint_dir(run_dir))
@@ -60,18 +60,18 @@ def _saves_refused(metrics_jsonl: Path) -> bool:
 
 
 def _train(config, args) -> int:
-    from orchestrator.checkpoint_restore import checkpoint_dir
-    from orchestrator.progress import Console
+    from nestor.orchestrator.checkpoint_restore import checkpoint_dir
+    from nestor.orchestrator.progress import Console
 
     console = Console()
     try:
         if config.cluster.launcher == "ray":
-            from orchestrator.launch import train_on_ray
+            from nestor.orchestrator.launch import train_on_ray
 
             stopped_by = train_on_ray(config, console)
         else:
-            from orchestrator.runtime import configure_jax
-            from orchestrator.train import train
+            from nestor.orchestrator.runtime import configure_jax
+            from nestor.orchestrator.train import train
 
             configure_jax(config)
             stopped_by = train(config, console=console).stopped_by
@@ -88,8 +88,8 @@ def _train(config, args) -> int:
 
 
 def _explain(config, args) -> int:
-    from orchestrator.explain import explain, format_report
-    from orchestrator.runtime import configure_jax
+    from nestor.orchestrator.explain import explain, format_report
+    from nestor.orchestrator.runtime import configure_jax
 
     configure_jax(config)
     report = explain(config)
@@ -98,8 +98,8 @@ def _explain(config, args) -> int:
 
 
 def _eval(config, args) -> int:
-    from orchestrator.evaluation.commands import evaluate_checkpoint
-    from orchestrator.runtime import configure_jax
+    from nestor.orchestrator.evaluation.commands import evaluate_checkpoint
+    from nestor.orchestrator.runtime import configure_jax
 
     configure_jax(config)
     result = evaluate_checkpoint(config)
@@ -110,8 +110,8 @@ def _eval(config, args) -> int:
 
 
 def _sample(config, args) -> int:
-    from orchestrator.evaluation.commands import sample_checkpoint
-    from orchestrator.runtime import configure_jax
+    from nestor.orchestrator.evaluation.commands import sample_checkpoint
+    from nestor.orchestrator.runtime import configure_jax
 
     configure_jax(config)
     print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
@@ -121,7 +121,7 @@ def _sample(config, args) -> int:
 def _submit(config, args) -> int:
     import yaml
 
-    from cluster import jobs
+    from nestor.cluster import jobs
 
     job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False))
     print(job_id, flush=True)
@@ -135,7 +135,7 @@ def _submit(config, args) -> int:
 
 
 def _job_command(args) -> int:
-    from cluster import jobs
+    from nestor.cluster import jobs
 
     if args.command == "status":
         print(jobs.status(args.address, args.job_id))
@@ -145,7 +145,7 @@ def _job_command(args) -> int:
 
 
 def _data_prepare(args) -> int:
-    from orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.data.prepare import Options, prepare
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,
@@ -275,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"nestor: {missing}", file=sys.stderr)
         return 1
-    from cluster.rendezvous import ClusterError
-    from orchestrator.config import ConfigError, load
-    from orchestrator.errors import RunFailed
+    from nestor.cluster.rendezvous import ClusterError
+    from nestor.orchestrator.config import ConfigError, load
+    from nestor.orchestrator.errors import RunFailed
 
     try:
         if args.handler is None:
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_script() -> int:
-    """The `nestor` console script (and `python -m orchestrator`): returns `main`'s exit code, after which
+    """The `nestor` console script (and `python -m nestor.orchestrator`): returns `main`'s exit code, after which
     a Ctrl-C while the process exits is ignored; the run has stopped and said where it is, and JAX's exit
     handlers would show it as a traceback (a second Ctrl-C that came after a first one had stopped the run)."""
     code = main()

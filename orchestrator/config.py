@@ -18,77 +18,17 @@ from typing import Any
 
 import yaml
 
-from models import remat_names
-from orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
-from models.transformer import ATTENTION_IMPLEMENTATIONS
-from orchestrator.health import HISTORY as HEALTH_HISTORY
-from orchestrator.remat import CHOICES as REMAT_CHOICES, PIPELINE_REMAT_ALIASES
-from parallel.rules import MESH_AXES
+from nestor.backend import ATTENTION_CHOICES, GROUPED_MATMUL_CHOICES
+from nestor.backend.remat import CHOICES as REMAT_CHOICES
+from nestor.models import remat_names
+from nestor.orchestrator import config_keys
+from nestor.orchestrator.config_keys import FIELD_NAMES, INT32_MAX, YAML_NAMES, Key, hints, key  # noqa: F401
+from nestor.orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
+from nestor.orchestrator.health import HISTORY as HEALTH_HISTORY
+from nestor.orchestrator.validation import validate
+from nestor.parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-INT32_MAX = 2**31 - 1  # steps, sizes and counts live in int32 on the device
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-    """What one config key may hold, declared beside its default.
-
-    base.yaml's comment for the key is `comment()` (tests/test_config_table.py
-    checks every line), so the comment, the type and the range cannot drift.
-    Integers are at most INT32_MAX unless `maximum` says otherwise; floats are
-    finite. For a list key, `choices` applies to each element.
-    """
-
-    doc: str
-    minimum: float | None = None  # inclusive
-    maximum: float | None = None  # inclusive
-    above: float | None = None    # exclusive lower bound
-    below: float | None = None    # exclusive upper bound
-    also: tuple = ()              # values allowed outside the range, e.g. -1 = fill the mesh
-    choices: tuple = ()
-
-    def bounds(self) -> str:
-        """Returns the range as base.yaml shows it, e.g. `[>= 1 or -1]`; empty when unbounded."""
-        parts = [f"{sign} {_number(bound)}" for sign, bound in
-                 ((">=", self.minimum), (">", self.above), ("<=", self.maximum), ("<", self.below))
-                 if bound is not None]
-        if not parts:
-            return ""
-        return "[" + ", ".join(parts) + "".join(f" or {_number(v)}" for v in self.also) + "]"
-
-    def comment(self) -> str:
-        """Returns the key's comment in base.yaml: the doc, then the range."""
-        return " ".join(part for part in (self.doc, self.bounds()) if part)
-
-    def problem(self, value: Any) -> str | None:
-        """Returns what is wrong with a value of the right type, or None."""
-        if self.choices and value not in self.choices:
-            return f"{value!r} is not one of {', '.join(map(str, self.choices))}"
-        if value in self.also or isinstance(value, (bool, str)):
-            return None
-        maximum = self.maximum if self.maximum is not None or not isinstance(value, int) else INT32_MAX
-        failed = [text for text, broken in (
-            (f">= {_number(self.minimum)}", self.minimum is not None and value < self.minimum),
-            (f"> {_number(self.above)}", self.above is not None and value <= self.above),
-            (f"<= {_number(maximum)}", maximum is not None and value > maximum),
-            (f"< {_number(self.below)}", self.below is not None and value >= self.below)) if broken]
-        if not failed:
-            return None
-        allowed = "".join(f" or {_number(v)}" for v in self.also)
-        return f"must be {' and '.join(failed)}{allowed}, got {value:g}" if isinstance(value, float) \
-            else f"must be {' and '.join(failed)}{allowed}, got {value}"
-
-
-def _number(value: float) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def key(default: Any, doc: str, **limits: Any) -> Any:
-    """Returns a dataclass field with `default` and its Key (doc, range, choices) as metadata."""
-    factory = {"default_factory": type(default)} if isinstance(default, dict) else {"default": default}
-    return dataclasses.field(**factory, metadata={"key": Key(doc, **limits)})
 
 
 _POSITIVE = dict(minimum=1)
@@ -120,11 +60,11 @@ class ModelConfig:
     init_std: float = key(0.02, "stddev of the normal initialiser", above=0)
     dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16; params stay float32",
                      choices=("float32", "bfloat16", "float16"))
-    attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla) | xla | "
-                         "cudnn", choices=("auto", *ATTENTION_IMPLEMENTATIONS))
-    remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (dots on GPU/TPU or for a cluster.accelerator "
-                     "or cluster.device_kind that is one; else none) | none | full | dots | minimal | offload "
-                     "(CPU: = minimal)", choices=REMAT_CHOICES)
+    attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla; bf16 on "
+                         "CPU from float32 sums) | xla | cudnn", choices=ATTENTION_CHOICES)
+    remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (the backend's for the target: dots on "
+                     "GPU/TPU, full on CPU) | none | full | dots | minimal | offload (CPU: = minimal)",
+                     choices=REMAT_CHOICES)
     remat_names: tuple[str, ...] = key((), "minimal/offload: activations to keep (models/remat_names.py); empty = "
                                        "the policy's default set", choices=remat_names.ALL)
     scan_layers: bool = key(True, "train and evaluate the layer stack as a lax.scan (compile time independent of "
@@ -223,8 +163,6 @@ class PipelineConfig:
                         choices=("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"))
     repeats: int = key(1, "circular, interleaved_1f1b: non-adjacent layer groups per stage (R); "
                        "num_layers % (S*R) == 0", **_POSITIVE)
-    remat: str | None = key(None, "deprecated alias of model.remat: none | full | dots_saveable (= dots) | "
-                            "dots_with_no_batch_dims_saveable (= minimal)", choices=tuple(PIPELINE_REMAT_ALIASES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +187,7 @@ class MoEConfig:
     grouped_matmul: str = key("auto", "dropless layers' grouped matmuls: auto (mosaic_gpu on Hopper GPUs in "
                               "bf16/fp16 where each device's embed and expert width are multiples of 128, else xla) "
                               "| xla (jax.lax.ragged_dot; XLA:GPU multiplies every row by every expert) | mosaic_gpu "
-                              "(jax's Pallas grouped-GEMM kernels, Hopper only)", choices=("auto", "xla", "mosaic_gpu"))
+                              "(jax's Pallas grouped-GEMM kernels, Hopper only)", choices=GROUPED_MATMUL_CHOICES)
     router: str = key("softmax", "softmax | sigmoid (DeepSeek-V3: per-expert sigmoid scores, gates renormalised over "
                       "the top k)", choices=("softmax", "sigmoid"))
     expert_mlp_dim: int = key(0, "hidden width of each routed expert (fine-grained experts); 0 = model.mlp_dim",
@@ -306,7 +244,7 @@ class ClusterConfig:
     worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
     device_kind: str | None = key(None, "explain's memory check: a device in its table (h100, h200, a100-40gb, "
                                   "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present (CPU: no "
-                                  "limit); also what model.remat=auto picks for")
+                                  "limit); also the target the backend's choices are made for")
     device_memory_gb: float | None = key(None, "explain's memory check: GiB per device, overrides the table", above=0)
 
 
@@ -350,14 +288,12 @@ class Config:
         return _validated(from_dict(tree))
 
 
-_YAML_NAMES = {"async_save": "async"}
-_FIELD_NAMES = {yaml_name: field for field, yaml_name in _YAML_NAMES.items()}
 
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {
-            _YAML_NAMES.get(f.name, f.name): _to_plain(getattr(value, f.name))
+            YAML_NAMES.get(f.name, f.name): _to_plain(getattr(value, f.name))
             for f in dataclasses.fields(value)
         }
     if isinstance(value, tuple):
@@ -519,30 +455,20 @@ def _resolved_entry(entry: dict, base: Path) -> dict:
 
 def _validated(config: Config) -> Config:
     """Returns `config` with its paths resolved against the working directory, validated."""
-    from orchestrator.validation import validate, without_deprecated_keys  # they import this module's types
 
-    return without_deprecated_keys(validate(resolve_paths(config, Path.cwd())))
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return validate(resolve_paths(config, Path.cwd()))
 
 
 @functools.cache
 def key_table(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, Any, Any, Key], ...]:
-    """Returns (dotted path, type hint, default, Key) for every config key, in base.yaml's order."""
-    cls = cls or Config
-    rows = ()
-    for field in dataclasses.fields(cls):
-        path = prefix + _YAML_NAMES.get(field.name, field.name)
-        hint = _hints(cls)[field.name]
-        if dataclasses.is_dataclass(hint):
-            rows += key_table(hint, path + ".")
-        else:
-            default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-            rows += ((path, hint, default, field.metadata["key"]),)
-    return rows
+    """Returns (dotted path, type hint, default, Key) for every key of `cls` (default: Config), in base.yaml's
+    order."""
+    return config_keys.key_table(cls or Config, prefix)
+
+
+# keys that were removed, and what to write instead
+REMOVED_KEYS = {"pipeline.remat": "was removed; write model.remat (none | full | dots | minimal | offload), which "
+                                  "applies to every layer stack, scanned or pipelined"}
 
 
 def from_dict(tree: dict) -> Config:
@@ -559,15 +485,18 @@ def _build(cls: type, tree: Any, prefix: str, problems: list) -> Any:
         problems.append((prefix.rstrip(".") or "<root>", "must be a mapping"))
         return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
+    field_hints = hints(cls)
     values = {}
     for key, raw in tree.items():
-        name = _FIELD_NAMES.get(key, key)
+        name = FIELD_NAMES.get(key, key)
         path = prefix + str(key)
-        if name not in fields:
-            problems.append((path, f"unknown key; known keys: {', '.join(sorted(_YAML_NAMES.get(n, n) for n in fields))}"))
+        if path in REMOVED_KEYS:
+            problems.append((path, REMOVED_KEYS[path]))
             continue
-        hint = hints[name]
+        if name not in fields:
+            problems.append((path, f"unknown key; known keys: {', '.join(sorted(YAML_NAMES.get(n, n) for n in fields))}"))
+            continue
+        hint = field_hints[name]
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, raw, path + ".", problems)
         else:

@@ -9,18 +9,16 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
-from orchestrator.config import Config
-from orchestrator.fit import GIB, fit_report
-from orchestrator.flops import executed_flops_per_step, model_flops_per_step
-from orchestrator.metrics import spec_text
-from orchestrator.moe import dropless_report
-from orchestrator.remat import policy_name
-from orchestrator.step import pipeline_schedule
-from orchestrator.train import Job, abstract_batch, build_job
-from parallel.hlo import collectives, flops_per_run
-from parallel.rules import is_logical_axes
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.fit import GIB, fit_report
+from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step
+from nestor.orchestrator.metrics import spec_text
+from nestor.orchestrator.moe import dropless_report
+from nestor.orchestrator.state import param_table, per_device_bytes
+from nestor.orchestrator.step import make_train_step, pipeline_schedule
+from nestor.orchestrator.train import Job, abstract_batch, build_job
+from nestor.parallel.hlo import collectives, flops_by_phase, flops_per_run
 
 
 def compile_step(job: Job):
@@ -33,35 +31,6 @@ def timed_compile(job: Job):
     start = time.perf_counter()
     compiled = compile_step(job)
     return compiled, time.perf_counter() - start
-
-
-def _per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:
-    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-
-
-def _flatten(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
-
-
-def _spec_entries(leaf: jax.ShapeDtypeStruct) -> list[str | list[str] | None]:
-    """Returns the PartitionSpec of `leaf` as JSON: per dimension None, a mesh axis, or a list of axes."""
-    spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
-    return [list(entry) if isinstance(entry, tuple) else entry for entry in spec]
-
-
-def param_table(job: Job) -> list[dict[str, Any]]:
-    """Returns one row per parameter: name, shape, logical axes, PartitionSpec (see `_spec_entries`),
-    bytes per device and in all."""
-    logical = dict(_flatten(job.layout.logical, is_leaf=is_logical_axes))
-    rows = []
-    for name, leaf in _flatten(job.layout.abstract["params"]):
-        rows.append({
-            "name": name, "shape": list(leaf.shape), "logical_axes": list(logical[name]),
-            "spec": _spec_entries(leaf), "bytes_per_device": _per_device_bytes(leaf),
-            "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
-        })
-    return rows
 
 
 def cost_flops(compiled) -> float:
@@ -99,17 +68,25 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     job = job or build_job(config, with_data=False)
     compiled, compile_s = timed_compile(job)
     memory = compiled.memory_analysis()
-    params = param_table(job)
+    params = param_table(job.layout)
     params_bytes = sum(row["bytes_per_device"] for row in params)
-    optimizer_bytes = sum(_per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
+    optimizer_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
     peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                   + memory.temp_size_in_bytes)
-    device = job.mesh.devices.flat[0]
     devices = job.mesh.devices.size
-    xla_flops = step_flops(compiled)
+    counting = job.backend.for_flop_count()
+    if counting is not None:  # the target multiplies each row once where this compile's ragged_dot does not
+        counted = make_train_step(config, job.layout, job.mesh, job.rules, counting)
+        counted = counted.lower(job.layout.abstract, abstract_batch(job)).compile()
+    else:
+        counted = compiled
+    xla_flops = step_flops(counted)
+    phases = flops_by_phase(counted.as_text())
+    backend = job.backend.compiled_here()
     return {
-        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": device.platform},
-        "remat": policy_name(config, device.platform),
+        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": backend.platform},
+        "backend": {**job.backend.report(), "substitutions": list(backend.substitutions)},
+        "remat": job.backend.remat,
         "params": params,
         "param_count": sum(math.prod(row["shape"]) for row in params),
         "memory_per_device_bytes": {
@@ -121,14 +98,16 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
             "temporaries": memory.temp_size_in_bytes,
             "peak_estimate": peak_bytes,
         },
-        "fit": fit_report(config, device.platform, device.device_kind, params_bytes + optimizer_bytes,
-                          memory.temp_size_in_bytes, peak_bytes, job.mesh.shape["pipeline"]),
+        "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory.temp_size_in_bytes, peak_bytes,
+                          job.mesh.shape["pipeline"]),
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
-        "dropless_moe": dropless_report(config, job.mesh, job.rules),
+        "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
         "flops_per_step": xla_flops * devices,
+        "flops_note": "" if counting is None else ", grouped matmuls counted as the target's grouped GEMMs",
         "flops_per_step_per_device": xla_flops,
+        "update_flops_per_step": phases["update"] * devices,
         "model_flops_per_step": model_flops_per_step(config),
         "executed_flops_per_step": executed_flops_per_step(config),
     }
@@ -161,11 +140,21 @@ def fit_line(fit: dict[str, Any]) -> str:
     return line + (f"\nnote: {fit['caveat']}" if fit.get("caveat") else "")
 
 
+def backend_lines(backend: dict[str, Any]) -> list[str]:
+    """Returns the report's lines on the backend: the target and what it runs, then what this compile
+    substitutes where its devices are not the target's."""
+    target = backend["target"] + (f" ({backend['device_kind']})" if backend["device_kind"] else "")
+    lines = [f"backend for {target}: remat {backend['remat']}; attention {backend['attention']}; matmuls "
+             f"{backend['matmuls']}; grouped matmuls {backend['grouped_matmul']}; expert exchange "
+             f"{backend['exchange']}; pipeline loop: {backend['pipeline_loop']}"]
+    return lines + [f"  compiled here: {note}" for note in backend["substitutions"]]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """Returns the human-readable form of an explain report."""
     mesh = report["mesh"]
     lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
-             f"({mesh['devices']} {mesh['platform']} devices)", "",
+             f"({mesh['devices']} {mesh['platform']} devices)", "", *backend_lines(report["backend"]), "",
              f"parameters: {report['param_count']:,}"]
     lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [
         (row["name"], str(tuple(row["shape"])), str(tuple(row["logical_axes"])), spec_text(row["spec"]),
@@ -185,6 +174,7 @@ def format_report(report: dict[str, Any]) -> str:
                       f"worst-case buffer {d['buffer_rows']:,} rows, "
                       f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
-                  f"all devices); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",
+                  f"all devices{report['flops_note']}), of which {report['update_flops_per_step']:.4g} update the "
+                  f"state (optimizer, norms); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",
               f"compiled in {report['compile_s']:.1f} s"]
     return "\n".join(lines)

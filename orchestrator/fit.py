@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.config import Config
-from orchestrator.remat import target_platform
+from nestor.backend import Backend
+
+if TYPE_CHECKING:  # the config is read, never built, here
+    from nestor.orchestrator.config import Config
 
 GIB = 2**30
 
@@ -40,12 +42,11 @@ def table_entry(device_kind: str) -> str | None:
     return max(matches)[1] if matches else None
 
 
-def device_memory(config: Config, platform: str, device_kind: str) -> tuple[str | None, float | None]:
-    """Returns (the device checked against, its memory in GiB) for devices of `platform` and
-    `device_kind`: `cluster.device_kind` or, on accelerators, the devices' own kind; the memory is
-    `cluster.device_memory_gb` or the table's. (None, None) on CPU with neither key set."""
-    cluster = config.cluster
-    kind = cluster.device_kind or (device_kind if platform != "cpu" else None)
+def device_memory(config: Config, backend: Backend) -> tuple[str | None, float | None]:
+    """Returns (the device checked against, its memory in GiB): the backend's device kind
+    (`cluster.device_kind`, or the accelerators' own); the memory is `cluster.device_memory_gb` or the
+    table's. (None, None) on CPU with neither key set."""
+    cluster, kind = config.cluster, backend.device_kind
     if cluster.device_memory_gb is not None:
         return kind, cluster.device_memory_gb
     entry = table_entry(kind) if kind else None
@@ -61,35 +62,32 @@ def verdict(total_bytes: int, capacity_gib: float | None) -> str:
     return "fits" if short <= 0 else f"does not fit, short by {math.ceil(short * 10) / 10:.1f} GiB"
 
 
-# XLA:CPU's temporaries for an unrolled stack are about the same whatever model.remat, as if it ran every
-# recomputation early (llama3-8b at 8192 on fsdp8: 628.7 GiB none, 632.0 full, against 43.1 GiB scanned
-# with full), while XLA:GPU keeps remat's effect (8 of its layers on one H100, unrolled: 12.85 GiB full,
-# 20.76 none; docs/benchmarks.md, "Unrolled layer stacks").
+# XLA:CPU schedules an unrolled stack's recomputations early, as if there were no remat; XLA:GPU does not
+# (measured in docs/benchmarks.md, "Unrolled layer stacks").
 UNROLLED_ON_CPU = ("model.scan_layers=false compiled by XLA:CPU for an accelerator: these figures do not apply "
                    "there. XLA:CPU's schedule of an unrolled stack keeps every unit's activations whatever "
-                   "model.remat; XLA:GPU's does not (llama3-8b on one H100, unrolled against scanned: +16% "
-                   "temporaries with full remat, -29% with dots)")
+                   "model.remat; XLA:GPU's does not (docs/benchmarks.md, \"Unrolled layer stacks\")")
 
 
-def unrolled_caveat(config: Config, platform: str, pipeline_stages: int = 1) -> str | None:
+def unrolled_caveat(config: Config, backend: Backend, pipeline_stages: int = 1) -> str | None:
     """Returns why the figures of an unrolled stack compiled on CPU for an accelerator do not apply there,
     or None where they hold (a scanned stack, a run meant for CPUs, a compile for the devices themselves,
     a mesh of several `pipeline_stages` and no first dense layers: the stages keep their loop, nothing is
     unrolled)."""
-    if config.model.scan_layers or platform != "cpu" or target_platform(config, platform) == "cpu":
+    if config.model.scan_layers or backend.platform != "cpu" or backend.target == "cpu":
         return None
     if pipeline_stages > 1 and not (config.moe_layers and config.moe.first_dense_layers):
         return None
     return UNROLLED_ON_CPU
 
 
-def fit_report(config: Config, platform: str, device_kind: str, state_bytes: int, temporaries_bytes: int,
-               total_bytes: int, pipeline_stages: int = 1) -> dict[str, Any]:
+def fit_report(config: Config, backend: Backend, state_bytes: int, temporaries_bytes: int, total_bytes: int,
+               pipeline_stages: int = 1) -> dict[str, Any]:
     """Returns explain's `fit` entry: per device the state (parameters + optimizer), XLA's temporaries
     and the total, in bytes, the device checked against, its memory, the verdict (`fits` is None
     when the memory is unknown) and a `caveat` (None, or why the figures do not apply)."""
-    kind, capacity_gib = device_memory(config, platform, device_kind)
+    kind, capacity_gib = device_memory(config, backend)
     return {"state_bytes": state_bytes, "temporaries_bytes": temporaries_bytes, "total_bytes": total_bytes,
             "device_kind": kind, "device_memory_bytes": None if capacity_gib is None else int(capacity_gib * GIB),
             "fits": None if capacity_gib is None else total_bytes <= capacity_gib * GIB,
-            "verdict": verdict(total_bytes, capacity_gib), "caveat": unrolled_caveat(config, platform, pipeline_stages)}
+            "verdict": verdict(total_bytes, capacity_gib), "caveat": unrolled_caveat(config, backend, pipeline_stages)}

@@ -10,8 +10,8 @@ masking leaves half.
 
 from __future__ import annotations
 
-from models.moe import expert_capacity
-from orchestrator.config import Config
+from nestor.models.moe import expert_capacity
+from nestor.orchestrator.config import Config
 
 
 def matmul_params_per_token(config: Config) -> int:

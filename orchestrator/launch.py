@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import signal
 
-from cluster.launcher import ClusterSpec, Preempted, Stopped, launch
-from orchestrator.config import Config
-from orchestrator.paths import show_relative_to, user_directory
-from orchestrator.progress import Console, ForwardingConsole, replay
-from orchestrator.run_lock import RunDirLock
+from nestor.cluster.launcher import ClusterSpec, Preempted, Stopped, launch
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.paths import show_relative_to, user_directory
+from nestor.orchestrator.progress import Console, ForwardingConsole, replay
+from nestor.orchestrator.run_lock import RunDirLock
 
 
 def cluster_spec(config: Config) -> ClusterSpec:
@@ -33,8 +33,8 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     """
     import jax
 
-    from orchestrator.runtime import enable_compile_cache
-    from orchestrator.train import train
+    from nestor.orchestrator.runtime import enable_compile_cache
+    from nestor.orchestrator.train import train
 
     config, directory = job
     show_relative_to(directory)

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from models import axes
-from models.grouped import tiles
-from models.moe import MoELayerConfig
-from orchestrator.config import Config, ConfigError, MoEConfig
-from orchestrator.validation import moe_tokens_per_device
-from parallel.experts import ExpertLayout, exchange_kind, exchange_name, expert_exchange, worst_case_rows
-from parallel.rules import Rules
+from nestor.backend import Backend
+from nestor.backend.mosaic_gpu import tiles
+from nestor.models import axes
+from nestor.models.moe import MoELayerConfig
+from nestor.orchestrator.config import Config, MoEConfig
+from nestor.orchestrator.validation import moe_tokens_per_device
+from nestor.parallel.experts import ExpertLayout, exchange_name, expert_exchange, worst_case_rows
+from nestor.parallel.rules import Rules
 
 EXPERT_LOAD = "moe_expert_load"
 EXPERT_BIAS = "moe_expert_bias"
@@ -29,9 +30,8 @@ EXPERT_LAYOUT = ExpertLayout(batch=axes.BATCH, expert=axes.EXPERT, hidden=axes.M
 Metrics = dict[str, jax.Array]
 
 
-def moe_layer_config(config: Config, platform: str) -> MoELayerConfig:
-    """Returns the model's MoE settings from the run config's `moe` section, the grouped matmuls of
-    dropless layers resolved for devices of jax platform `platform` (`grouped_matmul_implementation`)."""
+def moe_layer_config(config: Config) -> MoELayerConfig:
+    """Returns the model's MoE settings from the run config's `moe` section."""
     moe = config.moe
     return MoELayerConfig(
         num_experts=moe.num_experts, every=moe.every, top_k=moe.top_k, capacity_factor=moe.capacity_factor,
@@ -39,39 +39,7 @@ def moe_layer_config(config: Config, platform: str) -> MoELayerConfig:
         second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
         expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
         first_dense_layers=moe.first_dense_layers, bias_update_rate=moe.bias_update_rate,
-        grouped_matmul=grouped_matmul_implementation(config, platform),
     )
-
-
-def hopper(platform: str) -> bool:
-    """True when the devices of jax platform `platform` are NVIDIA Hopper GPUs (compute capability 9.x),
-    the GPUs jax's Mosaic GPU grouped-matmul kernels are written for; False when this process has none
-    (a report for GPUs written on a CPU)."""
-    if platform not in ("gpu", "cuda"):
-        return False
-    try:
-        device = jax.devices(platform)[0]
-    except RuntimeError:  # jax: no such platform here
-        return False
-    return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
-
-
-def grouped_matmul_implementation(config: Config, platform: str) -> str:
-    """Returns the grouped matmuls (models.grouped.IMPLEMENTATIONS) of `moe.grouped_matmul` on devices of
-    `platform`: for `auto`, mosaic_gpu_or_xla on Hopper GPUs in bfloat16 or float16 (the kernels where
-    each device's expert weights tile, else ragged_dot), else xla. Raises ConfigError when a dropless
-    model asks for mosaic_gpu off a Hopper GPU or in float32 (whether its shapes tile is
-    orchestrator.validation's check)."""
-    moe, dtype = config.moe, config.model.dtype
-    if not config.dropless_moe:
-        return "xla"  # no grouped matmul runs
-    kernels_run = hopper(platform) and dtype in ("bfloat16", "float16")
-    if moe.grouped_matmul == "auto":
-        return "mosaic_gpu_or_xla" if kernels_run else "xla"
-    if moe.grouped_matmul == "mosaic_gpu" and not kernels_run:
-        raise ConfigError([("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
-                            f"float16 (devices: {platform}, dtype {dtype}); use auto or xla")])
-    return moe.grouped_matmul
 
 
 def routing_key(seed: int, step: jax.Array) -> jax.Array:
@@ -99,25 +67,15 @@ def moe_loss_and_metrics(stats: dict[str, jax.Array], moe: MoEConfig) -> tuple[j
     return loss, metrics
 
 
-def chosen_exchange(moe: MoEConfig, mesh: Mesh) -> str:
-    """Returns the expert-parallel exchange `moe.exchange` picks for dropless layers on `mesh`'s devices
-    (parallel.experts.ALL_GATHER or RAGGED_ALL_TO_ALL). Raises ConfigError when ragged_all_to_all is
-    forced on devices whose XLA lacks it (CPU)."""
-    try:
-        return exchange_kind(moe.exchange, mesh.devices.flat[0].platform)
-    except ValueError as error:
-        raise ConfigError([("moe.exchange", f"{error}; use auto or all_gather")]) from None
+def dropless_exchange(backend: Backend, mesh: Mesh, rules: Rules):
+    """Returns the installed exchange of dropless layers (models.moe.expert_parallelism) on `mesh`: the
+    backend's."""
+    return expert_exchange(backend.exchange, mesh, rules, EXPERT_LAYOUT)
 
 
-def dropless_exchange(moe: MoEConfig, mesh: Mesh, rules: Rules):
-    """Returns the installed exchange of dropless layers (models.moe.expert_parallelism) on `mesh`.
-    Raises ConfigError as `chosen_exchange`."""
-    return expert_exchange(chosen_exchange(moe, mesh), mesh, rules, EXPERT_LAYOUT)
-
-
-def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
+def dropless_report(config: Config, backend: Backend, mesh: Mesh, rules: Rules) -> dict | None:
     """Returns explain's entry for dropless MoE layers (None for a dense model or capacity dispatch):
-    the expert-parallel exchange the mesh gets, the grouped matmuls its devices run (models.grouped), and
+    the expert-parallel exchange the mesh gets, the grouped matmuls the backend's target runs, and
     the worst-case sorted buffer of one layer per device: its rows (every token of the expert devices,
     k times) and their bytes, counting the rows in and out ([rows, embed] each) and the SwiGLU's gate, up
     and hidden ([rows, expert width / mlp shards] each)."""
@@ -129,10 +87,10 @@ def dropless_report(config: Config, mesh: Mesh, rules: Rules) -> dict | None:
     mlp_shards = int(np.prod([degrees[a] for a in rules.get(axes.MLP, ())]))
     width = (moe.expert_mlp_dim or config.model.mlp_dim) // mlp_shards
     row_bytes = (2 * config.model.embed_dim + 3 * width) * np.dtype(config.model.dtype).itemsize
-    matmuls = grouped_matmul_implementation(config, mesh.devices.flat[0].platform)
+    matmuls = backend.grouped_matmul
     if matmuls == "mosaic_gpu_or_xla":
         matmuls = "mosaic_gpu" if tiles(config.model.embed_dim, width) else "xla"
-    return {"exchange": exchange_name(chosen_exchange(moe, mesh), mesh, rules, EXPERT_LAYOUT),
+    return {"exchange": exchange_name(backend.exchange, mesh, rules, EXPERT_LAYOUT),
             "grouped_matmul": matmuls, "buffer_rows": rows, "buffer_bytes_per_device": rows * row_bytes}
 
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models import axes
-from orchestrator.config import Config
-from parallel.rules import is_logical_axes
+from nestor.models import axes
+from nestor.orchestrator.config import Config
+from nestor.parallel.rules import is_logical_axes
 
 
 @dataclasses.dataclass(frozen=True)

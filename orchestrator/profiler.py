@@ -16,8 +16,8 @@ from pathlib import Path
 
 import jax
 
-from orchestrator.config import Config
-from orchestrator.paths import shown
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.paths import shown
 
 
 class StepProfiler:

@@ -19,8 +19,8 @@ import socket
 import time
 from pathlib import Path
 
-from orchestrator.config import ConfigError
-from orchestrator.paths import shown
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.paths import shown
 
 LOCK_NAME = "nestor.lock"
 

@@ -7,10 +7,10 @@ import secrets
 import socket
 from pathlib import Path
 
-from cluster.cpu_devices import simulate_cpu_devices
-from cluster.rendezvous import ClusterError
-from orchestrator.config import Config
-from orchestrator.paths import shown
+from nestor.cluster.cpu_devices import simulate_cpu_devices
+from nestor.cluster.rendezvous import ClusterError
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.paths import shown
 
 _HOSTNAME_BYTES = 64  # a host's name as it travels in the run.dir check
 

@@ -10,69 +10,38 @@ the params are, which the step moves and the optimizer never sees.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.matmul import attention_name
-from models.moe import ExpertBias
-from models.transformer import Transformer, TransformerConfig
-from orchestrator.config import Config, ConfigError
-from orchestrator.moe import moe_layer_config
-from orchestrator.optimizer import make_optimizer
-from orchestrator.remat import target_platform
-from parallel.rules import Rules, tree_shardings
+from nestor.models.moe import ExpertBias
+from nestor.models.transformer import Transformer, TransformerConfig
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.moe import moe_layer_config
+from nestor.orchestrator.optimizer import make_optimizer
+from nestor.parallel.rules import Rules, is_logical_axes, tree_shardings
 
 
-def attention_implementation(choice: str, platform: str, dtype: str) -> str:
-    """Returns `jax.nn.dot_product_attention`'s implementation for `model.attention` on `platform`.
-
-    `auto` is cuDNN flash attention on GPUs in bfloat16 or float16 and XLA
-    everywhere else (CPU, TPU, float32). Raises ConfigError when `cudnn` is asked
-    for on a platform without it.
-    """
-    gpu = platform in ("gpu", "cuda", "rocm")
-    if choice == "auto":
-        return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "xla"
-    if choice == "cudnn" and not gpu:
-        raise ConfigError([("model.attention", f"cudnn needs a GPU, the devices are {platform}; use auto or xla")])
-    return choice
-
-
-def model_config(config: Config, platform: str | None = None) -> TransformerConfig:
-    """Returns the model's own config from the run config, attention resolved for `platform`
-    (a jax platform name; default: jax's default backend). In bfloat16, for a run meant for CPUs
-    (`target_platform`: not `nestor explain` on CPU for an H100), the weight matmuls and attention's
-    products return float32 sums that the model rounds (models.matmul: XLA:CPU of jax 0.10 would upcast
-    the dots)."""
+def model_config(config: Config) -> TransformerConfig:
+    """Returns the model's own config from the run config."""
     m = config.model
-    platform = platform or jax.default_backend()
-    attention = attention_implementation(m.attention, platform, m.dtype)
     return TransformerConfig(
         vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, attention=attention,
-        float32_matmul_outputs=target_platform(config, platform) == "cpu" and m.dtype == "bfloat16",
-        moe=moe_layer_config(config, platform),
+        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
     )
 
 
-def attention_run(config: Config, platform: str | None = None) -> str:
-    """Returns, for reports, what the model's attention runs on `platform` (models.matmul.attention_name):
-    `model.attention`'s implementation, or causal_attention where bfloat16 on CPU sums in float32.
-    Raises ConfigError as model_config does (cuDNN asked for off a GPU)."""
-    model = model_config(config, platform)
-    return attention_name(model.float32_matmul_outputs, model.attention)
-
-
-def build_model(config: Config, seed: int, platform: str | None = None) -> Transformer:
-    """Returns a freshly initialised model for `platform` (call under jit or eval_shape for big ones)."""
-    return Transformer(model_config(config, platform), nnx.Rngs(params=seed))
+def build_model(config: Config, seed: int) -> Transformer:
+    """Returns a freshly initialised model (call under jit or eval_shape for big ones)."""
+    return Transformer(model_config(config), nnx.Rngs(params=seed))
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:
@@ -110,8 +79,7 @@ def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
 
 def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
     """Returns the abstract, sharded layout of the train state for `mesh`."""
-    platform = mesh.devices.flat[0].platform
-    abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed, platform))
+    abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
     graphdef, abstract_bias, abstract_params = split_model(abstract_model)
     logical, params_shape = _logical_and_values(abstract_params)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
@@ -136,7 +104,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
 def init_state(config: Config, layout: StateLayout) -> dict:
     """Returns the train state initialised directly into its shardings (no full copy anywhere)."""
 
-    def init() -> dict:  # only the variables are kept: attention's implementation does not matter here
+    def init() -> dict:
         _, bias, params = split_model(build_model(config, config.run.seed))
         params = nnx.to_pure_dict(params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
@@ -144,3 +112,32 @@ def init_state(config: Config, layout: StateLayout) -> dict:
 
     return jax.jit(init, out_shardings=layout.shardings)()
 
+
+def per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:
+    """Returns the bytes one device holds of the sharded abstract array `leaf`."""
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def _flatten(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
+
+
+def _spec_entries(leaf: jax.ShapeDtypeStruct) -> list[str | list[str] | None]:
+    """Returns the PartitionSpec of `leaf` as JSON: per dimension None, a mesh axis, or a list of axes."""
+    spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
+    return [list(entry) if isinstance(entry, tuple) else entry for entry in spec]
+
+
+def param_table(layout: StateLayout) -> list[dict[str, Any]]:
+    """Returns one row per parameter of `layout`: name, shape, logical axes, PartitionSpec (see
+    `_spec_entries`), bytes per device and in all."""
+    logical = dict(_flatten(layout.logical, is_leaf=is_logical_axes))
+    rows = []
+    for name, leaf in _flatten(layout.abstract["params"]):
+        rows.append({
+            "name": name, "shape": list(leaf.shape), "logical_axes": list(logical[name]),
+            "spec": _spec_entries(leaf), "bytes_per_device": per_device_bytes(leaf),
+            "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
+        })
+    return rows

@@ -18,26 +18,35 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import axes
-from models.axes import activation_sharding
-from models.moe import expert_parallelism
-from models.transformer import RematPolicy, StackRunner, scan_layers, unrolled_layers
-from orchestrator.config import Config, MoEConfig
-from orchestrator.data.pipeline import document_ids, masks_documents
-from orchestrator.moe import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange, moe_loss_and_metrics,
+from nestor.backend import Backend, BackendError, backend_of_devices
+from nestor.models import axes, ops
+from nestor.models.axes import activation_sharding
+from nestor.models.moe import expert_parallelism
+from nestor.models.transformer import RematPolicy, StackRunner, scan_layers, unrolled_layers
+from nestor.orchestrator.config import Config, ConfigError, MoEConfig
+from nestor.orchestrator.data.pipeline import document_ids, masks_documents
+from nestor.orchestrator.moe import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange, moe_loss_and_metrics,
                               routing_key)
-from orchestrator.optimizer import learning_rate
-from orchestrator.remat import remat_policy, target_platform
-from orchestrator.state import StateLayout
-from orchestrator.validation import schedule_for
-from parallel.pipeline import Schedule, pipeline_runner, to_microbatches
-from parallel.pipeline_1f1b import one_f_one_b
-from parallel.rules import Rules, activation_constrainer, partition_spec
+from nestor.orchestrator.optimizer import learning_rate
+from nestor.orchestrator.state import StateLayout
+from nestor.orchestrator.validation import schedule_for
+from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
+from nestor.parallel.pipeline_1f1b import one_f_one_b
+from nestor.parallel.rules import Rules, activation_constrainer, partition_spec
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
 Metrics = dict[str, jax.Array]
 # grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads), as value_and_grad(loss_fn)
 GradFn = Callable[..., tuple[tuple[jax.Array, Metrics], Any]]
+
+
+def backend_for(config: Config, mesh: Mesh) -> Backend:
+    """Returns the backend (nestor.backend) of `config` on `mesh`'s devices: what the run's target runs.
+    Raises ConfigError for a choice the target cannot run."""
+    try:
+        return backend_of_devices(config, mesh.devices.flat)
+    except BackendError as error:
+        raise ConfigError([(error.key, error.message)]) from None
 
 
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
@@ -51,7 +60,7 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
-def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: StackRunner = scan_layers,
+def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend, stack_runner: StackRunner = scan_layers,
                  moe: MoEConfig = MoEConfig(), document_mask: bool = False,
                  dense_runner: StackRunner = scan_layers, train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
     """Returns loss(params, tokens [b, t+1], routing_key=None, expert_bias=None) -> (loss, metrics) with activations
@@ -59,16 +68,18 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, stack_runner: St
     stack runs through `stack_runner`, an MoE model's first dense layers through `dense_runner`.
     With `document_mask`, no token attends across a document separator (`data.document_ids`);
     `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing).
-    Raises ConfigError when `moe.exchange` cannot run on the mesh's devices."""
+    The model's layers get `backend`'s ops and expert exchange, as compiled on the mesh's devices."""
     constrainer = activation_constrainer(mesh, rules)
-    exchange = dropless_exchange(moe, mesh, rules)
+    compiled = backend.compiled_here()
+    exchange = dropless_exchange(compiled, mesh, rules)
+    model_ops = compiled.ops()
 
     def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
                 expert_bias: dict | None = None) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(layout.graphdef, expert_bias or {}, params)
         inputs = tokens[:, :-1]
         segment_ids = document_ids(inputs) if document_mask else None
-        with activation_sharding(constrainer), expert_parallelism(exchange):
+        with activation_sharding(constrainer), expert_parallelism(exchange), ops.installed(model_ops):
             logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
                                   dense_runner=dense_runner, train=train, routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
@@ -118,15 +129,12 @@ def layer_runner(config: Config, policy: RematPolicy | None) -> StackRunner:
     return functools.partial(scan_layers if config.model.scan_layers else unrolled_layers, remat_policy=policy)
 
 
-def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner, StackRunner]:
+def stack_runners(config: Config, mesh: Mesh, rules: Rules, backend: Backend) -> tuple[StackRunner, StackRunner]:
     """Returns how the layer stack runs forward (pipelined when `mesh.pipeline > 1`, else `layer_runner`'s) and
     how an MoE model's first dense layers run (`layer_runner`'s, before the pipeline: on every stage); every unit
-    is rematerialised by `model.remat`. A pipeline meant for CPU skips its bubble stages' work (simulated CPU
-    devices share the host's processors, which the busy stages then get; on an accelerator, a device per
-    stage, it would save no time) and streams GPipe's micro-batches through its loop
-    (parallel.pipeline.pipeline_runner)."""
-    platform = mesh.devices.flat[0].platform
-    policy = remat_policy(config, platform)
+    is rematerialised by the backend's remat policy, and a pipeline runs the backend's loop."""
+    compiled = backend.compiled_here()
+    policy = compiled.remat_policy()
     layers = layer_runner(config, policy)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None:
@@ -134,27 +142,29 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules) -> tuple[StackRunner
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
-    cpu = target_platform(config, platform) == "cpu"
-    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, skip_bubbles=cpu,
-                           stream_microbatches=cpu), layers
+    return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, compiled.pipeline_loop), layers
 
 
-def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) -> GradFn:
+def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None) -> GradFn:
     """Returns grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads) of the
     model's loss:
     jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop
-    (1F1B, interleaved or not, and zero-bubble), that schedule's own gradients."""
+    (1F1B, interleaved or not, and zero-bubble), that schedule's own gradients. `backend` defaults to
+    `backend_for(config, mesh)`."""
+    backend = backend or backend_for(config, mesh)
     document_mask = masks_documents(config, config.data.source)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:
-        stack_runner, dense_runner = stack_runners(config, mesh, rules)
-        loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, document_mask, dense_runner)
+        stack_runner, dense_runner = stack_runners(config, mesh, rules, backend)
+        loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runner, config.moe, document_mask, dense_runner)
         return jax.value_and_grad(loss_fn, has_aux=True)
-    policy = remat_policy(config, mesh.devices.flat[0].platform)
+    compiled = backend.compiled_here()
+    policy = compiled.remat_policy()
     value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
     dense_runner = layer_runner(config, policy)
     constrainer = activation_constrainer(mesh, rules)
-    exchange = dropless_exchange(config.moe, mesh, rules)
+    exchange = dropless_exchange(compiled, mesh, rules)
+    model_ops = compiled.ops()
     moe = config.moe
 
     def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
@@ -174,7 +184,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
         def head(rest: dict, y: jax.Array, micro_inputs: dict) -> tuple[jax.Array, Metrics]:
             return lm_loss(model(rest).logits(y), micro_inputs["targets"]), {}
 
-        with activation_sharding(constrainer), expert_parallelism(exchange):
+        with activation_sharding(constrainer), expert_parallelism(exchange), ops.installed(model_ops):
             layer_fn, stacked = model(rest).units(routing_key=routing_key)
             (loss, _, stats), (stacked_grads, rest_grads) = value_and_grad(
                 layer_fn, embed, head, stacked, rest, {"tokens": inputs, "targets": targets}, segment_ids,
@@ -188,12 +198,12 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules) 
     return grad_fn
 
 
-def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
+def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
     """Returns the jitted step(state, tokens) -> (state, metrics), state donated.
 
-    Gradients come from `make_grad_fn(config, layout, mesh, rules)`.
+    Gradients come from `make_grad_fn(config, layout, mesh, rules, backend)`.
     """
-    grad_fn = make_grad_fn(config, layout, mesh, rules)
+    grad_fn = make_grad_fn(config, layout, mesh, rules, backend)
     schedule = learning_rate(config)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.errors import ConfigError
+from nestor.orchestrator.errors import ConfigError
 
 Tokenizer = Callable[[str], Sequence[int]]  # a list, or an array of ids
 Detokenizer = Callable[[Sequence[int]], str]

@@ -18,26 +18,27 @@ import optax
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from orchestrator.config import Config, ConfigError
-from orchestrator.checkpoint import Checkpointer
-from orchestrator.checkpoint_restore import finalized_steps
-from orchestrator.data.pipeline import DataPipeline, batch_shape
-from orchestrator.errors import RunFailed
-from orchestrator.evaluation.loss import Evaluator
-from orchestrator.health import CALMER, StateHealth
-from orchestrator.metrics import MetricsWriter, Throughput, sharding_table
-from orchestrator.optimizer import schedule_change
-from orchestrator.paths import shown
-from orchestrator.profiler import StepProfiler
-from orchestrator.progress import Console
-from orchestrator.run_lock import RunDirLock
-from orchestrator.runtime import (check_shared_run_dir, preemption_agreed, preemption_is_agreed,
+from nestor.backend import Backend
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.checkpoint import Checkpointer
+from nestor.orchestrator.checkpoint_restore import finalized_steps
+from nestor.orchestrator.data.pipeline import DataPipeline, batch_shape
+from nestor.orchestrator.errors import RunFailed
+from nestor.orchestrator.evaluation.loss import Evaluator
+from nestor.orchestrator.health import CALMER, StateHealth
+from nestor.orchestrator.metrics import MetricsWriter, Throughput, sharding_table
+from nestor.orchestrator.optimizer import schedule_change
+from nestor.orchestrator.paths import shown
+from nestor.orchestrator.profiler import StepProfiler
+from nestor.orchestrator.progress import Console
+from nestor.orchestrator.run_lock import RunDirLock
+from nestor.orchestrator.runtime import (check_shared_run_dir, preemption_agreed, preemption_is_agreed,
                                   wait_for_every_process)
-from orchestrator.state import StateLayout, init_state, state_layout
-from orchestrator.step import batch_sharding, make_train_step
-from orchestrator.validation import mesh_axes_key
-from parallel.mesh import MeshError, build_mesh
-from parallel.rules import Rules, resolve_rules
+from nestor.orchestrator.state import StateLayout, init_state, param_table, state_layout
+from nestor.orchestrator.step import backend_for, batch_sharding, make_train_step
+from nestor.orchestrator.validation import mesh_axes_key
+from nestor.parallel.mesh import MeshError, build_mesh
+from nestor.parallel.rules import Rules, resolve_rules
 
 
 def select_devices(config: Config) -> list[jax.Device]:
@@ -80,6 +81,7 @@ class Job:
     config: Config
     mesh: Mesh
     rules: Rules
+    backend: Backend
     layout: StateLayout
     step_fn: object
     data: DataPipeline | None  # None when built without data (explain)
@@ -94,11 +96,12 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     """
     mesh = make_mesh(config, devices)
     rules = resolve_rules(config.mesh.rules)
+    backend = backend_for(config, mesh)
     layout = state_layout(config, mesh, rules)
-    step_fn = make_train_step(config, layout, mesh, rules)
+    step_fn = make_train_step(config, layout, mesh, rules, backend)
     data = DataPipeline(config, batch_sharding(mesh, rules)) if with_data else None
     evaluator = Evaluator(config, layout, mesh, rules) if with_data and config.eval.every else None
-    return Job(config, mesh, rules, layout, step_fn, data, evaluator)
+    return Job(config, mesh, rules, backend, layout, step_fn, data, evaluator)
 
 
 class TrainingDiverged(RunFailed):
@@ -213,9 +216,7 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
 
 
 def _sharding_text(job: Job) -> str:
-    from orchestrator.explain import param_table  # explain imports this module: import on use
-
-    return sharding_table(param_table(job))
+    return sharding_table(param_table(job.layout))
 
 
 def abstract_batch(job: Job) -> jax.ShapeDtypeStruct:

@@ -6,24 +6,27 @@ over the product of the mesh axes its logical name maps to.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import warnings
+from typing import TYPE_CHECKING
 
-from models.grouped import TILE, tiles
-from models.moe import expert_capacity
-from orchestrator.config import Config, ConfigError, key_table
-from orchestrator.fit import DEVICE_MEMORY_GIB, table_entry
-from orchestrator.remat import NAMED_POLICIES, PIPELINE_REMAT_ALIASES
-from parallel.pipeline import Schedule
-from parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
+from nestor.backend.mosaic_gpu import TILE, tiles
+from nestor.backend.remat import NAMED_POLICIES
+from nestor.models.moe import expert_capacity
+from nestor.orchestrator.config_keys import key_table
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.fit import DEVICE_MEMORY_GIB, table_entry
+from nestor.parallel.pipeline import Schedule
+from nestor.parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
+
+if TYPE_CHECKING:  # the config is read, never built, here
+    from nestor.orchestrator.config import Config
 
 
 def table_problems(config: Config) -> list[tuple[str, str]]:
     """Returns (key path, message) for every value outside its key's declared range or choices."""
     plain = config.to_dict()
     problems = []
-    for path, _, _, spec in key_table():
+    for path, _, _, spec in key_table(type(config)):
         value = plain
         for part in path.split("."):
             value = value[part]
@@ -137,33 +140,12 @@ def _profile_problems(config: Config) -> list[tuple[str, str]]:
 
 
 def _remat_problems(config: Config) -> list[tuple[str, str]]:
-    """model.remat_names need a policy that saves by name; pipeline.remat, model.remat's deprecated alias,
-    may not contradict it."""
-    m, old = config.model, config.pipeline.remat
-    problems = []
+    """model.remat_names need a policy that saves by name."""
+    m = config.model
     if m.remat_names and m.remat not in NAMED_POLICIES:
-        problems.append(("model.remat_names", f"model.remat={m.remat} does not save by name; names apply to "
-                                              f"{' and '.join(NAMED_POLICIES)}"))
-    if old is not None:
-        mapped = PIPELINE_REMAT_ALIASES[old]
-        if m.remat not in ("auto", mapped):
-            problems.append(("pipeline.remat", f"is a deprecated alias of model.remat ({old} means model.remat="
-                                               f"{mapped}) and contradicts model.remat={m.remat}; delete "
-                                               "pipeline.remat"))
-    return problems
-
-
-def without_deprecated_keys(config: Config) -> Config:
-    """Returns a validated `config` with deprecated keys moved to their new homes, warning once:
-    `pipeline.remat` becomes `model.remat` (it now applies to the scanned stack too)."""
-    old = config.pipeline.remat
-    if old is None:
-        return config
-    mapped = PIPELINE_REMAT_ALIASES[old]
-    warnings.warn(f"pipeline.remat is deprecated: it now sets model.remat={mapped}, which applies to every "
-                  "layer stack, scanned or pipelined; write model.remat instead", FutureWarning, stacklevel=3)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, remat=mapped),
-                               pipeline=dataclasses.replace(config.pipeline, remat=None))
+        return [("model.remat_names", f"model.remat={m.remat} does not save by name; names apply to "
+                                      f"{' and '.join(NAMED_POLICIES)}")]
+    return []
 
 
 def _schedule_problems(config: Config) -> list[tuple[str, str]]:

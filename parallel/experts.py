@@ -6,9 +6,9 @@ assignments to a contiguous range of experts. Here that function runs inside
 `jax.shard_map` on every device, for the experts whose weights the device
 holds.
 
-Two exchanges, one per kind of backend (`exchange_kind` picks by platform):
+Two exchanges (the backend picks one for its target):
 
-"all-gather + reduce-scatter" (MaxText's ring of experts), on every backend:
+"all-gather + reduce-scatter" (MaxText's ring of experts), wherever XLA runs:
 each device gathers the tokens of every device on the expert axes (with
 their assignments), runs those assigned to its own experts through grouped
 matmuls into a buffer of (gathered tokens x k) rows, the most it can be
@@ -18,7 +18,7 @@ the token's device. An expert's hidden dimension may be split too (over the
 mesh axes of `mlp`): its partial sums join the same reduction. Weights enter
 whole along the embedding (fsdp gathers them as for any layer).
 
-"ragged all-to-all", on GPU and TPU (XLA:CPU lacks `jax.lax.ragged_all_to_all`):
+"ragged all-to-all", where XLA implements `jax.lax.ragged_all_to_all`:
 each device sorts its tokens' assignments by expert and sends each expert
 device only the rows routed to its experts; the receiver runs them through
 its grouped matmuls and sends every row back to where it came from, with the
@@ -39,13 +39,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from parallel.rules import Rules, partition_spec, shard_map_here
+from nestor.parallel.rules import Rules, partition_spec, shard_map_here
 
 ALL_GATHER = "all-gather + reduce-scatter"
 RAGGED_ALL_TO_ALL = "ragged all-to-all"
-# jax platforms whose XLA implements ragged-all-to-all (XLA:CPU does not)
-RAGGED_ALL_TO_ALL_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
-EXCHANGE_CHOICES = {"all_gather": ALL_GATHER, "ragged_all_to_all": RAGGED_ALL_TO_ALL}
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -64,20 +61,8 @@ class ExpertLayout:
     hidden: str   # the hidden (mlp) dimension of the expert weights
 
 
-def exchange_kind(choice: str, platform: str) -> str:
-    """Returns the exchange (ALL_GATHER or RAGGED_ALL_TO_ALL) for `choice` ("auto", "all_gather" or
-    "ragged_all_to_all") on devices of jax platform `platform`: auto is the ragged all-to-all where XLA
-    implements it. Raises ValueError when ragged_all_to_all is chosen on a platform without it."""
-    ragged = platform in RAGGED_ALL_TO_ALL_PLATFORMS
-    if choice == "auto":
-        return RAGGED_ALL_TO_ALL if ragged else ALL_GATHER
-    if choice == "ragged_all_to_all" and not ragged:
-        raise ValueError(f"XLA on {platform} has no ragged-all-to-all (it has: {', '.join(RAGGED_ALL_TO_ALL_PLATFORMS)})")
-    return EXCHANGE_CHOICES[choice]
-
-
 def exchange_name(kind: str, mesh: Mesh, rules: Rules, layout: ExpertLayout) -> str:
-    """Returns the name of the exchange a dropless layer gets on `mesh`: `kind` (from `exchange_kind`),
+    """Returns the name of the exchange a dropless layer gets on `mesh`: `kind` (ALL_GATHER or RAGGED_ALL_TO_ALL),
     or "none" without expert devices."""
     expert_axes = _axes(partition_spec((layout.expert,), rules)[0])
     return kind if math.prod(mesh.shape[a] for a in expert_axes) > 1 else "none"
@@ -161,7 +146,7 @@ def receive_plan(received_counts: jax.Array, buffer_rows: int) -> tuple[jax.Arra
 def ragged_all_to_all_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
     """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
     -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis, moving
-    only routed rows with `jax.lax.ragged_all_to_all` (GPU and TPU)."""
+    only routed rows with `jax.lax.ragged_all_to_all` (where XLA implements it)."""
     specs, expert_axes, hidden_axes = _shard_map_specs(rules, layout)
     devices = math.prod(mesh.shape[a] for a in expert_axes)
 

@@ -335,3 +335,30 @@ def flops_per_run(hlo_text: str, xla_flops: float) -> float:
     counter = _FlopCounter(computations)
     return (xla_flops + _flops(computations, entry, counter, loop_iterations=True)
             - _flops(computations, entry, counter, loop_iterations=False))
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+PHASES = ("forward", "backward", "update")
+
+
+def flops_by_phase(hlo_text: str) -> dict[str, float]:
+    """Returns the estimated FLOPs of one run (loop bodies x trip count) by the phase jax's op names give
+    each instruction: `backward` under `transpose(` (the gradient and its reductions), `forward` under
+    `jvp(` (the loss), `update` for the rest (what a train step does with the gradient: the optimizer, the
+    update's application, norms)."""
+    computations, entry = _computations(hlo_text)
+    phases = dict.fromkeys(PHASES, 0.0)
+    if entry is None:
+        return phases
+    counter = _FlopCounter(computations)
+    for name, factor in _multipliers(computations, entry).items():
+        instructions = computations.get(name, ())
+        shapes = {instruction.name: instruction.shape for instruction in instructions}
+        for instruction in instructions:
+            flops = counter._instruction(instruction, shapes)
+            if flops:
+                named = _OP_NAME.search(instruction.attributes)
+                op_name = named.group(1) if named else ""
+                phase = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "update"
+                phases[phase] += factor * flops
+    return phases

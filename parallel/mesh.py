@@ -17,7 +17,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from parallel.rules import MESH_AXES
+from nestor.parallel.rules import MESH_AXES
 
 
 class MeshError(ValueError):
@@ -54,8 +54,8 @@ def resolve_shape(ici: Mapping[str, int], dcn: Mapping[str, int], device_count: 
 
 
 def _granules(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
-    """Groups devices by slice (TPU) or else by process: the units joined by dcn."""
-    # CPU and single-slice devices report slice_index 0 everywhere; then processes are the units.
+    """Groups devices by slice (multi-slice pods) or else by process: the units joined by dcn."""
+    # Devices of one slice, or without slices, report slice_index 0 everywhere; then processes are the units.
     slices = {getattr(d, "slice_index", 0) for d in devices}
     key = (lambda d: d.slice_index) if len(slices) > 1 else (lambda d: d.process_index)
     groups: dict[int, list[jax.Device]] = {}

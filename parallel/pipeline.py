@@ -14,11 +14,11 @@ axes), and activations move to the next stage with `jnp.roll` on the
 stage-sharded state, which the partitioner lowers to a collective-permute.
 Inside a stage, weights and activations keep the shardings of their logical
 names, so data, fsdp, tensor and expert parallelism compose with the pipeline
-unchanged. A bubble stage's work is on zeros and thrown away. With
-`skip_bubbles` the stages' work is instead a program per stage (`jax.shard_map`
-over the stage axes alone, the other axes still GSPMD's) that skips each layer
-of a bubble iteration by `lax.cond`: where devices share processors (simulated
-CPU devices) the busy stages get the time the bubble would have taken.
+unchanged. A bubble stage's work is on zeros and thrown away. The loop is a
+strategy the runner is given (`PipelineLoop`): with `skipping_stages` the
+stages' work is instead a program per stage (`jax.shard_map` over the stage
+axes alone, the other axes still GSPMD's) that skips each layer of a bubble
+iteration by `lax.cond`, which pays where devices share processors.
 
 The layer stack keeps its canonical layout `[layers, ...]` outside; it is
 viewed as `[repeats, stages, layers_per_stage, ...]` only inside the step.
@@ -42,7 +42,7 @@ import numpy as np
 from jax.ad_checkpoint import Recompute
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallel.rules import Rules, partition_spec
+from nestor.parallel.rules import Rules, partition_spec
 
 STAGE = "stage"  # logical name of the stage dimension (a rule maps it to mesh axes)
 
@@ -235,20 +235,17 @@ def stage_function(layer_fn: LayerFn, remat_policy: RematPolicy | None, layer_st
     Each layer is a checkpoint of its own (`_layer_policy`, even without remat) that takes the whole
     stage's stack and slices its weights (group `repeat`, layer j) inside. The stack is the same in every
     iteration, so the loop's autodiff keeps it once; what each iteration keeps is each layer's input and
-    what the policy saves. (One checkpoint around the whole stage, as before, had to run the stage's
-    forward a second time in the backward pass to recover each layer's input, with its weights gathered
-    again under fsdp: on bench/step.py's model with GPipe on pipeline2 x fsdp2 x tensor2 and
-    `model.remat=full`, 204 all-gathers per step and 21.4 MiB of temporaries against 164 and 13.0 MiB now.)
+    what the policy saves. (A checkpoint around the whole stage would run the stage's forward a second time
+    in the backward pass to recover each layer's input, gathering fsdp weights again.)
 
-    Given `layer_stats` (the shapes of one layer's stats), f is one stage's program (`_skipping_stages`):
+    Given `layer_stats` (the shapes of one layer's stats), f is one stage's program (`skipping_stages`):
     stage_params are [R, 1, layers_per_stage, ...] and f takes `busy` (a bool scalar) after row_inputs; each
-    layer runs under `lax.cond(busy, ...)`, and a bubble passes x through with zeros of `layer_stats`. The cond sits inside the layer's checkpoint, so the weights stay
-    its input and are kept once, not per iteration (a cond's residuals are outputs of one branch, which the loop
-    would stack). A policy that recomputes matmuls (`full`, `minimal`) gets a second checkpoint inside the cond,
-    so the recomputation lands in the backward pass's own cond and shares its weights' fsdp all-gathers (one
-    cond for both: 144 all-gathers on the pipelined tiny test model under `full`, as under `dots`, against 204
-    with a cond for each); a policy that keeps them (`dots`, none) recomputes only elementwise work, in a cond of
-    its own, which measured 2-6% faster on bench/step.py's pipeline mesh under `dots` than one cond.
+    layer runs under `lax.cond(busy, ...)`, and a bubble passes x through with zeros of `layer_stats`. The
+    cond sits inside the layer's checkpoint, so the weights stay its input and are kept once, not per
+    iteration (a cond's residuals are outputs of one branch, which the loop would stack). A policy that
+    recomputes matmuls (`full`, `minimal`) gets a second checkpoint inside the cond, so the recomputation
+    lands in the backward pass's own cond and shares its weights' fsdp all-gathers; a policy that keeps them
+    (`dots`, none) recomputes only elementwise work, in a cond of its own (docs/benchmarks.md compares both).
     """
     policy = _layer_policy(remat_policy)
     one_stage = layer_stats is not None
@@ -331,9 +328,103 @@ def stage_view(stacked_params: Any, schedule: Schedule, layout: Layout) -> Any:
     return jax.tree.map(view, stacked_params)
 
 
+def vmapped_stages(layer_fn: LayerFn, remat_policy: RematPolicy | None, params: Any, layout: Layout,
+                   stats_shape: Any) -> Callable:
+    """Returns run_stages(repeat [S], x [S, mb, ...], rows [S, mb, ...], busy [S]) -> (x, stats
+    [S, layers_per_stage, ...]): every stage at once under one `vmap` over the stage dimension (its
+    `spmd_axis_name` keeps it on the stage axes); a bubble stage works on zeros."""
+    del stats_shape  # every stage works: no zeros to stand in for a skipped layer's stats
+    stage_fn = jax.vmap(stage_function(layer_fn, remat_policy), in_axes=(1, 0, 0, 0),
+                        spmd_axis_name=layout.stage_axes or None)
+    return lambda repeat, x, rows, busy: stage_fn(params, repeat, x, rows)
+
+
+def skipping_stages(layer_fn: LayerFn, remat_policy: RematPolicy | None, params: Any, layout: Layout,
+                    stats_shape: Any) -> Callable:
+    """Returns run_stages as `vmapped_stages` does, each device group running its own stage's program
+    (`jax.shard_map` over the stage axes, the others left to GSPMD) that skips its layers where `busy` is
+    False: where devices share processors, the busy stages get a bubble's time. Without one stage per
+    device group on the stage axes it is `vmapped_stages`."""
+    if not layout.stage_axes or jax.tree.leaves(params)[0].shape[1] != layout.stage_devices:
+        return vmapped_stages(layer_fn, remat_policy, params, layout, stats_shape)
+    layer_stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[2:], s.dtype), stats_shape)
+    stage = stage_function(layer_fn, remat_policy, layer_stats)
+    spec = PartitionSpec(layout.stage_axes)
+
+    def on_stage(params: Any, repeat: jax.Array, x: jax.Array, rows: Any, busy: jax.Array):
+        x, stats = stage(params, repeat[0], x[0], jax.tree.map(lambda leaf: leaf[0], rows), busy[0])
+        return x[None], jax.tree.map(lambda leaf: leaf[None], stats)
+
+    def run(repeat: jax.Array, x: jax.Array, rows: Any, busy: jax.Array):
+        in_specs = (jax.tree.map(lambda _: PartitionSpec(None, layout.stage_axes), params), spec, spec,
+                    jax.tree.map(lambda _: spec, rows), spec)
+        out_specs = (spec, jax.tree.map(lambda _: spec, stats_shape))
+        return jax.shard_map(on_stage, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset(layout.stage_axes), check_vma=False)(params, repeat, x, rows, busy)
+
+    return run
+
+
+def buffered_loop(tick: Callable, state: jax.Array, totals: Any, buffer: jax.Array, schedule: Schedule,
+                  layout: Layout):
+    """Returns (outputs [M, mb, ...], totals) of the schedule's R*M + S - 1 iterations.
+
+    `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and receives it back from
+    the last stage, which feeds its next round to stage 0; after the last iteration it holds the outputs.
+    """
+    del layout  # the buffer keeps the layout it was given
+    stages, micro = schedule.stages, schedule.microbatches
+
+    def iteration(carry, t):
+        state, buffer, totals = carry
+        state, totals = tick(state, totals, t, buffer[t % micro])
+        finished = t - (stages - 1)  # the item the last stage just completed
+        slot = finished % micro
+        buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
+        return (state, buffer, totals), None
+
+    (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
+    return buffer, totals
+
+
+def streamed_loop(tick: Callable, state: jax.Array, totals: Any, buffer: jax.Array, schedule: Schedule,
+                  layout: Layout):
+    """Returns what `buffered_loop` returns; GPipe's (R = 1) micro-batches are the loop's xs instead (with
+    S - 1 empty slots after them) and the last stage's outputs its ys, so the loop carries only the
+    stages' state: less work per iteration, more temporaries for the inputs and outputs. Micro-batch m
+    enters stage 0 at iteration m and leaves the last stage at m + S - 1. Circular schedules (R > 1) feed
+    rounds back through the buffer: `buffered_loop`."""
+    if schedule.repeats > 1:
+        return buffered_loop(tick, state, totals, buffer, schedule, layout)
+    stages = state.shape[0]
+    fed = jnp.concatenate([buffer, jnp.zeros((stages - 1, *buffer.shape[1:]), buffer.dtype)])
+    fed = jax.lax.with_sharding_constraint(fed, layout.buffer)
+
+    def iteration(carry, step):
+        state, totals = tick(*carry, *step)
+        return (state, totals), state[stages - 1]
+
+    (_, totals), outputs = jax.lax.scan(iteration, (state, totals), (jnp.arange(fed.shape[0]), fed))
+    return jax.lax.with_sharding_constraint(outputs[stages - 1:], layout.buffer), totals
+
+
+class PipelineLoop(NamedTuple):
+    """How the pipeline's loop runs: `stages` builds each iteration's work of every stage (`vmapped_stages`,
+    `skipping_stages`), `loop` feeds the micro-batches (`buffered_loop`, `streamed_loop`). The results are
+    the same either way, to float rounding; the backend picks one for its target."""
+
+    name: str
+    stages: Callable = vmapped_stages
+    loop: Callable = buffered_loop
+
+
+BUFFERED = PipelineLoop("stages under one vmap, micro-batches in a buffer")
+PER_STAGE_SKIPPING = PipelineLoop("a program per stage skipping its bubbles, GPipe's micro-batches streamed",
+                                  skipping_stages, streamed_loop)
+
+
 def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axes: tuple[str | None, ...],
-                    remat_policy: RematPolicy | None = None, skip_bubbles: bool = False,
-                    stream_microbatches: bool = False):
+                    remat_policy: RematPolicy | None = None, loop: PipelineLoop = BUFFERED):
     """Returns runner(layer_fn, stacked_params, x, row_inputs=None) -> (x, stats) that pipelines a layer stack.
 
     `stacked_params` leaves are `[layers, ...]`; `x` is `[batch, ...]` with
@@ -341,10 +432,7 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
     arrays laid out like the leading dims of `x` (or None);
     `layer_fn(layer_params, x, row_inputs) -> (x, stats)` sees the rows of its micro-batch.
     `remat_policy` (a `jax.checkpoint` policy; None = save everything) decides
-    what each layer keeps for the backward pass besides its input.
-    `skip_bubbles` skips a stage's work on bubble iterations (`_skipping_stages`) where the stage axes hold
-    one stage per device group (else every stage works on every iteration); `stream_microbatches` runs GPipe
-    (R = 1) by `_gpipe_loop`. The results are the same either way, to float rounding.
+    what each layer keeps for the backward pass besides its input; `loop` how the iterations run.
     The runner returns the stack's output and each layer's stats stacked
     `[layers, ...]`, averaged over micro-batches (bubble iterations excluded).
     Raises ValueError when the batch does not split into
@@ -363,52 +451,21 @@ def pipeline_runner(schedule: Schedule, mesh: Mesh, rules: Rules, activation_axe
         params = stage_view(stacked_params, schedule, layout)
         buffer = jax.lax.with_sharding_constraint(to_microbatches(x, micro), layout.buffer)  # [M, mb, ...]
         rows = jax.tree.map(lambda leaf: layout.rows(to_microbatches(leaf, micro), None), row_inputs)
-        stage_fn = jax.vmap(stage_function(layer_fn, remat_policy), in_axes=(1, 0, 0, 0),
-                            spmd_axis_name=layout.stage_axes or None)
         state = jnp.zeros((stages, *buffer.shape[1:]), x.dtype)  # [S, mb, ...]: each stage's last output
         no_work = jnp.zeros((stages,), jnp.int32)
-        stats_shape = jax.eval_shape(stage_fn, params, no_work, state, stage_rows(rows, no_work, layout))[1]
+        stats_shape = jax.eval_shape(
+            lambda params, repeat, x, rows: vmapped_stages(layer_fn, remat_policy, params, layout, None)(
+                repeat, x, rows, None), params, no_work, state, stage_rows(rows, no_work, layout))[1]
         totals = jax.tree.map(lambda s: jnp.zeros((repeats, *s.shape), s.dtype), stats_shape)
-        if skip_bubbles and layout.stage_axes and stages == layout.stage_devices:
-            layer_stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[2:], s.dtype), stats_shape)
-            skipping = _skipping_stages(stage_function(layer_fn, remat_policy, layer_stats), layout, stats_shape)
-            run_stages = functools.partial(skipping, params)
-        else:
-            def run_stages(repeat, x, rows_now, busy):  # every stage works, a bubble on zeros
-                return stage_fn(params, repeat, x, rows_now)
-        tick = _tick_fn(schedule, layout, rows, run_stages)
-        if repeats == 1 and stream_microbatches:
-            outputs, totals = _gpipe_loop(tick, state, totals, buffer, layout)
-        else:
-            outputs, totals = _circular_loop(tick, state, totals, buffer, schedule)
+        run_stages = loop.stages(layer_fn, remat_policy, params, layout, stats_shape)
+        outputs, totals = loop.loop(_tick_fn(schedule, layout, rows, run_stages), state, totals, buffer, schedule,
+                                    layout)
         out = jax.lax.with_sharding_constraint(from_microbatches(outputs), layout.activation)
         # [R, S, layers_per_stage, ...] -> [layers, ...]: the canonical order, l = (r*S + s)*per_stage + j
         stats = jax.tree.map(lambda total: (total / micro).reshape(num_layers, *total.shape[3:]), totals)
         return out, stats
 
     return runner
-
-
-def _skipping_stages(stage: Callable, layout: Layout, stats_shape: Any):
-    """Returns run(params [R, S, ...], repeat [S], x [S, mb, ...], rows [S, mb, ...], busy [S]) -> (x, stats
-    [S, layers_per_stage, ...]): `stage` (stage_function's, given `layer_stats`) on every stage, each device group
-    running its own stage's under `jax.shard_map` over the stage axes (the others left to GSPMD, so fsdp,
-    tensor and data parallelism inside a stage are as under the vmap), and skipping its layers where `busy`
-    is False."""
-    spec = PartitionSpec(layout.stage_axes)
-
-    def on_stage(params: Any, repeat: jax.Array, x: jax.Array, rows: Any, busy: jax.Array):
-        x, stats = stage(params, repeat[0], x[0], jax.tree.map(lambda leaf: leaf[0], rows), busy[0])
-        return x[None], jax.tree.map(lambda leaf: leaf[None], stats)
-
-    def run(params: Any, repeat: jax.Array, x: jax.Array, rows: Any, busy: jax.Array):
-        in_specs = (jax.tree.map(lambda _: PartitionSpec(None, layout.stage_axes), params), spec, spec,
-                    jax.tree.map(lambda _: spec, rows), spec)
-        out_specs = (spec, jax.tree.map(lambda _: spec, stats_shape))
-        return jax.shard_map(on_stage, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=frozenset(layout.stage_axes), check_vma=False)(params, repeat, x, rows, busy)
-
-    return run
 
 
 def stage_rows(rows: Any, micro_index: jax.Array, layout: Layout) -> Any:
@@ -440,49 +497,6 @@ def _tick_fn(schedule: Schedule, layout: Layout, rows: Any, run_stages: Callable
         return state, add_stats(totals, stats, repeat, valid)
 
     return tick
-
-
-def _gpipe_loop(tick: Callable, state: jax.Array, totals: Any, inputs: jax.Array, layout: Layout):
-    """Returns (outputs [M, mb, ...], totals) of GPipe's M + S - 1 iterations over the micro-batches `inputs`.
-
-    Micro-batch m enters stage 0 at iteration m and leaves the last stage at m + S - 1, so the inputs
-    (with S - 1 empty slots after them) are the loop's xs and the last stage's outputs its ys: the loop
-    carries only the stages' state. Carrying an [M, mb, ...] buffer, read and written every iteration,
-    as `_circular_loop` does, made bench/step.py's pipeline step 3-6% slower on CPU; the loop's inputs and
-    outputs take more temporaries (0.8% more for llama3-8b at seq 8192 on pipeline4 x fsdp2, M = 8, `full`:
-    83.3 against 82.6 GiB per device), so accelerators keep the buffer.
-    """
-    stages = state.shape[0]
-    fed = jnp.concatenate([inputs, jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
-    fed = jax.lax.with_sharding_constraint(fed, layout.buffer)
-
-    def iteration(carry, step):
-        state, totals = tick(*carry, *step)
-        return (state, totals), state[stages - 1]
-
-    (_, totals), outputs = jax.lax.scan(iteration, (state, totals), (jnp.arange(fed.shape[0]), fed))
-    return jax.lax.with_sharding_constraint(outputs[stages - 1:], layout.buffer), totals
-
-
-def _circular_loop(tick: Callable, state: jax.Array, totals: Any, buffer: jax.Array, schedule: Schedule):
-    """Returns (outputs [M, mb, ...], totals) of the circular schedule's R*M + S - 1 iterations (GPipe's too,
-    R = 1, unless streamed).
-
-    `buffer` [M, mb, ...] holds each micro-batch's input until stage 0 takes it and receives it back from
-    the last stage, which feeds its next round to stage 0; after the last iteration it holds the outputs.
-    """
-    stages, micro = schedule.stages, schedule.microbatches
-
-    def iteration(carry, t):
-        state, buffer, totals = carry
-        state, totals = tick(state, totals, t, buffer[t % micro])
-        finished = t - (stages - 1)  # the item the last stage just completed
-        slot = finished % micro
-        buffer = buffer.at[slot].set(jnp.where(finished >= 0, state[stages - 1], buffer[slot]))
-        return (state, buffer, totals), None
-
-    (_, buffer, totals), _ = jax.lax.scan(iteration, (state, buffer, totals), jnp.arange(schedule.iterations))
-    return buffer, totals
 
 
 def add_stats(totals: Any, stats: Any, group: jax.Array, valid: jax.Array) -> Any:

@@ -61,9 +61,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from parallel.pipeline import (STAGE, Layout, LayerFn, RematPolicy, Schedule, Work, add_stats, expand,
+from nestor.parallel.pipeline import (STAGE, Layout, LayerFn, RematPolicy, Schedule, Work, add_stats, expand,
                                stage_function, stage_rows, stage_view, to_microbatches)
-from parallel.rules import Rules, partition_spec
+from nestor.parallel.rules import Rules, partition_spec
 
 InputFn = Callable[[Any, Any], jax.Array]  # input_fn(outer_params, inputs) -> x: the stack's input
 HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict]]  # head_fn(outer_params, y, inputs) -> (loss, metrics)

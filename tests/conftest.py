@@ -14,14 +14,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
 
-from cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
+from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from orchestrator import config as config_lib  # noqa: E402
+from nestor.orchestrator import config as config_lib  # noqa: E402
 # The suite's order, and how it is shared between pytest-xdist workers (hooks of this conftest).
 from tests.xdist_groups import (pytest_collection_modifyitems, pytest_runtest_setup,  # noqa: E402,F401
                                  pytest_xdist_make_scheduler)

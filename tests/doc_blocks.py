@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from cluster.rendezvous import free_port
+from nestor.cluster.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

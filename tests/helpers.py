@@ -15,11 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from cluster.cpu_devices import without_device_count
-from orchestrator.config import Config
-from orchestrator.data.prepare import Options, prepare
-from orchestrator.progress import Console
-from orchestrator.train import TrainResult, train
+from nestor.cluster.cpu_devices import without_device_count
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.data.prepare import Options, prepare
+from nestor.orchestrator.progress import Console
+from nestor.orchestrator.train import TrainResult, train
 from tests.conftest import ROOT
 
 # The meshes the foundation is tested on (tensor4 needs 4 kv heads).
@@ -118,7 +118,7 @@ def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
     defined) from this checkout; asserts both exit 0 and returns the last line each printed from Python
     (its prints go to a file of their own: Gloo's C++ "[Gloo] Rank N is connected" lines, written to
     the same stdout from another buffer, once split a printed line in two)."""
-    from cluster.rendezvous import free_port
+    from nestor.cluster.rendezvous import free_port
 
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
     script = _TWO_PROCESSES + textwrap.dedent(body)

@@ -1,6 +1,6 @@
 """Attention through jax.nn.dot_product_attention: the numbers of the einsum it replaced, grouped-query
 heads as they are, and a document mask that keeps packed documents apart (also where a bfloat16 model on CPU
-computes attention from float32 sums, models.matmul)."""
+computes attention from float32 sums, nestor.backend.xla_cpu)."""
 
 import dataclasses
 import math
@@ -11,16 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import matmul
-from models.transformer import Attention, Transformer, TransformerConfig, rotary
-from orchestrator.data.pipeline import DOCUMENT_SEPARATOR, document_ids
-from orchestrator.state import attention_implementation, attention_run, build_model
+from nestor.backend import resolve_backend, xla_cpu
+from nestor.models import ops
+from nestor.models.transformer import Attention, Transformer, TransformerConfig, rotary
+from nestor.orchestrator.data.pipeline import DOCUMENT_SEPARATOR, document_ids
+from nestor.orchestrator.state import build_model
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                            mlp_dim=64, init_std=0.2)
-# jax.nn.dot_product_attention, and models.matmul.causal_attention (what the model runs in bfloat16 on CPU)
-CONFIGS = {"jax": CONFIG, "float32 sums": dataclasses.replace(CONFIG, dtype="bfloat16", float32_matmul_outputs=True)}
+# (model config, ops installed): jax.nn.dot_product_attention, and xla_cpu.causal_attention (what the model runs
+# in bfloat16 on CPU)
+CONFIGS = {"jax": (CONFIG, ops.PLAIN),
+           "float32 sums": (dataclasses.replace(CONFIG, dtype="bfloat16"), xla_cpu.ops_from_float32_sums())}
 
 
 def einsum_attention(self: Attention, x: jax.Array, segment_ids=None) -> jax.Array:
@@ -54,10 +57,12 @@ def test_dot_product_attention_equals_the_einsum_it_replaced(monkeypatch):
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS)
 def test_a_mask_of_one_document_changes_nothing(config):
+    config, model_ops = config
     model = Transformer(config, nnx.Rngs(params=0))
     tokens = tokens_without_separator()
-    unmasked, _ = model(tokens)
-    masked, _ = model(tokens, segment_ids=document_ids(tokens))
+    with ops.installed(model_ops):
+        unmasked, _ = model(tokens)
+        masked, _ = model(tokens, segment_ids=document_ids(tokens))
     np.testing.assert_array_equal(masked, unmasked)
 
 
@@ -76,11 +81,13 @@ def two_documents(first_seed: int) -> jax.Array:
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS)
 @pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
 def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(masked, config):
+    config, model_ops = config
     model = Transformer(config, nnx.Rngs(params=0))
     logits = []
     for seed in (1, 2):
         tokens = two_documents(seed)
-        logits.append(model(tokens, segment_ids=document_ids(tokens) if masked else None)[0])
+        with ops.installed(model_ops):
+            logits.append(model(tokens, segment_ids=document_ids(tokens) if masked else None)[0])
     second = slice(10, None)  # the separator and the second document
     assert not np.array_equal(logits[0][:, :10], logits[1][:, :10])
     if masked:
@@ -89,30 +96,37 @@ def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(ma
         assert np.abs(logits[0][:, second] - logits[1][:, second]).max() > 1e-3
 
 
-def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision():
-    assert attention_implementation("auto", "cpu", "bfloat16") == "xla"
-    assert attention_implementation("auto", "gpu", "float32") == "xla"
-    assert attention_implementation("auto", "tpu", "bfloat16") == "xla"
-    assert attention_implementation("auto", "gpu", "bfloat16") == "cudnn"
-    assert attention_implementation("auto", "gpu", "float16") == "cudnn"
-    assert attention_implementation("xla", "gpu", "bfloat16") == "xla"
+def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision(tiny_config):
+    attention = lambda dtype, platform, *more: resolve_backend(  # noqa: E731
+        tiny_config(f"model.dtype={dtype}", *more), platform).attention
+    assert attention("bfloat16", "cpu") == "float32 sums"  # XLA:CPU's bfloat16 ops
+    assert attention("float32", "cpu") == "xla"
+    assert attention("float32", "gpu") == "xla"
+    assert attention("bfloat16", "tpu") == "xla"
+    assert attention("bfloat16", "gpu") == "cudnn"
+    assert attention("float16", "gpu") == "cudnn"
+    assert attention("bfloat16", "gpu", "model.attention=xla") == "xla"
+    assert attention("bfloat16", "cpu", "cluster.device_kind=h100") == "cudnn"  # explain for an H100
 
 
-def test_attention_run_names_the_function_the_model_calls(tiny_config, monkeypatch):
+def test_the_reported_attention_is_the_function_the_model_calls(tiny_config, monkeypatch):
     calls = []
 
     def counted(name, function):
         return lambda *args, **kwargs: calls.append(name) or function(*args, **kwargs)
 
-    monkeypatch.setattr(matmul, "causal_attention", counted("causal_attention", matmul.causal_attention))
+    monkeypatch.setattr(xla_cpu, "_attention", counted("causal_attention", xla_cpu._attention))
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         counted("jax.nn.dot_product_attention", jax.nn.dot_product_attention))
     for overrides in ((), ("model.dtype=bfloat16",)):  # float32: jax's; bfloat16 on CPU: float32 sums
         config = tiny_config(*overrides)
+        backend = resolve_backend(config, "cpu")
         calls.clear()
-        build_model(config, seed=0, platform="cpu")(jnp.zeros((1, 8), jnp.int32))
-        assert calls and set(calls) == {attention_run(config, "cpu").split(" (")[0]}
-    assert attention_run(tiny_config("model.dtype=bfloat16"), "gpu") == "jax.nn.dot_product_attention (cudnn)"
+        with ops.installed(backend.ops()):
+            build_model(config, seed=0)(jnp.zeros((1, 8), jnp.int32))
+        assert calls and set(calls) == {backend.report()["attention"].split(" (")[0]}
+    gpu = resolve_backend(tiny_config("model.dtype=bfloat16"), "gpu")
+    assert gpu.report()["attention"] == "jax.nn.dot_product_attention (cudnn)"
 
 
 def test_mfu_rows_add_what_runs_where_it_is_not_the_implementation_asked_for(tiny_config):
@@ -124,12 +138,13 @@ def test_mfu_rows_add_what_runs_where_it_is_not_the_implementation_asked_for(tin
             ("auto", tiny_config("model.dtype=bfloat16", "model.attention=auto"), "gpu",
              "auto: jax.nn.dot_product_attention (cudnn)"),
             ("xla", tiny_config(), "cpu", "xla")):
-        line = row_line(row | {"attention": asked, "attention_run": attention_run(config, platform)})
+        runs = resolve_backend(config, platform).report()["attention"]
+        line = row_line(row | {"attention": asked, "attention_run": runs})
         assert line.startswith(f"| tiny | dots | {cell} |")
 
 
 def test_cudnn_in_float32_names_model_attention(tiny_config):
-    from orchestrator.config import ConfigError
+    from nestor.orchestrator.config import ConfigError
 
     with pytest.raises(ConfigError) as error:
         tiny_config("model.attention=cudnn")

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT  # the name jax.monitoring reports a compile under
 
-from orchestrator import config as config_lib
-from orchestrator.checkpoint import MIN_REPLICA_SLICE_BYTES, Checkpointer, checkpoint_dir, restore_state
-from orchestrator.progress import Console
-from orchestrator.state import init_state
-from orchestrator.train import StopSignals, TrainingDiverged, build_job, train
+from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.checkpoint import MIN_REPLICA_SLICE_BYTES, Checkpointer, checkpoint_dir, restore_state
+from nestor.orchestrator.progress import Console
+from nestor.orchestrator.state import init_state
+from nestor.orchestrator.train import StopSignals, TrainingDiverged, build_job, train
 from tests.conftest import ROOT
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
@@ -31,7 +31,7 @@ def load(run_dir: Path, *overrides: str):
     return config_lib.load(None, BASE + [f"run.dir={run_dir}", *overrides])
 
 
-def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "orchestrator.cli"),
+def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "nestor.orchestrator.cli"),
         prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """Starts `nestor train` from this checkout in a fresh process (run YAML: the tiny model): python
     `entry` (default: the CLI module), run by the command `prefix` if one is given."""
@@ -242,10 +242,10 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
 DIFFERING_RESTORES = """
     import re
     import orbax.checkpoint as ocp
-    from orchestrator import checkpoint, checkpoint_restore, manifest
-    from orchestrator.config import load
-    from orchestrator.state import init_state
-    from orchestrator.train import build_job
+    from nestor.orchestrator import checkpoint, checkpoint_restore, manifest
+    from nestor.orchestrator.config import load
+    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.train import build_job
 
     config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
     layout = build_job(config, with_data=False).layout

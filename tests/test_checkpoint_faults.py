@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import yaml
 
-from orchestrator import manifest
-from orchestrator.checkpoint import Checkpointer, checkpoint_dir
-from orchestrator.cli import main, where_results_are
-from orchestrator.progress import Console
-from orchestrator.train import build_job, train
+from nestor.orchestrator import manifest
+from nestor.orchestrator.checkpoint import Checkpointer, checkpoint_dir
+from nestor.orchestrator.cli import main, where_results_are
+from nestor.orchestrator.progress import Console
+from nestor.orchestrator.train import build_job, train
 from tests.helpers import run
 from tests.test_checkpoint import BASE, cli, load
 
@@ -195,7 +195,7 @@ def test_an_interrupted_run_says_what_a_rerun_resumes_from(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("orchestrator.train.train", interrupted)
+    monkeypatch.setattr("nestor.orchestrator.train.train", interrupted)
     for run_dir, closing in (("runs/a", "resume or extend: run the same command again (from checkpoint 2; "
                                         "train.steps=4 now)"), ("runs/new", None)):
         assert main(["train", "tiny.yaml", *BASE, f"run.dir={run_dir}", "train.steps=4"]) == 130
@@ -219,8 +219,8 @@ KILLER = textwrap.dedent("""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.path import atomicity
     from orbax.checkpoint._src.serialization import serialization
-    from orchestrator import checkpoint
-    from orchestrator.cli import main
+    from nestor.orchestrator import checkpoint
+    from nestor.orchestrator.cli import main
 
     MOMENT, STEP = {moment!r}, 4
     saving = {{"step": None, "arrays": 0}}

@@ -11,7 +11,7 @@ from tests.helpers import child_env
 
 
 def nestor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=child_env(),
+    return subprocess.run([sys.executable, "-m", "nestor.orchestrator.cli", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

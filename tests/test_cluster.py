@@ -20,8 +20,8 @@ import psutil
 import pytest
 import yaml
 
-from cluster.launcher import ClusterSpec, check_capacity
-from cluster.rendezvous import Board, ClusterError, free_port, rendezvous
+from nestor.cluster.launcher import ClusterSpec, check_capacity
+from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from tests.conftest import ROOT
 from tests.doc_blocks import SESSION_SETTINGS
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
@@ -48,7 +48,7 @@ def nestor(*args: str, timeout: float = 240, env: dict[str, str] | None = None) 
     """Runs the `nestor` CLI of this checkout in a fresh process, from a user's shell (plus `env`); returns it
     finished."""
     shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", **(env or {})))
-    return subprocess.run([PYTHON, "-m", "orchestrator.cli", *args], cwd=ROOT, env=shell, text=True,
+    return subprocess.run([PYTHON, "-m", "nestor.orchestrator.cli", *args], cwd=ROOT, env=shell, text=True,
                           capture_output=True, timeout=timeout)
 
 
@@ -86,7 +86,7 @@ def test_capacity_check_names_the_numbers():
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 def test_nestor_stop_lets_the_submitted_run_save_the_step_it_reached(ray_head, tmp_path):
-    from cluster.jobs import STOP_WAIT_S, client
+    from nestor.cluster.jobs import STOP_WAIT_S, client
 
     url, _ = ray_head
     run_dir = tmp_path / "run"
@@ -112,7 +112,7 @@ def test_nestor_stop_lets_the_submitted_run_save_the_step_it_reached(ray_head, t
 
 
 def head_answers(url: str) -> bool:
-    from cluster.jobs import client
+    from nestor.cluster.jobs import client
 
     try:
         client(url)
@@ -185,7 +185,7 @@ def ray_head(tmp_path_factory):
 def test_train_by_address_uploads_the_code_profiles_on_process_0_and_resumes_past_a_torn_checkpoint(ray_head, tmp_path):
     """On token shards of 30 windows: 5 steps of 16 rows read 2.7 epochs, and the two processes, each
     reading its own rows, train as one process reading all of them."""
-    from orchestrator import config as config_lib
+    from nestor.orchestrator import config as config_lib
 
     _, gcs_address = ray_head
     tokens = ["data.source=tokens", f"data.paths=[{prepared_stdlib(tmp_path / 'shards', 'this.py')}]"]
@@ -264,7 +264,7 @@ def test_a_token_path_that_holds_no_token_is_one_line(tmp_path):
 # Process 1 gets a SIGINT at its third call; the processes go at different paces.
 AGREE_ON_A_STOP = """
     import os, signal, time
-    from orchestrator.train import StopSignals
+    from nestor.orchestrator.train import StopSignals
 
     calls = 0
     with StopSignals() as signals:
@@ -290,7 +290,7 @@ class Driver:
     leaving the `with`, the group (the embedded cluster's daemons too) is killed if still running."""
 
     def __init__(self, *args: str, env: dict[str, str]):
-        self.process = subprocess.Popen([PYTHON, "-m", "orchestrator.cli", "train", "configs/quickstart.yaml", *args],
+        self.process = subprocess.Popen([PYTHON, "-m", "nestor.orchestrator.cli", "train", "configs/quickstart.yaml", *args],
                                         cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.lines: list[str] = []
@@ -332,7 +332,7 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     restart spent); then SIGKILL to one worker of that group: Ray Train restarts it from the newest
     checkpoint. With another Ray cluster on the machine (`ray_head`), which Ray's state API would
     otherwise pick, so that Ray Train removed the embedded run's placement group."""
-    from orchestrator import config as config_lib
+    from nestor.orchestrator import config as config_lib
 
     # Long enough that both signals land mid-run; checkpoints every 5 steps, so that the preempted
     # save is seen to be the agreed step, not a periodic one. Synthetic data: on the prepared token

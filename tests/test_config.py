@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator import config as config_lib
-from orchestrator.config import ConfigError
+from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.config import ConfigError
 
 
 def error_keys(*overrides: str) -> list[str]:

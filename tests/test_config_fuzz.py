@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
+from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
 from tests.conftest import ROOT
 from tests.helpers import child_env
 
@@ -124,7 +124,7 @@ def test_bad_config_files_are_one_line_errors_naming_the_config(tmp_path):
 
 def _console_script() -> list[str]:
     script = Path(sys.executable).parent / "nestor"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "nestor.orchestrator.cli"]
 
 
 @pytest.mark.timeout(120)

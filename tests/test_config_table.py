@@ -4,7 +4,7 @@ import re
 
 import yaml
 
-from orchestrator.config import CONFIGS_DIR, key_table
+from nestor.orchestrator.config import CONFIGS_DIR, key_table
 
 _LINE = re.compile(r"^(?P<indent>\s*)(?P<name>\w+):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.data.pipeline import DOCUMENT_SEPARATOR, DataPipeline, TextSource
-from orchestrator.step import batch_sharding
-from orchestrator.train import make_mesh
-from parallel.rules import resolve_rules
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.data.pipeline import DOCUMENT_SEPARATOR, DataPipeline, TextSource
+from nestor.orchestrator.step import batch_sharding
+from nestor.orchestrator.train import make_mesh
+from nestor.parallel.rules import resolve_rules
 from tests.helpers import mesh_overrides
 
 

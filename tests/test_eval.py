@@ -6,12 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.data.prepare import Options, prepare
-from orchestrator.evaluation.commands import restore_newest
-from orchestrator.evaluation.loss import Evaluator, eval_source
-from orchestrator.metrics import tensorboard_tag
-from orchestrator.progress import Console
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.data.prepare import Options, prepare
+from nestor.orchestrator.evaluation.commands import restore_newest
+from nestor.orchestrator.evaluation.loss import Evaluator, eval_source
+from nestor.orchestrator.metrics import tensorboard_tag
+from nestor.orchestrator.progress import Console
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, mesh_overrides, prepared_stdlib, run
 

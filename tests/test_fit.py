@@ -5,10 +5,12 @@ import json
 import jax
 import pytest
 
-from orchestrator.config import ConfigError, load
-from orchestrator.explain import explain, fit_line
-from orchestrator.fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, unrolled_caveat, verdict
-from orchestrator.train import build_job
+from nestor.backend import resolve_backend
+from nestor.orchestrator import fit
+from nestor.orchestrator.config import ConfigError, load
+from nestor.orchestrator.explain import explain, fit_line
+from nestor.orchestrator.fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
+from nestor.orchestrator.train import build_job
 from tests.conftest import ROOT
 from tests.test_cli import nestor
 
@@ -43,12 +45,15 @@ def test_verdict_says_fits_or_by_how_much_it_is_short():
 
 
 def test_device_memory_comes_from_the_kind_the_platform_or_the_override():
-    assert device_memory(load(None, []), "cpu", "cpu") == (None, None)  # CPU: no limit unless asked
-    assert device_memory(load(None, ["cluster.device_kind=a100-80gb"]), "cpu", "cpu") == ("a100-80gb", 80.0)
-    assert device_memory(load(None, []), "gpu", "NVIDIA H200") == ("NVIDIA H200", 141.0)
-    assert device_memory(load(None, ["cluster.device_memory_gb=24"]), "gpu", "NVIDIA H200") == ("NVIDIA H200", 24.0)
-    assert device_memory(load(None, ["cluster.device_kind=L4", "cluster.device_memory_gb=24"]), "cpu", "cpu") == \
-        ("L4", 24.0)
+    def memory(overrides, platform, device_kind):
+        config = load(None, overrides)
+        return device_memory(config, resolve_backend(config, platform, device_kind))
+
+    assert memory([], "cpu", "cpu") == (None, None)  # CPU: no limit unless asked
+    assert memory(["cluster.device_kind=a100-80gb"], "cpu", "cpu") == ("a100-80gb", 80.0)
+    assert memory([], "gpu", "NVIDIA H200") == ("NVIDIA H200", 141.0)
+    assert memory(["cluster.device_memory_gb=24"], "gpu", "NVIDIA H200") == ("NVIDIA H200", 24.0)
+    assert memory(["cluster.device_kind=L4", "cluster.device_memory_gb=24"], "cpu", "cpu") == ("L4", 24.0)
 
 
 @pytest.mark.parametrize("override, key", [("cluster.device_kind=h800", "cluster.device_kind"),
@@ -70,6 +75,9 @@ def test_fit_line_names_state_temporaries_total_and_verdict():
 
 
 def test_an_unrolled_stack_compiled_on_cpu_for_an_accelerator_carries_its_caveat(tiny_config):
+    def unrolled_caveat(config, platform, stages=1):
+        return fit.unrolled_caveat(config, resolve_backend(config, platform), stages)
+
     unrolled = "model.scan_layers=false"
     assert unrolled_caveat(tiny_config(unrolled, "cluster.device_kind=h100"), "cpu") == UNROLLED_ON_CPU
     assert unrolled_caveat(tiny_config(unrolled, "cluster.accelerator=gpu"), "cpu") == UNROLLED_ON_CPU
@@ -79,9 +87,9 @@ def test_an_unrolled_stack_compiled_on_cpu_for_an_accelerator_carries_its_caveat
     pipelined = (unrolled, "cluster.device_kind=h100", "mesh.pipeline=2", "moe.num_experts=4", "moe.every=1")
     assert unrolled_caveat(tiny_config(*pipelined), "cpu", 2) is None  # the stages keep their loop: nothing unrolled
     assert unrolled_caveat(tiny_config(*pipelined, "moe.first_dense_layers=2"), "cpu", 2) == UNROLLED_ON_CPU
-    fit = {"state_bytes": GIB, "temporaries_bytes": GIB, "total_bytes": 2 * GIB, "device_kind": "h100",
-           "device_memory_bytes": 80 * GIB, "fits": True, "verdict": "fits", "caveat": UNROLLED_ON_CPU}
-    assert fit_line(fit).splitlines() == [fit_line({**fit, "caveat": None}), f"note: {UNROLLED_ON_CPU}"]
+    entry = {"state_bytes": GIB, "temporaries_bytes": GIB, "total_bytes": 2 * GIB, "device_kind": "h100",
+             "device_memory_bytes": 80 * GIB, "fits": True, "verdict": "fits", "caveat": UNROLLED_ON_CPU}
+    assert fit_line(entry).splitlines() == [fit_line({**entry, "caveat": None}), f"note: {UNROLLED_ON_CPU}"]
 
 
 def test_moe_preset_sets_its_experts_below_the_run_yaml():

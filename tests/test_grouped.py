@@ -1,4 +1,4 @@
-"""Grouped matmuls of dropless MoE layers (models.grouped): the Mosaic GPU path's gradient and masking
+"""Grouped matmuls of dropless MoE layers (nestor.backend.mosaic_gpu): the Mosaic GPU path's gradient and masking
 against jax.lax.ragged_dot, through stand-ins of the kernels (CPU runs no Mosaic GPU; the kernels
 themselves are checked against a per-group reference by bench.grouped on an H100, docs/benchmarks.md),
 the choice of implementation, and what the `dots` remat policy keeps."""
@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import grouped
-from models.grouped import TILE, grouped_matmul, kernel_grouped_matmul
-from models.moe import dropless_expert_outputs, grouped_swiglu
-from orchestrator import moe as orchestrator_moe
-from orchestrator.config import ConfigError
-from orchestrator.moe import grouped_matmul_implementation
-from orchestrator.remat import remat_policy
-from orchestrator.train import build_job
+from nestor.backend import BackendError, resolve_backend
+from nestor.backend import mosaic_gpu as grouped
+from nestor.backend.mosaic_gpu import TILE, grouped_matmul_op, kernel_grouped_matmul
+from nestor.backend.remat import policy as remat_policy
+from nestor.models import ops
+from nestor.models.moe import dropless_expert_outputs, grouped_swiglu
+from nestor.orchestrator import moe as orchestrator_moe
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.train import build_job
 from tests.helpers import equations
 
 GROUP_SIZES = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 20 rows in groups; group 1 empty
@@ -53,7 +54,7 @@ FAKES = (fake_ragged_dot, fake_transposed_ragged_dot)
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """Makes models.grouped run the stand-ins where it would run jax's Mosaic GPU kernels."""
+    """Makes nestor.backend.mosaic_gpu run the stand-ins where it would run jax's Mosaic GPU kernels."""
     monkeypatch.setattr(grouped, "mosaic_kernels", lambda: FAKES)
 
 
@@ -88,7 +89,8 @@ def test_dropless_experts_on_the_kernel_path_equal_ragged_dot_in_bfloat16(fake_k
                random((4, 2 * TILE, TILE), 8, jnp.bfloat16))
 
     def loss(matmuls, tokens, weights):  # experts 4..7 on this device: some assignments go elsewhere
-        out = dropless_expert_outputs(tokens, experts, gates, weights, 4, matmuls=matmuls)
+        with ops.installed(ops.Ops(grouped_matmul=grouped_matmul_op(matmuls))):
+            out = dropless_expert_outputs(tokens, experts, gates, weights, 4)
         return jnp.sum(out.astype(jnp.float32) ** 2), out
 
     results = {name: jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)(name, tokens, weights)
@@ -104,21 +106,22 @@ def test_dropless_experts_on_the_kernel_path_equal_ragged_dot_in_bfloat16(fake_k
 def test_an_unknown_implementation_or_what_the_kernels_do_not_take_is_a_clear_error(fake_kernels):
     rows, weights = random((ROWS, TILE), 0), random((4, TILE, TILE), 1)
     with pytest.raises(ValueError, match="one of xla, mosaic_gpu, mosaic_gpu_or_xla"):
-        grouped_matmul(rows, weights, GROUP_SIZES, "triton")
+        grouped_matmul_op("triton")
     with pytest.raises(ValueError, match="bfloat16 or float16.*float32.*moe.grouped_matmul=xla"):
-        grouped_matmul(rows, weights, GROUP_SIZES, "mosaic_gpu")
+        grouped_matmul_op("mosaic_gpu")(rows, weights, GROUP_SIZES)
     with pytest.raises(ValueError, match=r"multiples of 128 on each device, got \(4, 128, 96\)"):
-        grouped_matmul(rows.astype(jnp.bfloat16), weights[..., :96].astype(jnp.bfloat16), GROUP_SIZES, "mosaic_gpu")
+        grouped_matmul_op("mosaic_gpu")(rows.astype(jnp.bfloat16), weights[..., :96].astype(jnp.bfloat16), GROUP_SIZES)
 
 
 def test_mosaic_gpu_or_xla_runs_the_kernels_only_where_they_take_the_shapes(monkeypatch):
     calls = []
     monkeypatch.setattr(grouped, "mosaic_kernels", lambda: calls.append(1) or FAKES)
     rows, weights = random((ROWS, TILE), 0, jnp.bfloat16), random((4, TILE, TILE), 1, jnp.bfloat16)
-    grouped_matmul(rows, weights[..., :96], GROUP_SIZES, "mosaic_gpu_or_xla")  # a device's slice of 96 columns
-    grouped_matmul(rows.astype(jnp.float32), weights.astype(jnp.float32), GROUP_SIZES, "mosaic_gpu_or_xla")
+    either = grouped_matmul_op("mosaic_gpu_or_xla")
+    either(rows, weights[..., :96], GROUP_SIZES)  # a device's slice of 96 columns
+    either(rows.astype(jnp.float32), weights.astype(jnp.float32), GROUP_SIZES)
     assert not calls
-    grouped_matmul(rows, weights, GROUP_SIZES, "mosaic_gpu_or_xla")
+    either(rows, weights, GROUP_SIZES)
     assert calls == [1]
 
 
@@ -126,20 +129,28 @@ DROPLESS = ("moe.num_experts=4", "moe.every=1", "moe.capacity_factor=0")
 WIDE = ("model.embed_dim=256", "model.mlp_dim=512")  # the tiny model's 64 and 128 do not tile
 
 
-def test_auto_picks_the_kernels_on_hopper_gpus_in_bfloat16_only(tiny_config, monkeypatch):
+def test_auto_picks_the_kernels_on_hopper_gpus_in_bfloat16_only(tiny_config):
     bf16 = (*DROPLESS, *WIDE, "model.dtype=bfloat16")
-    assert grouped_matmul_implementation(tiny_config(*bf16), "cpu") == "xla"
-    assert not orchestrator_moe.hopper("gpu")  # asked on a machine without GPUs (a report for GPUs)
-    assert grouped_matmul_implementation(tiny_config(*bf16), "gpu") == "xla"
-    with pytest.raises(ConfigError, match="moe.grouped_matmul: mosaic_gpu needs a Hopper GPU"):
-        grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "cpu")
+    grouped_of = lambda config, *device: resolve_backend(config, *device).grouped_matmul  # noqa: E731
+    assert grouped_of(tiny_config(*bf16), "cpu") == "xla"
+    assert grouped_of(tiny_config(*bf16), "gpu", "NVIDIA A100-SXM4-80GB", "8.0") == "xla"
+    assert grouped_of(tiny_config(*bf16), "gpu", "NVIDIA H100 80GB HBM3", "9.0") == "mosaic_gpu_or_xla"
+    assert grouped_of(tiny_config(*bf16, "cluster.device_kind=h100"), "cpu") == "mosaic_gpu_or_xla"  # explain
+    with pytest.raises(BackendError, match="moe.grouped_matmul: mosaic_gpu needs a Hopper GPU"):
+        resolve_backend(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "cpu")
     # a model without dropless layers runs no grouped matmul, whatever the key says
-    assert grouped_matmul_implementation(tiny_config("moe.grouped_matmul=mosaic_gpu"), "cpu") == "xla"
-    monkeypatch.setattr(orchestrator_moe, "hopper", lambda platform: platform == "gpu")
-    assert grouped_matmul_implementation(tiny_config(*bf16), "gpu") == "mosaic_gpu_or_xla"
-    assert grouped_matmul_implementation(tiny_config(*DROPLESS, *WIDE, "model.dtype=float32"), "gpu") == "xla"
-    assert grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=xla"), "gpu") == "xla"
-    assert grouped_matmul_implementation(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "gpu") == "mosaic_gpu"
+    assert grouped_of(tiny_config("moe.grouped_matmul=mosaic_gpu"), "cpu") == "xla"
+    hopper = ("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+    assert grouped_of(tiny_config(*DROPLESS, *WIDE, "model.dtype=float32"), *hopper) == "xla"
+    assert grouped_of(tiny_config(*bf16, "moe.grouped_matmul=xla"), *hopper) == "xla"
+    assert grouped_of(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), *hopper) == "mosaic_gpu"
+
+
+def test_a_grouped_matmul_the_target_cannot_run_is_a_config_error_naming_its_key(tiny_config):
+    with pytest.raises(ConfigError) as error:
+        build_job(tiny_config(*DROPLESS, *WIDE, "model.dtype=bfloat16", "moe.grouped_matmul=mosaic_gpu",
+                              "mesh.data=8"), with_data=False)
+    assert [key for key, _ in error.value.problems] == ["moe.grouped_matmul"]
 
 
 def test_mosaic_gpu_on_widths_that_do_not_tile_on_each_device_is_a_config_error(tiny_config):
@@ -152,13 +163,12 @@ def test_mosaic_gpu_on_widths_that_do_not_tile_on_each_device_is_a_config_error(
     tiny_config(*DROPLESS, "mesh.data=4", "mesh.tensor=2")  # auto falls back
 
 
-def test_explain_names_the_grouped_matmuls_each_device_runs(tiny_config, monkeypatch):
-    monkeypatch.setattr(orchestrator_moe, "hopper", lambda platform: True)
+def test_explain_names_the_grouped_matmuls_each_device_of_the_target_runs(tiny_config):
     for mlp_dim, runs in ((512, "mosaic_gpu"), (384, "xla")):  # 256 or 192 columns a device
         config = tiny_config(*DROPLESS, *WIDE, f"model.mlp_dim={mlp_dim}", "model.dtype=bfloat16", "mesh.data=4",
-                             "mesh.tensor=2")
+                             "mesh.tensor=2", "cluster.device_kind=h100")
         job = build_job(config, with_data=False)
-        assert orchestrator_moe.dropless_report(config, job.mesh, job.rules)["grouped_matmul"] == runs, mlp_dim
+        assert orchestrator_moe.dropless_report(config, job.backend, job.mesh, job.rules)["grouped_matmul"] == runs
 
 
 @pytest.mark.parametrize("implementation", ["mosaic_gpu", "xla"])
@@ -170,10 +180,11 @@ def test_dots_remat_keeps_the_grouped_matmul_outputs(tiny_config, fake_kernels, 
     weights = tuple(random((4, TILE, TILE), seed) for seed in (1, 2, 3))
 
     def matmuls(remat: str) -> int:
-        unit = jax.checkpoint(lambda r, w: jnp.sum(grouped_swiglu(r, GROUP_SIZES, w, implementation) ** 2),
-                              policy=remat_policy(tiny_config(f"model.remat={remat}"), "gpu"))
-        return len(equations(jax.make_jaxpr(jax.grad(unit, argnums=(0, 1)))(rows, weights).jaxpr,
-                             "ragged_dot_general"))
+        unit = jax.checkpoint(lambda r, w: jnp.sum(grouped_swiglu(r, GROUP_SIZES, w) ** 2),
+                              policy=remat_policy(remat))
+        with ops.installed(ops.Ops(grouped_matmul=grouped_matmul_op(implementation))):
+            return len(equations(jax.make_jaxpr(jax.grad(unit, argnums=(0, 1)))(rows, weights).jaxpr,
+                                 "ragged_dot_general"))
 
     assert matmuls("dots") == 9  # 3 forward, 3 x 2 backward
     assert matmuls("full") == 12  # 3 forward again (the down projection's unused: XLA drops it)

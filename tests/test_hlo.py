@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from orchestrator.explain import cost_flops
-from parallel.hlo import collectives, dot_operand_dtypes, estimated_flops, flops_per_run
+from nestor.orchestrator.explain import cost_flops
+from nestor.parallel.hlo import collectives, dot_operand_dtypes, estimated_flops, flops_per_run
 
 _ELEMENT = "f32[1,2,40,128]{3,2,1,0}"
 

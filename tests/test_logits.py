@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.matmul import einsum
-from models.transformer import Transformer, TransformerConfig
+from nestor.models.ops import plain_einsum
+from nestor.models.transformer import Transformer, TransformerConfig
 from tests.helpers import equations, relative_error
 
 
@@ -20,7 +20,7 @@ def _inputs(dtype, tokens=8, vocab=32):
 
 
 def project_to_vocab(x, unembedding):
-    return einsum("btd,dv->btv", x, unembedding, jnp.float32, float32_outputs=True)
+    return plain_einsum("btd,dv->btv", x, unembedding, jnp.float32)
 
 
 def _einsum_logits(x, unembedding):

@@ -1,5 +1,6 @@
-"""Weight matmuls from float32 sums (models.matmul): autodiff's numbers (float32) and precision (bfloat16),
-bfloat16 backward matmuls, kept by `dots`, and on XLA:CPU dots whose operands stay bfloat16."""
+"""Matmuls from float32 sums (models.ops.einsum_from_float32_sums) and the XLA:CPU backend's bfloat16 ops
+(nestor.backend.xla_cpu): autodiff's numbers (float32) and precision (bfloat16), bfloat16 backward matmuls,
+kept by `dots`, and on XLA:CPU dots whose operands stay bfloat16."""
 
 import contextlib
 import functools
@@ -12,13 +13,13 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from models import matmul
-from models.moe import MoELayerConfig
-from models.transformer import Transformer, TransformerConfig
-from orchestrator.config import load
-from orchestrator.remat import remat_policy
-from orchestrator.state import model_config
-from parallel.hlo import dot_operand_dtypes
+from nestor.backend import resolve_backend, xla_cpu
+from nestor.backend.remat import policy as remat_policy
+from nestor.models import ops
+from nestor.models.moe import MoELayerConfig
+from nestor.models.transformer import Transformer, TransformerConfig
+from nestor.orchestrator.config import load
+from nestor.parallel.hlo import dot_operand_dtypes
 from tests.helpers import equations, relative_error
 
 # (equation, x shape, weight shape): the model's projections, its MLP's, an expert's
@@ -43,7 +44,7 @@ def _mlp(project):
 @pytest.mark.parametrize("equation, x_shape, weight_shape", EQUATIONS)
 def test_float32_values_and_gradients_equal_the_plain_einsums(equation, x_shape, weight_shape):
     x, weight = _operands(x_shape, weight_shape, jnp.float32)
-    ours = lambda x, w: (matmul.einsum(equation, x, w, float32_outputs=True) ** 2).sum()  # noqa: E731
+    ours = lambda x, w: (ops.einsum_from_float32_sums(equation, x, w) ** 2).sum()  # noqa: E731
     plain = lambda x, w: (jnp.einsum(equation, x, w) ** 2).sum()  # noqa: E731
     np.testing.assert_allclose(ours(x, weight), plain(x, weight), rtol=1e-6)
     for got, want in zip(jax.grad(ours, (0, 1))(x, weight), jax.grad(plain, (0, 1))(x, weight)):
@@ -53,8 +54,8 @@ def test_float32_values_and_gradients_equal_the_plain_einsums(equation, x_shape,
 @pytest.mark.parametrize("equation, x_shape, weight_shape", EQUATIONS)
 def test_bfloat16_matmuls_sum_in_float32_both_ways_on_bfloat16_operands(equation, x_shape, weight_shape):
     x, weight = _operands(x_shape, weight_shape, jnp.bfloat16)
-    loss = lambda x, w: matmul.einsum(equation, x, w, float32_outputs=True).astype(jnp.float32).sum()  # noqa: E731
-    assert matmul.einsum(equation, x, weight, float32_outputs=True).dtype == jnp.bfloat16
+    loss = lambda x, w: ops.einsum_from_float32_sums(equation, x, w).astype(jnp.float32).sum()  # noqa: E731
+    assert ops.einsum_from_float32_sums(equation, x, weight).dtype == jnp.bfloat16
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, weight).jaxpr, "dot_general")
     assert len(dots) == 3  # forward, and the gradients of x and of the weight
     assert all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars)
@@ -71,7 +72,7 @@ def test_bfloat16_matmuls_sum_in_float32_both_ways_on_bfloat16_operands(equation
     (jnp.float32, jnp.float32, jnp.float32)])
 def test_backward_matmuls_take_the_gradient_in_a_dtype_with_the_outputs_range(dtype, out_dtype, gradient_dtype):
     x, weight = _operands((2, 8, 16), (16, 32), dtype)
-    loss = lambda x, w: matmul.einsum("btd,dm->btm", x, w, out_dtype, float32_outputs=True).sum()  # noqa: E731
+    loss = lambda x, w: ops.einsum_from_float32_sums("btd,dm->btm", x, w, out_dtype).sum()  # noqa: E731
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, weight).jaxpr, "dot_general")
     assert [v.aval.dtype for eqn in dots[1:] for v in eqn.invars] == [gradient_dtype] * 4
 
@@ -80,13 +81,15 @@ def test_backward_matmuls_take_the_gradient_in_a_dtype_with_the_outputs_range(dt
 def test_an_equation_without_a_backward_pass_of_the_same_kind_is_refused(equation):
     x, weight = _operands((2, 8, 16), (16, 32), jnp.float32)
     with pytest.raises(ValueError, match="every index of an operand"):
-        matmul.einsum(equation, x, weight, float32_outputs=True)
+        ops.einsum_from_float32_sums(equation, x, weight)
 
 
-def test_an_output_dtype_needs_float32_outputs():
+def test_the_plain_einsum_returns_another_dtype_from_float32_sums_with_a_bfloat16_backward_pass():
     x, weight = _operands((2, 8, 16), (16, 32), jnp.bfloat16)
-    with pytest.raises(ValueError, match="needs float32_outputs"):
-        matmul.einsum("btd,dm->btm", x, weight, jnp.float32, float32_outputs=False)
+    assert ops.plain_einsum("btd,dm->btm", x, weight, jnp.float32).dtype == jnp.float32  # the logits
+    loss = lambda x, w: ops.plain_einsum("btd,dm->btm", x, w, jnp.float32).sum()  # noqa: E731
+    dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, weight).jaxpr, "dot_general")
+    assert [v.aval.dtype for eqn in dots for v in eqn.invars] == [jnp.bfloat16] * 6
 
 
 def _saved_residuals(function, *args) -> list[str]:
@@ -101,26 +104,28 @@ def _saved_residuals(function, *args) -> list[str]:
 def test_dots_keeps_what_it_keeps_of_plain_einsums():
     x, up = _operands((2, 8, 16), (16, 32), jnp.bfloat16)
     down = up.T
-    policy = remat_policy(load(None, ["model.remat=dots"]), "cpu")
+    policy = remat_policy("dots")
 
     def kept(project) -> list[str]:
         return _saved_residuals(jax.checkpoint(_mlp(project), policy=policy), x, up, down)
 
-    ours = kept(lambda equation, x, w: matmul.einsum(equation, x, w, float32_outputs=True))
+    ours = kept(lambda equation, x, w: ops.einsum_from_float32_sums(equation, x, w))
     plain = kept(lambda equation, x, w: jnp.einsum(equation, x, w))
     assert ours == plain
     assert "bf16[2,8,32]" in ours  # the first matmul's output, in the compute dtype
 
 
-def test_the_model_asks_for_float32_outputs_in_bfloat16_for_cpus_only():
+def test_the_backend_installs_float32_sums_in_bfloat16_for_cpus_only():
     bfloat16 = load(None, ["model.dtype=bfloat16"])
-    assert model_config(bfloat16, "cpu").float32_matmul_outputs
-    assert not model_config(bfloat16, "gpu").float32_matmul_outputs
-    assert not model_config(bfloat16, "tpu").float32_matmul_outputs
-    assert not model_config(load(None, ["model.dtype=float32"]), "cpu").float32_matmul_outputs
+    assert resolve_backend(bfloat16, "cpu").float32_sums
+    assert resolve_backend(bfloat16, "cpu").ops().einsum is ops.einsum_from_float32_sums
+    assert not resolve_backend(bfloat16, "gpu").float32_sums
+    assert not resolve_backend(bfloat16, "tpu").float32_sums
+    assert resolve_backend(bfloat16, "gpu").ops().einsum is ops.plain_einsum
+    assert not resolve_backend(load(None, ["model.dtype=float32"]), "cpu").float32_sums
     # `nestor explain` on CPU for an H100 or a TPU compiles the program those would run
     for target in ("cluster.device_kind=h100", "cluster.device_kind=tpu-v5e", "cluster.accelerator=gpu"):
-        assert not model_config(load(None, ["model.dtype=bfloat16", target]), "cpu").float32_matmul_outputs
+        assert not resolve_backend(load(None, ["model.dtype=bfloat16", target]), "cpu").compiled_here().float32_sums
 
 
 def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_operands_in_float32_both_ways():
@@ -129,7 +134,7 @@ def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_op
     output, and only attention's products a five-dimensional operand (heads grouped): each of them, forward
     and backward, takes bfloat16 operands and sums in float32."""
     config = TransformerConfig(vocab_size=56, embed_dim=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
-                               mlp_dim=40, dtype="bfloat16", float32_matmul_outputs=True,
+                               mlp_dim=40, dtype="bfloat16",
                                moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=2.0))
     graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
     router = (24, 3)  # routes in float32 by design
@@ -138,7 +143,8 @@ def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_op
     def loss(params):
         return nnx.merge(graph, params)(jnp.ones((2, 10), jnp.int32))[0].astype(jnp.float32).mean()
 
-    dots = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "dot_general")
+    with ops.installed(xla_cpu.ops_from_float32_sums()):
+        dots = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "dot_general")
     weight_dots = [eqn for eqn in dots if {tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)} & shapes]
     assert len(weight_dots) == 3 * (2 * 4 + 3 + 3 + 1)  # attention in 2 layers, SwiGLU, experts, logits
     attention_dots = [eqn for eqn in dots if any(v.aval.ndim == 5 for v in eqn.invars)]
@@ -151,14 +157,14 @@ def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_op
 def test_swiglu_from_float32_rounds_once_and_is_closer_to_float32():
     gate, up = _operands((4, 16, 32), (4, 16, 32), jnp.float32)
     want = jax.nn.silu(gate) * up
-    np.testing.assert_array_equal(matmul.swiglu(gate, up, float32=True), want)
-    np.testing.assert_array_equal(matmul.swiglu(gate, up, float32=False), want)
+    np.testing.assert_array_equal(xla_cpu.swiglu(gate, up), want)
+    np.testing.assert_array_equal(ops.plain_swiglu(gate, up), want)
     gate16, up16 = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
-    ours = matmul.swiglu(gate16, up16, float32=True)
+    ours = xla_cpu.swiglu(gate16, up16)
     exact = jax.nn.silu(gate16.astype(jnp.float32)) * up16.astype(jnp.float32)
     assert ours.dtype == jnp.bfloat16
     np.testing.assert_array_equal(ours, exact.astype(jnp.bfloat16))
-    assert relative_error(ours, exact) < relative_error(matmul.swiglu(gate16, up16, float32=False), exact)
+    assert relative_error(ours, exact) < relative_error(ops.plain_swiglu(gate16, up16), exact)
 
 
 @pytest.mark.parametrize("capacity_factor", [2.0, 0.0])  # capacity dispatch, dropless (grouped matmuls)
@@ -167,14 +173,15 @@ def test_the_models_swiglus_run_in_float32_where_the_matmuls_return_float32_sums
     """The dense layer's and the experts' silu, forward and backward: float32 with the CPU's float32 sums (where
     XLA:CPU would round between every bfloat16 operation), the compute dtype elsewhere (GPUs, TPUs)."""
     config = TransformerConfig(vocab_size=56, embed_dim=24, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6,
-                               mlp_dim=40, dtype="bfloat16", float32_matmul_outputs=float32_outputs,
+                               mlp_dim=40, dtype="bfloat16",
                                moe=MoELayerConfig(num_experts=3, every=2, top_k=2, capacity_factor=capacity_factor))
     graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
 
     def loss(params):
         return nnx.merge(graph, params)(jnp.ones((2, 10), jnp.int32))[0].astype(jnp.float32).mean()
 
-    silus = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "logistic")
+    with ops.installed(xla_cpu.ops_from_float32_sums() if float32_outputs else ops.PLAIN):
+        silus = equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "logistic")
     assert len(silus) == 2  # the dense layer's and the experts'
     assert {eqn.invars[0].aval.dtype for eqn in silus} == {jnp.dtype(jnp.float32 if float32_outputs else jnp.bfloat16)}
 
@@ -182,7 +189,7 @@ def test_the_models_swiglus_run_in_float32_where_the_matmuls_return_float32_sums
 def _upcast_dots(float32_outputs: bool) -> tuple[int, int]:
     """Returns (dots, dots of float32 operands) XLA:CPU compiles for the bfloat16 MLP's gradient."""
     x, up = _operands((4, 16, 128), (128, 256), jnp.bfloat16)
-    project = lambda equation, x, w: matmul.einsum(equation, x, w, float32_outputs=float32_outputs)  # noqa: E731
+    project = ops.einsum_from_float32_sums if float32_outputs else jnp.einsum
     dots = dot_operand_dtypes(jax.jit(jax.grad(_mlp(project), (0, 1, 2))).lower(x, up, up.T).compile().as_text())
     return len(dots), sum("f32" in operands for operands in dots)
 
@@ -200,7 +207,7 @@ def test_xla_cpu_runs_the_matmuls_on_bfloat16_operands():
 def _model_gradients(dtype: str, float32_matmul_outputs: bool) -> list:
     """Returns the parameter gradients of a small model's mean cross-entropy, the same parameters each time."""
     config = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                               mlp_dim=64, dtype=dtype, float32_matmul_outputs=float32_matmul_outputs)
+                               mlp_dim=64, dtype=dtype)
     graph, params = nnx.split(Transformer(config, nnx.Rngs(params=0)))
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 64)
 
@@ -208,7 +215,8 @@ def _model_gradients(dtype: str, float32_matmul_outputs: bool) -> list:
         logits = nnx.merge(graph, params)(tokens[:, :-1])[0]
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1).mean()
 
-    return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+    with ops.installed(xla_cpu.ops_from_float32_sums() if float32_matmul_outputs else ops.PLAIN):
+        return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
 
 
 def test_bfloat16_gradients_are_as_close_to_float32_as_the_plain_einsums():
@@ -246,16 +254,16 @@ def _attention_loss(attend, mask):
     return lambda q, k, v: (attend(q, k, v, mask).astype(jnp.float32) * weights).sum()
 
 
-_jax_attention = functools.partial(matmul.attention, float32_outputs=False, implementation="xla")
+_jax_attention = functools.partial(ops.dot_product_attention, implementation="xla")
 
 
 @pytest.mark.parametrize("masks", MASKS)
 def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(masks):
     q, k, v, mask = _attention_inputs(jnp.float32, masks)
-    np.testing.assert_allclose(matmul.causal_attention(q, k, v, mask), _jax_attention(q, k, v, mask), rtol=1e-6,
+    np.testing.assert_allclose(xla_cpu.causal_attention(q, k, v, mask), _jax_attention(q, k, v, mask), rtol=1e-6,
                                atol=1e-6)
     ours, theirs = (jax.grad(_attention_loss(attend, mask), (0, 1, 2))(q, k, v)
-                    for attend in (matmul.causal_attention, _jax_attention))
+                    for attend in (xla_cpu.causal_attention, _jax_attention))
     for got, want in zip(ours, theirs):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -266,12 +274,12 @@ def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_oper
     inputs = _attention_inputs(jnp.bfloat16, masks)
     want = jax.grad(_attention_loss(_jax_attention, exact[3]), (0, 1, 2))(*exact[:3])
     ours, theirs = (jax.grad(_attention_loss(attend, inputs[3]), (0, 1, 2))(*inputs[:3])
-                    for attend in (matmul.causal_attention, _jax_attention))
+                    for attend in (xla_cpu.causal_attention, _jax_attention))
     errors = [(relative_error(got, exact), relative_error(their, exact)) for got, their, exact in zip(ours, theirs, want)]
     # measured: 0.3-0.47%, at most 1.15x (the keys': flash attention's D reads the context rounded to bfloat16)
     assert all(error <= 1.2 * their for error, their in errors), errors
-    assert relative_error(matmul.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
-    loss = _attention_loss(matmul.causal_attention, inputs[3])
+    assert relative_error(xla_cpu.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
+    loss = _attention_loss(xla_cpu.causal_attention, inputs[3])
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*inputs[:3]).jaxpr, "dot_general")
     assert len(dots) == 2 + 5  # scores and context; the backward's scores again and its four products
     for eqn in dots:
@@ -289,7 +297,7 @@ def test_xla_cpu_runs_the_attention_products_on_bfloat16_operands():
         dots = dot_operand_dtypes(text)
         return len(dots), sum("f32" in operands for operands in dots)
 
-    dots, upcast_dots = upcast(matmul.causal_attention)
+    dots, upcast_dots = upcast(xla_cpu.causal_attention)
     assert dots >= 5 and upcast_dots == 0  # 5 compiled here: without remat XLA shares the scores between passes
     if jax.__version_info__ < (0, 11):
         assert upcast(_jax_attention)[1] > 0
@@ -299,7 +307,7 @@ def test_a_mask_of_another_rank_or_per_head_is_refused():
     q, k, v, mask = _attention_inputs(jnp.bfloat16, "documents")
     for wrong in (mask[0, 0], mask[:, 0], jnp.repeat(mask, 4, axis=1)):
         with pytest.raises(ValueError, match=r"batch or 1, 1, length, length"):
-            matmul.causal_attention(q, k, v, wrong)
+            xla_cpu.causal_attention(q, k, v, wrong)
 
 
 def test_dots_keeps_the_attention_context_not_its_scores():
@@ -311,15 +319,15 @@ def test_dots_keeps_the_attention_context_not_its_scores():
     def layer(attend):
         def loss(q, k, v, out):
             context = attend(q, k, v, None)
-            return jnp.square(matmul.einsum("bthk,hkd->btd", context, out, float32_outputs=True)).sum()
+            return jnp.square(ops.einsum_from_float32_sums("bthk,hkd->btd", context, out)).sum()
         return loss
 
     def kept(attend) -> list[str]:
-        policy = remat_policy(load(None, ["model.remat=dots"]), "cpu")
+        policy = remat_policy("dots")
         return _saved_residuals(jax.checkpoint(layer(attend), policy=policy), q, k, v, out)
 
     inputs = ["bf16[2,24,2,8]"] * 2 + ["bf16[2,24,4,8]", "bf16[4,8,16]"]
-    assert kept(matmul.causal_attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
+    assert kept(xla_cpu.causal_attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
     assert any(residual.startswith("f32[") and residual.count(",") == 4 for residual in kept(_jax_attention))  # scores
 
 
@@ -330,16 +338,16 @@ def test_a_policy_keeping_the_attention_context_keeps_it_once_for_both_backward_
     out = jax.random.normal(jax.random.key(5), (4, 8, 16)).astype(jnp.bfloat16)
 
     def loss(q, k, v, out):  # linear in the projection: its own backward pass reads the context only
-        context = matmul.attention(q, k, v, float32_outputs=True)
-        return matmul.einsum("bthk,hkd->btd", context, out, float32_outputs=True).astype(jnp.float32).sum()
+        context = xla_cpu.causal_attention(q, k, v)
+        return ops.einsum_from_float32_sums("bthk,hkd->btd", context, out).astype(jnp.float32).sum()
 
-    def checkpointed(*overrides: str):
-        return jax.checkpoint(loss, policy=remat_policy(load(None, list(overrides)), "cpu"))
+    def checkpointed(policy: str, names: tuple[str, ...] = ()):
+        return jax.checkpoint(loss, policy=remat_policy(policy, names))
 
     def products(function) -> int:
         return len(equations(jax.make_jaxpr(jax.grad(function, (0, 1, 2, 3)))(q, k, v, out).jaxpr, "dot_general"))
 
-    minimal = checkpointed("model.remat=minimal", "model.remat_names=[attention_context]")
+    minimal = checkpointed("minimal", ("attention_context",))
     assert _saved_residuals(minimal, q, k, v, out).count("bf16[2,24,4,8]") == 2  # the queries and the context
     # forward: scores, context, projection; backward: the scores again and four products, the projection's two
-    assert products(minimal) == products(checkpointed("model.remat=dots")) == 2 + 1 + 5 + 2
+    assert products(minimal) == products(checkpointed("dots")) == 2 + 1 + 5 + 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from parallel.mesh import MESH_AXES, MeshError, _device_grid, build_mesh, resolve_shape
+from nestor.parallel.mesh import MESH_AXES, MeshError, _device_grid, build_mesh, resolve_shape
 
 ONES = {axis: 1 for axis in MESH_AXES}
 

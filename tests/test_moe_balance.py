@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.moe import ExpertBias, MoEFeedForward, MoELayerConfig
-from models.transformer import TransformerConfig
-from orchestrator.checkpoint import restore_state
-from orchestrator.config import ConfigError
-from orchestrator.flops import matmul_params_per_token
-from orchestrator.metrics import expert_bias_scalars, moe_layer_indices
-from orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias
-from orchestrator.train import build_job
+from nestor.models.moe import ExpertBias, MoEFeedForward, MoELayerConfig
+from nestor.models.transformer import TransformerConfig
+from nestor.orchestrator.checkpoint import restore_state
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.flops import matmul_params_per_token
+from nestor.orchestrator.metrics import expert_bias_scalars, moe_layer_indices
+from nestor.orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias
+from nestor.orchestrator.train import build_job
 from tests.helpers import run
 
 FIRST_DENSE = ("moe.num_experts=4", "moe.every=1", "moe.first_dense_layers=2")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.moe import MoEFeedForward, MoELayerConfig, assign, expert_capacity, flat_slots, route
-from models.transformer import TransformerConfig
+from nestor.models.moe import MoEFeedForward, MoELayerConfig, assign, expert_capacity, flat_slots, route
+from nestor.models.transformer import TransformerConfig
 
 EXPERTS = 4
 # (top_k, capacity_factor, random second expert); 0.3 leaves experts a third of the slots they are asked for

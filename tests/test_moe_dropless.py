@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.moe import MoEFeedForward, MoELayerConfig, dropless_expert_outputs
-from models.transformer import TransformerConfig, shared_experts
-from orchestrator.explain import compile_step, explain
-from orchestrator.train import build_job
-from parallel.experts import ALL_GATHER
-from parallel.hlo import collectives
+from nestor.models.moe import MoEFeedForward, MoELayerConfig, dropless_expert_outputs
+from nestor.models.transformer import TransformerConfig, shared_experts
+from nestor.orchestrator.explain import compile_step, explain
+from nestor.orchestrator.train import build_job
+from nestor.parallel.experts import ALL_GATHER
+from nestor.parallel.hlo import collectives
 from tests.helpers import mesh_overrides
 from tests.test_moe import MOE, reference_output
 from tests.test_moe_dispatch import output_stats_and_grads

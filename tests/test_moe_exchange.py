@@ -3,18 +3,19 @@ against a numpy reference of who sends which rows to whom, the whole exchange ag
 exchange (the collective emulated on CPU, whose XLA lacks it), its StableHLO for GPU, and the choice of
 exchange by platform and `moe.exchange`."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.moe import chosen_exchange
-from orchestrator.state import init_state
-from orchestrator.step import make_grad_fn
-from orchestrator.train import build_job
-from parallel import experts as expert_exchanges
-from parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL, exchange_kind, receive_plan, send_plan
+from nestor.backend import EXCHANGE_CHOICES, resolve_backend
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.state import init_state
+from nestor.orchestrator.step import make_grad_fn
+from nestor.orchestrator.train import build_job
+from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL, receive_plan, send_plan
 from tests.helpers import mesh_overrides
 from tests.test_moe import MOE
 
@@ -93,13 +94,13 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 DROPLESS = (*MOE, "moe.capacity_factor=0", "model.num_layers=2", "model.num_kv_heads=4")  # one MoE layer
 
 
-def grad_fn_with(config, exchange: str, monkeypatch):
-    """Returns (jitted grad_fn, job) of `config` with `moe.exchange=exchange`, built as if the CPU had
-    ragged-all-to-all (the collective itself is looked up when the function is traced)."""
-    with monkeypatch.context() as patch:
-        patch.setattr(expert_exchanges, "RAGGED_ALL_TO_ALL_PLATFORMS", ("cpu",))
-        job = build_job(config.replace(**{"moe.exchange": exchange}), with_data=False)
-        return jax.jit(make_grad_fn(job.config, job.layout, job.mesh, job.rules)), job
+def grad_fn_with(config, exchange: str):
+    """Returns (jitted grad_fn, job) of `config` with the backend's exchange `exchange` (a moe.exchange
+    choice), as if the CPU had ragged-all-to-all (the collective itself is looked up when the function is
+    traced)."""
+    job = build_job(config, with_data=False)
+    backend = dataclasses.replace(job.backend, exchange=EXCHANGE_CHOICES[exchange])
+    return jax.jit(make_grad_fn(job.config, job.layout, job.mesh, job.rules, backend)), job
 
 
 @pytest.mark.slow
@@ -119,7 +120,7 @@ def test_ragged_exchange_equals_all_gather_exchange(tiny_config, monkeypatch, me
     for exchange in ("all_gather", "ragged_all_to_all"):
         with monkeypatch.context() as patch:  # traced (at the call) while the emulation is installed
             patch.setattr(jax.lax, "ragged_all_to_all", counted)
-            grad_fn, job = grad_fn_with(config, exchange, patch)
+            grad_fn, job = grad_fn_with(config, exchange)
             # with random routing some second choices go to no expert: rows that are never sent
             results[exchange] = grad_fn(init_state(job.config, job.layout)["params"], tokens,
                                         routing_key=jax.random.key(1))
@@ -131,11 +132,12 @@ def test_ragged_exchange_equals_all_gather_exchange(tiny_config, monkeypatch, me
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_ragged_exchange_lowers_for_gpu_with_no_all_gather(tiny_config, monkeypatch):
-    config = tiny_config(*DROPLESS).replace(**mesh_overrides(expert=4, data=2))
+def test_ragged_exchange_lowers_for_gpu_with_no_all_gather(tiny_config):
+    # without remat, which would run the forward exchange again in the backward pass
+    config = tiny_config(*DROPLESS, "model.remat=none").replace(**mesh_overrides(expert=4, data=2))
     texts = {}
     for exchange in ("all_gather", "ragged_all_to_all"):
-        grad_fn, job = grad_fn_with(config, exchange, monkeypatch)
+        grad_fn, job = grad_fn_with(config, exchange)
         params = jax.eval_shape(lambda: init_state(job.config, job.layout)["params"])
         tokens = jax.ShapeDtypeStruct((16, 33), jnp.int32)
         texts[exchange] = grad_fn.trace(params, tokens).lower(lowering_platforms=("cuda",)).as_text()
@@ -151,8 +153,8 @@ def test_ragged_exchange_lowers_for_gpu_with_no_all_gather(tiny_config, monkeypa
                                                     ("auto", "tpu", RAGGED_ALL_TO_ALL),
                                                     ("all_gather", "cuda", ALL_GATHER),
                                                     ("ragged_all_to_all", "gpu", RAGGED_ALL_TO_ALL)])
-def test_exchange_is_chosen_by_platform(choice, platform, kind):
-    assert exchange_kind(choice, platform) == kind
+def test_exchange_is_chosen_by_platform(tiny_config, choice, platform, kind):
+    assert resolve_backend(tiny_config(*MOE, f"moe.exchange={choice}"), platform).exchange == kind
 
 
 def test_ragged_all_to_all_forced_on_cpu_is_a_config_error_naming_the_key(tiny_config):
@@ -160,4 +162,7 @@ def test_ragged_all_to_all_forced_on_cpu_is_a_config_error_naming_the_key(tiny_c
     with pytest.raises(ConfigError) as error:
         build_job(config.replace(**mesh_overrides(expert=4, data=2)), with_data=False)
     assert error.value.problems[0][0] == "moe.exchange"
-    assert chosen_exchange(tiny_config(*MOE).moe, build_job(tiny_config(*MOE), with_data=False).mesh) == ALL_GATHER
+    assert build_job(tiny_config(*MOE), with_data=False).backend.exchange == ALL_GATHER
+    # explain on CPU for an H100 names the H100's exchange and compiles the one XLA:CPU has
+    for_h100 = build_job(tiny_config(*MOE, "cluster.device_kind=h100"), with_data=False).backend
+    assert (for_h100.exchange, for_h100.compiled_here().exchange) == (RAGGED_ALL_TO_ALL, ALL_GATHER)

@@ -8,15 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.explain import compile_step, explain, format_report, param_table
-from orchestrator.state import init_state
-from orchestrator.train import build_job
-from parallel.hlo import collective_lines, collectives, conditional_branch_ops, dot_operand_dtypes
-from parallel.mesh import build_mesh
-from parallel.pipeline import Schedule, pipeline_runner
-from parallel.pipeline_1f1b import _phases, one_f_one_b
-from parallel.rules import DEFAULT_RULES
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.explain import compile_step, explain, format_report, param_table
+from nestor.orchestrator.state import init_state
+from nestor.orchestrator.train import build_job
+from nestor.parallel.hlo import collective_lines, collectives, conditional_branch_ops, dot_operand_dtypes
+from nestor.parallel.mesh import build_mesh
+from nestor.parallel.pipeline import (BUFFERED, PER_STAGE_SKIPPING, PipelineLoop, Schedule, buffered_loop, pipeline_runner,
+                                     skipping_stages, streamed_loop, vmapped_stages)
+from nestor.parallel.pipeline_1f1b import _phases, one_f_one_b
+from nestor.parallel.rules import DEFAULT_RULES
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 PIPELINED = {
@@ -79,7 +80,7 @@ def _permute_shifts(job, hlo: str) -> list[set[int]]:
 
 
 def _assert_no_all_gather_of_the_stack(job, hlo: str) -> None:
-    stack_shapes = {tuple(row["shape"]) for row in param_table(job) if "layers" in row["logical_axes"]}
+    stack_shapes = {tuple(row["shape"]) for row in param_table(job.layout) if "layers" in row["logical_axes"]}
     layers = job.config.model.num_layers
     for line in collective_lines(hlo, "all-gather"):
         shape = tuple(int(d) for d in re.search(r"=\s*\(?\w+\[([\d,]*)\]", line).group(1).split(",") if d)
@@ -118,7 +119,7 @@ def test_full_remat_recovers_layer_inputs_without_a_second_stage_forward(schedul
 
 def test_layer_stack_params_per_device_are_a_quarter_with_four_stages(tiny_config):
     job = build_job(tiny_config("pipeline.microbatches=4").replace(**mesh_overrides(pipeline=4, data=2)))
-    rows = [row for row in param_table(job) if "layers" in row["logical_axes"]]
+    rows = [row for row in param_table(job.layout) if "layers" in row["logical_axes"]]
     per_device = sum(row["bytes_per_device"] for row in rows)
     total = sum(row["bytes_total"] for row in rows)
     assert per_device <= 1.10 * total / 4
@@ -146,7 +147,7 @@ def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same
 def test_checkpoint_written_under_gpipe_on_two_stages_resumes_under_1f1b_on_four(tiny_config):
     import shutil
 
-    from orchestrator.checkpoint import checkpoint_dir
+    from nestor.orchestrator.checkpoint import checkpoint_dir
     from tests.helpers import run
 
     gpipe = tiny_config("train.steps=3", "checkpoint.every=2", "pipeline.microbatches=4").replace(
@@ -220,16 +221,16 @@ def _toy_layer(w, x, rows=None):
     return y, {"mean": jnp.mean(y), "rows": jnp.asarray(x.shape[0], jnp.float32)}
 
 
-CPU_OPTIONS = {"plain": {}, "skip": {"skip_bubbles": True}, "stream": {"stream_microbatches": True},
-               "cpu": {"skip_bubbles": True, "stream_microbatches": True}}
+LOOPS = {"plain": BUFFERED, "skip": PipelineLoop("skip", skipping_stages, buffered_loop),
+         "stream": PipelineLoop("stream", vmapped_stages, streamed_loop), "both": PER_STAGE_SKIPPING}
 
 
-@pytest.mark.parametrize("options", CPU_OPTIONS)
+@pytest.mark.parametrize("options", LOOPS)
 @pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2), (4, 2)])
 def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats, options):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
-                             **CPU_OPTIONS[options])
+                             loop=LOOPS[options])
     layers, x = 8, jax.random.normal(jax.random.key(0), (16, 8))
     w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (layers, 8))
 
@@ -261,12 +262,12 @@ def _row_layer(w, x, rows):
     return jnp.tanh(x * w + rows["offset"]), {}
 
 
-@pytest.mark.parametrize("options", ["plain", "cpu"])
+@pytest.mark.parametrize("options", ["plain", "both"])
 @pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
 def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats, options):
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
-                             **CPU_OPTIONS[options])
+                             loop=LOOPS[options])
     x = jax.random.normal(jax.random.key(0), (16, 8))
     rows = {"offset": jax.random.normal(jax.random.key(2), (16, 8))}
     w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
@@ -288,7 +289,7 @@ def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats
 
     mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(2, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
-                             POLICIES[remat], skip_bubbles)
+                             POLICIES[remat], LOOPS["skip" if skip_bubbles else "plain"])
     w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))  # activations [micro-batch 4, 32] never end in (32, 32)
     capsys.readouterr()
     with jax.set_mesh(mesh):
@@ -306,14 +307,14 @@ def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats
 
 @pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
 def test_skip_bubbles_puts_every_layer_product_in_a_branch_that_a_bubble_skips(stages, repeats):
-    # Compiled forward and backward: with skip_bubbles every matmul of the layers, forward and backward, sits in
+    # Compiled forward and backward: with skipping_stages every matmul of the layers, forward and backward, sits in
     # one branch of a conditional whose other branch (the bubble's) has none; without it there is no conditional.
     mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
     w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))
     dots = {}
     for skip in (False, True):
         runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES,
-                                 ("batch", None), skip_bubbles=skip)
+                                 ("batch", None), loop=LOOPS["skip" if skip else "plain"])
         with jax.set_mesh(mesh):
             hlo = jax.jit(jax.grad(lambda w: jnp.sum(runner(_matmul_layer, w, x)[0]))).lower(w).compile().as_text()
         dots[skip] = (dot_operand_dtypes(hlo), conditional_branch_ops(hlo, "dot"))
@@ -329,7 +330,7 @@ def test_streamed_gpipe_loop_carries_no_microbatch_buffer(stream):
     # GPipe streamed: the micro-batches are the loop's xs and the outputs its ys; the carry is the stages' state.
     mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(2, microbatches=4), mesh, DEFAULT_RULES, ("batch", None),
-                             stream_microbatches=stream)
+                             loop=LOOPS["stream" if stream else "plain"])
     w, x = jnp.ones((4, 8)), jnp.ones((16, 8))  # micro-batches [4, 4, 8]; the stages' state [2, 4, 8]
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(lambda w, x: runner(_toy_layer, w, x))(w, x)
@@ -413,7 +414,7 @@ def test_zero_bubble_defers_each_weight_pass_after_its_input_pass_into_m_ticks(s
 def compiled_by_schedule(tmp_path_factory):
     """Returns {(schedule, M): (job, compiled step)} on pipeline4 x data2, 2 sequences per micro-batch
     (global batch 2M), compiled only."""
-    from orchestrator import config as config_lib
+    from nestor.orchestrator import config as config_lib
     from tests.conftest import TINY
 
     compiled = {}

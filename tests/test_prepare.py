@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.data import prepare as prepare_module
-from orchestrator.data.prepare import Options, held_out_by_hash, prepare
-from orchestrator.data.shards import DOCUMENT_SEPARATOR, METADATA, documents_of
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.data import prepare as prepare_module
+from nestor.orchestrator.data.prepare import Options, held_out_by_hash, prepare
+from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, METADATA, documents_of
 
 WORDS = "the cat sat on a mat while dogs ran far away into the quiet night and came home".split()
 
@@ -131,8 +131,8 @@ def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkey
     # tokenizer's own vocabulary (19 ids here), which the quickstart's tensor2 mesh cannot split.
     import shlex
 
-    from orchestrator.cli import main
-    from orchestrator.config import load
+    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.config import load
     from tests.conftest import ROOT
 
     monkeypatch.chdir(tmp_path)

@@ -5,10 +5,10 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.explain import compile_step
-from orchestrator.remat import policy_name, remat_policy
-from orchestrator.train import build_job
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.explain import compile_step
+from nestor.backend import resolve_backend
+from nestor.orchestrator.train import build_job
 from tests.conftest import TINY
 from tests.helpers import assert_same_training, equations, mesh_overrides, run_fresh
 
@@ -38,7 +38,7 @@ CASES = [("scanned_fsdp4_tensor2", "full"), ("scanned_fsdp4_tensor2", "dots"), (
 @pytest.fixture(scope="module")
 def without_remat(tmp_path_factory):
     """Returns runs(stack) -> (make, the run of that stack with model.remat=none), trained once per stack."""
-    from orchestrator import config as config_lib
+    from nestor.orchestrator import config as config_lib
 
     cache = {}
 
@@ -91,45 +91,46 @@ def test_full_remat_at_least_halves_temporaries_of_125m_on_fsdp8(tiny_config):
 
 
 def test_offload_is_minimal_on_cpu_and_offloads_on_accelerators(tiny_config):
-    offload, minimal = tiny_config("model.remat=offload"), tiny_config("model.remat=minimal")
-    assert remat_policy(offload, "cpu") == remat_policy(minimal, "cpu")
-    assert remat_policy(offload, "gpu") != remat_policy(minimal, "gpu")
-    assert remat_policy(tiny_config(), "cpu") is None
+    offload = tiny_config("model.remat=offload")
+    assert resolve_backend(offload, "cpu").remat == "minimal"
+    assert resolve_backend(offload, "gpu").remat == "offload"
+    # explain on CPU for a GPU reports offload and compiles minimal (no pinned host memory apart from the host's)
+    for_gpu = resolve_backend(tiny_config("model.remat=offload", "cluster.device_kind=h100"), "cpu")
+    assert (for_gpu.remat, for_gpu.compiled_here().remat) == ("offload", "minimal")
+    assert resolve_backend(tiny_config("model.remat=none"), "cpu").remat_policy() is None
 
 
 @pytest.mark.parametrize("overrides, key", [
     (("model.remat=some",), "model.remat"),
     (("model.remat=minimal", "model.remat_names=[query_proj,scores]"), "model.remat_names[1]"),
     (("model.remat=full", "model.remat_names=[query_proj]"), "model.remat_names"),
-    (("model.remat=full", "pipeline.remat=dots_saveable"), "pipeline.remat"),
-    (("pipeline.remat=dots",), "pipeline.remat"),
-], ids=["unknown_policy", "unknown_name", "names_without_named_policy", "alias_contradicts", "unknown_alias"])
+    (("pipeline.remat=full",), "pipeline.remat"),
+], ids=["unknown_policy", "unknown_name", "names_without_named_policy", "removed_alias"])
 def test_invalid_remat_config_names_its_key_path(tiny_config, overrides, key):
     with pytest.raises(ConfigError) as error:
         tiny_config(*overrides)
     assert key in [problem_key for problem_key, _ in error.value.problems]
 
 
-def test_deprecated_pipeline_remat_becomes_model_remat(tiny_config):
-    with pytest.warns(FutureWarning, match="model.remat=dots"):
-        config = tiny_config("pipeline.remat=dots_saveable")
-    assert (config.model.remat, config.pipeline.remat) == ("dots", None)
-    with pytest.warns(FutureWarning, match="model.remat=full"):  # the old key warns even where both agree
-        assert tiny_config("pipeline.remat=full", "model.remat=full").model.remat == "full"
+def test_the_removed_pipeline_remat_names_model_remat(tiny_config):
+    with pytest.raises(ConfigError) as error:
+        tiny_config("pipeline.remat=dots_saveable")
+    [(key, message)] = error.value.problems
+    assert key == "pipeline.remat" and "write model.remat" in message
 
 
-def test_auto_is_dots_for_accelerators_and_none_on_cpu(tiny_config):
-    assert policy_name(tiny_config(), "cpu") == "none"
-    assert policy_name(tiny_config(), "gpu") == "dots"
-    assert policy_name(tiny_config(), "tpu") == "dots"
+def test_auto_is_dots_for_accelerators_and_full_on_cpu(tiny_config):
+    policy = lambda config, platform: resolve_backend(config, platform).remat  # noqa: E731
+    assert policy(tiny_config(), "cpu") == "full"
+    assert policy(tiny_config(), "gpu") == "dots"
+    assert policy(tiny_config(), "cuda") == "dots"
+    assert policy(tiny_config(), "tpu") == "dots"
     # explain on CPU for an accelerator compiles what that accelerator would run
-    assert policy_name(tiny_config("cluster.device_kind=h100"), "cpu") == "dots"
-    assert policy_name(tiny_config("cluster.device_kind=tpu-v5p"), "cpu") == "dots"
-    assert policy_name(tiny_config("cluster.accelerator=gpu"), "cpu") == "dots"
-    assert policy_name(tiny_config("model.remat=offload"), "cpu") == "minimal"  # what explain reports
-    assert policy_name(tiny_config("model.remat=offload"), "gpu") == "offload"
-    assert policy_name(tiny_config("model.remat=none"), "gpu") == "none"
-    assert policy_name(tiny_config("model.remat=full"), "cpu") == "full"
+    assert policy(tiny_config("cluster.device_kind=h100"), "cpu") == "dots"
+    assert policy(tiny_config("cluster.device_kind=tpu-v5p"), "cpu") == "dots"
+    assert policy(tiny_config("cluster.accelerator=gpu"), "cpu") == "dots"
+    assert policy(tiny_config("model.remat=none"), "gpu") == "none"
+    assert policy(tiny_config("model.remat=full"), "cpu") == "full"
 
 
 def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_kernel_again(tiny_config):
@@ -138,7 +139,7 @@ def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_k
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
     from jax.extend.core import Primitive
 
-    from orchestrator.remat import fused_attention_saveable
+    from nestor.backend.remat import fused_attention_saveable
 
     # The name the policy matches is the one jax's cuDNN attention binds (a rename in jax fails here).
     assert fused_attention_saveable(cudnn_attention._dot_product_attention_fwd_p_wrapper)
@@ -160,7 +161,7 @@ def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_k
     attention.defvjp(forward, lambda saved, gradient: (gradient * saved[0] + saved[1][..., None],))
 
     def forward_kernels(config) -> int:
-        unit = jax.checkpoint(lambda x: jnp.sin(attention(x @ x)).sum(), policy=remat_policy(config, "gpu"))
+        unit = jax.checkpoint(lambda x: jnp.sin(attention(x @ x)).sum(), policy=resolve_backend(config, "gpu").remat_policy())
         return len(equations(jax.make_jaxpr(jax.grad(unit))(jnp.ones((4, 4))).jaxpr, kernel.name))
 
     assert forward_kernels(tiny_config("model.remat=dots")) == 1

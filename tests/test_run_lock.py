@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.run_lock import LOCK_NAME, RunDirLock, _start_ticks
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.run_lock import LOCK_NAME, RunDirLock, _start_ticks
 from tests.helpers import last_lines_of_two_processes
 
 
@@ -78,8 +78,8 @@ def test_a_run_dir_that_cannot_hold_a_lock_is_a_config_error_naming_it(tmp_path)
 
 
 AGREE_ON_THE_LOCK = """
-    from orchestrator.config import ConfigError
-    from orchestrator.train import holding_run_dir
+    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.train import holding_run_dir
     try:
         with holding_run_dir(Path(run_dir), True, print):
             print("held")

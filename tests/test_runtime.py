@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from cluster.cpu_devices import THREADS_PER_DEVICE
+from nestor.cluster.cpu_devices import THREADS_PER_DEVICE
 from tests.conftest import ROOT
 from tests.doc_blocks import user_env
 

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.axes import activation_sharding
-from orchestrator.checkpoint import Checkpointer
-from orchestrator.cli import main
-from orchestrator.evaluation.commands import restore_newest, sample_checkpoint
-from orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
-from orchestrator.state import init_state, state_layout
-from orchestrator.train import make_mesh
-from parallel.rules import activation_constrainer, resolve_rules
+from nestor.models.axes import activation_sharding
+from nestor.orchestrator.checkpoint import Checkpointer
+from nestor.orchestrator.cli import main
+from nestor.orchestrator.evaluation.commands import restore_newest, sample_checkpoint
+from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
+from nestor.orchestrator.state import init_state, state_layout
+from nestor.orchestrator.train import make_mesh
+from nestor.parallel.rules import activation_constrainer, resolve_rules
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, mesh_overrides
 
@@ -28,7 +28,7 @@ NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Returns {model: config}: each model's initial state saved once as its run.dir's checkpoint 0."""
-    from orchestrator.config import load
+    from nestor.orchestrator.config import load
 
     configs = {}
     for name, overrides in MODELS.items():
@@ -72,7 +72,7 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(ch
     restored = restore_newest(config)
     mesh, rules, params = restored.mesh, restored.rules, restored.state["params"]
     assert batch_rows(mesh, rules) == (2 if mesh_name == "tensor2_data2" else 1)
-    graphdef = sampling_graphdef(config, mesh)
+    graphdef = sampling_graphdef(config)
     prompts = jnp.array([[0, 104, 101, 108, 108, 111], [0, 100, 101, 102, 32, 102]], jnp.int32)
     expert_bias = restored.state.get("expert_bias")  # the biased preset's balancing state
     cached = np.asarray(make_generate(graphdef, mesh, rules, NEW_TOKENS)(params, prompts, jax.random.key(0),

@@ -8,13 +8,13 @@ import shutil
 import numpy as np
 import pytest
 
-from orchestrator.config import ConfigError
-from orchestrator.data.pipeline import DataPipeline, make_source
-from orchestrator.data.shards import METADATA
-from orchestrator.metrics import tensorboard_tag
-from orchestrator.step import batch_sharding
-from orchestrator.train import make_mesh
-from parallel.rules import resolve_rules
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.data.pipeline import DataPipeline, make_source
+from nestor.orchestrator.data.shards import METADATA
+from nestor.orchestrator.metrics import tensorboard_tag
+from nestor.orchestrator.step import batch_sharding
+from nestor.orchestrator.train import make_mesh
+from nestor.parallel.rules import resolve_rules
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, prepared_stdlib, run_fresh
 
@@ -143,7 +143,7 @@ def test_training_on_a_mixture_matches_one_device_and_its_tags_are_documented(ti
 
 
 def test_mixture_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
-    from orchestrator.config import load
+    from nestor.orchestrator.config import load
 
     monkeypatch.chdir(tmp_path)
     config = load(None, ["data.source=tokens", "data.mixture=[{paths: shards/a, weight: 1}, {paths: [/b, c], weight: 2}]"])

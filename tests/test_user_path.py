@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from orchestrator import config as config_lib
-from orchestrator.cli import parse
+from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.cli import parse
 from tests.conftest import ROOT
 from tests.doc_blocks import run_block, user_env
 from tests.helpers import last_lines_of_two_processes
@@ -127,7 +127,7 @@ def test_an_unknown_option_is_still_refused(capsys):
 @pytest.mark.timeout(60)
 def test_a_python_without_the_dependencies_says_so_in_one_line():
     # -S: no site-packages, as a cluster's system Python without nestor installed.
-    process = subprocess.run([sys.executable, "-S", "-m", "orchestrator", "train", "configs/quickstart.yaml"],
+    process = subprocess.run([sys.executable, "-S", "-m", "nestor.orchestrator", "train", "configs/quickstart.yaml"],
                              cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=60)
     assert process.returncode == 1
     assert process.stderr.count("\n") == 1 and "cannot import jax" in process.stderr, process.stderr
@@ -135,8 +135,8 @@ def test_a_python_without_the_dependencies_says_so_in_one_line():
 
 
 SHARED_RUN_DIR_CHECK = """
-    from cluster.rendezvous import ClusterError
-    from orchestrator.runtime import check_shared_run_dir
+    from nestor.cluster.rendezvous import ClusterError
+    from nestor.orchestrator.runtime import check_shared_run_dir
     try:
         check_shared_run_dir(Path(run_dir))
         print("shared")
@@ -156,10 +156,15 @@ def test_a_wheel_install_reads_base_yaml_and_the_presets(tmp_path):
                     str(source)], check=True, timeout=240, capture_output=True)
     [wheel] = (tmp_path / "wheel").glob("nestor-*.whl")
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    # one top-level package: installing nestor claims no generic name (models, parallel, configs)
+    assert sorted(path.name for path in (tmp_path / "site").iterdir()) == ["nestor", wheel.name.split("-py")[0]
+                                                                          + ".dist-info"]
+    packaged = {path.parent.name for path in (tmp_path / "site" / "nestor").glob("*/__init__.py")}
+    assert packaged == {path.parent.name for path in ROOT.glob("*/__init__.py")} - {"tests", "bench", "nestor"}
     user = tmp_path / "user"
     user.mkdir()
     (user / "mine.yaml").write_text("model:\n  preset: llama3-8b\nmesh:\n  fsdp: 8\n")
-    code = ("from orchestrator import config; mine = config.load('mine.yaml'); "
+    code = ("from nestor.orchestrator import config; mine = config.load('mine.yaml'); "
             "print(config.__file__, mine.model.embed_dim, mine.mesh.fsdp, *config.presets())")
     env = user_env() | {"PYTHONPATH": str(tmp_path / "site")}
     shown = subprocess.run([sys.executable, "-c", code], cwd=user, env=env, capture_output=True, text=True, timeout=120)
@@ -168,6 +173,9 @@ def test_a_wheel_install_reads_base_yaml_and_the_presets(tmp_path):
     assert Path(where).is_relative_to(tmp_path / "site")  # the wheel's modules, not this checkout's
     assert (embed, fsdp) == ("4096", "8")
     assert names == sorted(path.stem for path in (ROOT / "configs/models").glob("*.yaml"))
+    generic = subprocess.run([sys.executable, "-c", "import models"], cwd=user, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert generic.returncode == 1 and "No module named 'models'" in generic.stderr
 
 
 @pytest.mark.multiprocess

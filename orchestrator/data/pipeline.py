@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from orchestrator.config import Config, ConfigError
-from orchestrator.data.order import WindowOrder, windows_of
-from orchestrator.data.shards import DOCUMENT_SEPARATOR
-from orchestrator.data.tokens import TokenSource
-from orchestrator.tokenizer import load_tokenizer
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.data.order import WindowOrder, windows_of
+from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
+from nestor.orchestrator.data.tokens import TokenSource
+from nestor.orchestrator.tokenizer import load_tokenizer
 
 
 def document_ids(tokens: jax.Array) -> jax.Array:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.data.shards import FORMAT, METADATA, SPLITS, shard_name, token_dtype, write_atomically, write_shard
-from orchestrator.errors import ConfigError
-from orchestrator.tokenizer import BYTES, TokenizerFile, open_tokenizer
+from nestor.orchestrator.data.shards import FORMAT, METADATA, SPLITS, shard_name, token_dtype, write_atomically, write_shard
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.tokenizer import BYTES, TokenizerFile, open_tokenizer
 
 PLAN = "plan.json"
 UNITS = "units"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.errors import ConfigError
+from nestor.orchestrator.errors import ConfigError
 
 FORMAT = "nestor-tokens-1"
 METADATA = "metadata.json"

@@ -9,16 +9,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from orchestrator.checkpoint import restore_state
-from orchestrator.config import Config, ConfigError
-from orchestrator.data.shards import DOCUMENT_SEPARATOR
-from orchestrator.evaluation.loss import Evaluator
-from orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
-from orchestrator.state import StateLayout, state_layout
-from orchestrator.step import batch_sharding
-from orchestrator.tokenizer import fitting_tokenizer
-from orchestrator.train import make_mesh
-from parallel.rules import Rules, resolve_rules
+from nestor.orchestrator.checkpoint import restore_state
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
+from nestor.orchestrator.evaluation.loss import Evaluator
+from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
+from nestor.orchestrator.state import StateLayout, state_layout
+from nestor.orchestrator.step import backend_for, batch_sharding
+from nestor.orchestrator.tokenizer import fitting_tokenizer
+from nestor.orchestrator.train import make_mesh
+from nestor.parallel.rules import Rules, resolve_rules
 
 
 @dataclasses.dataclass
@@ -76,8 +76,9 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     rows = batch_rows(restored.mesh, restored.rules)
     prompts = jax.device_put(np.tile(np.asarray(ids, np.int32), (rows, 1)),
                              batch_sharding(restored.mesh, restored.rules))
-    generate = make_generate(sampling_graphdef(config, restored.mesh), restored.mesh, restored.rules, max_tokens,
-                             temperature, top_k)
+    model_ops = backend_for(config, restored.mesh).compiled_here().ops()
+    generate = make_generate(sampling_graphdef(config), restored.mesh, restored.rules, max_tokens, temperature, top_k,
+                             model_ops)
     tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed),
                                    expert_bias=restored.state.get("expert_bias")))[0]
     ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []

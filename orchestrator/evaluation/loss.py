@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import axes
-from orchestrator.config import Config, ConfigError
-from orchestrator.data.pipeline import DataPipeline, make_source, masks_documents
-from orchestrator.state import StateLayout
-from orchestrator.step import batch_sharding, make_loss_fn, stack_runners
-from orchestrator.validation import eval_problems
-from parallel.pipeline import to_microbatches
-from parallel.rules import Rules, activation_constrainer
+from nestor.models import axes
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.data.pipeline import DataPipeline, make_source, masks_documents
+from nestor.orchestrator.state import StateLayout
+from nestor.orchestrator.step import backend_for, batch_sharding, make_loss_fn, stack_runners
+from nestor.orchestrator.validation import eval_problems
+from nestor.parallel.pipeline import to_microbatches
+from nestor.parallel.rules import Rules, activation_constrainer
 
 
 def eval_key(config: Config) -> str:
@@ -64,8 +64,9 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
     """Returns the jitted eval_step(params, expert_bias, tokens [global_batch, seq_len + 1]) -> the batch's
     mean LM loss, float32 and replicated (`expert_bias`: the state's, or None without bias balancing); with
     train.grad_accum > 1 the batch runs in that many micro-batches, as in training."""
-    stack_runner, dense_runner = stack_runners(config, mesh, rules)
-    loss_fn = make_loss_fn(layout, mesh, rules, stack_runner, config.moe, masks_documents(config, config.eval.source),
+    backend = backend_for(config, mesh)
+    stack_runner, dense_runner = stack_runners(config, mesh, rules, backend)
+    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runner, config.moe, masks_documents(config, config.eval.source),
                            dense_runner, train=False)
     constrain = activation_constrainer(mesh, rules)
     accum = config.train.grad_accum

@@ -21,27 +21,27 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import axes
-from models.axes import activation_sharding
-from models.transformer import Transformer, TransformerConfig
-from orchestrator.config import Config
-from orchestrator.state import model_config
-from parallel.rules import Rules, activation_constrainer, partition_spec
+from nestor.models import axes, ops
+from nestor.models.axes import activation_sharding
+from nestor.models.transformer import Transformer, TransformerConfig
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.state import model_config
+from nestor.parallel.rules import Rules, activation_constrainer, partition_spec
 
 
-def sampling_model_config(config: Config, platform: str) -> TransformerConfig:
-    """Returns the model config for decoding on `platform`: MoE routing groups of one sequence and an eval
-    capacity of every token (capacity factor num_experts / top_k), so no routed token is ever dropped."""
-    model = model_config(config, platform)
+def sampling_model_config(config: Config) -> TransformerConfig:
+    """Returns the model config for decoding: MoE routing groups of one sequence and an eval capacity of
+    every token (capacity factor num_experts / top_k), so no routed token is ever dropped."""
+    model = model_config(config)
     if not model.moe.enabled:
         return model
     dropless = model.moe.num_experts / model.moe.top_k
     return dataclasses.replace(model, moe=dataclasses.replace(model.moe, group_size=0, eval_capacity_factor=dropless))
 
 
-def sampling_graphdef(config: Config, mesh: Mesh):
+def sampling_graphdef(config: Config):
     """Returns the structure of the decoding model, to merge with a checkpoint's parameters."""
-    model_cfg = sampling_model_config(config, mesh.devices.flat[0].platform)
+    model_cfg = sampling_model_config(config)
     return nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(params=0))))[0]
 
 
@@ -65,16 +65,17 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) ->
 
 
 def make_generate(graphdef, mesh: Mesh, rules: Rules, max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0):
+                  top_k: int = 0, model_ops: ops.Ops = ops.PLAIN):
     """Returns the jitted generate(params, prompts int32 [batch, prompt_len], key, expert_bias=None) -> int32
     [batch, max_new_tokens] (replicated): the tokens that follow each prompt (`expert_bias`: the train state's,
-    with auxiliary-loss-free balancing). Compiles once per prompt length."""
+    with auxiliary-loss-free balancing), the layers running `model_ops` (the backend's). Compiles once per
+    prompt length."""
     constrainer = activation_constrainer(mesh, rules)
 
     def generate(params: dict, prompts: jax.Array, key: jax.Array, expert_bias: dict | None = None) -> jax.Array:
         model = nnx.merge(graphdef, expert_bias or {}, params)
         batch, prompt_len = prompts.shape
-        with activation_sharding(constrainer):
+        with activation_sharding(constrainer), ops.installed(model_ops):
             cache = model.init_cache(batch, prompt_len + max_new_tokens)
             logits, cache = model.decode(prompts, cache, jnp.int32(0))
             first = choose(logits[:, -1], jax.random.fold_in(key, 0), temperature, top_k)

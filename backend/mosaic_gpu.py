@@ -1,26 +1,17 @@
-"""Grouped matmuls of dropless MoE layers: rows sorted by expert times each expert's weights.
+"""Grouped matmuls of dropless MoE layers on Hopper GPUs: jax's Pallas Mosaic GPU kernels.
 
-`grouped_matmul(rows [M, K], weights [G, K, N], group_sizes [G])` multiplies
-the first group_sizes[0] rows by weights[0], the next group_sizes[1] by
-weights[1], and so on; rows past the groups come out as zeros. Two ways (and `mosaic_gpu_or_xla`,
-the second where its kernels take the shapes, else the first):
-
-- `xla`: `jax.lax.ragged_dot`. XLA:GPU of jax 0.11 compiles it as a product
-  of every row with every expert's weights plus selects (docs/benchmarks.md,
-  the H100 section): G times the FLOPs.
-- `mosaic_gpu`: jax's Pallas Mosaic GPU grouped-GEMM kernels for Hopper
-  (`jax.experimental.pallas.ops.gpu`: `ragged_dot_mgpu` tiles each group's
-  rows, the grouped GEMM of MegaBlocks, arXiv 2211.15841), with the gradient
-  written out: d_rows is the same kernel against the transposed weights
-  (no copy: the kernel reads them transposed), d_weights
-  `transposed_ragged_dot_mgpu`, each group's rows^T x gradient rows.
-  The kernels leave rows past the groups unwritten, so both row outputs are
-  masked to zero there. The kernels take and return one dtype (bfloat16 or
-  float16), summing in float32; shapes must tile: K and N multiples of 128.
-
-Both tag their output `remat_names.MATMUL_SUMS`: jax's `dots_saveable` sees
-neither `ragged_dot` nor a Pallas kernel, and the name lets the `dots` remat
-policy keep them as it keeps every dense matmul.
+`grouped_matmul_op(implementation)` gives models.ops' grouped matmul: rows
+[M, K] sorted by group times their group's weights [G, K, N], rows past the
+groups zeros. `xla` is `jax.lax.ragged_dot`, which XLA:GPU compiles as a
+product of every row with every group's weights (G times the FLOPs);
+`mosaic_gpu` runs jax's Mosaic GPU grouped-GEMM kernels
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, the grouped GEMM of
+MegaBlocks, arXiv 2211.15841) with the gradient written out: d_rows is the same
+kernel against the transposed weights, d_weights `transposed_ragged_dot_mgpu`.
+The kernels leave rows past the groups unwritten (both row outputs are masked),
+take one dtype (bfloat16 or float16) summing in float32, and need K and N
+multiples of 128. Outputs are tagged `remat_names.MATMUL_SUMS` (no
+`dot_general` for `dots_saveable` to see).
 """
 
 from __future__ import annotations
@@ -33,13 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models import remat_names
+from nestor.models import ops, remat_names
 
 IMPLEMENTATIONS = ("xla", "mosaic_gpu", "mosaic_gpu_or_xla")
 TILE = 128  # the kernels' block along K and N; both must be multiples of it
-# Blocks measured on an H100 (docs/benchmarks.md): the forward kernel runs 1.6x faster when each SM walks
-# 4 column blocks of a row block in turn (grid_block_n; kept to a divisor of the column blocks, the only
-# values jax's own tuner of the kernel tries), the weight-gradient kernel fastest with 1.
+# Blocks tuned on an H100 with bench.grouped (docs/benchmarks.md): the forward kernel walks 4 column blocks of
+# a row block per SM (grid_block_n, kept to a divisor of the column blocks), the weight-gradient kernel 1.
 _BLOCKS = dict(block_m=128, block_n=TILE, block_k=64, max_concurrent_steps=4)
 _FORWARD_GRID_BLOCK_N = 4
 
@@ -49,26 +39,27 @@ def tiles(in_dim: int, out_dim: int) -> bool:
     return in_dim % TILE == 0 and out_dim % TILE == 0
 
 
-def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array,
-                   implementation: str = "xla") -> jax.Array:
-    """Returns [M, N]: `rows` [M, K] sorted by group (`group_sizes` [G] rows each) times their group's
-    `weights` [G, K, N]; rows past the last group are zeros. `implementation` is one of IMPLEMENTATIONS:
-    `mosaic_gpu_or_xla` runs mosaic_gpu where its kernels take the dtypes and shapes (those of one
-    device, under shard_map), else xla. Raises ValueError for an unknown `implementation`, or for
-    `mosaic_gpu` on dtypes or shapes its kernels do not take."""
+def grouped_matmul_op(implementation: str) -> ops.GroupedMatmul:
+    """Returns grouped_matmul(rows, weights, group_sizes) of `implementation` (one of IMPLEMENTATIONS):
+    `xla` is models.ops.ragged_dot; `mosaic_gpu_or_xla` runs the kernels where they take the dtypes and
+    shapes (those of one device, under shard_map), else ragged_dot; `mosaic_gpu` always runs the kernels
+    and its op raises ValueError on dtypes or shapes they do not take. Raises ValueError for an unknown
+    `implementation`."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"grouped matmul implementation {implementation!r}: one of {', '.join(IMPLEMENTATIONS)}")
-    kernels = False
-    if implementation != "xla":
+    if implementation == "xla":
+        return ops.ragged_dot
+
+    def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
         problem = _kernel_problem(rows, weights)
         if problem and implementation == "mosaic_gpu":
             raise ValueError(f"the Mosaic GPU grouped matmul {problem}; use moe.grouped_matmul=xla")
-        kernels = problem is None
-    if kernels:
-        output = kernel_grouped_matmul(mosaic_kernels(), rows, weights, group_sizes)
-    else:
-        output = jax.lax.ragged_dot(rows, weights, group_sizes)
-    return checkpoint_name(output, remat_names.MATMUL_SUMS)
+        if problem:
+            return ops.ragged_dot(rows, weights, group_sizes)
+        return checkpoint_name(kernel_grouped_matmul(mosaic_kernels(), rows, weights, group_sizes),
+                               remat_names.MATMUL_SUMS)
+
+    return grouped_matmul
 
 
 def _kernel_problem(rows: jax.Array, weights: jax.Array) -> str | None:

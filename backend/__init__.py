@@ -1,0 +1,241 @@
+"""The backend: every choice that depends on the platform, made once, in one place.
+
+`resolve_backend(config, platform, device_kind)` reads the target a run (or an
+`explain`) is meant for: `cluster.accelerator` when it names one, else the
+platform of `cluster.device_kind`, else the devices present. From the target,
+the dtype and the config's `auto` keys it decides the remat policy, the ops the
+model's layers call (models.ops: matmuls, attention, SwiGLU, grouped matmuls),
+the expert exchange of dropless MoE layers and the pipeline's loop. Nothing
+else in nestor reads the platform: models and pipelines take the ops and
+strategies they are given.
+
+Where the program is compiled on other devices than the target's (`nestor
+explain` on a CPU for an H100), the report names the target's choices, and
+the compile substitutes the plain op for a kernel the compiling devices cannot
+lower (`Backend.compiled_here`, listed in `substitutions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any
+
+from nestor.backend import remat
+from nestor.backend.mosaic_gpu import grouped_matmul_op
+from nestor.backend.xla_cpu import ops_from_float32_sums
+from nestor.models import ops as model_ops
+from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL
+from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING, PipelineLoop
+
+if TYPE_CHECKING:  # a resolved run config (nestor.orchestrator.config.Config): read, never imported
+    from nestor.orchestrator.config import Config
+
+ACCELERATORS = ("gpu", "tpu")
+ATTENTION_CHOICES = ("auto", "xla", "cudnn")  # model.attention
+GROUPED_MATMUL_CHOICES = ("auto", "xla", "mosaic_gpu")  # moe.grouped_matmul
+EXCHANGE_CHOICES = {"all_gather": ALL_GATHER, "ragged_all_to_all": RAGGED_ALL_TO_ALL}  # moe.exchange (and auto)
+_LOW_PRECISION = ("bfloat16", "float16")
+COUNTED_AS_GROUPED_GEMM = "counted as grouped GEMMs"  # Backend.for_flop_count's grouped matmul
+GROUPED_MATMUL_NAMES = {"xla": "jax.lax.ragged_dot", "mosaic_gpu": "Mosaic GPU kernels",
+                        "mosaic_gpu_or_xla": "Mosaic GPU kernels where they tile, else jax.lax.ragged_dot",
+                        COUNTED_AS_GROUPED_GEMM: "rows times one group's weights (FLOPs of grouped GEMMs)"}
+_HOPPER_WORDS = ("h100", "h200", "h800", "gh200")  # NVIDIA Hopper (compute capability 9.x) device kinds
+
+
+class BackendError(ValueError):
+    """A config asks for something its target cannot run: `key` is the config key to change."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key, self.message = key, message
+
+
+def grouped_gemm_flops(rows, weights, group_sizes):
+    """Returns rows [M, K] times the first group's weights [K, N]: the FLOPs of a grouped GEMM (each row
+    multiplied once, forward and backward), for a program compiled only to be counted; the values are
+    not the grouped product's."""
+    del group_sizes
+    return rows @ weights[0]
+
+
+def platform_family(platform: str) -> str:
+    """Returns `cpu`, `gpu` or `tpu` for a jax platform name (cuda and rocm are GPUs)."""
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def target_of(config: Config, platform: str) -> str:
+    """Returns the platform family a run is meant for: `cluster.accelerator` when it names one, else that
+    of a named `cluster.device_kind` (`tpu...`: tpu, any other: gpu), else that of `platform`, the devices'."""
+    cluster = config.cluster
+    if cluster.accelerator != "cpu":
+        return cluster.accelerator
+    if cluster.device_kind:
+        return "tpu" if cluster.device_kind.lower().startswith("tpu") else "gpu"
+    return platform_family(platform)
+
+
+def is_hopper(device_kind: str | None, compute_capability: str | None = None) -> bool:
+    """True for an NVIDIA Hopper GPU: compute capability 9.x when known, else a Hopper name in `device_kind`."""
+    if compute_capability:
+        return str(compute_capability).split(".")[0] == "9"
+    words = set(re.split(r"[\s_-]+", (device_kind or "").lower()))
+    return any(word in words for word in _HOPPER_WORDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The platform-dependent choices of one run, for its `target` (cpu | gpu | tpu); `platform` is the
+    family of the devices the program is compiled on."""
+
+    target: str
+    platform: str
+    device_kind: str | None
+    remat: str             # remat.POLICIES
+    remat_names: tuple[str, ...]
+    attention: str         # xla | cudnn | float32 sums
+    float32_sums: bool     # weight matmuls and SwiGLU from float32 sums (bfloat16 on XLA:CPU)
+    grouped_matmul: str    # mosaic_gpu.IMPLEMENTATIONS
+    exchange: str          # ALL_GATHER | RAGGED_ALL_TO_ALL
+    pipeline_loop: PipelineLoop
+    substitutions: tuple[str, ...] = ()  # what `compiled_here` changed, for reports
+
+    def ops(self) -> model_ops.Ops:
+        """Returns the ops the model's layers get (install with models.ops.installed)."""
+        base = ops_from_float32_sums() if self.float32_sums else model_ops.PLAIN
+        names = dict(base.names)
+        attention = base.attention
+        if self.attention in ("xla", "cudnn"):
+            implementation = self.attention
+
+            def attention(query, key, value, mask=None):
+                return model_ops.dot_product_attention(query, key, value, mask, implementation=implementation)
+
+            names["attention"] = f"jax.nn.dot_product_attention ({implementation})"
+        names["grouped_matmul"] = GROUPED_MATMUL_NAMES[self.grouped_matmul]
+        grouped = (grouped_gemm_flops if self.grouped_matmul == COUNTED_AS_GROUPED_GEMM
+                   else grouped_matmul_op(self.grouped_matmul))
+        return dataclasses.replace(base, attention=attention, grouped_matmul=grouped, names=names)
+
+    def remat_policy(self) -> Any:
+        """Returns the `jax.checkpoint` policy of the stacked units (None: keep everything)."""
+        return remat.policy(self.remat, self.remat_names)
+
+    def compiled_here(self) -> Backend:
+        """Returns this backend with each kernel the compiling devices (`platform`) cannot lower replaced by
+        the plain op of the same math, each replacement named in `substitutions`."""
+        if self.platform == self.target:
+            return self
+        changes: dict[str, Any] = {}
+        notes = []
+        if self.attention == "cudnn" and self.platform != "gpu":
+            changes["attention"] = "xla"
+            notes.append("attention: cudnn compiled as xla")
+        if self.grouped_matmul in ("mosaic_gpu", "mosaic_gpu_or_xla") and self.platform != "gpu":
+            changes["grouped_matmul"] = "xla"
+            notes.append("grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot, FLOPs counted as "
+                         "the kernels run them")
+        if self.exchange == RAGGED_ALL_TO_ALL and self.platform not in ACCELERATORS:
+            changes["exchange"] = ALL_GATHER
+            notes.append(f"expert exchange: {RAGGED_ALL_TO_ALL} compiled as {ALL_GATHER}")
+        if self.remat == "offload" and self.platform not in ACCELERATORS:
+            changes["remat"] = "minimal"
+            notes.append("remat: offload compiled as minimal (no device memory apart from the host's)")
+        return dataclasses.replace(self, **changes, substitutions=tuple(notes)) if changes else self
+
+    def for_flop_count(self) -> Backend | None:
+        """Returns the backend of a program compiled only to count the target's FLOPs where this one's would
+        count them otherwise, else None: on XLA:CPU `ragged_dot` multiplies every row by every group's
+        weights, where the target's grouped GEMMs (Mosaic GPU kernels, XLA:TPU) multiply each row once."""
+        compiled = self.compiled_here()
+        grouped_gemms = self.grouped_matmul != "xla" or self.target == "tpu"
+        if compiled.grouped_matmul != "xla" or compiled.platform != "cpu" or not grouped_gemms:
+            return None
+        return dataclasses.replace(compiled, grouped_matmul=COUNTED_AS_GROUPED_GEMM)
+
+    def report(self) -> dict[str, Any]:
+        """Returns explain's `backend` entry: the target and each choice made for it."""
+        names = self.ops().names
+        return {"target": self.target, "device_kind": self.device_kind, "remat": self.remat,
+                "attention": names["attention"], "matmuls": names["einsum"], "swiglu": names["swiglu"],
+                "grouped_matmul": names["grouped_matmul"], "exchange": self.exchange,
+                "pipeline_loop": self.pipeline_loop.name, "substitutions": list(self.substitutions)}
+
+
+def _remat(config: Config, target: str) -> str:
+    """Returns the remat policy of `model.remat` for `target`: `auto` is `dots` on accelerators (the fastest
+    measured on an H100) and `full` on CPU (faster than keeping everything there; docs/benchmarks.md)."""
+    name = config.model.remat
+    if name == "auto":
+        return "dots" if target in ACCELERATORS else "full"
+    if name == "offload" and target not in ACCELERATORS:
+        return "minimal"  # CPU has no device memory apart from the host's
+    return name
+
+
+def _attention(config: Config, target: str) -> str:
+    """Returns the attention of `model.attention` for `target`: `auto` is cuDNN flash attention on GPUs in
+    bfloat16 or float16; bfloat16 on CPU computes it from float32 sums; else jax's xla implementation.
+    Raises BackendError for cudnn off a GPU."""
+    choice, dtype = config.model.attention, config.model.dtype
+    if choice == "cudnn" and target != "gpu":
+        raise BackendError("model.attention", f"cudnn needs a GPU, the run is meant for {target}; use auto or xla")
+    if target == "cpu" and dtype == "bfloat16":
+        return "float32 sums"
+    if choice == "auto":
+        return "cudnn" if target == "gpu" and dtype in _LOW_PRECISION else "xla"
+    return choice
+
+
+def _grouped_matmul(config: Config, target: str, hopper: bool) -> str:
+    """Returns the grouped matmuls of dropless layers: for `auto`, the Mosaic GPU kernels where each device's
+    expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16, else ragged_dot. Raises
+    BackendError when mosaic_gpu is asked for off a Hopper GPU or in float32."""
+    choice, dtype = config.moe.grouped_matmul, config.model.dtype
+    if not config.dropless_moe:
+        return "xla"  # no grouped matmul runs
+    kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
+    if choice == "mosaic_gpu" and not kernels_run:
+        raise BackendError("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
+                           f"float16 (target: {target}, dtype {dtype}); use auto or xla")
+    if choice == "auto":
+        return "mosaic_gpu_or_xla" if kernels_run else "xla"
+    return choice
+
+
+def _exchange(config: Config, target: str) -> str:
+    """Returns the expert exchange of `moe.exchange`: `auto` is the ragged all-to-all where XLA implements
+    it (GPU, TPU). Raises BackendError for ragged_all_to_all on CPU, whose XLA lacks it."""
+    choice = config.moe.exchange
+    if choice == "auto":
+        return RAGGED_ALL_TO_ALL if target in ACCELERATORS else ALL_GATHER
+    if choice == "ragged_all_to_all" and target not in ACCELERATORS:
+        raise BackendError("moe.exchange", f"XLA on {target} has no ragged-all-to-all (GPU and TPU have it); "
+                           "use auto or all_gather")
+    return EXCHANGE_CHOICES[choice]
+
+
+def resolve_backend(config: Config, platform: str, device_kind: str | None = None,
+                    compute_capability: str | None = None) -> Backend:
+    """Returns the backend of `config` for the devices present (jax `platform`, their `device_kind` and
+    `compute_capability` when GPUs), its choices made for the run's target (`target_of`). Raises
+    BackendError when the config asks for something the target cannot run."""
+    platform = platform_family(platform)
+    target = target_of(config, platform)
+    kind = config.cluster.device_kind or (device_kind if platform != "cpu" else None)
+    hopper = target == "gpu" and is_hopper(kind, compute_capability if platform == "gpu" else None)
+    # Simulated CPU devices share the host's processors: a pipeline stage's skipped bubble gives its time to the
+    # busy stages. An accelerator per stage would idle either way, and keeps the plain loop.
+    loop = PER_STAGE_SKIPPING if target == "cpu" else BUFFERED
+    return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(config, target),
+                   remat_names=tuple(config.model.remat_names), attention=_attention(config, target),
+                   float32_sums=target == "cpu" and config.model.dtype == "bfloat16",
+                   grouped_matmul=_grouped_matmul(config, target, hopper), exchange=_exchange(config, target),
+                   pipeline_loop=loop)
+
+
+def backend_of_devices(config: Config, devices) -> Backend:
+    """Returns `resolve_backend` for the jax `devices` a run compiles on (their platform, device kind and,
+    for GPUs, compute capability). Raises BackendError as resolve_backend does."""
+    device = devices[0]
+    return resolve_backend(config, device.platform, device.device_kind, getattr(device, "compute_capability", None))

@@ -1,0 +1,138 @@
+"""nestor's import graph, read with `ast` (nothing is imported): no circle between modules, whether an
+import runs when its module loads or inside a function, and the rooms' arrows as DESIGN.md draws them.
+
+Imports under `if TYPE_CHECKING:` never run and are left out: they name types for a checker only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import NamedTuple
+
+from tests.conftest import ROOT
+
+ROOMS = ("orchestrator", "backend", "models", "parallel", "cluster")
+# room -> the rooms it may import
+ARROWS = {"orchestrator": {"backend", "models", "parallel", "cluster"}, "backend": {"models", "parallel"},
+          "models": set(), "parallel": set(), "cluster": set()}
+
+
+class Import(NamedTuple):
+    source: str     # importing module, e.g. "orchestrator.train"
+    target: str     # imported module of a room
+    late: bool      # inside a function body
+    where: str      # path:line
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Returns module name (without `nestor.`) -> file, for every module of the rooms."""
+    found = {}
+    for room in ROOMS:
+        for path in sorted((root / room).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _statements(tree: ast.AST):
+    """Yields (import statement, inside a function) for every import that can run, skipping TYPE_CHECKING blocks."""
+    def walk(node: ast.AST, late: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == \
+                    "TYPE_CHECKING":
+                for inner in child.orelse:
+                    yield from walk(inner, late)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, late
+            yield from walk(child, late or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+    yield from walk(tree, False)
+
+
+def imports(root: Path) -> list[Import]:
+    """Returns every import of a room's module by a room's module (absolute, `nestor.`-prefixed or relative);
+    importing a.b.c also runs a and a.b, which count as imported too."""
+    known = modules(root)
+
+    def owner(name: str) -> str | None:  # the longest module that `name` is or lies in
+        name = name.removeprefix("nestor.")
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found = []
+    for source, path in known.items():
+        for node, late in _statements(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named = [owner(alias.name) for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        package = package.rpartition(".")[0]
+                    base = f"{package}.{base}" if base else package
+                base = base.removeprefix("nestor.")
+                named = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else owner(base)
+                         for alias in node.names]
+            for target in dict.fromkeys(filter(None, named)):
+                parts = target.split(".")
+                for module in (".".join(parts[:index]) for index in range(1, len(parts) + 1)):
+                    if module in known and module != source and not source.startswith(module + "."):
+                        found.append(Import(source, module, late, f"{path.relative_to(root)}:{node.lineno}"))
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Returns the strongly connected components of more than one module (Tarjan's), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def graph_of(found: list[Import]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for imp in found:
+        graph.setdefault(imp.source, set()).add(imp.target)
+    return graph
+
+
+def test_no_module_imports_itself_back_at_load_time_or_inside_a_function():
+    found = imports(ROOT)
+    assert any(imp.late for imp in found)  # function-level imports are in the graph (the CLI's, by subcommand)
+    assert cycles(graph_of(found)) == []
+
+
+def test_the_cycle_check_finds_a_circle_hidden_in_a_function():
+    found = [Import("orchestrator.a", "orchestrator.b", False, "a.py:1"),
+             Import("orchestrator.b", "orchestrator.a", True, "b.py:9")]
+    assert cycles(graph_of(found)) == [["orchestrator.a", "orchestrator.b"]]
+
+
+def test_every_room_imports_only_the_rooms_its_arrows_allow():
+    against = [f"{imp.where}: {imp.source} -> {imp.target}" for imp in imports(ROOT)
+               if imp.target.split(".")[0] != imp.source.split(".")[0]
+               and imp.target.split(".")[0] not in ARROWS[imp.source.split(".")[0]]]
+    assert against == []
