@@ -18,6 +18,7 @@ lower (`Backend.compiled_here`, listed in `substitutions`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -106,12 +107,8 @@ class Backend:
         names = dict(base.names)
         attention = base.attention
         if self.attention in ("xla", "cudnn"):
-            implementation = self.attention
-
-            def attention(query, key, value, mask=None):
-                return model_ops.dot_product_attention(query, key, value, mask, implementation=implementation)
-
-            names["attention"] = f"jax.nn.dot_product_attention ({implementation})"
+            attention = functools.partial(model_ops.dot_product_attention, implementation=self.attention)
+            names["attention"] = f"jax.nn.dot_product_attention ({self.attention})"
         names["grouped_matmul"] = GROUPED_MATMUL_NAMES[self.grouped_matmul]
         grouped = (grouped_gemm_flops if self.grouped_matmul == COUNTED_AS_GROUPED_GEMM
                    else grouped_matmul_op(self.grouped_matmul))

@@ -16,8 +16,8 @@ simulate_cpu_devices_before_import(8)
 
 from nestor.orchestrator.config import load  # noqa: E402
 from nestor.orchestrator.explain import compile_step  # noqa: E402
-from nestor.orchestrator.fit import GIB  # noqa: E402
-from nestor.orchestrator.train import build_job  # noqa: E402
+from nestor.orchestrator.job import build_job  # noqa: E402
+from nestor.orchestrator.memory_fit import GIB  # noqa: E402
 
 # llama3-8b at seq 8192, one sequence per device on fsdp8 (the quickstart's pipeline and MoE off).
 OVERRIDES = ["model.preset=llama3-8b", "model.dtype=bfloat16", "train.seq_len=8192", "train.global_batch=8",

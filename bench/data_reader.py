@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
 from nestor.orchestrator.config import load  # noqa: E402
-from nestor.orchestrator.data.pipeline import make_source  # noqa: E402
+from nestor.orchestrator.data.batches import make_source  # noqa: E402
 from nestor.orchestrator.data.shards import FORMAT, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
 from nestor.orchestrator.flops import model_flops_per_step  # noqa: E402
 

@@ -23,7 +23,6 @@ elsewhere the table has `xla` (`jax.lax.ragged_dot`) alone.
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import jax

@@ -57,8 +57,8 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
 
     from nestor.orchestrator.explain import compile_step
     from nestor.orchestrator.flops import model_flops_per_step, peak_tflops
+    from nestor.orchestrator.job import build_job
     from nestor.orchestrator.state import init_state
-    from nestor.orchestrator.train import build_job
 
     job = build_job(config)
     compiled = compile_step(job)

@@ -156,7 +156,7 @@ def compiled_step(config) -> dict:
     """Returns the train step compiled for `config` with its token-exchange bytes (all-to-all,
     all-gather, reduce-scatter; all devices) and temporaries per device, ready to time."""
     from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.train import build_job
+    from nestor.orchestrator.job import build_job
     from nestor.parallel.hlo import collectives
 
     job = build_job(config)

@@ -53,7 +53,7 @@ def _config(*overrides: str):
 
 def _compiled(config):
     from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.train import build_job
+    from nestor.orchestrator.job import build_job
 
     job = build_job(config)
     return job, compile_step(job)

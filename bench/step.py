@@ -218,8 +218,8 @@ def compiled_programs(mesh: dict[str, int], *overrides: str) -> dict[str, dict]:
     import numpy as np
 
     from nestor.orchestrator.explain import compile_step
+    from nestor.orchestrator.job import build_job
     from nestor.orchestrator.runtime import enable_compile_cache
-    from nestor.orchestrator.train import build_job
 
     config = bench_config(mesh, *overrides)
     enable_compile_cache(config)
@@ -247,9 +247,9 @@ def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
     the ratio nestor / bare per round (median, and its quartiles) on `mesh`."""
     import jax
 
+    from nestor.orchestrator.job import build_job
     from nestor.orchestrator.runtime import enable_compile_cache
     from nestor.orchestrator.state import init_state
-    from nestor.orchestrator.train import build_job
 
     config = bench_config(mesh)
     enable_compile_cache(config)

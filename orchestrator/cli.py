@@ -66,7 +66,7 @@ def _train(config, args) -> int:
     console = Console()
     try:
         if config.cluster.launcher == "ray":
-            from nestor.orchestrator.launch import train_on_ray
+            from nestor.orchestrator.ray_driver import train_on_ray
 
             stopped_by = train_on_ray(config, console)
         else:

@@ -11,13 +11,13 @@ from typing import Any
 import jax
 
 from nestor.orchestrator.config import Config
-from nestor.orchestrator.fit import GIB, fit_report
 from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step
+from nestor.orchestrator.job import Job, abstract_batch, build_job
+from nestor.orchestrator.memory_fit import GIB, fit_report
 from nestor.orchestrator.metrics import spec_text
-from nestor.orchestrator.moe import dropless_report
+from nestor.orchestrator.moe_step import dropless_report
 from nestor.orchestrator.state import param_table, per_device_bytes
 from nestor.orchestrator.step import make_train_step, pipeline_schedule
-from nestor.orchestrator.train import Job, abstract_batch, build_job
 from nestor.parallel.hlo import collectives, flops_by_phase, flops_per_run
 
 

@@ -26,7 +26,7 @@ import yaml
 
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.flops import model_flops_per_step, peak_tflops
-from nestor.orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD
+from nestor.orchestrator.moe_step import EXPERT_BIAS, EXPERT_LOAD
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves,
 # evaluating.
 PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")

@@ -12,12 +12,16 @@ that ignores flock still refuses a holder on this host whose pid is alive.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
+
+import jax
+import numpy as np
 
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.paths import shown
@@ -126,3 +130,25 @@ class RunDirLock:
         self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = None
+
+
+@contextlib.contextmanager
+def holding_run_dir(run_dir: Path, lock: bool, log):
+    """Holds run.dir's lock on process 0 for the run (nothing without `lock`). In a multi-process run
+    every process learns whether process 0 got it, so none goes on alone; raises ConfigError if not."""
+    with contextlib.ExitStack() as stack:
+        refusal = None
+        if lock and jax.process_index() == 0:
+            try:
+                stack.enter_context(RunDirLock(run_dir, log))
+            except ConfigError as error:
+                refusal = error
+        if lock and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)) and refusal is None:
+                whose = "is in use by another run (process 0 says whose)"
+                refusal = ConfigError([("run.dir", f"{shown(run_dir)} {whose}")])
+        if refusal is not None:
+            raise refusal
+        yield

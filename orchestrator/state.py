@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nestor.models.moe import ExpertBias
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.config import Config
-from nestor.orchestrator.moe import moe_layer_config
+from nestor.orchestrator.moe_step import moe_layer_config
 from nestor.orchestrator.optimizer import make_optimizer
 from nestor.parallel.rules import Rules, is_logical_axes, tree_shardings
 

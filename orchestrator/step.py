@@ -24,12 +24,12 @@ from nestor.models.axes import activation_sharding
 from nestor.models.moe import expert_parallelism
 from nestor.models.transformer import RematPolicy, StackRunner, scan_layers, unrolled_layers
 from nestor.orchestrator.config import Config, ConfigError, MoEConfig
-from nestor.orchestrator.data.pipeline import document_ids, masks_documents
-from nestor.orchestrator.moe import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange, moe_loss_and_metrics,
-                              routing_key)
+from nestor.orchestrator.data.batches import document_ids, masks_documents
+from nestor.orchestrator.degrees import schedule_for
+from nestor.orchestrator.moe_step import (EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias, dropless_exchange,
+                                          moe_loss_and_metrics, routing_key)
 from nestor.orchestrator.optimizer import learning_rate
 from nestor.orchestrator.state import StateLayout
-from nestor.orchestrator.validation import schedule_for
 from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from nestor.parallel.pipeline_1f1b import one_f_one_b
 from nestor.parallel.rules import Rules, activation_constrainer, partition_spec
@@ -60,8 +60,8 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
-def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend, stack_runner: StackRunner = scan_layers,
-                 moe: MoEConfig = MoEConfig(), document_mask: bool = False,
+def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend,
+                 stack_runner: StackRunner = scan_layers, moe: MoEConfig = MoEConfig(), document_mask: bool = False,
                  dense_runner: StackRunner = scan_layers, train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
     """Returns loss(params, tokens [b, t+1], routing_key=None, expert_bias=None) -> (loss, metrics) with activations
     laid out by `rules`; the loss adds the MoE layers' weighted aux and z losses (`moe`). The layer
@@ -145,7 +145,8 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules, backend: Backend) ->
     return pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, compiled.pipeline_loop), layers
 
 
-def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None) -> GradFn:
+def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
+                 backend: Backend | None = None) -> GradFn:
     """Returns grad_fn(params, tokens, routing_key=None, expert_bias=None) -> ((loss, metrics), grads) of the
     model's loss:
     jax's autodiff of the forward, or, for a schedule that runs the backward pass inside its loop

@@ -1,13 +1,10 @@
-"""The training loop: config -> mesh -> sharded state -> steps -> metrics.jsonl."""
+"""The training loop: a job (orchestrator.job) -> sharded state -> steps -> checkpoints, metrics.jsonl."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -16,92 +13,23 @@ import jax
 import numpy as np
 import optax
 import yaml
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from nestor.backend import Backend
-from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.checkpoint_restore import finalized_steps
-from nestor.orchestrator.data.pipeline import DataPipeline, batch_shape
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
-from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.health import CALMER, StateHealth
+from nestor.orchestrator.job import Job, abstract_batch, build_job
 from nestor.orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from nestor.orchestrator.optimizer import schedule_change
 from nestor.orchestrator.paths import shown
 from nestor.orchestrator.profiler import StepProfiler
 from nestor.orchestrator.progress import Console
-from nestor.orchestrator.run_lock import RunDirLock
-from nestor.orchestrator.runtime import (check_shared_run_dir, preemption_agreed, preemption_is_agreed,
-                                  wait_for_every_process)
-from nestor.orchestrator.state import StateLayout, init_state, param_table, state_layout
-from nestor.orchestrator.step import backend_for, batch_sharding, make_train_step
-from nestor.orchestrator.validation import mesh_axes_key
-from nestor.parallel.mesh import MeshError, build_mesh
-from nestor.parallel.rules import Rules, resolve_rules
-
-
-def select_devices(config: Config) -> list[jax.Device]:
-    """Returns the devices the run uses: `cluster.devices_per_host` of each process's devices.
-
-    A single process standing in for `cluster.hosts` hosts (explain, the
-    in-process launcher) takes the devices of all of them. Raises ConfigError
-    when a process has fewer devices than asked for.
-    """
-    wanted = config.cluster.devices_per_host
-    if wanted != -1 and jax.process_count() == 1:
-        wanted *= config.cluster.hosts
-    by_process: dict[int, list[jax.Device]] = {}
-    for device in jax.devices():
-        by_process.setdefault(device.process_index, []).append(device)
-    selected = []
-    for process, devices in sorted(by_process.items()):
-        if wanted != -1 and len(devices) < wanted:
-            raise ConfigError([("cluster.devices_per_host",
-                                f"asks for {wanted} devices but process {process} has {len(devices)} "
-                                f"({devices[0].platform}); lower it or use -1 for all")])
-        selected += devices if wanted == -1 else devices[:wanted]
-    return selected
-
-
-def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
-    """Returns the run's mesh; a degree that does not fit the devices raises ConfigError."""
-    try:
-        return build_mesh(config.mesh.ici_shape(), config.mesh.dcn_shape(),
-                          devices if devices is not None else select_devices(config))
-    except MeshError as error:
-        key = mesh_axes_key(config) if error.key == "mesh" else error.key
-        raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
-
-
-@dataclasses.dataclass
-class Job:
-    """A compiled-to-be training job: mesh, rules, state layout, step function, data, evaluation."""
-
-    config: Config
-    mesh: Mesh
-    rules: Rules
-    backend: Backend
-    layout: StateLayout
-    step_fn: object
-    data: DataPipeline | None  # None when built without data (explain)
-    evaluator: Evaluator | None = None  # with eval.every and data only
-
-
-def build_job(config: Config, devices: list[jax.Device] | None = None, with_data: bool = True) -> Job:
-    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet.
-
-    `with_data=False` leaves the data sources unopened (no file listed, no tokenizer loaded), for a
-    job that is only compiled; with data and `eval.every`, the job has its evaluator.
-    """
-    mesh = make_mesh(config, devices)
-    rules = resolve_rules(config.mesh.rules)
-    backend = backend_for(config, mesh)
-    layout = state_layout(config, mesh, rules)
-    step_fn = make_train_step(config, layout, mesh, rules, backend)
-    data = DataPipeline(config, batch_sharding(mesh, rules)) if with_data else None
-    evaluator = Evaluator(config, layout, mesh, rules) if with_data and config.eval.every else None
-    return Job(config, mesh, rules, backend, layout, step_fn, data, evaluator)
+from nestor.orchestrator.run_lock import holding_run_dir
+from nestor.orchestrator.runtime import check_shared_run_dir, wait_for_every_process
+from nestor.orchestrator.signals import StopSignals, no_stop_request
+from nestor.orchestrator.state import init_state, param_table
 
 
 class TrainingDiverged(RunFailed):
@@ -117,66 +45,6 @@ class TrainResult:
     history: list[dict]      # the logged records, as in metrics.jsonl
     first_step: int = 0      # the step this call resumed from (0 = fresh start)
     stopped_by: int | None = None  # the signal that ended the run early, if one did
-
-
-def no_stop_request(now: bool = False) -> None:
-    """The `stop_requested` of a run that no launcher can stop: never a signal."""
-
-
-class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
-    (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once).
-
-    In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
-    `preemption_agreed`), so that every process stops after the same step;
-    SIGINT is handed to it as a SIGTERM. `requested` (a Ray launcher's
-    `stop_requested`) returns a signal sent to the process that launched this
-    one, or None: it stops the run as that signal here would have
-    (`requested(now=True)` asks at once, where it matters: which signal stopped the run).
-    """
-
-    def __init__(self, requested: Callable[..., int | None] = no_stop_request):
-        self.received: int | None = None
-        self._requested = requested
-        self._passed_on = False  # a request handed to the preemption sync manager
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "StopSignals":
-        # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
-        if threading.current_thread() is threading.main_thread():
-            if preemption_is_agreed():
-                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
-            else:
-                for signum in (signal.SIGTERM, signal.SIGINT):
-                    self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
-        self.received = signum
-
-    @staticmethod
-    def _forward(signum, frame) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def stop_before(self, calls: int) -> bool:
-        """Returns whether to stop before this run's `calls`-th step (from 1): a signal came to this
-        process, or, in a multi-host run, every process agreed on this step after one got SIGTERM."""
-        if self.received is None and not self._passed_on and (requested := self._requested()) is not None:
-            self._passed_on = True
-            if preemption_is_agreed():
-                os.kill(os.getpid(), signal.SIGTERM)  # every process stops after the step they agree on
-            elif jax.process_count() == 1:
-                self.received = requested
-            # else processes that cannot agree on a step go on: one that stopped alone would hang the rest
-        if self.received is None and preemption_agreed(calls):
-            self.received = self._requested(now=True) or signal.SIGTERM
-        return self.received is not None
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 class PendingStep(NamedTuple):
@@ -219,11 +87,6 @@ def _sharding_text(job: Job) -> str:
     return sharding_table(param_table(job.layout))
 
 
-def abstract_batch(job: Job) -> jax.ShapeDtypeStruct:
-    """Returns the shape, dtype and sharding of one global batch: what the step compiles for, no data read."""
-    return jax.ShapeDtypeStruct(batch_shape(job.config), np.int32, sharding=batch_sharding(job.mesh, job.rules))
-
-
 def _compile(job: Job, state: dict, first_step: int, console: Console) -> tuple[object, float]:
     """Returns the train step compiled for `state` and the batches, and the seconds it took (said too)."""
     console.compiling()
@@ -262,28 +125,6 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     check_shared_run_dir(run_dir)
     with holding_run_dir(run_dir, lock, console.log):
         return _train(config, job, console, stop_requested)
-
-
-@contextlib.contextmanager
-def holding_run_dir(run_dir: Path, lock: bool, log):
-    """Holds run.dir's lock on process 0 for the run (nothing without `lock`). In a multi-process run
-    every process learns whether process 0 got it, so none goes on alone; raises ConfigError if not."""
-    with contextlib.ExitStack() as stack:
-        refusal = None
-        if lock and jax.process_index() == 0:
-            try:
-                stack.enter_context(RunDirLock(run_dir, log))
-            except ConfigError as error:
-                refusal = error
-        if lock and jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            if multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)) and refusal is None:
-                whose = "is in use by another run (process 0 says whose)"
-                refusal = ConfigError([("run.dir", f"{shown(run_dir)} {whose}")])
-        if refusal is not None:
-            raise refusal
-        yield
 
 
 def _train(config: Config, job: Job, console: Console, stop_requested: Callable[..., int | None]) -> TrainResult:

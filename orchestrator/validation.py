@@ -13,10 +13,11 @@ from nestor.backend.mosaic_gpu import TILE, tiles
 from nestor.backend.remat import NAMED_POLICIES
 from nestor.models.moe import expert_capacity
 from nestor.orchestrator.config_keys import key_table
+from nestor.orchestrator.degrees import (REPEATED_SCHEDULES, mesh_axes_key, mesh_degrees, moe_tokens_per_device,
+                                       schedule_for, total_devices)
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.fit import DEVICE_MEMORY_GIB, table_entry
-from nestor.parallel.pipeline import Schedule
-from nestor.parallel.rules import MESH_AXES, resolve_rules, unknown_rule_problems
+from nestor.orchestrator.memory_fit import DEVICE_MEMORY_GIB, table_entry
+from nestor.parallel.rules import resolve_rules, unknown_rule_problems
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -186,48 +187,11 @@ def _mesh_problems(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
-def mesh_axes_key(config: Config) -> str:
-    """Returns the keys of the mesh axes that split the devices (degree > 1), e.g. `mesh.data, mesh.tensor`:
-    what to change when their product does not fit the devices."""
-    split = [f"mesh.{axis}" for axis, size in config.mesh.ici_shape().items() if size != 1]
-    return ", ".join(split or [f"mesh.{axis}" for axis in MESH_AXES])
-
-
-def total_devices(config: Config) -> int | None:
-    """Returns the device count the run will use, or None when it is 'all local devices'."""
-    if config.cluster.devices_per_host == -1:
-        return None
-    return config.cluster.hosts * config.cluster.devices_per_host
-
-
-def mesh_degrees(config: Config, devices: int | None = None) -> dict[str, int]:
-    """Returns the total degree of each mesh axis (ici x dcn) with -1 resolved."""
-    devices = devices if devices is not None else total_devices(config)
-    ici = config.mesh.ici_shape()
-    dcn = config.mesh.dcn_shape()
-    if -1 in ici.values():
-        if devices is None:
-            raise ConfigError([("cluster.devices_per_host", "needed to resolve a -1 mesh axis")])
-        known = math.prod(size for size in ici.values() if size != -1)
-        fill = devices // math.prod(dcn.values()) // known
-        ici = {axis: fill if size == -1 else size for axis, size in ici.items()}
-    return {axis: ici[axis] * dcn[axis] for axis in MESH_AXES}
-
-
 def _known_degrees(config: Config) -> dict[str, int] | None:
     """Returns the mesh degrees, or None while a -1 axis waits for the device count."""
     if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
         return None
     return mesh_degrees(config)
-
-
-def moe_tokens_per_device(config: Config, degrees: dict[str, int]) -> int:
-    """Returns the tokens an MoE layer sees per device at a time: one micro-batch (gradient accumulation,
-    pipeline) split over the devices of the `batch` rule."""
-    t = config.train
-    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
-    microbatches = t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
-    return t.global_batch // microbatches * t.seq_len // batch_shards
 
 
 def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
@@ -304,17 +268,6 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
                 fix = f"use a global batch that is a multiple of {shards * t.grad_accum}"
             problems.append((key, f"{size} is not divisible by {names} (= {shards}), which '{logical}' is sharded over; {fix}"))
     return problems
-
-
-REPEATED_SCHEDULES = ("circular", "interleaved_1f1b")  # the pipeline.schedule values that read pipeline.repeats
-
-
-def schedule_for(config: Config, stages: int) -> Schedule:
-    """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
-    p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule in REPEATED_SCHEDULES else 1,
-                    one_f_one_b=p.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble"),
-                    zero_bubble=p.schedule == "zero_bubble")
 
 
 def _pipeline_problems(config: Config) -> list[tuple[str, str]]:

@@ -31,7 +31,6 @@ the same micro-batches as the activations; each stage reads its own.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple

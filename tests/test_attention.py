@@ -14,7 +14,7 @@ from flax import nnx
 from nestor.backend import resolve_backend, xla_cpu
 from nestor.models import ops
 from nestor.models.transformer import Attention, Transformer, TransformerConfig, rotary
-from nestor.orchestrator.data.pipeline import DOCUMENT_SEPARATOR, document_ids
+from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, document_ids
 from nestor.orchestrator.state import build_model
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 

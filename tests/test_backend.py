@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from nestor.backend import ALL_GATHER, RAGGED_ALL_TO_ALL, BackendError, resolve_backend
+from nestor.backend import ALL_GATHER, BackendError, RAGGED_ALL_TO_ALL, resolve_backend
 from nestor.models import ops
 from nestor.orchestrator.explain import explain, format_report
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
 from tests.conftest import ROOT
 

@@ -16,10 +16,12 @@ import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT  # the name jax.monitoring reports a compile under
 
 from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.checkpoint import MIN_REPLICA_SLICE_BYTES, Checkpointer, checkpoint_dir, restore_state
+from nestor.orchestrator.checkpoint import Checkpointer, MIN_REPLICA_SLICE_BYTES, checkpoint_dir, restore_state
+from nestor.orchestrator.job import build_job
 from nestor.orchestrator.progress import Console
+from nestor.orchestrator.signals import StopSignals
 from nestor.orchestrator.state import init_state
-from nestor.orchestrator.train import StopSignals, TrainingDiverged, build_job, train
+from nestor.orchestrator.train import TrainingDiverged, train
 from tests.conftest import ROOT
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
@@ -244,8 +246,8 @@ DIFFERING_RESTORES = """
     import orbax.checkpoint as ocp
     from nestor.orchestrator import checkpoint, checkpoint_restore, manifest
     from nestor.orchestrator.config import load
+    from nestor.orchestrator.job import build_job
     from nestor.orchestrator.state import init_state
-    from nestor.orchestrator.train import build_job
 
     config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
     layout = build_job(config, with_data=False).layout

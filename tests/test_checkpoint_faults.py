@@ -17,8 +17,9 @@ import yaml
 from nestor.orchestrator import manifest
 from nestor.orchestrator.checkpoint import Checkpointer, checkpoint_dir
 from nestor.orchestrator.cli import main, where_results_are
+from nestor.orchestrator.job import build_job
 from nestor.orchestrator.progress import Console
-from nestor.orchestrator.train import build_job, train
+from nestor.orchestrator.train import train
 from tests.helpers import run
 from tests.test_checkpoint import BASE, cli, load
 

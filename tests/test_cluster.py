@@ -264,7 +264,7 @@ def test_a_token_path_that_holds_no_token_is_one_line(tmp_path):
 # Process 1 gets a SIGINT at its third call; the processes go at different paces.
 AGREE_ON_A_STOP = """
     import os, signal, time
-    from nestor.orchestrator.train import StopSignals
+    from nestor.orchestrator.signals import StopSignals
 
     calls = 0
     with StopSignals() as signals:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from nestor.orchestrator.config import ConfigError
-from nestor.orchestrator.data.pipeline import DOCUMENT_SEPARATOR, DataPipeline, TextSource
+from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, TextSource
+from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.step import batch_sharding
-from nestor.orchestrator.train import make_mesh
 from nestor.parallel.rules import resolve_rules
 from tests.helpers import mesh_overrides
 

@@ -6,11 +6,11 @@ import jax
 import pytest
 
 from nestor.backend import resolve_backend
-from nestor.orchestrator import fit
+from nestor.orchestrator import memory_fit as fit
 from nestor.orchestrator.config import ConfigError, load
 from nestor.orchestrator.explain import explain, fit_line
-from nestor.orchestrator.fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
+from nestor.orchestrator.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
 from tests.conftest import ROOT
 from tests.test_cli import nestor
 

@@ -14,9 +14,9 @@ from nestor.backend.mosaic_gpu import TILE, grouped_matmul_op, kernel_grouped_ma
 from nestor.backend.remat import policy as remat_policy
 from nestor.models import ops
 from nestor.models.moe import dropless_expert_outputs, grouped_swiglu
-from nestor.orchestrator import moe as orchestrator_moe
+from nestor.orchestrator import moe_step as orchestrator_moe
 from nestor.orchestrator.config import ConfigError
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
 from tests.helpers import equations
 
 GROUP_SIZES = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 20 rows in groups; group 1 empty

@@ -15,9 +15,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.explain import compile_step, cost_flops, explain, format_report, step_flops
 from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step, peak_tflops
+from nestor.orchestrator.job import build_job
 from nestor.orchestrator.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,
                                   spec_text, tensorboard_tag)
-from nestor.orchestrator.train import build_job
 from tests.conftest import ROOT, TINY
 from tests.helpers import run
 

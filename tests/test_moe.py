@@ -14,8 +14,8 @@ from nestor.models.transformer import TransformerConfig, shared_experts
 from nestor.orchestrator.config import ConfigError, MoEConfig
 from nestor.orchestrator.explain import compile_step, param_table
 from nestor.orchestrator.flops import matmul_params_per_token
-from nestor.orchestrator.moe import moe_loss_and_metrics
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
+from nestor.orchestrator.moe_step import moe_loss_and_metrics
 from nestor.parallel.hlo import collectives
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
@@ -296,7 +296,8 @@ def compiled_text(config) -> str:
 @pytest.mark.parametrize("dispatch", ["sort", "einsum"])
 def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd, dispatch):
     # without remat, which would run the forward's all-to-alls again in the backward pass
-    config = tiny_config(*MOE, f"moe.dispatch={dispatch}", "model.remat=none").replace(**mesh_overrides(expert=4, data=2))
+    config = tiny_config(*MOE, f"moe.dispatch={dispatch}", "model.remat=none").replace(
+        **mesh_overrides(expert=4, data=2))
     found = collectives(compiled_text(config))
     capacity = expert_capacity(32, EXPERTS, 2, 1.25)
     slots_per_device_bytes = EXPERTS * 16 * capacity * 64 * 4 // 8  # [experts, groups, capacity, embed] f32

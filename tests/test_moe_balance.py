@@ -13,9 +13,9 @@ from nestor.models.transformer import TransformerConfig
 from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.flops import matmul_params_per_token
+from nestor.orchestrator.job import build_job
 from nestor.orchestrator.metrics import expert_bias_scalars, moe_layer_indices
-from nestor.orchestrator.moe import EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.moe_step import EXPERT_BIAS, EXPERT_LOAD, balanced_expert_bias
 from tests.helpers import run
 
 FIRST_DENSE = ("moe.num_experts=4", "moe.every=1", "moe.first_dense_layers=2")

@@ -11,7 +11,7 @@ from flax import nnx
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, dropless_expert_outputs
 from nestor.models.transformer import TransformerConfig, shared_experts
 from nestor.orchestrator.explain import compile_step, explain
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
 from nestor.parallel.experts import ALL_GATHER
 from nestor.parallel.hlo import collectives
 from tests.helpers import mesh_overrides

@@ -12,9 +12,9 @@ import pytest
 
 from nestor.backend import EXCHANGE_CHOICES, resolve_backend
 from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.job import build_job
 from nestor.orchestrator.state import init_state
 from nestor.orchestrator.step import make_grad_fn
-from nestor.orchestrator.train import build_job
 from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL, receive_plan, send_plan
 from tests.helpers import mesh_overrides
 from tests.test_moe import MOE

@@ -6,7 +6,7 @@ import pytest
 
 from bench.moe import _config, moe_overrides, routing_flop_share, useful_ragged_dot
 from nestor.orchestrator.explain import compile_step, step_flops
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
 
 EXPERT_COUNTS = (8, 32, 128)
 

@@ -10,12 +10,12 @@ import pytest
 
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.explain import compile_step, explain, format_report, param_table
+from nestor.orchestrator.job import build_job
 from nestor.orchestrator.state import init_state
-from nestor.orchestrator.train import build_job
 from nestor.parallel.hlo import collective_lines, collectives, conditional_branch_ops, dot_operand_dtypes
 from nestor.parallel.mesh import build_mesh
-from nestor.parallel.pipeline import (BUFFERED, PER_STAGE_SKIPPING, PipelineLoop, Schedule, buffered_loop, pipeline_runner,
-                                     skipping_stages, streamed_loop, vmapped_stages)
+from nestor.parallel.pipeline import (BUFFERED, PER_STAGE_SKIPPING, PipelineLoop, Schedule, buffered_loop,
+                                     pipeline_runner, skipping_stages, streamed_loop, vmapped_stages)
 from nestor.parallel.pipeline_1f1b import _phases, one_f_one_b
 from nestor.parallel.rules import DEFAULT_RULES
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh

@@ -5,10 +5,10 @@ import time
 import numpy as np
 import pytest
 
+from nestor.backend import resolve_backend
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.explain import compile_step
-from nestor.backend import resolve_backend
-from nestor.orchestrator.train import build_job
+from nestor.orchestrator.job import build_job
 from tests.conftest import TINY
 from tests.helpers import assert_same_training, equations, mesh_overrides, run_fresh
 

@@ -79,7 +79,7 @@ def test_a_run_dir_that_cannot_hold_a_lock_is_a_config_error_naming_it(tmp_path)
 
 AGREE_ON_THE_LOCK = """
     from nestor.orchestrator.config import ConfigError
-    from nestor.orchestrator.train import holding_run_dir
+    from nestor.orchestrator.run_lock import holding_run_dir
     try:
         with holding_run_dir(Path(run_dir), True, print):
             print("held")

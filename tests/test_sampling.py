@@ -12,8 +12,8 @@ from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.cli import main
 from nestor.orchestrator.evaluation.commands import restore_newest, sample_checkpoint
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
+from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.state import init_state, state_layout
-from nestor.orchestrator.train import make_mesh
 from nestor.parallel.rules import activation_constrainer, resolve_rules
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, mesh_overrides

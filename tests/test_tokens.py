@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from nestor.orchestrator.config import ConfigError
-from nestor.orchestrator.data.pipeline import DataPipeline, make_source
+from nestor.orchestrator.data.batches import DataPipeline, make_source
 from nestor.orchestrator.data.shards import METADATA
+from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.metrics import tensorboard_tag
 from nestor.orchestrator.step import batch_sharding
-from nestor.orchestrator.train import make_mesh
 from nestor.parallel.rules import resolve_rules
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, prepared_stdlib, run_fresh

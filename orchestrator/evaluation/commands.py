@@ -14,10 +14,10 @@ from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
+from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.state import StateLayout, state_layout
 from nestor.orchestrator.step import backend_for, batch_sharding
 from nestor.orchestrator.tokenizer import fitting_tokenizer
-from nestor.orchestrator.train import make_mesh
 from nestor.parallel.rules import Rules, resolve_rules
 
 

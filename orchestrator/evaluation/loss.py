@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nestor.backend import Backend
 from nestor.models import axes
 from nestor.orchestrator.config import Config, ConfigError
-from nestor.orchestrator.data.pipeline import DataPipeline, make_source, masks_documents
+from nestor.orchestrator.data.batches import DataPipeline, make_source, masks_documents
 from nestor.orchestrator.state import StateLayout
 from nestor.orchestrator.step import backend_for, batch_sharding, make_loss_fn, stack_runners
 from nestor.orchestrator.validation import eval_problems
@@ -60,11 +61,12 @@ def eval_source(config: Config):
     return source
 
 
-def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
+def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
     """Returns the jitted eval_step(params, expert_bias, tokens [global_batch, seq_len + 1]) -> the batch's
     mean LM loss, float32 and replicated (`expert_bias`: the state's, or None without bias balancing); with
-    train.grad_accum > 1 the batch runs in that many micro-batches, as in training."""
-    backend = backend_for(config, mesh)
+    train.grad_accum > 1 the batch runs in that many micro-batches, as in training. `backend` defaults to
+    `backend_for(config, mesh)`."""
+    backend = backend or backend_for(config, mesh)
     stack_runner, dense_runner = stack_runners(config, mesh, rules, backend)
     loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runner, config.moe, masks_documents(config, config.eval.source),
                            dense_runner, train=False)
@@ -89,10 +91,10 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
 class Evaluator:
     """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity."""
 
-    def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules):
+    def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
         self.config = config
         self.data = DataPipeline(config, batch_sharding(mesh, rules), eval_source(config))
-        self.step_fn = make_eval_step(config, layout, mesh, rules)
+        self.step_fn = make_eval_step(config, layout, mesh, rules, backend)
 
     def due(self, step: int) -> bool:
         """Returns whether training evaluates after `step`: every eval.every-th step and the last."""

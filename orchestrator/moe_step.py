@@ -18,7 +18,7 @@ from nestor.backend.mosaic_gpu import tiles
 from nestor.models import axes
 from nestor.models.moe import MoELayerConfig
 from nestor.orchestrator.config import Config, MoEConfig
-from nestor.orchestrator.validation import moe_tokens_per_device
+from nestor.orchestrator.degrees import moe_tokens_per_device
 from nestor.parallel.experts import ExpertLayout, exchange_name, expert_exchange, worst_case_rows
 from nestor.parallel.rules import Rules
 

@@ -1,0 +1,56 @@
+"""`nestor explain`'s FLOPs of a dropless MoE step for another target, against the dense model with the
+same active parameters, compiled on this CPU (nothing runs).
+
+The model (the issue's comparison): the tiny preset with 4 layers, embed 128, a dropless MoE layer in every
+layer (top-2, experts 256 wide) against a dense model 512 wide, 16 sequences of 128 tokens, bfloat16, for
+`cluster.device_kind` (default h100). Per expert count and mesh: the step's FLOPs against the dense step's,
+the same without the state update (optimizer, norms: `update_flops_per_step`), and the update's share of
+the MoE step.
+
+    python -m bench.target_flops                         # E = 8, 32, 128 on data8 and fsdp8, for an H100
+    python -m bench.target_flops --experts 32 --meshes data8 --device-kind tpu-v5p
+"""
+
+from __future__ import annotations
+
+import argparse
+
+MESHES = {"data8": ("mesh.data=8",), "fsdp8": ("mesh.fsdp=8",), "expert8": ("mesh.expert=8",)}
+MODEL = ("model.preset=tiny", "model.embed_dim=128", "model.num_layers=4", "train.global_batch=16",
+         "train.seq_len=128", "cluster.devices_per_host=8", "model.dtype=bfloat16", "run.compile_cache=null",
+         "run.dir=/tmp/nestor-bench-target-flops")
+
+
+def figures(*overrides: str) -> tuple[float, float]:
+    """Returns (FLOPs per step, of which the state update) of `nestor explain` for the overrides."""
+    from nestor.orchestrator.config import load
+    from nestor.orchestrator.explain import explain
+
+    report = explain(load(None, [*MODEL, *overrides]))
+    return report["flops_per_step"], report["update_flops_per_step"]
+
+
+def main() -> None:
+    """Parses the command line and prints one table row per mesh and expert count."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--meshes", nargs="+", default=["data8", "fsdp8"], choices=list(MESHES))
+    parser.add_argument("--device-kind", default="h100", help="cluster.device_kind: the target explain counts for")
+    args = parser.parse_args()
+    from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
+
+    simulate_cpu_devices_before_import(8)
+    target = f"cluster.device_kind={args.device_kind}"
+    print("| mesh | experts | MoE / dense FLOPs | without the state update | update share of the MoE step |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for mesh in args.meshes:
+        dense, dense_update = figures(*MESHES[mesh], target, "model.mlp_dim=512")
+        for experts in args.experts:
+            total, update = figures(*MESHES[mesh], target, f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",
+                                    "moe.expert_mlp_dim=256", "moe.capacity_factor=0")
+            print(f"| {mesh} | {experts} | {total / dense:.3f} | {(total - update) / (dense - dense_update):.3f} "
+                  f"| {update / total:.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

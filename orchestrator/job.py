@@ -1,0 +1,88 @@
+"""A training job assembled from a config: its devices, mesh, rules, backend, state layout, compiled-to-be
+step, data and evaluation. Training (orchestrator.train), explain and the eval commands start from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from nestor.backend import Backend
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.data.batches import DataPipeline, batch_shape
+from nestor.orchestrator.degrees import mesh_axes_key
+from nestor.orchestrator.evaluation.loss import Evaluator
+from nestor.orchestrator.state import StateLayout, state_layout
+from nestor.orchestrator.step import backend_for, batch_sharding, make_train_step
+from nestor.parallel.mesh import MeshError, build_mesh
+from nestor.parallel.rules import Rules, resolve_rules
+
+
+def select_devices(config: Config) -> list[jax.Device]:
+    """Returns the devices the run uses: `cluster.devices_per_host` of each process's devices.
+
+    A single process standing in for `cluster.hosts` hosts (explain, the
+    in-process launcher) takes the devices of all of them. Raises ConfigError
+    when a process has fewer devices than asked for.
+    """
+    wanted = config.cluster.devices_per_host
+    if wanted != -1 and jax.process_count() == 1:
+        wanted *= config.cluster.hosts
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    selected = []
+    for process, devices in sorted(by_process.items()):
+        if wanted != -1 and len(devices) < wanted:
+            raise ConfigError([("cluster.devices_per_host",
+                                f"asks for {wanted} devices but process {process} has {len(devices)} "
+                                f"({devices[0].platform}); lower it or use -1 for all")])
+        selected += devices if wanted == -1 else devices[:wanted]
+    return selected
+
+
+def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
+    """Returns the run's mesh; a degree that does not fit the devices raises ConfigError."""
+    try:
+        return build_mesh(config.mesh.ici_shape(), config.mesh.dcn_shape(),
+                          devices if devices is not None else select_devices(config))
+    except MeshError as error:
+        key = mesh_axes_key(config) if error.key == "mesh" else error.key
+        raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
+
+
+@dataclasses.dataclass
+class Job:
+    """A compiled-to-be training job: mesh, rules, state layout, step function, data, evaluation."""
+
+    config: Config
+    mesh: Mesh
+    rules: Rules
+    backend: Backend
+    layout: StateLayout
+    step_fn: object
+    data: DataPipeline | None  # None when built without data (explain)
+    evaluator: Evaluator | None = None  # with eval.every and data only
+
+
+def build_job(config: Config, devices: list[jax.Device] | None = None, with_data: bool = True) -> Job:
+    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet.
+
+    `with_data=False` leaves the data sources unopened (no file listed, no tokenizer loaded), for a
+    job that is only compiled; with data and `eval.every`, the job has its evaluator.
+    """
+    mesh = make_mesh(config, devices)
+    rules = resolve_rules(config.mesh.rules)
+    backend = backend_for(config, mesh)
+    layout = state_layout(config, mesh, rules)
+    step_fn = make_train_step(config, layout, mesh, rules, backend)
+    data = DataPipeline(config, batch_sharding(mesh, rules)) if with_data else None
+    evaluator = Evaluator(config, layout, mesh, rules, backend) if with_data and config.eval.every else None
+    return Job(config, mesh, rules, backend, layout, step_fn, data, evaluator)
+
+
+def abstract_batch(job: Job) -> jax.ShapeDtypeStruct:
+    """Returns the shape, dtype and sharding of one global batch: what the step compiles for, no data read."""
+    return jax.ShapeDtypeStruct(batch_shape(job.config), np.int32, sharding=batch_sharding(job.mesh, job.rules))

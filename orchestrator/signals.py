@@ -1,0 +1,72 @@
+"""Stopping a run on a signal: SIGTERM and SIGINT save the step reached and stop, in every process alike."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Callable
+
+import jax
+
+from nestor.orchestrator.runtime import preemption_agreed, preemption_is_agreed
+
+
+def no_stop_request(now: bool = False) -> None:
+    """The `stop_requested` of a run that no launcher can stop: never a signal."""
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
+    (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once).
+
+    In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
+    `preemption_agreed`), so that every process stops after the same step;
+    SIGINT is handed to it as a SIGTERM. `requested` (a Ray launcher's
+    `stop_requested`) returns a signal sent to the process that launched this
+    one, or None: it stops the run as that signal here would have
+    (`requested(now=True)` asks at once, where it matters: which signal stopped the run).
+    """
+
+    def __init__(self, requested: Callable[..., int | None] = no_stop_request):
+        self.received: int | None = None
+        self._requested = requested
+        self._passed_on = False  # a request handed to the preemption sync manager
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
+        if threading.current_thread() is threading.main_thread():
+            if preemption_is_agreed():
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._forward)
+            else:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
+        self.received = signum
+
+    @staticmethod
+    def _forward(signum, frame) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_before(self, calls: int) -> bool:
+        """Returns whether to stop before this run's `calls`-th step (from 1): a signal came to this
+        process, or, in a multi-host run, every process agreed on this step after one got SIGTERM."""
+        if self.received is None and not self._passed_on and (requested := self._requested()) is not None:
+            self._passed_on = True
+            if preemption_is_agreed():
+                os.kill(os.getpid(), signal.SIGTERM)  # every process stops after the step they agree on
+            elif jax.process_count() == 1:
+                self.received = requested
+            # else processes that cannot agree on a step go on: one that stopped alone would hang the rest
+        if self.received is None and preemption_agreed(calls):
+            self.received = self._requested(now=True) or signal.SIGTERM
+        return self.received is not None
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
