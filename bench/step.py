@@ -53,8 +53,8 @@ MESHES = {
 }
 MODEL = ("model.embed_dim=256", "model.num_heads=4", "model.num_kv_heads=4", "model.head_dim=64",
          "model.mlp_dim=1024", "model.num_layers=4", "model.vocab_size=1024", "model.dtype=bfloat16",
-         "train.seq_len=256", "train.global_batch=8", "pipeline.microbatches=4", "cluster.devices_per_host=8",
-         "model.remat=none", "run.dir=/tmp/nestor-bench-step")  # no remat: the bare step keeps everything too
+         "train.seq_len=256", "train.global_batch=8", "pipeline.microbatches=4", "model.remat=none",
+         "cluster.devices_per_host=8", "run.dir=/tmp/nestor-bench-step")  # no remat: as the bare step
 READING = (
     "Bare: the same transformer, loss and optax chain in plain jax, jitted with the same parameter shardings and "
     "the residual stream pinned to the batch split between layers; no NNX module, no activation constraints "
