@@ -23,7 +23,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from nestor.backend import remat
-from nestor.backend.mosaic_gpu import grouped_matmul_op
+from nestor.backend.mosaic_gpu import grouped_matmul_op, kernel_problem
 from nestor.backend.xla_cpu import ops_from_float32_sums
 from nestor.models import ops as model_ops
 from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL
@@ -37,10 +37,14 @@ ATTENTION_CHOICES = ("auto", "xla", "cudnn")  # model.attention
 GROUPED_MATMUL_CHOICES = ("auto", "xla", "mosaic_gpu")  # moe.grouped_matmul
 EXCHANGE_CHOICES = {"all_gather": ALL_GATHER, "ragged_all_to_all": RAGGED_ALL_TO_ALL}  # moe.exchange (and auto)
 _LOW_PRECISION = ("bfloat16", "float16")
-COUNTED_AS_GROUPED_GEMM = "counted as grouped GEMMs"  # Backend.for_flop_count's grouped matmul
-GROUPED_MATMUL_NAMES = {"xla": "jax.lax.ragged_dot", "mosaic_gpu": "Mosaic GPU kernels",
+# Backend.for_flop_count's grouped matmuls: every one counted as a grouped GEMM, or those the kernels tile
+COUNTED_AS_GROUPED_GEMM = "counted as grouped GEMMs"
+COUNTED_WHERE_KERNELS_TILE = "counted as grouped GEMMs where the kernels tile"
+GROUPED_MATMUL_NAMES = {"none": "none (no dropless layer)", "xla": "jax.lax.ragged_dot", "mosaic_gpu": "Mosaic GPU kernels",
                         "mosaic_gpu_or_xla": "Mosaic GPU kernels where they tile, else jax.lax.ragged_dot",
-                        COUNTED_AS_GROUPED_GEMM: "rows times one group's weights (FLOPs of grouped GEMMs)"}
+                        COUNTED_AS_GROUPED_GEMM: "rows times one group's weights (FLOPs of grouped GEMMs)",
+                        COUNTED_WHERE_KERNELS_TILE: "rows times one group's weights where the kernels tile, else "
+                                                    "jax.lax.ragged_dot"}
 _HOPPER_WORDS = ("h100", "h200", "h800", "gh200")  # NVIDIA Hopper (compute capability 9.x) device kinds
 
 
@@ -58,6 +62,14 @@ def grouped_gemm_flops(rows, weights, group_sizes):
     not the grouped product's."""
     del group_sizes
     return rows @ weights[0]
+
+
+def grouped_gemm_flops_where_kernels_tile(rows, weights, group_sizes):
+    """Returns `grouped_gemm_flops` where the Mosaic GPU kernels take the shapes, else ragged_dot (what
+    `mosaic_gpu_or_xla` runs there): for a program compiled only to be counted."""
+    if kernel_problem(rows, weights) is None:
+        return grouped_gemm_flops(rows, weights, group_sizes)
+    return model_ops.ragged_dot(rows, weights, group_sizes)
 
 
 def platform_family(platform: str) -> str:
@@ -110,8 +122,9 @@ class Backend:
             attention = functools.partial(model_ops.dot_product_attention, implementation=self.attention)
             names["attention"] = f"jax.nn.dot_product_attention ({self.attention})"
         names["grouped_matmul"] = GROUPED_MATMUL_NAMES[self.grouped_matmul]
-        grouped = (grouped_gemm_flops if self.grouped_matmul == COUNTED_AS_GROUPED_GEMM
-                   else grouped_matmul_op(self.grouped_matmul))
+        counting = {COUNTED_AS_GROUPED_GEMM: grouped_gemm_flops,
+                    COUNTED_WHERE_KERNELS_TILE: grouped_gemm_flops_where_kernels_tile, "none": model_ops.ragged_dot}
+        grouped = counting.get(self.grouped_matmul) or grouped_matmul_op(self.grouped_matmul)
         return dataclasses.replace(base, attention=attention, grouped_matmul=grouped, names=names)
 
     def remat_policy(self) -> Any:
@@ -141,14 +154,22 @@ class Backend:
         return dataclasses.replace(self, **changes, substitutions=tuple(notes)) if changes else self
 
     def for_flop_count(self) -> Backend | None:
-        """Returns the backend of a program compiled only to count the target's FLOPs where this one's would
-        count them otherwise, else None: on XLA:CPU `ragged_dot` multiplies every row by every group's
-        weights, where the target's grouped GEMMs (Mosaic GPU kernels, XLA:TPU) multiply each row once."""
-        compiled = self.compiled_here()
-        grouped_gemms = self.grouped_matmul != "xla" or self.target == "tpu"
-        if compiled.grouped_matmul != "xla" or compiled.platform != "cpu" or not grouped_gemms:
+        """Returns the backend of a program compiled only to count the target's FLOPs where the compiled one's
+        count them otherwise, else None. The target's grouped GEMMs (Mosaic GPU kernels, XLA:TPU's ragged
+        dot) multiply each row once; XLA:CPU's and XLA:GPU's ragged_dot multiply it by every group's weights,
+        and XLA's cost analysis counts a kernel's custom call as nothing."""
+        if self.grouped_matmul == "none":
             return None
-        return dataclasses.replace(compiled, grouped_matmul=COUNTED_AS_GROUPED_GEMM)
+        if self.target == "tpu" or self.grouped_matmul == "mosaic_gpu":
+            counted = COUNTED_AS_GROUPED_GEMM
+        elif self.grouped_matmul == "mosaic_gpu_or_xla":
+            counted = COUNTED_WHERE_KERNELS_TILE
+        else:
+            return None  # ragged_dot on a GPU: every row times every group's weights, as XLA counts it
+        compiled = self.compiled_here()
+        if compiled.platform == "tpu":
+            return None  # XLA:TPU counts its ragged dot as it runs it
+        return dataclasses.replace(compiled, grouped_matmul=counted)
 
     def report(self) -> dict[str, Any]:
         """Returns explain's `backend` entry: the target and each choice made for it."""
@@ -190,7 +211,7 @@ def _grouped_matmul(config: Config, target: str, hopper: bool) -> str:
     BackendError when mosaic_gpu is asked for off a Hopper GPU or in float32."""
     choice, dtype = config.moe.grouped_matmul, config.model.dtype
     if not config.dropless_moe:
-        return "xla"  # no grouped matmul runs
+        return "none"  # no grouped matmul runs
     kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
     if choice == "mosaic_gpu" and not kernels_run:
         raise BackendError("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
@@ -220,7 +241,9 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
     platform = platform_family(platform)
     target = target_of(config, platform)
     kind = config.cluster.device_kind or (device_kind if platform != "cpu" else None)
-    hopper = target == "gpu" and is_hopper(kind, compute_capability if platform == "gpu" else None)
+    # the devices' own compute capability only where they are the target (no cluster.device_kind names another)
+    capability = compute_capability if platform == "gpu" and not config.cluster.device_kind else None
+    hopper = target == "gpu" and is_hopper(kind, capability)
     # Simulated CPU devices share the host's processors: a pipeline stage's skipped bubble gives its time to the
     # busy stages. An accelerator per stage would idle either way, and keeps the plain loop.
     loop = PER_STAGE_SKIPPING if target == "cpu" else BUFFERED

@@ -51,7 +51,7 @@ def grouped_matmul_op(implementation: str) -> ops.GroupedMatmul:
         return ops.ragged_dot
 
     def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        problem = _kernel_problem(rows, weights)
+        problem = kernel_problem(rows, weights)
         if problem and implementation == "mosaic_gpu":
             raise ValueError(f"the Mosaic GPU grouped matmul {problem}; use moe.grouped_matmul=xla")
         if problem:
@@ -62,7 +62,7 @@ def grouped_matmul_op(implementation: str) -> ops.GroupedMatmul:
     return grouped_matmul
 
 
-def _kernel_problem(rows: jax.Array, weights: jax.Array) -> str | None:
+def kernel_problem(rows: jax.Array, weights: jax.Array) -> str | None:
     """Returns why the Mosaic GPU kernels cannot multiply `rows` by `weights`, or None when they can."""
     if rows.dtype != weights.dtype or rows.dtype not in (jnp.bfloat16, jnp.float16):
         return f"takes bfloat16 or float16 rows and weights of one dtype, got {rows.dtype} and {weights.dtype}"

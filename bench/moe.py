@@ -9,8 +9,8 @@ one run:
   combine), as a share of the expert feed-forwards' FLOPs, both from
   `compiled.cost_analysis()` on one device. A grouped matmul is counted at
   the FLOPs of a dense matmul over the same rows (`useful_ragged_dot`): what
-  `jax.lax.ragged_dot` multiplies on GPU and TPU, each row by its own expert;
-  XLA:CPU expands it to every row times every expert;
+  a grouped GEMM multiplies (Hopper's Mosaic GPU kernels, XLA:TPU), each row by
+  its own expert; XLA:CPU and XLA:GPU expand ragged_dot to every row times every expert;
 - token-exchange bytes of one train step over all devices (compiled HLO on an
   expert mesh: all-to-all for the capacity dispatches, all-gather +
   reduce-scatter for dropless), against the analytic minimum: every routed
@@ -66,7 +66,7 @@ READING = (
     "TPU `moe.exchange=auto` picks the ragged all-to-all, which moves only the routed rows, the minimum, and "
     "cannot be measured on CPU). Its worst-case buffer of "
     "gathered tokens x k rows is what its temporaries show. Dropless tokens/s on CPU pays XLA:CPU's ragged_dot, "
-    "which multiplies every row by every local expert; on GPU and TPU a grouped matmul multiplies each row once. "
+    "which multiplies every row by every local expert; a grouped GEMM (Hopper's kernels, XLA:TPU) multiplies each row once. "
     "Tokens/s on shared simulated CPU devices is indicative only, and absolute values move with whatever else "
     "the host runs: compare rows of one run."
 )
@@ -93,9 +93,9 @@ def dispatch_of(config) -> str:
 @contextlib.contextmanager
 def useful_ragged_dot() -> Iterator[None]:
     """Traces every `jax.lax.ragged_dot` inside the block as a dense matmul of its rows by the first
-    group's weights: the FLOPs ragged_dot does on GPU and TPU (each row times its own expert's weights
-    once), in a program XLA:CPU's cost analysis counts (its own ragged_dot multiplies every row by every
-    group). Only for counting: the values are not the model's."""
+    group's weights: the FLOPs of a grouped GEMM (each row times its own expert's weights once), in a
+    program XLA:CPU's cost analysis counts (its own ragged_dot multiplies every row by every group).
+    Only for counting: the values are not the model's."""
     import jax
 
     original = jax.lax.ragged_dot

@@ -145,17 +145,13 @@ _ops: contextvars.ContextVar[Ops] = contextvars.ContextVar("ops", default=PLAIN)
 
 @contextlib.contextmanager
 def installed(ops: Ops) -> Iterator[None]:
-    """Installs `ops` for the layers traced inside the block."""
+    """Installs `ops` for the layers traced inside the block. A custom gradient rule's backward pass is
+    traced after the block: it must not call these functions, only its own ops (none does)."""
     token = _ops.set(ops)
     try:
         yield
     finally:
         _ops.reset(token)
-
-
-def current() -> Ops:
-    """Returns the installed ops (PLAIN when none is)."""
-    return _ops.get()
 
 
 def einsum(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:

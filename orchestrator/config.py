@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from nestor.backend import ATTENTION_CHOICES, GROUPED_MATMUL_CHOICES
+from nestor.backend import ATTENTION_CHOICES, EXCHANGE_CHOICES, GROUPED_MATMUL_CHOICES
 from nestor.backend.remat import CHOICES as REMAT_CHOICES
 from nestor.models import remat_names
 from nestor.orchestrator import config_keys
@@ -183,7 +183,7 @@ class MoEConfig:
     exchange: str = key("auto", "how dropless tokens reach other devices' experts: auto (ragged_all_to_all on GPU "
                         "and TPU, all_gather on CPU) | all_gather (all-gather + reduce-scatter, every backend) | "
                         "ragged_all_to_all (only routed rows move; GPU, TPU)",
-                        choices=("auto", "all_gather", "ragged_all_to_all"))
+                        choices=("auto", *EXCHANGE_CHOICES))
     grouped_matmul: str = key("auto", "dropless layers' grouped matmuls: auto (mosaic_gpu on Hopper GPUs in "
                               "bf16/fp16 where each device's embed and expert width are multiples of 128, else xla) "
                               "| xla (jax.lax.ragged_dot; XLA:GPU multiplies every row by every expert) | mosaic_gpu "
@@ -466,7 +466,7 @@ def key_table(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, Any
     return config_keys.key_table(cls or Config, prefix)
 
 
-# keys that were removed, and what to write instead
+# keys that were removed, and what to write instead of a value
 REMOVED_KEYS = {"pipeline.remat": "was removed; write model.remat (none | full | dots | minimal | offload), which "
                                   "applies to every layer stack, scanned or pipelined"}
 
@@ -490,8 +490,9 @@ def _build(cls: type, tree: Any, prefix: str, problems: list) -> Any:
     for key, raw in tree.items():
         name = FIELD_NAMES.get(key, key)
         path = prefix + str(key)
-        if path in REMOVED_KEYS:
-            problems.append((path, REMOVED_KEYS[path]))
+        if path in REMOVED_KEYS:  # null, as the resolved config.yaml of an older run holds it, asks for nothing
+            if raw is not None:
+                problems.append((path, REMOVED_KEYS[path]))
             continue
         if name not in fields:
             problems.append((path, f"unknown key; known keys: {', '.join(sorted(YAML_NAMES.get(n, n) for n in fields))}"))

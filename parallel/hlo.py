@@ -338,14 +338,14 @@ def flops_per_run(hlo_text: str, xla_flops: float) -> float:
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-PHASES = ("forward", "backward", "update")
+PHASES = ("forward", "backward", "update", "unnamed")
 
 
 def flops_by_phase(hlo_text: str) -> dict[str, float]:
     """Returns the estimated FLOPs of one run (loop bodies x trip count) by the phase jax's op names give
     each instruction: `backward` under `transpose(` (the gradient and its reductions), `forward` under
-    `jvp(` (the loss), `update` for the rest (what a train step does with the gradient: the optimizer, the
-    update's application, norms)."""
+    `jvp(` (the loss), `update` for the rest of jax's (what a train step does with the gradient: the
+    optimizer, the update's application, norms), `unnamed` for what XLA added without an op name."""
     computations, entry = _computations(hlo_text)
     phases = dict.fromkeys(PHASES, 0.0)
     if entry is None:
@@ -358,7 +358,8 @@ def flops_by_phase(hlo_text: str) -> dict[str, float]:
             flops = counter._instruction(instruction, shapes)
             if flops:
                 named = _OP_NAME.search(instruction.attributes)
-                op_name = named.group(1) if named else ""
-                phase = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "update"
+                op_name = named.group(1) if named else None
+                phase = ("unnamed" if op_name is None else "backward" if "transpose(" in op_name
+                         else "forward" if "jvp(" in op_name else "update")
                 phases[phase] += factor * flops
     return phases

@@ -19,7 +19,7 @@ STACKS = {
     # a dense first layer (its own stack, run before the units) and random routing keys stacked with the units
     "moe_first_dense_random": (dict(expert=2, data=4), ("moe.num_experts=4", "moe.every=1", "moe.first_dense_layers=2",
                                                         "moe.second_expert_policy=random")),
-    # bfloat16 on CPU: the matmuls and attention from float32 sums (models.matmul), their custom backward passes
+    # bfloat16 on CPU: the matmuls and attention from float32 sums (nestor.backend.xla_cpu), their custom backward passes
     "bfloat16_scanned_fsdp4_tensor2": (dict(fsdp=4, tensor=2), ("model.dtype=bfloat16",)),
     "bfloat16_pipeline2_data2_tensor2": (dict(pipeline=2, data=2, tensor=2),
                                          ("pipeline.microbatches=4", "model.dtype=bfloat16")),
@@ -117,6 +117,8 @@ def test_the_removed_pipeline_remat_names_model_remat(tiny_config):
         tiny_config("pipeline.remat=dots_saveable")
     [(key, message)] = error.value.problems
     assert key == "pipeline.remat" and "write model.remat" in message
+    # an older run's resolved config.yaml holds `pipeline: {remat: null}`: it still loads
+    assert tiny_config("pipeline.remat=null").model.remat == "auto"
 
 
 def test_auto_is_dots_for_accelerators_and_full_on_cpu(tiny_config):

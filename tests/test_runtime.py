@@ -30,10 +30,10 @@ COUNT_POOL_THREADS = textwrap.dedent("""
     print(jax.device_count(), names.count("tf_XLAEigen"))
 """)
 SETUPS = {
-    "nestor train": "from orchestrator.config import load\nfrom orchestrator.runtime import configure_jax\n"
+    "nestor train": "from nestor.orchestrator.config import load\nfrom nestor.orchestrator.runtime import configure_jax\n"
                     "configure_jax(load(None, []))",
-    "ray worker": "import jax\nfrom cluster.cpu_devices import simulate_cpu_devices\nsimulate_cpu_devices(jax, 8)",
-    "bench script": "from cluster.cpu_devices import simulate_cpu_devices_before_import\n"
+    "ray worker": "import jax\nfrom nestor.cluster.cpu_devices import simulate_cpu_devices\nsimulate_cpu_devices(jax, 8)",
+    "bench script": "from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import\n"
                     "simulate_cpu_devices_before_import(8)",
 }
 

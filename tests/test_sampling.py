@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nestor.models import ops
 from nestor.models.axes import activation_sharding
 from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.cli import main
@@ -75,7 +76,7 @@ def test_greedy_decoding_with_the_cache_equals_the_full_forward_on_the_prefix(ch
     graphdef = sampling_graphdef(config)
     prompts = jnp.array([[0, 104, 101, 108, 108, 111], [0, 100, 101, 102, 32, 102]], jnp.int32)
     expert_bias = restored.state.get("expert_bias")  # the biased preset's balancing state
-    cached = np.asarray(make_generate(graphdef, mesh, rules, NEW_TOKENS)(params, prompts, jax.random.key(0),
+    cached = np.asarray(make_generate(graphdef, mesh, rules, ops.PLAIN, NEW_TOKENS)(params, prompts, jax.random.key(0),
                                                                          expert_bias=expert_bias))
     assert cached.shape == (2, NEW_TOKENS) and not np.array_equal(cached[0], cached[1])
     np.testing.assert_array_equal(cached, greedy_by_full_forward(graphdef, mesh, rules, (expert_bias or {}, params), prompts,

@@ -31,7 +31,7 @@ def test_nestors_step_compiles_to_the_bare_steps_work_with_no_more_copies_and_tr
     more than at the bench's: measured FLOPs 1.0025-1.0026x, bytes accessed 1.045-1.053x (jax 0.10.2).
     Copies and transposes count together, since both move data into another layout and which of the two
     XLA emits follows its layout assignment: measured nestor 85 + 41 against the bare step's 90 + 43 on
-    fsdp8, 95 + 35 against 93 + 37 on fsdp4 x tensor2 (before both used models.matmul, 95 + 35 against
+    fsdp8, 95 + 35 against 93 + 37 on fsdp4 x tensor2 (before both used the float32-sum einsum, 95 + 35 against
     97 + 41: the bare step's autodiff of the float32 logits cost it 4 copies and 4 transposes)."""
     programs = {mesh: compiled_programs(MESHES[mesh], *SMALL, "run.compile_cache=null")
                 for mesh in ("fsdp8", "fsdp4 x tensor2")}

@@ -77,8 +77,8 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     prompts = jax.device_put(np.tile(np.asarray(ids, np.int32), (rows, 1)),
                              batch_sharding(restored.mesh, restored.rules))
     model_ops = backend_for(config, restored.mesh).compiled_here().ops()
-    generate = make_generate(sampling_graphdef(config), restored.mesh, restored.rules, max_tokens, temperature, top_k,
-                             model_ops)
+    generate = make_generate(sampling_graphdef(config), restored.mesh, restored.rules, model_ops, max_tokens,
+                             temperature, top_k)
     tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed),
                                    expert_bias=restored.state.get("expert_bias")))[0]
     ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []

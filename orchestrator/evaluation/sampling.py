@@ -64,8 +64,8 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) ->
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def make_generate(graphdef, mesh: Mesh, rules: Rules, max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0, model_ops: ops.Ops = ops.PLAIN):
+def make_generate(graphdef, mesh: Mesh, rules: Rules, model_ops: ops.Ops, max_new_tokens: int,
+                  temperature: float = 0.0, top_k: int = 0):
     """Returns the jitted generate(params, prompts int32 [batch, prompt_len], key, expert_bias=None) -> int32
     [batch, max_new_tokens] (replicated): the tokens that follow each prompt (`expert_bias`: the train state's,
     with auxiliary-loss-free balancing), the layers running `model_ops` (the backend's). Compiles once per
