@@ -7,6 +7,7 @@ batch into `train.grad_accum` micro-batches and scans over them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -60,6 +61,22 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(losses)
 
 
+def model_context(backend: Backend, mesh: Mesh, rules: Rules) -> Callable[[], contextlib.AbstractContextManager]:
+    """Returns context() -> a block in which the model traces as the run compiles it: activations laid out
+    by `rules` on `mesh`, and `backend`'s ops and expert exchange as compiled on the mesh's devices."""
+    compiled = backend.compiled_here()
+    constrainer = activation_constrainer(mesh, rules)
+    exchange = dropless_exchange(compiled, mesh, rules)
+    model_ops = compiled.ops()
+
+    @contextlib.contextmanager
+    def context():
+        with activation_sharding(constrainer), expert_parallelism(exchange), ops.installed(model_ops):
+            yield
+
+    return context
+
+
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend,
                  stack_runner: StackRunner = scan_layers, moe: MoEConfig = MoEConfig(), document_mask: bool = False,
                  dense_runner: StackRunner = scan_layers, train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
@@ -68,18 +85,15 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend
     stack runs through `stack_runner`, an MoE model's first dense layers through `dense_runner`.
     With `document_mask`, no token attends across a document separator (`data.document_ids`);
     `train=False` runs the model as in evaluation (MoE at the eval capacity factor, no random routing).
-    The model's layers get `backend`'s ops and expert exchange, as compiled on the mesh's devices."""
-    constrainer = activation_constrainer(mesh, rules)
-    compiled = backend.compiled_here()
-    exchange = dropless_exchange(compiled, mesh, rules)
-    model_ops = compiled.ops()
+    The model traces in `model_context(backend, mesh, rules)`."""
+    context = model_context(backend, mesh, rules)
 
     def loss_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
                 expert_bias: dict | None = None) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(layout.graphdef, expert_bias or {}, params)
         inputs = tokens[:, :-1]
         segment_ids = document_ids(inputs) if document_mask else None
-        with activation_sharding(constrainer), expert_parallelism(exchange), ops.installed(model_ops):
+        with context():
             logits, stats = model(inputs, segment_ids=segment_ids, stack_runner=stack_runner,
                                   dense_runner=dense_runner, train=train, routing_key=routing_key)
         loss = lm_loss(logits, tokens[:, 1:])
@@ -159,13 +173,10 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
         stack_runner, dense_runner = stack_runners(config, mesh, rules, backend)
         loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runner, config.moe, document_mask, dense_runner)
         return jax.value_and_grad(loss_fn, has_aux=True)
-    compiled = backend.compiled_here()
-    policy = compiled.remat_policy()
+    policy = backend.compiled_here().remat_policy()
     value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
     dense_runner = layer_runner(config, policy)
-    constrainer = activation_constrainer(mesh, rules)
-    exchange = dropless_exchange(compiled, mesh, rules)
-    model_ops = compiled.ops()
+    context = model_context(backend, mesh, rules)
     moe = config.moe
 
     def grad_fn(params: dict, tokens: jax.Array, routing_key: jax.Array | None = None,
@@ -185,7 +196,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
         def head(rest: dict, y: jax.Array, micro_inputs: dict) -> tuple[jax.Array, Metrics]:
             return lm_loss(model(rest).logits(y), micro_inputs["targets"]), {}
 
-        with activation_sharding(constrainer), expert_parallelism(exchange), ops.installed(model_ops):
+        with context():
             layer_fn, stacked = model(rest).units(routing_key=routing_key)
             (loss, _, stats), (stacked_grads, rest_grads) = value_and_grad(
                 layer_fn, embed, head, stacked, rest, {"tokens": inputs, "targets": targets}, segment_ids,
