@@ -172,12 +172,14 @@ class Backend:
         return dataclasses.replace(compiled, grouped_matmul=counted)
 
     def report(self) -> dict[str, Any]:
-        """Returns explain's `backend` entry: the target and each choice made for it."""
+        """Returns explain's `backend` entry: the target, each choice made for it, and what a compile on
+        `platform` substitutes."""
         names = self.ops().names
         return {"target": self.target, "device_kind": self.device_kind, "remat": self.remat,
                 "attention": names["attention"], "matmuls": names["einsum"], "swiglu": names["swiglu"],
                 "grouped_matmul": names["grouped_matmul"], "exchange": self.exchange,
-                "pipeline_loop": self.pipeline_loop.name, "substitutions": list(self.substitutions)}
+                "pipeline_loop": self.pipeline_loop.name,
+                "substitutions": list(self.compiled_here().substitutions)}
 
 
 def _remat(config: Config, target: str) -> str:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nestor.backend import is_hopper
+from nestor.backend import is_hopper, platform_family
 from nestor.backend.mosaic_gpu import IMPLEMENTATIONS, grouped_matmul_op
 
 ALONE = tuple(name for name in IMPLEMENTATIONS if name != "mosaic_gpu_or_xla")  # each of them on its own
@@ -55,7 +55,7 @@ def reference(rows: jax.Array, weights: jax.Array, sizes: jax.Array) -> jax.Arra
 
 def runs_here(implementation: str, device) -> bool:
     """True when `device` runs `implementation`: mosaic_gpu needs a Hopper GPU."""
-    return implementation != "mosaic_gpu" or (device.platform in ("gpu", "cuda") and is_hopper(
+    return implementation != "mosaic_gpu" or (platform_family(device.platform) == "gpu" and is_hopper(
         device.device_kind, getattr(device, "compute_capability", None)))
 
 

@@ -9,7 +9,6 @@ problem with its key path.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
@@ -288,8 +287,6 @@ class Config:
         return _validated(from_dict(tree))
 
 
-
-
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {
@@ -459,7 +456,6 @@ def _validated(config: Config) -> Config:
     return validate(resolve_paths(config, Path.cwd()))
 
 
-@functools.cache
 def key_table(cls: type | None = None, prefix: str = "") -> tuple[tuple[str, Any, Any, Key], ...]:
     """Returns (dotted path, type hint, default, Key) for every key of `cls` (default: Config), in base.yaml's
     order."""

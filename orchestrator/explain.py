@@ -82,10 +82,9 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         counted = compiled
     xla_flops = step_flops(counted)
     phases = flops_by_phase(counted.as_text())
-    backend = job.backend.compiled_here()
     return {
-        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": backend.platform},
-        "backend": {**job.backend.report(), "substitutions": list(backend.substitutions)},
+        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
+        "backend": job.backend.report(),
         "remat": job.backend.remat,
         "params": params,
         "param_count": sum(math.prod(row["shape"]) for row in params),
