@@ -79,3 +79,26 @@ def test_a_ray_test_outside_the_ray_files_fails_before_it_runs(tmp_path, workers
     assert "test_a.py::test_ray_1 is marked `ray` but its file is not in tests/xdist_groups.py's RAY_FILES" \
         in done.stdout, done.stdout[-3000:]
     assert sorted(line.split()[0] for line in notes.read_text().splitlines()) == ["test_a.py", "test_b.py"]
+
+
+def test_a_worker_that_crashes_mid_file_fails_its_test_and_the_rest_still_run(tmp_path):
+    # Each worker is handed two of the four files at once, then told to shut down; the crash comes in the
+    # second file of one worker, after a file it finished and before two more tests (the hang this guards
+    # against: xdist re-queued the finished file too, and the replacement worker, handed it, waited forever).
+    plain = "\n".join(PLAIN.format(i=i) for i in range(2))
+    crash = PLAIN.format(i=0) + "\ndef test_crash():\n    note()\n    os.abort()\n\n" + \
+        "\n".join(PLAIN.format(i=i) for i in (2, 3))
+    suite = small_suite(tmp_path / "suite", {"test_a.py": plain, "test_b.py": plain, "test_c.py": crash,
+                                             "test_d.py": plain})
+    notes = tmp_path / "notes"
+    done = run_pytest(suite, notes, "-n", "2", "-rA")  # the helper's timeout: the run must end
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    outcomes = [line.split(" - ")[0].split() for line in done.stdout.splitlines()
+                if line.startswith(("PASSED ", "FAILED ", "ERROR "))]
+    passed = [f"{file}::test_{i}" for file in ("test_a.py", "test_b.py", "test_d.py") for i in (0, 1)] + \
+        [f"test_c.py::test_{i}" for i in (0, 2, 3)]
+    expected = [["FAILED", "test_c.py::test_crash"]] + [["PASSED", test] for test in passed]
+    assert sorted(outcomes) == sorted(expected), done.stdout[-3000:]
+    assert "crashed while running 'test_c.py::test_crash'" in done.stdout, done.stdout[-3000:]
+    ran = sorted(line.split()[0] for line in notes.read_text().splitlines())  # each test once, the crash too
+    assert ran == ["test_a.py"] * 2 + ["test_b.py"] * 2 + ["test_c.py"] * 4 + ["test_d.py"] * 2, ran

@@ -46,4 +46,26 @@ def pytest_xdist_make_scheduler(config, log):
             self.config.option.loadscopereorder = False  # collection order: the Ray files first
             super().schedule()
 
+        def remove_node(self, node) -> str | None:
+            """Hands a crashed worker's unfinished tests to the others, less the one it crashed in (reported by
+            xdist as failed); returns that one.
+
+            xdist's LoadScopeScheduling re-queues every unit the dead worker had, finished ones too, and its
+            crashed test as still to run: a worker handed a finished unit is sent no test, so never asks for
+            more, and the run waited forever on the units behind it; and a test that always crashes its worker
+            ran again on each replacement."""
+            workload = self.assigned_work.pop(node)
+            pending = [(scope, nodeid) for scope, unit in workload.items() for nodeid, done in unit.items()
+                       if not done]
+            if not pending:
+                return None
+            scope, crashitem = pending[0]  # a worker runs its tests in the order it was sent them
+            workload[scope][crashitem] = True
+            self.workqueue.update((scope, unit) for scope, unit in workload.items() if not all(unit.values()))
+            # A worker whose collection has not come yet gets its work from schedule() when it comes.
+            for other in self.assigned_work:
+                if other in self.registered_collections:
+                    self._reschedule(other)
+            return crashitem
+
     return RayFilesTogether(config, log)
