@@ -119,9 +119,9 @@ def routing_flop_share(config) -> float:
 
     from nestor.models.moe import MoEFeedForward, expert_capacity, grouped_swiglu
     from nestor.orchestrator.explain import cost_flops
-    from nestor.orchestrator.state import model_config
+    from nestor.orchestrator.model_class import lm_config
 
-    cfg = model_config(config)
+    cfg = lm_config(config)
     moe = cfg.moe
     layer = nnx.eval_shape(lambda: MoEFeedForward(cfg, nnx.Rngs(params=0)))
     graphdef, params = nnx.split(layer)

@@ -79,9 +79,9 @@ class Stepper:
         """Runs one step; returns its wall time in seconds."""
         import jax
 
-        tokens = self.job.data.batch(self.step)
+        batch = self.job.data.batch(self.step)
         started = time.perf_counter()
-        self.state, metrics = self.compiled(self.state, tokens)
+        self.state, metrics = self.compiled(self.state, batch)
         jax.block_until_ready(metrics)
         self.step += 1
         return time.perf_counter() - started

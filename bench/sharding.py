@@ -54,9 +54,9 @@ def step_seconds(config: config_lib.Config, steps: int) -> float:
     state = init_state(config, job.layout)
     times = []
     for step in range(steps + 1):
-        tokens = job.data.batch(step)
+        batch = job.data.batch(step)
         start = time.perf_counter()
-        state, metrics = job.step_fn(state, tokens)
+        state, metrics = job.step_fn(state, batch)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

@@ -170,9 +170,9 @@ def make_bare_step(config, job):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from nestor.models import ops
-    from nestor.orchestrator.state import model_config
+    from nestor.orchestrator.model_class import lm_config
 
-    cfg = model_config(config)
+    cfg = lm_config(config)
     model_ops = job.backend.compiled_here().ops()
     optimizer = job.layout.optimizer
     batch_axes = tuple(axis for axis in ("data", "fsdp") if job.mesh.shape[axis] > 1) or None
@@ -258,7 +258,7 @@ def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
     nestor_step = job.step_fn.lower(nestor_state, job.data.batch(0)).compile()
     bare_step, bare_shardings, bare_batch = make_bare_step(config, job)
     bare_state = jax.device_put(init_state(config, job.layout), bare_shardings)
-    batches = [jax.device_put(job.data.batch(step), bare_batch) for step in range(steps)]
+    batches = [jax.device_put(job.data.batch(step)["tokens"], bare_batch) for step in range(steps)]
     bare_step = bare_step.lower(bare_state, batches[0]).compile()
     state = {"nestor": nestor_state, "bare": bare_state}
 

@@ -41,6 +41,8 @@ LOCALHOST = "127.0.0.1"
 STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to stop
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# where a worker resolves the user's own code (model.class): the directory the run was started in
+USER_CODE_ENV = "NESTOR_USER_CODE"
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the token it generated
 UPLOAD_EXCLUDES = [".git", ".venv", "venv", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
                    "bench"]
@@ -175,6 +177,7 @@ def _connect(spec: ClusterSpec) -> None:
                  dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST),
                  num_cpus=spec.hosts + 1, logging_level="ERROR", log_to_driver=spec.worker_logs,
                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
+                                           USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
                                            # no cloud to preempt a local cluster; print each line once
                                            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                                            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",

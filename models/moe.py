@@ -69,6 +69,8 @@ class MoELayerConfig:
     shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
     first_dense_layers: int = 0       # the first layers are dense (DeepSeek-V3); `every` counts the rest
     bias_update_rate: float = 0.0     # > 0: each layer has an `ExpertBias` (auxiliary-loss-free balancing)
+    aux_loss_weight: float = 0.01     # of each layer's load-balancing loss in the model's loss
+    z_loss_weight: float = 0.001      # of each layer's router z-loss in the model's loss
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +89,29 @@ class MoELayerConfig:
     def needs_routing_key(self) -> bool:
         """True when routing draws random numbers (GShard's random second expert) in training."""
         return self.enabled and self.second_expert_policy == "random" and self.top_k > 1
+
+
+EXPERT_LOAD = "moe_expert_load"  # the metric auxiliary-loss-free balancing moves the expert biases by
+
+
+def moe_losses(stats: Stats, cfg: MoELayerConfig) -> tuple[jax.Array, Stats]:
+    """Returns (weighted aux + z losses summed over MoE layers, metrics) from stats stacked [layers, ...].
+
+    As in GShard (arXiv 2006.16668), every MoE layer's weighted load-balancing
+    loss joins the model's loss, and so does ST-MoE's router z-loss (arXiv
+    2202.08906). Metrics: `moe_aux_loss`, `moe_z_loss`, `moe_dropped_fraction`
+    (unweighted means over MoE layers, so balanced routing reads aux 1.0) and
+    `moe_expert_load` [MoE layers, experts]: each expert's share of the layer's
+    routed assignments (a row sums to 1), a share rather than a count because
+    micro-batches average their metrics. Stats without MoE layers give (0, {}).
+    """
+    if "moe_aux_loss" not in stats:
+        return jnp.zeros((), jnp.float32), {}
+    loss = cfg.aux_loss_weight * jnp.sum(stats["moe_aux_loss"]) + cfg.z_loss_weight * jnp.sum(stats["moe_z_loss"])
+    metrics = {name: jnp.mean(stats[name]) for name in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")}
+    counts = stats["moe_tokens_per_expert"].astype(jnp.float32)
+    metrics[EXPERT_LOAD] = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+    return loss, metrics
 
 
 class ExpertBias(nnx.Variable):

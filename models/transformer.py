@@ -8,10 +8,10 @@ With `moe.every = k`, every k-th feed-forward is a Mixture of Experts
 arXiv 2412.19437), a stack of their own that runs before the units.
 
 The units are one module whose parameters are stacked `[layers, ...]`
-(built with `nnx.vmap`), run by a `scan` so compile time does not grow with
-depth. Whoever calls the model may run that stack differently (a pipeline, or
-`unrolled_layers`) by passing `stack_runner`, and may rematerialise each unit:
+(built with `nnx.vmap`), run as a stack (models.stack): a `scan` unless the
+training job installs another runner (a pipeline, unrolled, rematerialised);
 the tensors a remat policy can keep are tagged by name (models.remat_names).
+`Transformer.loss` is the task contract (models.task) the training step calls.
 Every parameter names its dimensions with logical axes (models.axes);
 activations are constrained by logical name at block boundaries.
 
@@ -27,25 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from nestor.models import axes, ops, remat_names
+from nestor.models import axes, ops, remat_names, stack, task
 from nestor.models.axes import constrain
-from nestor.models.moe import MoEFeedForward, MoELayerConfig
+from nestor.models.moe import MoEFeedForward, MoELayerConfig, moe_losses
 from nestor.models.params import param
+from nestor.models.stack import LayerFn, stacked
 
 Stats = dict[str, jax.Array]
-# layer_fn(unit_params, x, row_inputs) -> (x, stats); row_inputs are per-row tensors that every
-# unit reads unchanged (the segment ids), or None.
-LayerFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Stats]]
-StackRunner = Callable[[LayerFn, Any, jax.Array, Any], tuple[jax.Array, Stats]]
-RematPolicy = Callable[..., Any]  # a jax.checkpoint policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,52 +263,13 @@ class BlockGroup(nnx.Module):
         return x, tuple(jnp.stack(parts) for parts in zip(*updated))
 
 
-def scan_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None, *,
-                remat_policy: RematPolicy | None = None) -> tuple[jax.Array, Stats]:
-    """Runs `layer_fn` over the leading `layers` dimension of `stacked_params`.
-
-    With a `remat_policy` every unit runs under `jax.checkpoint` with it: the
-    backward pass keeps each unit's input and what the policy saves, and
-    recomputes the rest; None keeps everything. Returns the final activations
-    and each layer's stats stacked `[layers, ...]`.
-    """
-    if remat_policy is not None:
-        layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=False)  # no CSE to fear in a scan
-    return jax.lax.scan(lambda carry, params: layer_fn(params, carry, row_inputs), x, stacked_params)
+STACK = "blocks"  # the stacked units' stack name (models.stack), the one a pipeline splits
+DENSE_STACK = "dense"  # an MoE model's first dense layers
 
 
-def unrolled_layers(layer_fn: LayerFn, stacked_params: Any, x: jax.Array, row_inputs: Any = None, *,
-                    remat_policy: RematPolicy | None = None) -> tuple[jax.Array, Stats]:
-    """`scan_layers` written out: one call of `layer_fn` per unit, in order, on the same inputs and outputs.
-
-    A scan keeps what its backward pass needs of each unit in buffers stacked
-    [layers, ...] that XLA zero-fills before the loop and writes slice by
-    slice; unrolled, each unit's saved activations are buffers of their own
-    and its parameters' gradients are concatenated once (the transpose of
-    `lax.split`). Compile time grows with depth.
-    """
-    if remat_policy is not None:  # unrolled, XLA could merge a recomputation with the forward pass: keep them apart
-        layer_fn = jax.checkpoint(layer_fn, policy=remat_policy, prevent_cse=True)
-    leaves, treedef = jax.tree.flatten(stacked_params)
-    count = leaves[0].shape[0]
-    parts = [jax.lax.split(leaf, (1,) * count, axis=0) for leaf in leaves]
-    stats = []
-    for index in range(count):
-        x, unit_stats = layer_fn(treedef.unflatten([jnp.squeeze(part[index], 0) for part in parts]), x, row_inputs)
-        stats.append(unit_stats)
-    return x, jax.tree.map(lambda *per_unit: jnp.stack(per_unit), *stats)
-
-
-def stacked(make_unit: Callable[[nnx.Rngs], nnx.Module], count: int, axis_name: str, rngs: nnx.Rngs) -> nnx.Module:
-    """Returns `count` units made by `make_unit(rngs)` as one module, parameters stacked [count, ...]
-    along the logical axis `axis_name`."""
-
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis_name, "logical_axes": axis_name})
-    def make(rngs: nnx.Rngs) -> nnx.Module:
-        return make_unit(rngs)
-
-    return make(rngs)
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Returns the mean next-token cross-entropy in float32."""
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets))
 
 
 class Transformer(nnx.Module):
@@ -329,27 +286,37 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembedding = param(rngs, (cfg.embed_dim, cfg.vocab_size), (axes.EMBED, axes.VOCAB), cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 stack_runner: StackRunner = scan_layers, dense_runner: StackRunner = scan_layers,
-                 train: bool = True, routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, train: bool = True,
+                 routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
         """Returns (logits float32 [batch, length, vocab], per-unit stats stacked [units, ...]).
 
         The first dense layers of an MoE model (`moe.first_dense_layers`) run
-        through `dense_runner` before the units run through `stack_runner`.
-        `segment_ids` [batch, length] (None = one document per row) keep
-        attention within each segment; they reach every unit as its row inputs.
-        `train` and `routing_key` are as in `units`. Raises ValueError when the
-        routing needs a key and none is given.
+        as the stack "dense" before the units run as the stack "blocks", each
+        by its installed runner (models.stack). `segment_ids` [batch, length]
+        (None = one document per row) keep attention within each segment; they
+        reach every unit as its row inputs. `train` and `routing_key` are as in
+        `units`. Raises ValueError when the routing needs a key and none is given.
         """
-        x = self.stack_input(tokens, segment_ids=segment_ids, dense_runner=dense_runner)
-        layer_fn, stacked = self.units(train=train, routing_key=routing_key)
-        x, stats = stack_runner(layer_fn, stacked, x, segment_ids)
+        x = self.stack_input(tokens, segment_ids=segment_ids)
+        layer_fn, units = self.units(train=train, routing_key=routing_key)
+        x, stats = stack.run(STACK, layer_fn, units, x, segment_ids)
         return self.logits(x), stats
 
-    def stack_input(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                    dense_runner: StackRunner = scan_layers) -> jax.Array:
+    def loss(self, batch: task.Batch) -> tuple[jax.Array, task.Metrics]:
+        """The task contract (models.task): batch {"tokens" int32 [b, t + 1], optionally "segment_ids"
+        [b, t]} -> (next-token cross-entropy, in training plus the MoE layers' weighted aux and z losses;
+        metrics)."""
+        tokens = batch["tokens"]
+        train = task.training()
+        logits, stats = self(tokens[:, :-1], segment_ids=batch.get("segment_ids"), train=train,
+                             routing_key=task.step_key())
+        loss = next_token_loss(logits, tokens[:, 1:])
+        moe_loss, moe_metrics = moe_losses(stats, self.cfg.moe)
+        return (loss + moe_loss if train else loss), {"lm_loss": loss, **moe_metrics}
+
+    def stack_input(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         """Returns the input of the stacked units [batch, length, embed]: the embedded tokens, through an MoE
-        model's first dense layers (`moe.first_dense_layers`, run by `dense_runner`) when it has them."""
+        model's first dense layers (`moe.first_dense_layers`, the stack "dense") when it has them."""
         x = self.embed(tokens)
         if self.dense_blocks is None:
             return x
@@ -358,7 +325,7 @@ class Transformer(nnx.Module):
         def dense_fn(params: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
             return nnx.merge(dense_def, params)(h, segment_ids=unit_segment_ids)
 
-        return dense_runner(dense_fn, dense_stack, x, segment_ids)[0]
+        return stack.run(DENSE_STACK, dense_fn, dense_stack, x, segment_ids)[0]
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Returns the embedded tokens [batch, length, embed] in the compute dtype."""

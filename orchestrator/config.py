@@ -43,8 +43,14 @@ class RunConfig:
                                     "loads the step; null = off")
 
 
+BUILTIN_LM = "lm"  # model.class of nestor's own decoder LM
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    class_: str = key("lm", "the model: lm (nestor's decoder LM, the keys below) or a Flax NNX module's import path "
+                      "module:Name, resolved in the directory nestor runs in (docs/models.md)")
+    args: dict = key({}, "model.class module:Name: keyword arguments of Name (or of its config dataclass)")
     preset: str | None = key(None, "configs/models/<preset>.yaml, applied before the keys below")
     vocab_size: int = key(256, "byte-level by default", **_POSITIVE)
     embed_dim: int = key(64, "width of the residual stream", **_POSITIVE)
@@ -69,6 +75,11 @@ class ModelConfig:
     scan_layers: bool = key(True, "train and evaluate the layer stack as a lax.scan (compile time independent of "
                             "depth); false unrolls it (faster on GPU, other temporaries, compile time grows with "
                             "depth); a pipeline's stages and generation keep their loops")
+
+    @property
+    def builtin_lm(self) -> bool:
+        """True when the run trains nestor's decoder LM (`class: lm`), which the keys from `preset` on describe."""
+        return self.class_ == BUILTIN_LM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +108,11 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = key("synthetic", "synthetic | text | tokens (shards of `nestor data prepare`)",
-                      choices=("synthetic", "text", "tokens"))
+    source: str = key("synthetic", "synthetic | text | tokens (shards of `nestor data prepare`) | arrays (named "
+                      "arrays, for a model.class of your own)", choices=("synthetic", "text", "tokens", "arrays"))
     paths: tuple[str, ...] = key((), "text: globs of text files (no NUL bytes); empty = the Python standard "
-                                 "library's sources; tokens: prepared directories")
+                                 "library's sources; tokens: prepared directories; arrays: .npz files or "
+                                 "directories of .npy files")
     mixture: tuple[dict, ...] = key((), "tokens: [{paths: [dirs], weight: w > 0}, ...] each row drawn from one "
                                     "entry by weight; empty = data.paths")
     tokenizer: str | None = key(None, "text: path to a tokenizers JSON or SentencePiece model; null = bytes")
@@ -108,7 +120,7 @@ class DataConfig:
                               "synthetic: no-op")
 
 
-EVAL_SOURCES = ("heldout", "synthetic", "text", "tokens")
+EVAL_SOURCES = ("heldout", "synthetic", "text", "tokens", "arrays")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +130,9 @@ class EvalConfig:
     steps: int = key(4, "eval batches of train.global_batch x train.seq_len tokens, the same ones every time",
                      **_POSITIVE)
     source: str = key("heldout", "heldout (the eval split of the data.paths / data.mixture shards) | synthetic | "
-                      "text | tokens (eval.paths)", choices=EVAL_SOURCES)
-    paths: tuple[str, ...] = key((), "text: globs of text files; tokens: prepared directories, their train split")
+                      "text | tokens | arrays (eval.paths)", choices=EVAL_SOURCES)
+    paths: tuple[str, ...] = key((), "text: globs of text files; tokens: prepared directories, their train split; "
+                                 "arrays: .npz files or directories of .npy files")
 
 
 @dataclasses.dataclass(frozen=True)

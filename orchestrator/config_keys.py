@@ -72,7 +72,7 @@ def key(default: Any, doc: str, **limits: Any) -> Any:
     return dataclasses.field(**factory, metadata={"key": Key(doc, **limits)})
 
 
-YAML_NAMES = {"async_save": "async"}  # fields whose YAML key is a Python keyword
+YAML_NAMES = {"async_save": "async", "class_": "class"}  # fields whose YAML key is a Python keyword
 FIELD_NAMES = {yaml_name: field for field, yaml_name in YAML_NAMES.items()}
 
 

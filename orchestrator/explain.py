@@ -107,8 +107,9 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "grouped_matmuls_counted_as_target_runs_them": counting is not None,
         "flops_per_step_per_device": xla_flops,
         "update_flops_per_step": phases["update"] * devices,
-        "model_flops_per_step": model_flops_per_step(config),
-        "executed_flops_per_step": executed_flops_per_step(config),
+        # analytic counts of nestor's LM; a model of the user's has XLA's count alone
+        "model_flops_per_step": model_flops_per_step(config) if config.model.builtin_lm else None,
+        "executed_flops_per_step": executed_flops_per_step(config) if config.model.builtin_lm else None,
     }
 
 
@@ -176,6 +177,7 @@ def format_report(report: dict[str, Any]) -> str:
         "grouped_matmuls_counted_as_target_runs_them"] else ""
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
                   f"all devices{counted_note}), of which {report['update_flops_per_step']:.4g} update the "
-                  f"state (optimizer, norms); model FLOPs {report['model_flops_per_step']:.4g} (analytic)",
+                  f"state (optimizer, norms)" + (f"; model FLOPs {report['model_flops_per_step']:.4g} (analytic)"
+                                                 if report["model_flops_per_step"] is not None else ""),
               f"compiled in {report['compile_s']:.1f} s"]
     return "\n".join(lines)

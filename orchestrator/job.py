@@ -6,16 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from nestor.backend import Backend
 from nestor.orchestrator.config import Config, ConfigError
-from nestor.orchestrator.data.batches import DataPipeline, batch_shape
+from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.degrees import mesh_axes_key
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.state import StateLayout, state_layout
-from nestor.orchestrator.step import backend_for, batch_sharding, make_train_step
+from nestor.orchestrator.step import backend_for, make_train_step
 from nestor.parallel.mesh import MeshError, build_mesh
 from nestor.parallel.rules import Rules, resolve_rules
 
@@ -76,13 +75,15 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     mesh = make_mesh(config, devices)
     rules = resolve_rules(config.mesh.rules)
     backend = backend_for(config, mesh)
-    layout = state_layout(config, mesh, rules)
-    step_fn = make_train_step(config, layout, mesh, rules, backend)
-    data = DataPipeline(config, batch_sharding(mesh, rules)) if with_data else None
+    fields = batch_fields(config)
+    layout = state_layout(config, mesh, rules, frozenset(name for field in fields.values()
+                                                         for name in field.logical_axes if name))
+    step_fn = make_train_step(config, layout, mesh, rules, backend, fields)
+    data = DataPipeline(config, mesh, rules, fields=fields) if with_data else None
     evaluator = Evaluator(config, layout, mesh, rules, backend) if with_data and config.eval.every else None
     return Job(config, mesh, rules, backend, layout, step_fn, data, evaluator)
 
 
-def abstract_batch(job: Job) -> jax.ShapeDtypeStruct:
-    """Returns the shape, dtype and sharding of one global batch: what the step compiles for, no data read."""
-    return jax.ShapeDtypeStruct(batch_shape(job.config), np.int32, sharding=batch_sharding(job.mesh, job.rules))
+def abstract_batch(job: Job) -> dict[str, jax.ShapeDtypeStruct]:
+    """Returns the shapes, dtypes and shardings of one global batch: what the step compiles for, no data read."""
+    return abstract(batch_fields(job.config), job.mesh, job.rules)

@@ -26,10 +26,11 @@ import yaml
 
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.flops import model_flops_per_step, peak_tflops
-from nestor.orchestrator.moe_step import EXPERT_BIAS, EXPERT_LOAD
+from nestor.models.moe import EXPERT_LOAD
+from nestor.orchestrator.moe_step import EXPERT_BIAS
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves,
 # evaluating.
-PERF_METRICS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")
+PERF_METRICS = ("step_time_s", "tokens_per_s", "rows_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
 _PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval", "data_": "data"}
 # Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
@@ -118,21 +119,27 @@ def split_metrics(values: dict[str, np.ndarray]) -> tuple[dict[str, float], dict
 
 
 class Throughput:
-    """Turns a step time into tokens/s, TFLOP/s per device and MFU (None when the peak is unknown)."""
+    """Turns a step time into tokens/s (rows/s for a model of the user's), and, where the model's FLOPs are
+    known (nestor's LM), TFLOP/s per device and MFU (None when the peak is unknown)."""
 
     def __init__(self, config: Config, num_devices: int, device_kind: str):
-        self.tokens_per_step = config.train.global_batch * config.train.seq_len
-        self.flops_per_step = model_flops_per_step(config)
+        lm = config.model.builtin_lm
+        self.rate_name = "tokens_per_s" if lm else "rows_per_s"
+        self.per_step = config.train.global_batch * (config.train.seq_len if lm else 1)
+        self.flops_per_step = model_flops_per_step(config) if lm else None
         self.num_devices = num_devices
         self.peak = peak_tflops(device_kind, config.model.dtype, config.metrics.peak_tflops)
 
     def measure(self, step_time_s: float) -> dict[str, float]:
-        """Returns step_time_s, tokens_per_s, tflops_per_device and, when the peak is known, mfu."""
+        """Returns step_time_s, tokens_per_s (or rows_per_s) and, with the model's FLOPs, tflops_per_device
+        and, when the peak is known, mfu."""
         if step_time_s <= 0:
-            return {"step_time_s": step_time_s, "tokens_per_s": math.nan, "tflops_per_device": math.nan}
-        tflops = self.flops_per_step / step_time_s / self.num_devices / 1e12
-        out = {"step_time_s": step_time_s, "tokens_per_s": self.tokens_per_step / step_time_s,
-               "tflops_per_device": tflops}
+            return {"step_time_s": step_time_s, self.rate_name: math.nan,
+                    **({} if self.flops_per_step is None else {"tflops_per_device": math.nan})}
+        out = {"step_time_s": step_time_s, self.rate_name: self.per_step / step_time_s}
+        if self.flops_per_step is None:
+            return out
+        out["tflops_per_device"] = tflops = self.flops_per_step / step_time_s / self.num_devices / 1e12
         if self.peak:
             out["mfu"] = tflops / self.peak
         return out

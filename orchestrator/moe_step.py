@@ -1,10 +1,5 @@
-"""Wiring of the MoE layers into the training job: their config, routing key and losses.
-
-The model reports each MoE unit's raw statistics (models.moe); here they
-become loss terms and metrics. As in GShard (arXiv 2006.16668), the weighted
-load-balancing loss of every MoE layer is added to the LM loss, and so is
-ST-MoE's router z-loss (arXiv 2202.08906).
-"""
+"""Wiring of the MoE layers into the training job: their config, routing key, exchange, explain's report
+and the auxiliary-loss-free balancing of the expert biases between steps."""
 
 from __future__ import annotations
 
@@ -17,12 +12,11 @@ from nestor.backend import Backend
 from nestor.backend.mosaic_gpu import tiles
 from nestor.models import axes
 from nestor.models.moe import MoELayerConfig
-from nestor.orchestrator.config import Config, MoEConfig
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.degrees import moe_tokens_per_device
 from nestor.parallel.experts import ExpertLayout, exchange_name, expert_exchange, worst_case_rows
 from nestor.parallel.rules import Rules
 
-EXPERT_LOAD = "moe_expert_load"
 EXPERT_BIAS = "moe_expert_bias"
 # the logical names of a dropless MoE layer's tokens and expert weights (models.moe)
 EXPERT_LAYOUT = ExpertLayout(batch=axes.BATCH, expert=axes.EXPERT, hidden=axes.MLP)
@@ -39,6 +33,7 @@ def moe_layer_config(config: Config) -> MoELayerConfig:
         second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
         expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
         first_dense_layers=moe.first_dense_layers, bias_update_rate=moe.bias_update_rate,
+        aux_loss_weight=moe.aux_loss_weight, z_loss_weight=moe.z_loss_weight,
     )
 
 
@@ -46,25 +41,6 @@ def routing_key(seed: int, step: jax.Array) -> jax.Array:
     """Returns the key of step `step`'s random routing: a function of (run.seed, step) only,
     so every mesh draws the same numbers (jax's threefry is partitionable)."""
     return jax.random.fold_in(jax.random.key(seed), step)
-
-
-def moe_loss_and_metrics(stats: dict[str, jax.Array], moe: MoEConfig) -> tuple[jax.Array, Metrics]:
-    """Returns (weighted aux + z losses summed over MoE layers, metrics) from stats stacked [units, ...].
-
-    Metrics: `moe_aux_loss`, `moe_z_loss`, `moe_dropped_fraction` (unweighted
-    means over MoE layers, so balanced routing reads aux 1.0) and
-    `moe_expert_load` [moe layers, experts]: each expert's share of the
-    layer's routed assignments (a row sums to 1; even routing is 1/experts).
-    A share, not a count, because micro-batches (pipeline, accumulation)
-    average their metrics. A dense model gives (0, {}).
-    """
-    if "moe_aux_loss" not in stats:
-        return jnp.zeros((), jnp.float32), {}
-    loss = moe.aux_loss_weight * jnp.sum(stats["moe_aux_loss"]) + moe.z_loss_weight * jnp.sum(stats["moe_z_loss"])
-    metrics = {name: jnp.mean(stats[name]) for name in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")}
-    counts = stats["moe_tokens_per_expert"].astype(jnp.float32)
-    metrics[EXPERT_LOAD] = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
-    return loss, metrics
 
 
 def dropless_exchange(backend: Backend, mesh: Mesh, rules: Rules):

@@ -11,6 +11,7 @@ lines under every launcher, once.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -75,9 +76,9 @@ class Console:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                            TextColumn("loss {task.fields[loss]}  {task.fields[tokens_per_s]} tok/s"),
+                            TextColumn("loss {task.fields[loss]}  {task.fields[rate]}"),
                             TimeRemainingColumn())
-        self.task = self.bar.add_task("train", total=total_steps, completed=first_step, loss="-", tokens_per_s="-")
+        self.task = self.bar.add_task("train", total=total_steps, completed=first_step, loss="-", rate="-")
         self.bar.start()
 
     def step(self, record: dict) -> None:
@@ -85,15 +86,16 @@ class Console:
         terminal as a line of its own."""
         evaluated = (f"eval_loss {record['eval_loss']:.4f}  eval_perplexity {record['eval_perplexity']:.2f}"
                      if "eval_loss" in record else "")
+        rate = (f"{record['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in record
+                else f"{record.get('rows_per_s', math.nan):.0f} rows/s")
         if self.bar is not None:
-            self.bar.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}",
-                            tokens_per_s=f"{record['tokens_per_s']:.0f}")
+            self.bar.update(self.task, completed=record["step"], loss=f"{record['loss']:.4f}", rate=rate)
             if evaluated:
                 self.log(f"step {record['step']:5d}  {evaluated}")
             return
         mfu = f"  mfu {record['mfu']:.1%}" if "mfu" in record else ""
         self._print(f"step {record['step']:5d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                    f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s{mfu}"
+                    f"grad_norm {record['grad_norm']:.3f}  {rate}{mfu}"
                     + (f"  {evaluated}" if evaluated else ""))
 
     def close(self) -> None:

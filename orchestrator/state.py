@@ -21,27 +21,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.models.moe import ExpertBias
-from nestor.models.transformer import Transformer, TransformerConfig
-from nestor.orchestrator.config import Config
-from nestor.orchestrator.moe_step import moe_layer_config
+from nestor.models.params import logical_axes_of, named_by_model
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.model_class import build_model
 from nestor.orchestrator.optimizer import make_optimizer
-from nestor.parallel.rules import Rules, is_logical_axes, tree_shardings
-
-
-def model_config(config: Config) -> TransformerConfig:
-    """Returns the model's own config from the run config."""
-    m = config.model
-    return TransformerConfig(
-        vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-        mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
-    )
-
-
-def build_model(config: Config, seed: int) -> Transformer:
-    """Returns a freshly initialised model (call under jit or eval_shape for big ones)."""
-    return Transformer(model_config(config), nnx.Rngs(params=seed))
+from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:
@@ -65,22 +49,70 @@ class StateLayout:
     optimizer: optax.GradientTransformation
 
 
-def split_model(model: Transformer) -> tuple[Any, nnx.State, nnx.State]:
+def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
     """Returns (graphdef, expert biases, everything else: the parameters); merge them back in that order."""
     return nnx.split(model, ExpertBias, ...)
 
 
 def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
-    """Returns (tree of logical-axes tuples, tree of values) of a model state's variables."""
+    """Returns (tree of logical-axes tuples, tree of values) of a model state's variables; a variable
+    without names gets (None, ...) (replicated), which `layout_problems` reports where that matters."""
     flat = nnx.to_flat_state(state)
-    return (_nest({tuple(path): var.get_metadata()["logical_axes"] for path, var in flat}),
-            _nest({tuple(path): var.get_value() for path, var in flat}))
+    logical = {}
+    for path, var in flat:
+        names = logical_axes_of(var)
+        logical[tuple(path)] = names if names is not None else (None,) * len(var.get_value().shape)
+    return _nest(logical), _nest({tuple(path): var.get_value() for path, var in flat})
 
 
-def state_layout(config: Config, mesh: Mesh, rules: Rules) -> StateLayout:
-    """Returns the abstract, sharded layout of the train state for `mesh`."""
+SHARDING_AXES = ("fsdp", "tensor")  # the mesh axes that split a model's weight matrices
+
+
+def layout_problems(config: Config, state: nnx.State, mesh: Mesh, rules: Rules,
+                    batch_axes: set[str]) -> list[tuple[str, str]]:
+    """Returns config problems of a model of the user's parameters on `mesh`: a matrix without logical names
+    where the mesh splits parameters, a dimension its mesh axes do not divide, and a `mesh.rules` entry for a
+    name neither the parameters nor the batch (`batch_axes`) nor nestor's activations use."""
+    problems = []
+    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    names: set[str] = set()
+    for path, var in nnx.to_flat_state(state):
+        where = "/".join(map(str, path))
+        shape = var.get_value().shape
+        logical = logical_axes_of(var)
+        if not named_by_model(var):
+            stacked = 0 if logical is None else sum(name is not None for name in logical)  # a stack's axes
+            if len(shape) - stacked >= 2 and splitting:
+                problems.append(("model.class", f"parameter {where} {list(shape)} has no logical axis names, and "
+                                                f"{', '.join(splitting)} would split it; name its dimensions "
+                                                "(nnx.with_partitioning(init, ('embed', 'mlp')), docs/models.md)"))
+            continue
+        names.update(name for name in logical if name)
+        spec = partition_spec(logical, rules)
+        for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
+            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            shards = math.prod(mesh.shape[axis] for axis in axes)
+            if size % shards:
+                problems.append(("model.class", f"parameter {where} {list(shape)}: its {name!r} dimension of {size} "
+                                                f"does not split over {' x '.join(f'mesh.{a}' for a in axes)} "
+                                                f"(= {shards}); change mesh.rules.{name} or the mesh"))
+    known = names | batch_axes | set(DEFAULT_RULES)
+    for name in config.mesh.rules:
+        if name not in known:
+            problems.append((f"mesh.rules.{name}", f"the model never names {name!r}; its parameters' logical axes "
+                                                   f"are {', '.join(sorted(names)) or 'none'}"))
+    return problems
+
+
+def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset[str] = frozenset()) -> StateLayout:
+    """Returns the abstract, sharded layout of the train state for `mesh`; `batch_axes` are the logical names
+    of the batch's fields (for the checks of a model of the user's). Raises ConfigError where a model of
+    the user's cannot be laid out (`layout_problems`)."""
     abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
     graphdef, abstract_bias, abstract_params = split_model(abstract_model)
+    if not config.model.builtin_lm:
+        if problems := layout_problems(config, abstract_params, mesh, rules, batch_axes):
+            raise ConfigError(problems)
     logical, params_shape = _logical_and_values(abstract_params)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
     optimizer = make_optimizer(config, logical)

@@ -17,7 +17,7 @@ from nestor.orchestrator.degrees import (REPEATED_SCHEDULES, mesh_axes_key, mesh
                                        schedule_for, total_devices)
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.memory_fit import DEVICE_MEMORY_GIB, table_entry
-from nestor.parallel.rules import resolve_rules, unknown_rule_problems
+from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, unknown_rule_problems
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -53,6 +53,8 @@ def validate(config: Config) -> Config:
     if problems:
         raise ConfigError(problems)
     m = config.model
+    if not m.builtin_lm:
+        return _user_model_validated(config)
     if m.head_dim % 2:
         problems.append(("model.head_dim", f"RoPE needs an even head_dim, got {m.head_dim}"))
     if m.num_heads % m.num_kv_heads:
@@ -77,6 +79,36 @@ def validate(config: Config) -> Config:
     return config
 
 
+def _user_model_validated(config: Config) -> Config:
+    """`validate` for a model of the user's (model.class module:Name): the checks that do not depend on
+    the model; its parameters' names and shapes are checked against the mesh once it is built
+    (orchestrator.state)."""
+    problems = _remat_problems(config) + _device_memory_problems(config) + _profile_problems(config)
+    problems += _schedule_problems(config) + _mesh_problems(config, known_axes=None)
+    if config.data.source != "arrays":
+        problems.append(("data.source", f"model.class {config.model.class_} reads named arrays: use data.source="
+                                        "arrays (the token sources feed nestor's language model, model.class: lm)"))
+    if config.eval.every:
+        problems += eval_problems(config)
+    if config.moe.num_experts:
+        problems.append(("moe.num_experts", "the moe section configures nestor's language model; a model of your "
+                                            "own builds its expert layers itself (docs/models.md)"))
+    if not problems and not (total_devices(config) is None and -1 in config.mesh.ici_shape().values()):
+        degrees = mesh_degrees(config)
+        if degrees["pipeline"] > 1:
+            problems.append(("mesh.pipeline", f"pipelining a model.class of your own is not built yet; use "
+                                              f"mesh.pipeline=1 (got {degrees['pipeline']})"))
+        t = config.train
+        shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("batch") or ())
+        if t.global_batch % t.grad_accum or (t.global_batch // t.grad_accum) % shards:
+            problems.append(("train.global_batch", f"{t.global_batch} rows do not split into train.grad_accum="
+                                                   f"{t.grad_accum} micro-batches of a multiple of the {shards} "
+                                                   "devices the batch is split over"))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
 def _device_memory_problems(config: Config) -> list[tuple[str, str]]:
     """cluster.device_kind names a device of the memory table unless cluster.device_memory_gb gives the
     memory itself."""
@@ -91,6 +123,9 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
     """data.mixture is for prepared token shards; each entry is {paths: [dirs], weight: w > 0}; the
     tokens source needs directories from data.paths or data.mixture."""
     data = config.data
+    if data.source == "arrays":
+        return [("data.source", "named arrays feed a model.class of your own; nestor's language model (model.class: "
+                                "lm) reads synthetic, text or tokens")]
     if data.mixture and data.source != "tokens":
         return [("data.mixture", f"mixes prepared token shards; set data.source=tokens (it is {data.source})")]
     if data.source == "tokens" and not data.paths and not data.mixture:
@@ -118,8 +153,14 @@ def eval_problems(config: Config) -> list[tuple[str, str]]:
     source = config.eval.source
     if source == "heldout" and config.data.source != "tokens":
         return [("eval.source", f"heldout is the eval split of prepared shards, and data.source is "
-                                f"{config.data.source}; set eval.source to text, tokens or synthetic (with eval.paths), "
+                                f"{config.data.source}; set eval.source to text, tokens, synthetic or arrays (with eval.paths), "
                                 "or train on data.source=tokens")]
+    if source == "arrays" and not config.eval.paths:
+        return [("eval.paths", "eval.source=arrays needs .npz files or directories of .npy files held out from "
+                               "training")]
+    if (source == "arrays") != (config.data.source == "arrays") and source != "heldout":
+        return [("eval.source", f"evaluates a model trained on data.source={config.data.source} on {source} batches; "
+                                "named arrays evaluate a model of your own, the token sources nestor's LM")]
     if source == "tokens" and not config.eval.paths:
         return [("eval.paths", "eval.source=tokens needs directories written by `nestor data prepare`")]
     if source == "text" and not config.eval.paths:
@@ -160,13 +201,13 @@ def _schedule_problems(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
-def _mesh_problems(config: Config) -> list[tuple[str, str]]:
+def _mesh_problems(config: Config, known_axes=DEFAULT_RULES) -> list[tuple[str, str]]:
     problems = []
     mesh = config.mesh
     fills = [axis for axis, size in mesh.ici_shape().items() if size == -1]
     if len(fills) > 1:
         problems.append((f"mesh.{fills[1]}", f"only one mesh axis may be -1; found {', '.join('mesh.' + a for a in fills)}"))
-    problems += unknown_rule_problems(mesh.rules)
+    problems += unknown_rule_problems(mesh.rules, known_axes)
     devices = total_devices(config)
     if devices is not None and not problems:
         dcn = math.prod(mesh.dcn_shape().values())

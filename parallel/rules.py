@@ -10,7 +10,7 @@ splits the batch of activations instead).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -54,14 +54,15 @@ def _as_axes(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def unknown_rule_problems(overrides: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Returns (key path, message) for every override of an unknown logical axis, or that names no mesh
-    axis or repeats one."""
+def unknown_rule_problems(overrides: Mapping[str, Any], known: Collection[str] | None = DEFAULT_RULES
+                          ) -> list[tuple[str, str]]:
+    """Returns (key path, message) for every override of a logical axis not in `known` (None: any name is
+    known, for a model whose names are learnt later), or that names no mesh axis or repeats one."""
     problems = []
     for name, value in overrides.items():
         key = f"mesh.rules.{name}"
-        if name not in DEFAULT_RULES:
-            problems.append((key, f"{name!r} is not a logical axis; the logical axes are {', '.join(DEFAULT_RULES)}"))
+        if known is not None and name not in known:
+            problems.append((key, f"{name!r} is not a logical axis; the logical axes are {', '.join(known)}"))
             continue
         if value is not None and not isinstance(value, (str, list, tuple)):
             problems.append((key, f"expected null, a mesh axis or a list of them, got {value!r}"))
@@ -88,8 +89,9 @@ def partition_spec(logical_axes: tuple[str | None, ...], rules: Rules) -> Partit
 
     A mesh axis already used by an earlier dimension is skipped for later ones
     (an array cannot be split twice over the same devices), so e.g. tokens
-    dispatched to experts keep `expert` on the expert dimension only.
-    Raises KeyError naming a logical axis that has no rule.
+    dispatched to experts keep `expert` on the expert dimension only. A
+    logical name without a rule is replicated (a model's own names, until
+    mesh.rules maps them).
     """
     used: set[str] = set()
     entries = []
@@ -97,9 +99,7 @@ def partition_spec(logical_axes: tuple[str | None, ...], rules: Rules) -> Partit
         if name is None:
             entries.append(None)
             continue
-        if name not in rules:
-            raise KeyError(f"logical axis {name!r} has no rule; add it to mesh.rules")
-        axes = tuple(axis for axis in rules[name] if axis not in used)
+        axes = tuple(axis for axis in rules.get(name, ()) if axis not in used)
         used.update(axes)
         entries.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*entries)

@@ -10,14 +10,13 @@ import pytest
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, TextSource
 from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.step import batch_sharding
 from nestor.parallel.rules import resolve_rules
 from tests.helpers import mesh_overrides
 
 
 def pipeline(config) -> DataPipeline:
     mesh = make_mesh(config)
-    return DataPipeline(config, batch_sharding(mesh, resolve_rules(config.mesh.rules)))
+    return DataPipeline(config, mesh, resolve_rules(config.mesh.rules))
 
 
 @pytest.mark.parametrize("source", ["synthetic", "text"])
@@ -27,14 +26,14 @@ def test_global_batches_do_not_depend_on_mesh_or_host_count(tiny_config, source)
         **mesh_overrides(fsdp=2, tensor=2))
     a, b = pipeline(one), pipeline(other)
     for step in (0, 3, 1000):
-        batch = np.asarray(a.batch(step))
-        np.testing.assert_array_equal(np.asarray(b.batch(step)), batch)  # 4 devices, fsdp2 x tensor2
+        batch = np.asarray(a.batch(step)["tokens"])
+        np.testing.assert_array_equal(np.asarray(b.batch(step)["tokens"]), batch)  # 4 devices, fsdp2 x tensor2
         for hosts in (1, 2, 4, 8):  # each simulated host builds only its rows
             share = 16 // hosts  # rows are addressed by index alone, so any split into hosts assembles the same batch
             assembled = np.concatenate([b.source.rows(step, range(p * share, (p + 1) * share)) for p in range(hosts)])
             np.testing.assert_array_equal(assembled, batch)
         assert batch.shape == (16, 33) and batch.dtype == np.int32
-    assert not np.array_equal(np.asarray(a.batch(1)), np.asarray(a.batch(2)))
+    assert not np.array_equal(np.asarray(a.batch(1)["tokens"]), np.asarray(a.batch(2)["tokens"]))
 
 
 def test_text_rows_are_real_bytes_of_the_sorted_stdlib_sources(tiny_config):
@@ -60,7 +59,7 @@ def test_iterator_state_round_trips_and_text_order_depends_on_seed(tiny_config):
     b.restore(a.state(), log=pytest.fail)
     assert b.next_step == 2
     reseeded = pipeline(tiny_config("data.source=text", "run.seed=1"))
-    assert not np.array_equal(np.asarray(a.batch(2)), np.asarray(reseeded.batch(2)))
+    assert not np.array_equal(np.asarray(a.batch(2)["tokens"]), np.asarray(reseeded.batch(2)["tokens"]))
 
 
 def test_missing_text_or_tokenizer_is_a_config_error(tiny_config, tmp_path):

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nestor.models.moe import MoEFeedForward, MoELayerConfig, expert_capacity, load_balancing_loss, route, router_z_loss
+from nestor.models.moe import (MoEFeedForward, MoELayerConfig, expert_capacity, load_balancing_loss, moe_losses, route,
+                               router_z_loss)
 from nestor.models.transformer import TransformerConfig, shared_experts
-from nestor.orchestrator.config import ConfigError, MoEConfig
+from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.explain import compile_step, param_table
 from nestor.orchestrator.flops import matmul_params_per_token
 from nestor.orchestrator.job import build_job
-from nestor.orchestrator.moe_step import moe_loss_and_metrics
 from nestor.parallel.hlo import collectives
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
@@ -150,7 +150,7 @@ def test_aux_loss_matches_hand_computed_value():
 def test_train_loss_adds_weighted_aux_and_z_loss_of_every_moe_layer():
     stats = {"moe_aux_loss": jnp.array([1.0, 1.0]), "moe_z_loss": jnp.array([2.0, 4.0]),
              "moe_dropped_fraction": jnp.array([0.0, 0.5]), "moe_tokens_per_expert": jnp.ones((2, EXPERTS))}
-    loss, metrics = moe_loss_and_metrics(stats, MoEConfig(aux_loss_weight=0.01, z_loss_weight=0.001))
+    loss, metrics = moe_losses(stats, MoELayerConfig(aux_loss_weight=0.01, z_loss_weight=0.001))
     assert float(loss) == pytest.approx(2 * 0.01 + 6 * 0.001)
     assert {k: float(v) for k, v in metrics.items() if v.ndim == 0} == pytest.approx(
         {"moe_aux_loss": 1.0, "moe_z_loss": 3.0, "moe_dropped_fraction": 0.25})
@@ -279,11 +279,12 @@ def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs)
 def test_each_accumulated_micro_batch_draws_its_own_routing_noise():
     from nestor.orchestrator.step import _accumulated_grads
 
-    def loss_fn(params, tokens, routing_key):  # the "metric" is the noise this micro-batch drew
-        return jnp.sum(params["w"] * tokens), {"draw": jax.random.uniform(routing_key)}
+    def loss_fn(params, batch, key):  # the "metric" is the noise this micro-batch drew
+        return jnp.sum(params["w"] * batch["tokens"]), {"draw": jax.random.uniform(key)}
 
-    key, tokens = jax.random.key(3), jnp.ones((4, 3))
-    _, metrics = _accumulated_grads(jax.value_and_grad(loss_fn, has_aux=True), {"w": jnp.ones(())}, tokens, key, 2, lambda x, _: x)
+    key, batch = jax.random.key(3), {"tokens": jnp.ones((4, 3))}
+    _, metrics = _accumulated_grads(jax.value_and_grad(loss_fn, has_aux=True), {"w": jnp.ones(())}, batch, key, 2,
+                                    lambda micro: micro)
     draws = [jax.random.uniform(jax.random.fold_in(key, i)) for i in range(2)]
     assert draws[0] != draws[1]
     np.testing.assert_allclose(metrics["draw"], np.mean(draws), rtol=1e-6)

@@ -14,11 +14,11 @@ SMALL = ("model.embed_dim=64", "model.mlp_dim=128", "model.num_heads=4", "model.
 def test_bare_step_matches_nestor_step_on_the_pipeline_mesh():
     config = bench_config(MESHES["pipeline2 x fsdp2 x tensor2"], *SMALL)
     job = build_job(config)
-    tokens = job.data.batch(0)
-    nestor_state, metrics = job.step_fn(init_state(config, job.layout), tokens)
-    bare_step, shardings, batch = make_bare_step(config, job)
+    batch = job.data.batch(0)
+    nestor_state, metrics = job.step_fn(init_state(config, job.layout), batch)
+    bare_step, shardings, bare_batch = make_bare_step(config, job)
     bare_state, loss = bare_step(jax.device_put(init_state(config, job.layout), shardings),
-                                 jax.device_put(tokens, batch))
+                                 jax.device_put(batch["tokens"], bare_batch))
     np.testing.assert_allclose(float(loss), float(metrics["loss"]), rtol=1e-5)
     # Adam's first update is about lr * sign(grad) = 3e-4 per weight; where a gradient is ~eps the
     # two summation orders may round it differently, so parameters agree to a small share of that.

@@ -13,7 +13,6 @@ from nestor.orchestrator.data.batches import DataPipeline, make_source
 from nestor.orchestrator.data.shards import METADATA
 from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.metrics import tensorboard_tag
-from nestor.orchestrator.step import batch_sharding
 from nestor.parallel.rules import resolve_rules
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, prepared_stdlib, run_fresh
@@ -35,9 +34,9 @@ def stream_of(directory, split="train") -> np.ndarray:
 def test_rows_are_windows_of_the_prepared_stream_and_each_is_read_once(tiny_config, shards):
     config = tiny_config("data.source=tokens", f"data.paths=[{shards[0]}]", "cluster.devices_per_host=4",
                          **mesh_overrides(fsdp=2, tensor=2))
-    pipeline = DataPipeline(config, batch_sharding(make_mesh(config), resolve_rules(config.mesh.rules)))
+    pipeline = DataPipeline(config, make_mesh(config), resolve_rules(config.mesh.rules))
     source, stream = pipeline.source, stream_of(shards[0])
-    batch = np.asarray(pipeline.batch(5))
+    batch = np.asarray(pipeline.batch(5)["tokens"])
     width = config.train.seq_len + 1
     for row in range(16):
         window = source.sources[0].order(5 * 16 + row)
@@ -61,7 +60,7 @@ def test_host_splits_assemble_the_same_batches_across_epochs(tiny_config, tmp_pa
     small = prepared_stdlib(tmp_path / "small", "[ks]e[yc]*.py")  # keyword.py, secrets.py: 3,091 tokens
     config = tiny_config("data.source=tokens", f"data.paths=[{small}]", "cluster.devices_per_host=8",
                          **mesh_overrides(data=2, fsdp=2, tensor=2))
-    pipeline = DataPipeline(config, batch_sharding(make_mesh(config), resolve_rules(config.mesh.rules)))
+    pipeline = DataPipeline(config, make_mesh(config), resolve_rules(config.mesh.rules))
     order, stream, width = pipeline.source.sources[0].order, stream_of(small), config.train.seq_len + 1
     assert order.num_windows == 93
     for hosts in (2, 4):
@@ -69,10 +68,10 @@ def test_host_splits_assemble_the_same_batches_across_epochs(tiny_config, tmp_pa
         for step in range(18):  # 288 rows: three epochs and a bit
             parts = {p: sources[p].rows(step, range(p * share, (p + 1) * share)) for p in reversed(range(hosts))}
             np.testing.assert_array_equal(np.concatenate([parts[p] for p in range(hosts)]),
-                                          np.asarray(pipeline.batch(step)), err_msg=f"{hosts} hosts, step {step}")
+                                          np.asarray(pipeline.batch(step)["tokens"]), err_msg=f"{hosts} hosts, step {step}")
     epochs = [[order(epoch * 93 + within) for within in range(93)] for epoch in range(3)]
     assert all(sorted(windows) == list(range(93)) for windows in epochs) and epochs[0] != epochs[1] != epochs[2]
-    rows = np.asarray(pipeline.batch(5))  # positions 80..95: rows 13.. open epoch 1
+    rows = np.asarray(pipeline.batch(5)["tokens"])  # positions 80..95: rows 13.. open epoch 1
     for row, window in ((12, epochs[0][92]), (13, epochs[1][0]), (15, epochs[1][2])):
         np.testing.assert_array_equal(rows[row], stream[window * width:(window + 1) * width])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 # The files whose tests start Ray clusters (the `ray` mark).
-RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
+RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py", "test_user_model_ray.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,9 @@
 """Deterministic, checkpointable global batches; each process builds only the rows it holds.
 
-A batch is int32 tokens [global_batch, seq_len + 1] (inputs are [:, :-1],
-targets [:, 1:]). Row r of step s depends only on (run.seed, s, r), never on
+A batch is a dict of named arrays whose first dimension is the global batch's
+rows (models.task). A language model's: int32 "tokens" [global_batch,
+seq_len + 1] (inputs are [:, :-1], targets [:, 1:]) and, where documents are
+packed and masked, their int32 "segment_ids" [global_batch, seq_len]. Row r of step s depends only on (run.seed, s, r), never on
 the mesh or the number of processes, so any two meshes (and any host count)
 see the same data. Because a batch is a pure function of the step, the
 iterator's whole state is the next step plus a fingerprint of its source:
@@ -13,7 +15,7 @@ Sources:
   library's own `*.py`), sorted, tokenized (bytes, or a tokenizer file),
   packed end to end with a separator into windows of seq_len + 1 tokens;
   windows are visited in a seeded permutation, reshuffled every epoch. With
-  `data.document_mask` (default) the loss function derives segment ids from
+  `data.document_mask` (default) each batch carries segment ids derived from
   the separators (`document_ids`) so that no token attends across documents.
 - `tokens`: shards written by `nestor data prepare` (orchestrator/data/tokens.py),
   packed and ordered the same way, optionally a weighted `data.mixture`.
@@ -27,19 +29,25 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
+
+from nestor.models import axes
 
 from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.data.tokens import TokenSource
 from nestor.orchestrator.tokenizer import load_tokenizer
+from nestor.parallel.rules import Rules, partition_spec
 
 
-def document_ids(tokens: jax.Array) -> jax.Array:
+def document_ids(tokens):
     """Returns int32 segment ids [batch, length] for packed `tokens`: the number of separators up to
     and including each position.
 
@@ -48,7 +56,8 @@ def document_ids(tokens: jax.Array) -> jax.Array:
     token from the separator alone, and the last token of a document, which
     predicts the separator, still sees its whole document.
     """
-    return jnp.cumsum(tokens == DOCUMENT_SEPARATOR, axis=-1, dtype=jnp.int32)
+    numpy = np if isinstance(tokens, np.ndarray) else jnp  # on the host (batches) or traced (decoding)
+    return numpy.cumsum(tokens == DOCUMENT_SEPARATOR, axis=-1, dtype=np.int32)
 
 
 def masks_documents(config: Config, source: str) -> bool:
@@ -174,48 +183,99 @@ class TextSource:
         return np.stack([self.window(self.window_index(step, row)) for row in rows]).astype(np.int32)
 
 
-def batch_shape(config: Config) -> tuple[int, int]:
-    """Returns the shape of one global batch of tokens: [train.global_batch, train.seq_len + 1]."""
-    return config.train.global_batch, config.train.seq_len + 1
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One named array of a global batch: its shape (rows first), dtype and logical axes."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    logical_axes: tuple[str | None, ...]
+
+    def sharding(self, mesh: Mesh, rules: Rules) -> NamedSharding:
+        return NamedSharding(mesh, partition_spec(self.logical_axes, rules))
+
+
+def token_fields(config: Config, document_mask: bool) -> dict[str, Field]:
+    """Returns the fields of a language model's batch: "tokens" [global_batch, seq_len + 1], and with
+    `document_mask` the inputs' "segment_ids" [global_batch, seq_len]."""
+    rows, width = config.train.global_batch, config.train.seq_len + 1
+    fields = {"tokens": Field((rows, width), np.dtype(np.int32), (axes.BATCH, axes.LENGTH))}
+    if document_mask:
+        fields["segment_ids"] = Field((rows, width - 1), np.dtype(np.int32), (axes.BATCH, axes.LENGTH))
+    return fields
+
+
+def batch_fields(config: Config, source: str | None = None, paths: tuple[str, ...] | None = None,
+                 key: str = "data.paths") -> dict[str, Field]:
+    """Returns the fields of the batches of data source `source` reading `paths` (default: `data.source`,
+    `data.paths`); named arrays are opened (memory-mapped) to learn theirs."""
+    source = config.data.source if source is None else source
+    if source != "arrays":
+        return token_fields(config, masks_documents(config, source))
+    arrays = ArraySource(config, config.data.paths if paths is None else paths, key)
+    return {name: Field((config.train.global_batch, *shape), dtype, field_axes(1 + len(shape)))
+            for name, (shape, dtype) in arrays.example_shapes().items()}
+
+
+def shardings(fields: dict[str, Field], mesh: Mesh, rules: Rules) -> dict[str, NamedSharding]:
+    """Returns each field's sharding on `mesh` under `rules`."""
+    return {name: field.sharding(mesh, rules) for name, field in fields.items()}
+
+
+def abstract(fields: dict[str, Field], mesh: Mesh, rules: Rules) -> dict[str, jax.ShapeDtypeStruct]:
+    """Returns the batch as shapes, dtypes and shardings: what a step compiles for, no data read."""
+    return {name: jax.ShapeDtypeStruct(field.shape, field.dtype, sharding=field.sharding(mesh, rules))
+            for name, field in fields.items()}
 
 
 def make_source(config: Config, split: str = "train"):
     """Returns the source `data.source` names; `split` picks the split of prepared token shards."""
     if config.data.source == "tokens":
         return TokenSource(config, split)
+    if config.data.source == "arrays":
+        return ArraySource(config, config.data.paths)
     return SyntheticSource(config) if config.data.source == "synthetic" else TextSource(config)
 
 
 class DataPipeline:
-    """The run's input: global batch `step` as one sharded array, plus a checkpointable position.
+    """The run's input: global batch `step` as a dict of sharded arrays, plus a checkpointable position.
 
-    `source` (default: `make_source(config)`, training's) may be another source, e.g. the eval batches'.
+    `source` (default: `make_source(config)`, training's) may be another source, e.g. the eval batches';
+    `fields` are its batches' (default: `batch_fields(config)`, training's).
     """
 
-    def __init__(self, config: Config, sharding: NamedSharding, source=None):
+    def __init__(self, config: Config, mesh: Mesh, rules: Rules, source=None, fields: dict[str, Field] | None = None):
         self.source = make_source(config) if source is None else source
-        self.shape = batch_shape(config)
-        self.sharding = sharding
+        self.fields = batch_fields(config) if fields is None else fields
+        self.shardings = shardings(self.fields, mesh, rules)
         self.next_step = 0
 
-    def batch(self, step: int) -> jax.Array:
-        """Returns global batch `step` sharded by `self.sharding`; the iterator then points after it.
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """Returns global batch `step`, each field sharded as its logical axes say; the iterator then
+        points after it.
 
         Each process builds only the rows its own devices hold (whatever order
         the mesh puts them in), once per distinct block of rows.
         """
-        built: dict[tuple[int, int], np.ndarray] = {}
+        built: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        rows_total = next(iter(self.fields.values())).shape[0]
 
-        def block(index: tuple[slice, ...]) -> np.ndarray:
-            rows = range(*index[0].indices(self.shape[0]))
+        def block(name: str, index: tuple[slice, ...]) -> np.ndarray:
+            rows = range(*index[0].indices(rows_total))
             key = (rows.start, rows.stop)
             if key not in built:
                 built[key] = self.source.rows(step, rows)
-            return built[key][:, index[1]]
+                if isinstance(built[key], np.ndarray):  # a token source's windows
+                    tokens = built[key]
+                    built[key] = {"tokens": tokens}
+                    if "segment_ids" in self.fields:
+                        built[key]["segment_ids"] = document_ids(tokens[:, :-1])
+            return built[key][name][(slice(None), *index[1:])]
 
         self.next_step = step + 1
-        return jax.make_array_from_callback(self.shape, self.sharding, block)
-
+        return {name: jax.make_array_from_callback(field.shape, self.shardings[name],
+                                                   lambda index, name=name: block(name, index))
+                for name, field in self.fields.items()}
     def metrics(self, step: int) -> dict[str, float]:
         """Returns what global batch `step` logs about its data: each mixture source's share (if mixed)."""
         return self.source.shares(step) if isinstance(self.source, TokenSource) else {}

@@ -7,18 +7,20 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
+from nestor.models import axes
 from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
 from nestor.orchestrator.job import make_mesh
+from nestor.orchestrator.model_class import LM, is_builtin_lm
 from nestor.orchestrator.state import StateLayout, state_layout
-from nestor.orchestrator.step import backend_for, batch_sharding
+from nestor.orchestrator.step import backend_for
 from nestor.orchestrator.tokenizer import fitting_tokenizer
-from nestor.parallel.rules import Rules, resolve_rules
+from nestor.parallel.rules import Rules, partition_spec, resolve_rules
 
 
 @dataclasses.dataclass
@@ -63,6 +65,9 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     as many identical rows as devices split the batch; the first row is returned. Raises ConfigError
     (key `--prompt`) for an empty prompt, (`--top-k`) for a top_k past the vocabulary, and as `restore_newest` and `fitting_tokenizer` do.
     """
+    if not is_builtin_lm(config):
+        raise ConfigError([("model.class", f"nestor sample decodes nestor's language model (model.class: {LM}); "
+                                           f"{config.model.class_} has no decoding")])
     tokenizer = fitting_tokenizer(config.data.tokenizer, config.model.vocab_size)
     ids = [int(i) for i in tokenizer.encode(prompt)]
     documents = config.data.source != "synthetic"
@@ -75,7 +80,7 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     restored = restore_newest(config, devices)
     rows = batch_rows(restored.mesh, restored.rules)
     prompts = jax.device_put(np.tile(np.asarray(ids, np.int32), (rows, 1)),
-                             batch_sharding(restored.mesh, restored.rules))
+                             NamedSharding(restored.mesh, partition_spec((axes.BATCH, axes.LENGTH), restored.rules)))
     model_ops = backend_for(config, restored.mesh).compiled_here().ops()
     generate = make_generate(sampling_graphdef(config), restored.mesh, restored.rules, model_ops, max_tokens,
                              temperature, top_k)

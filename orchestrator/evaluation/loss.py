@@ -1,4 +1,4 @@
-"""Held-out evaluation: the LM loss and perplexity over a fixed set of batches.
+"""Held-out evaluation: the model's evaluation loss and its exponential over a fixed set of batches.
 
 The eval batches are batches 0 .. eval.steps - 1 of the eval source
 (`eval.source`), each a pure function of (run.seed, index, row) like a
@@ -7,8 +7,9 @@ mesh and after any resume, reads the same tokens, and training's stream never
 moves. The eval step is the train step's forward loss (the same stack runner,
 shardings, micro-batches and document mask) without gradients, its MoE layers
 at `moe.eval_capacity_factor` with deterministic routing, jitted once. The
-loss is the mean next-token cross-entropy over every eval token (the LM loss
-alone: no auxiliary loss), perplexity its exponential.
+loss is what the model's loss returns outside training (models.task): for the
+LM, the mean next-token cross-entropy over every eval token (no auxiliary
+loss); perplexity is its exponential.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend
-from nestor.models import axes
 from nestor.orchestrator.config import Config, ConfigError
-from nestor.orchestrator.data.batches import DataPipeline, make_source, masks_documents
+from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.state import StateLayout
-from nestor.orchestrator.step import backend_for, batch_sharding, make_loss_fn, stack_runners
+from nestor.orchestrator.step import backend_for, constrain_batch, make_loss_fn, micro_batches, stack_runners
 from nestor.orchestrator.validation import eval_problems
-from nestor.parallel.pipeline import to_microbatches
 from nestor.parallel.rules import Rules, activation_constrainer
 
 
@@ -61,30 +60,33 @@ def eval_source(config: Config):
     return source
 
 
+def eval_fields(config: Config) -> dict[str, Field]:
+    """Returns the fields of the eval batches (those of `eval.source`'s data; heldout is the training data's)."""
+    return batch_fields(config, config.data.source if config.eval.source == "heldout" else config.eval.source)
+
+
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
-    """Returns the jitted eval_step(params, expert_bias, tokens [global_batch, seq_len + 1]) -> the batch's
-    mean LM loss, float32 and replicated (`expert_bias`: the state's, or None without bias balancing); with
-    train.grad_accum > 1 the batch runs in that many micro-batches, as in training. `backend` defaults to
+    """Returns the jitted eval_step(params, expert_bias, batch) -> the batch's mean evaluation loss, float32
+    and replicated (`expert_bias`: the state's, or None without bias balancing); with train.grad_accum > 1
+    the batch runs in that many micro-batches, as in training. `backend` defaults to
     `backend_for(config, mesh)`."""
     backend = backend or backend_for(config, mesh)
-    stack_runner, dense_runner = stack_runners(config, mesh, rules, backend)
-    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runner, config.moe, masks_documents(config, config.eval.source),
-                           dense_runner, train=False)
+    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend), train=False)
     constrain = activation_constrainer(mesh, rules)
+    fields = eval_fields(config)
     accum = config.train.grad_accum
 
-    def micro_loss(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
-        return loss_fn(params, constrain(tokens, (axes.BATCH, axes.LENGTH)), expert_bias=expert_bias)[1]["lm_loss"]
+    def micro_loss(params: dict, expert_bias: dict | None, batch: dict) -> jax.Array:
+        return loss_fn(params, constrain_batch(batch, fields, constrain), expert_bias=expert_bias)[0]
 
-    def eval_step(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
+    def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> jax.Array:
         if accum == 1:
-            return micro_loss(params, expert_bias, tokens)
+            return micro_loss(params, expert_bias, batch)
         return jnp.mean(jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro),
-                                    to_microbatches(tokens, accum)))
+                                    micro_batches(batch, accum)))
 
-    tokens_sharding = batch_sharding(mesh, rules)
     return jax.jit(eval_step, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
-                                            tokens_sharding),
+                                            shardings(fields, mesh, rules)),
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
@@ -93,7 +95,7 @@ class Evaluator:
 
     def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
         self.config = config
-        self.data = DataPipeline(config, batch_sharding(mesh, rules), eval_source(config))
+        self.data = DataPipeline(config, mesh, rules, eval_source(config), eval_fields(config))
         self.step_fn = make_eval_step(config, layout, mesh, rules, backend)
 
     def due(self, step: int) -> bool:

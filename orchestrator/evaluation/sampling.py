@@ -25,14 +25,14 @@ from nestor.models import axes, ops
 from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.config import Config
-from nestor.orchestrator.state import model_config
+from nestor.orchestrator.model_class import lm_config
 from nestor.parallel.rules import Rules, activation_constrainer, partition_spec
 
 
 def sampling_model_config(config: Config) -> TransformerConfig:
     """Returns the model config for decoding: MoE routing groups of one sequence and an eval capacity of
     every token (capacity factor num_experts / top_k), so no routed token is ever dropped."""
-    model = model_config(config)
+    model = lm_config(config)
     if not model.moe.enabled:
         return model
     dropless = model.moe.num_experts / model.moe.top_k

@@ -1,0 +1,55 @@
+"""The contract between a model and the training step (docs/models.md).
+
+A model is a Flax NNX module with a method `loss(batch) -> (loss, metrics)`:
+`batch` is a dict of arrays whose leading dimension is the rows of one
+(micro-)batch, `loss` a scalar to minimise (a mean over the rows) and
+`metrics` a dict of arrays, averaged over micro-batches and logged. Whatever
+the model does not decide itself, the step installs for the length of a
+call, the way activation constraints and ops are installed: whether it trains
+(`training()`) and the micro-batch's random key (`step_key()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+LOSS_METHOD = "loss"  # the method the step calls: loss(batch) -> (loss, metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What one call of a model's loss is for: training (else evaluation) and its random key."""
+
+    train: bool = True
+    key: jax.Array | None = None
+
+
+_info: contextvars.ContextVar[StepInfo] = contextvars.ContextVar("step_info", default=StepInfo())
+
+
+@contextlib.contextmanager
+def step_info(train: bool, key: jax.Array | None = None) -> Iterator[None]:
+    """Installs what the model traced inside the block reads through `training()` and `step_key()`."""
+    token = _info.set(StepInfo(train, key))
+    try:
+        yield
+    finally:
+        _info.reset(token)
+
+
+def training() -> bool:
+    """Returns whether the model is traced for a training step (False: evaluation, decoding)."""
+    return _info.get().train
+
+
+def step_key() -> jax.Array | None:
+    """Returns the random key of this micro-batch (a function of the run's seed, the step and the
+    micro-batch), or None where nothing random runs; split or fold it in per use."""
+    return _info.get().key

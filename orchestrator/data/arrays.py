@@ -1,0 +1,77 @@
+"""Named arrays as a data source (`data.source: arrays`), for any model (models.task).
+
+`data.paths` names `.npz` files or directories of `.npy` files (one per field, opened memory-mapped), all
+fields of all paths with the same names and the same number of rows; the paths' rows are concatenated in
+the order given. Row r of step s reads the example a seeded permutation of the examples puts at position
+s x global_batch + r, a new permutation every epoch (orchestrator.data.order): a pure function of
+(run.seed, s, r), so any mesh and host count see the same batches, and each process reads only its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from nestor.models import axes
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.data.order import WindowOrder
+
+
+def _open(path: Path, key: str) -> dict[str, np.ndarray]:
+    """Returns the named arrays of one path: an .npz file's, or a directory's .npy files (memory-mapped)."""
+    if path.is_dir():
+        files = sorted(path.glob("*.npy"))
+        if not files:
+            raise ConfigError([(key, f"{path} holds no .npy file; give .npz files or directories of .npy files")])
+        return {file.stem: np.load(file, mmap_mode="r") for file in files}
+    if path.suffix != ".npz" or not path.is_file():
+        raise ConfigError([(key, f"{path} is not an .npz file or a directory of .npy files")])
+    with np.load(path) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+class ArraySource:
+    """The rows of named arrays read by (seed, step, row); `rows(step, rows)` -> {field: [len(rows), ...]}."""
+
+    def __init__(self, config: Config, paths: tuple[str, ...], key: str = "data.paths"):
+        if not paths:
+            raise ConfigError([(key, "data.source=arrays needs .npz files or directories of .npy files")])
+        parts = [(Path(p).expanduser(), _open(Path(p).expanduser(), key)) for p in paths]
+        names = sorted(parts[0][1])
+        for path, arrays in parts:
+            if sorted(arrays) != names:
+                raise ConfigError([(key, f"{path} holds the fields {sorted(arrays)}, {parts[0][0]} holds {names}; "
+                                         "every path must hold the same fields")])
+            lengths = {name: len(array) for name, array in arrays.items()}
+            if len(set(lengths.values())) != 1:
+                raise ConfigError([(key, f"the fields of {path} have different numbers of rows: {lengths}")])
+        self.arrays = {name: [arrays[name] for _, arrays in parts] for name in names}
+        self.starts = np.cumsum([0] + [len(arrays[names[0]]) for _, arrays in parts])
+        self.num_rows = int(self.starts[-1])
+        self.num_tokens = None
+        self.global_batch = config.train.global_batch
+        self.order = WindowOrder(config.run.seed, self.num_rows)
+        listing = "\n".join(f"{path}:{name}:{arrays[name].shape}:{arrays[name].dtype}"
+                            for path, arrays in parts for name in names)
+        self.fingerprint = "arrays:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+    def example_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Returns each field's shape past the rows and its dtype."""
+        return {name: (parts[0].shape[1:], parts[0].dtype) for name, parts in self.arrays.items()}
+
+    def _example(self, index: int) -> tuple[int, int]:
+        part = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return part, index - int(self.starts[part])
+
+    def rows(self, step: int, rows: range) -> dict[str, np.ndarray]:
+        """Returns the fields of `rows` of global batch `step`, each [len(rows), ...]."""
+        examples = [self._example(self.order(step * self.global_batch + row)) for row in rows]
+        return {name: np.stack([parts[part][index] for part, index in examples])
+                for name, parts in self.arrays.items()}
+
+
+def field_axes(ndim: int) -> tuple[str | None, ...]:
+    """Returns the logical axes of a field of `ndim` dimensions: its rows split like any batch, the rest whole."""
+    return (axes.BATCH,) + (None,) * (ndim - 1)

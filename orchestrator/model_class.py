@@ -1,0 +1,116 @@
+"""Which model a run trains (`model.class`): nestor's decoder LM (`lm`, built from the `model.*` keys) or a
+user's Flax NNX module named by an import path `module:Name`, resolved in the directory nestor runs in
+and built from `model.args` (docs/models.md).
+
+`Name` is called as `Name(**model.args, rngs=nnx.Rngs(params=seed))`; where its first parameter is
+annotated with a dataclass, as `Name(Dataclass(**model.args), rngs=...)`. It may be a class or any
+function returning a module. The module's `loss(batch) -> (loss, metrics)` is the task contract
+(models.task).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+from flax import nnx
+
+from nestor.cluster.launcher import USER_CODE_ENV
+from nestor.models import task
+from nestor.models.transformer import Transformer, TransformerConfig
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.moe_step import moe_layer_config
+
+LM = "lm"  # the built-in decoder LM's name in `model.class`
+
+
+def is_builtin_lm(config: Config) -> bool:
+    """Returns whether the run trains nestor's own decoder LM (model.class: lm)."""
+    return config.model.class_ == LM
+
+
+def lm_config(config: Config) -> TransformerConfig:
+    """Returns the built-in LM's own config from the run config's `model.*` and `moe.*` keys."""
+    m = config.model
+    return TransformerConfig(
+        vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
+        norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
+    )
+
+
+def user_code_root() -> Path:
+    """Returns the directory `model.class` import paths are resolved in: the one nestor runs in, or where a
+    launcher's worker was told it is (cluster.launcher.USER_CODE_ENV)."""
+    return Path(os.environ.get(USER_CODE_ENV) or os.getcwd()).resolve()
+
+
+def import_model_class(path: str) -> Callable[..., nnx.Module]:
+    """Returns the callable `module:Name` names, importing `module` from `user_code_root()` (first) or the
+    installed packages. Raises ConfigError (key model.class) when it does not resolve."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ConfigError([("model.class", f"{path!r} is neither {LM!r} nor an import path module:Name "
+                                           "(e.g. mypackage.vit:ViT)")])
+    root = str(user_code_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ConfigError([("model.class", f"cannot import {module_name!r} ({error}); it is looked up in {root} "
+                                           "(the directory nestor runs in) and the installed packages")]) from None
+    except Exception as error:  # the user's module raised while importing: say where
+        raise ConfigError([("model.class", f"importing {module_name!r} raised {type(error).__name__}: {error}")]
+                          ) from None
+    if not hasattr(module, name):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ConfigError([("model.class", f"{module_name!r} ({module.__file__}) has no {name!r}; it defines "
+                                           f"{', '.join(public) or 'nothing public'}")])
+    return getattr(module, name)
+
+
+def _config_dataclass(factory: Callable) -> type | None:
+    """Returns the dataclass the first parameter of `factory` is annotated with, else None."""
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        parameters = [p for p in inspect.signature(target).parameters.values() if p.name != "self"]
+        annotations = typing.get_type_hints(target)
+    except (TypeError, ValueError, NameError):
+        return None
+    if not parameters:
+        return None
+    hint = annotations.get(parameters[0].name)
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def build_model(config: Config, seed: int) -> nnx.Module:
+    """Returns the run's model, freshly initialised (call under jit or eval_shape for big ones).
+
+    Raises ConfigError naming model.class or model.args when the user's model cannot be built or has no
+    `loss` method (the task contract)."""
+    rngs = nnx.Rngs(params=seed)
+    if is_builtin_lm(config):
+        return Transformer(lm_config(config), rngs)
+    path, args = config.model.class_, dict(config.model.args)
+    factory = import_model_class(path)
+    dataclass = _config_dataclass(factory)
+    with nnx.use_eager_sharding(False):  # the job lays parameters out itself (orchestrator.state)
+        try:
+            model = factory(dataclass(**args), rngs=rngs) if dataclass else factory(**args, rngs=rngs)
+        except TypeError as error:
+            target = f"{path}'s {dataclass.__name__}" if dataclass else path
+            raise ConfigError([("model.args", f"{target} cannot be built from {args}: {error}")]) from None
+    if not isinstance(model, nnx.Module):
+        raise ConfigError([("model.class", f"{path} returned a {type(model).__name__}, not a flax.nnx.Module")])
+    if not callable(getattr(model, task.LOSS_METHOD, None)):
+        raise ConfigError([("model.class", f"{path} has no method {task.LOSS_METHOD}(batch) -> (loss, metrics), "
+                                           "the task contract the training step calls (docs/models.md)")])
+    return model

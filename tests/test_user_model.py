@@ -1,0 +1,189 @@
+"""Bring your own model (docs/models.md): a Flax NNX module in the user's own directory, named by
+`model.class`, trained with nestor's meshes, checkpoints and launchers."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nestor.cluster.launcher import USER_CODE_ENV
+from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.explain import explain
+from tests.conftest import COMPARABLE_ADAM
+from tests.helpers import ONE_DEVICE, assert_same_training, child_env, mesh_overrides, run, run_fresh
+
+# A classifier written the way Flax's guides write models: parameters named with nnx.with_partitioning,
+# its repeated blocks one nestor Stack, activations pinned by logical name.
+MODEL = '''
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from nestor.models.axes import constrain
+from nestor.models.stack import Stack
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    features: int = 16
+    width: int = 32
+    hidden: int = 64
+    depth: int = 2
+    classes: int = 4
+
+
+def dense(rngs, shape, names):
+    return nnx.Param(nnx.with_partitioning(nnx.initializers.lecun_normal(), names)(rngs.params(), shape))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: MLPConfig, rngs: nnx.Rngs):
+        self.up = dense(rngs, (cfg.width, cfg.hidden), ("embed", "mlp"))
+        self.down = dense(rngs, (cfg.hidden, cfg.width), ("mlp", "embed"))
+        self.scale = nnx.Param(jnp.ones((cfg.width,)))
+
+    def __call__(self, x):
+        h = jax.nn.gelu(constrain(x * self.scale[...] @ self.up[...], ("batch", "act_mlp")))
+        return x + constrain(h @ self.down[...], ("batch", "act_embed"))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: MLPConfig, rngs: nnx.Rngs):
+        self.embed = dense(rngs, (cfg.features, cfg.width), (None, "embed"))
+        self.blocks = Stack(lambda r: Block(cfg, r), cfg.depth, rngs=rngs, name="blocks")
+        self.head = dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))
+
+    def loss(self, batch):
+        x = constrain(batch["x"] @ self.embed[...], ("batch", "act_embed"))
+        x, _ = self.blocks(x)
+        logits = x @ self.head[...]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+'''
+YAML = '''
+model:
+  class: mlp:MLP
+  args: {width: 32, hidden: 64, depth: 2}
+data:
+  source: arrays
+  paths: [train.npz]
+train:
+  steps: 6
+  global_batch: 16
+optimizer:
+  warmup_steps: 2
+run:
+  dir: runs/mlp
+  compile_cache: null
+'''
+
+
+def write_user_directory(directory: Path, module: str = "mlp", source: str = MODEL) -> Path:
+    """Writes the model, its data (a linearly separable 4-class problem) and my.yaml into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{module}.py").write_text(textwrap.dedent(source))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(16, 4)), axis=-1).astype(np.int32)
+    np.savez(directory / "train.npz", x=x, y=y)
+    (directory / "my.yaml").write_text(YAML)
+    return directory
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A fresh directory outside the repository holding the user's model and config, nestor pointed at it."""
+    directory = write_user_directory(tmp_path / "project")
+    monkeypatch.chdir(directory)
+    monkeypatch.setenv(USER_CODE_ENV, str(directory))
+    return directory
+
+
+EVAL = ("eval.every=3", "eval.steps=2", "eval.source=arrays", "eval.paths=[train.npz]")
+
+
+def user_config(*overrides: str, **dotted):
+    config = config_lib.load("my.yaml", ["cluster.devices_per_host=8", COMPARABLE_ADAM, *overrides])
+    return config.replace(**dotted) if dotted else config
+
+
+@pytest.fixture
+def one_device(user_dir):
+    return run_fresh(user_config(*EVAL, **ONE_DEVICE))
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2), dict(data=8)])
+def test_a_users_model_trains_on_any_mesh_as_on_one_device(one_device, mesh):
+    result = run_fresh(user_config(*EVAL, **mesh_overrides(**mesh)))
+    assert_same_training(result, one_device)
+    evaluated = [[record["eval_loss"] for record in run.history if "eval_loss" in record] for run in (result, one_device)]
+    assert len(evaluated[0]) == 2  # after steps 3 and 6, on the eval arrays
+    np.testing.assert_allclose(*evaluated, rtol=1e-5)
+    assert {"loss", "accuracy", "grad_norm", "rows_per_s"} <= set(result.history[-1])
+
+
+def test_a_users_model_resumes_exactly_and_restores_onto_another_mesh(one_device):
+    first = run(user_config(*EVAL, "train.steps=3", **mesh_overrides(data=2, fsdp=2, tensor=2)))
+    resumed = run(user_config(*EVAL, **mesh_overrides(fsdp=4, tensor=2)))  # the same run.dir: steps 4..6
+    assert resumed.first_step == 3
+    np.testing.assert_allclose(first.losses + resumed.losses, one_device.losses, rtol=1e-5)
+
+
+def test_explain_prints_the_layout_of_the_users_parameters(user_dir):
+    report = explain(user_config(**mesh_overrides(data=2, fsdp=2, tensor=2)))
+    specs = {row["name"]: (row["logical_axes"], row["spec"]) for row in report["params"]}
+    assert specs["blocks/blocks/up"] == (["layers", "embed", "mlp"], ["pipeline", "fsdp", "tensor"])
+    assert specs["embed"] == ([None, "embed"], [None, "fsdp"])
+    assert specs["head"] == (["embed", "classes"], ["fsdp", None])  # a name without a rule is replicated
+    assert specs["blocks/blocks/scale"][1] == ["pipeline", None]  # a vector without names is replicated
+    assert report["model_flops_per_step"] is None and report["flops_per_step"] > 0
+
+
+def test_mesh_rules_map_a_users_own_logical_name(user_dir):
+    report = explain(user_config("mesh.rules={classes: tensor}", **mesh_overrides(data=4, tensor=2)))
+    assert {row["name"]: row["spec"] for row in report["params"]}["head"] == ["fsdp", "tensor"]
+
+
+UNNAMED = MODEL.replace('dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))',
+                        'nnx.Param(jnp.zeros((cfg.width, cfg.classes)))')
+NO_LOSS = MODEL.replace("def loss(self, batch):", "def forward(self, batch):")
+LOGITS = MODEL.replace("        return loss, {", "        return logits\n        return loss, {")
+
+
+@pytest.mark.parametrize("overrides,module,source,key,says", [
+    (("model.class=nowhere.mlp:MLP",), "mlp", MODEL, "model.class", "cannot import 'nowhere.mlp'"),
+    (("model.class=mlp:Missing",), "mlp", MODEL, "model.class", "has no 'Missing'; it defines"),
+    (("model.args={depth: 2, colour: red}",), "mlp", MODEL, "model.args", "colour"),
+    (("model.class=unnamed:MLP",), "unnamed", UNNAMED, "model.class", "parameter head [32, 4] has no logical axis"),
+    (("mesh.rules={heads: tensor, cls: tensor}",), "mlp", MODEL, "mesh.rules.cls",
+     "the model never names 'cls'; its parameters' logical axes are classes, embed, layers, mlp"),
+    (("model.class=noloss:MLP",), "noloss", NO_LOSS, "model.class", "has no method loss(batch)"),
+    (("model.class=logits:MLP",), "logits", LOGITS, "model.class", "returned an array (16, 4); it must return"),
+    (("model.args={hidden: 63}",), "mlp", MODEL, "model.class", "'mlp' dimension of 63 does not split over"),
+    (("mesh.pipeline=2",), "mlp", MODEL, "mesh.pipeline", "pipelining a model.class of your own"),
+    (("data.source=synthetic",), "mlp", MODEL, "data.source", "reads named arrays"),
+    (("eval.every=2", "eval.source=text", "eval.paths=[my.yaml]"), "mlp", MODEL, "eval.source",
+     "named arrays evaluate a model of your own"),
+])
+def test_each_mistake_in_a_users_model_is_one_config_error(user_dir, overrides, module, source, key, says):
+    write_user_directory(user_dir, module, source)
+    mesh = {} if "mesh.pipeline=2" in overrides else mesh_overrides(data=2, fsdp=2, tensor=2)
+    with pytest.raises(ConfigError) as error:
+        explain(user_config(*overrides, **mesh) if "mesh.pipeline=2" not in overrides
+                else user_config(*overrides, "mesh.data=4"))
+    assert error.value.problems[0][0] == key and says in error.value.problems[0][1], error.value.problems
+
+
+@pytest.mark.timeout(300)
+def test_the_console_script_reports_a_users_mistake_in_one_line_with_exit_2(user_dir):
+    result = subprocess.run([sys.executable, "-m", "nestor.orchestrator.cli", "train", "my.yaml",
+                             "model.class=mlp:Nope"], cwd=user_dir, env=child_env(), capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 2 and "model.class" in result.stderr and "Traceback" not in result.stderr, result.stderr
