@@ -5,7 +5,8 @@ The model (the issue's comparison): the tiny preset with 4 layers, embed 128, a 
 layer (top-2, experts 256 wide) against a dense model 512 wide, 16 sequences of 128 tokens, bfloat16, for
 `cluster.device_kind` (default h100). Per expert count and mesh: the step's FLOPs against the dense step's,
 the same without the state update (optimizer, norms: `update_flops_per_step`), and the update's share of
-the MoE step.
+the MoE step; then the ratio and the share again with `optimizer.shard_update=true` (ZeRO stage 1) for both
+models.
 
     python -m bench.target_flops                         # E = 8, 32, 128 on data8 and fsdp8, for an H100
     python -m bench.target_flops --experts 32 --meshes data8 --device-kind tpu-v5p
@@ -30,6 +31,9 @@ def figures(*overrides: str) -> tuple[float, float]:
     return report["flops_per_step"], report["update_flops_per_step"]
 
 
+SHARD_UPDATE = ("optimizer.shard_update=false", "optimizer.shard_update=true")
+
+
 def main() -> None:
     """Parses the command line and prints one table row per mesh and expert count."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,15 +45,19 @@ def main() -> None:
 
     simulate_cpu_devices_before_import(8)
     target = f"cluster.device_kind={args.device_kind}"
-    print("| mesh | experts | MoE / dense FLOPs | without the state update | update share of the MoE step |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| mesh | experts | MoE / dense FLOPs | without the state update | update share of the MoE step "
+          "| shard_update: MoE / dense FLOPs | shard_update: update share |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mesh in args.meshes:
-        dense, dense_update = figures(*MESHES[mesh], target, "model.mlp_dim=512")
+        dense = [figures(*MESHES[mesh], target, "model.mlp_dim=512", shard) for shard in SHARD_UPDATE]
         for experts in args.experts:
-            total, update = figures(*MESHES[mesh], target, f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",
-                                    "moe.expert_mlp_dim=256", "moe.capacity_factor=0")
-            print(f"| {mesh} | {experts} | {total / dense:.3f} | {(total - update) / (dense - dense_update):.3f} "
-                  f"| {update / total:.1%} |", flush=True)
+            moe = [figures(*MESHES[mesh], target, f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",
+                           "moe.expert_mlp_dim=256", "moe.capacity_factor=0", shard) for shard in SHARD_UPDATE]
+            (total, update), (dense_total, dense_update) = moe[0], dense[0]
+            (sharded_total, sharded_update), (sharded_dense, _) = moe[1], dense[1]
+            print(f"| {mesh} | {experts} | {total / dense_total:.3f} "
+                  f"| {(total - update) / (dense_total - dense_update):.3f} | {update / total:.1%} "
+                  f"| {sharded_total / sharded_dense:.3f} | {sharded_update / sharded_total:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,10 @@ class OptimizerConfig:
     eps: float = key(1e-8, "Adam denominator epsilon", above=0)
     weight_decay: float = key(0.1, "AdamW decoupled decay (not applied to norm scales)", minimum=0)
     clip_norm: float = key(1.0, "global gradient-norm clip; 0 disables", minimum=0)
+    shard_update: bool = key(False, "ZeRO stage 1: every parameter's Adam moments and update are split further "
+                             "over the mesh axes the batch is split on (data, fsdp, expert), each device updating "
+                             "its share, then the new parameters are gathered; false = every device updates all "
+                             "it holds")
 
 
 @dataclasses.dataclass(frozen=True)

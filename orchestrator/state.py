@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nestor.models import axes
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.orchestrator.config import Config, ConfigError
@@ -47,6 +48,12 @@ class StateLayout:
     abstract: dict           # state tree of jax.ShapeDtypeStruct (with shardings)
     shardings: dict          # state tree of NamedSharding
     optimizer: optax.GradientTransformation
+    update_shardings: dict | None = None  # params tree: where each share of a parameter is updated (None: as held)
+
+    def update_shares(self, tree: dict) -> dict:
+        """Returns the params-like `tree` constrained to where the optimizer updates it (`update_shardings`),
+        or `tree` itself when the update is not sharded (call inside a jitted function)."""
+        return tree if self.update_shardings is None else jax.lax.with_sharding_constraint(tree, self.update_shardings)
 
 
 def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
@@ -104,6 +111,34 @@ def layout_problems(config: Config, state: nnx.State, mesh: Mesh, rules: Rules,
     return problems
 
 
+def _entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def update_sharding(sharding: NamedSharding, shape: tuple[int, ...], batch_axes: tuple[str, ...]) -> NamedSharding:
+    """Returns where a parameter of `shape` held as `sharding` is updated under ZeRO stage 1: split further
+    over the `batch_axes` (those the batch is split on, of size > 1) it is not split over already, on the
+    dimension whose share they divide (the largest such share), so that each replica of the batch updates
+    one share and keeps that share's optimizer state. Where no dimension divides, the last of those axes are
+    dropped until one does; `sharding` itself when none is left."""
+    mesh = sharding.mesh
+    entries = [_entry_axes(entry) for entry in sharding.spec]
+    entries += [()] * (len(shape) - len(entries))
+    used = {axis for entry in entries for axis in entry}
+    free = tuple(axis for axis in batch_axes if axis not in used and mesh.shape[axis] > 1)
+    shares = [size // math.prod(mesh.shape[axis] for axis in entry) for size, entry in zip(shape, entries)]
+    while free:
+        ways = math.prod(mesh.shape[axis] for axis in free)
+        dividing = [dim for dim, share in enumerate(shares) if share % ways == 0]
+        if dividing:
+            dim = max(dividing, key=lambda d: shares[d])
+            entries[dim] += free
+            return NamedSharding(mesh, PartitionSpec(*(entry[0] if len(entry) == 1 else entry or None
+                                                       for entry in entries)))
+        free = free[:-1]
+    return sharding
+
+
 def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset[str] = frozenset()) -> StateLayout:
     """Returns the abstract, sharded layout of the train state for `mesh`; `batch_axes` are the logical names
     of the batch's fields (for the checks of a model of the user's). Raises ConfigError where a model of
@@ -119,9 +154,14 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     opt_shape = jax.eval_shape(optimizer.init, params_shape)
 
     param_shardings = tree_shardings(logical, mesh, rules)
+    update_shardings = None
+    if config.optimizer.shard_update:
+        update_shardings = jax.tree.map(lambda sharding, leaf: update_sharding(sharding, leaf.shape, rules[axes.BATCH]),
+                                        param_shardings, params_shape)
     replicated = NamedSharding(mesh, PartitionSpec())
+    # the moments live where their parameter is updated: sharded with it under `optimizer.shard_update`
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, opt_shape, param_shardings,
+        optimizer, lambda _, sharding: sharding, opt_shape, update_shardings or param_shardings,
         transform_non_params=lambda _: replicated,
     )
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
@@ -130,7 +170,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         shardings["expert_bias"] = tree_shardings(bias_logical, mesh, rules)
         shapes["expert_bias"] = bias_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    return StateLayout(graphdef, logical, abstract, shardings, optimizer)
+    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:

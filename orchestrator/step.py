@@ -232,8 +232,11 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
         key = routing_key(config.run.seed, state["step"])
         grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias")), params,
                                             batch, key, accum, lambda micro: constrain_batch(micro, fields, constrain))
+        # under optimizer.shard_update each replica of the batch updates its share only (ZeRO stage 1); the
+        # norms are taken on the shares, and out_shardings gathers the new parameters back to their layout
+        grads, params = layout.update_shares(grads), layout.update_shares(params)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
+        params = layout.update_shares(optax.apply_updates(params, updates))
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                    "lr": schedule(state["step"])}
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}

@@ -101,6 +101,8 @@ RESHARD_TARGETS = {
     "tensor2_data4": (mesh_overrides(tensor=2, data=4), 8),
     "data2_tensor2_on_4_devices": (mesh_overrides(data=2, tensor=2), 4),
     "pipeline2_data2_tensor2": (mesh_overrides(pipeline=2, data=2, tensor=2) | {"pipeline.microbatches": 2}, 8),
+    # the same mesh, the Adam moments split over the batch's replicas (a checkpoint saved without it)
+    "data2_fsdp2_tensor2_shard_update": (mesh_overrides(data=2, fsdp=2, tensor=2) | {"optimizer.shard_update": True}, 8),
 }
 
 
@@ -118,6 +120,19 @@ def test_checkpoint_reshards_onto_another_mesh(saved_on_d2f2t2, tmp_path, target
     assert result.first_step == 3
     assert jax.tree.leaves(result.state["params"])[0].sharding.mesh.devices.size == devices
     np.testing.assert_allclose(result.losses, reference.losses[3:], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_with_a_sharded_update_resumes_with_a_replicated_one(tmp_path):
+    mesh = mesh_overrides(data=4, fsdp=2)
+    saved_dir = tmp_path / "saved"
+    reference = run(load(saved_dir, "train.steps=4", "checkpoint.every=2", "optimizer.shard_update=true").replace(**mesh))
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_dir, run_dir)
+    shutil.rmtree(checkpoint_dir(run_dir) / "4")  # newest is now the step-2 checkpoint
+    result = run(load(run_dir, "train.steps=4", "checkpoint.every=2").replace(**mesh))
+    assert result.first_step == 2
+    np.testing.assert_allclose(result.losses, reference.losses[2:], rtol=1e-6)
 
 
 def test_saving_small_replicated_arrays_compiles_nothing_and_restores_them_exactly(tmp_path):
