@@ -212,8 +212,8 @@ def _grouped_matmul(config: Config, target: str, hopper: bool) -> str:
     expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16, else ragged_dot. Raises
     BackendError when mosaic_gpu is asked for off a Hopper GPU or in float32."""
     choice, dtype = config.moe.grouped_matmul, config.model.dtype
-    if not config.dropless_moe:
-        return "none"  # no grouped matmul runs
+    if config.model.builtin_lm and not config.dropless_moe:
+        return "none"  # no grouped matmul runs (a model of the user's may hold dropless layers of its own)
     kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
     if choice == "mosaic_gpu" and not kernels_run:
         raise BackendError("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "

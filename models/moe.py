@@ -35,19 +35,17 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from nestor.models import axes, ops, remat_names
+from nestor.models import axes, ops, remat_names, task
 from nestor.models.axes import constrain
 from nestor.models.params import param
 
-if TYPE_CHECKING:
-    from nestor.models.transformer import TransformerConfig
 
 Stats = dict[str, jax.Array]
 
@@ -57,7 +55,7 @@ class MoELayerConfig:
     """Routing and capacity of the MoE feed-forward layers; `num_experts=0` is a dense model."""
 
     num_experts: int = 0
-    every: int = 0                    # the last layer of every `every` layers is MoE
+    every: int = 0                    # nestor's LM: the last layer of every `every` layers is MoE
     top_k: int = 2
     capacity_factor: float = 1.25     # training; 0 = dropless (train and eval)
     eval_capacity_factor: float = 2.0
@@ -66,8 +64,8 @@ class MoELayerConfig:
     dispatch: str = "sort"            # sort | einsum (GShard's reference)
     router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
     expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
-    shared_experts: int = 0           # always-on experts, run as one SwiGLU of shared_experts x expert width
-    first_dense_layers: int = 0       # the first layers are dense (DeepSeek-V3); `every` counts the rest
+    shared_experts: int = 0           # nestor's LM: always-on experts, one SwiGLU of shared_experts x expert width
+    first_dense_layers: int = 0       # nestor's LM: the first layers are dense (DeepSeek-V3); `every` counts the rest
     bias_update_rate: float = 0.0     # > 0: each layer has an `ExpertBias` (auxiliary-loss-free balancing)
     aux_loss_weight: float = 0.01     # of each layer's load-balancing loss in the model's loss
     z_loss_weight: float = 0.001      # of each layer's router z-loss in the model's loss
@@ -88,7 +86,7 @@ class MoELayerConfig:
     @property
     def needs_routing_key(self) -> bool:
         """True when routing draws random numbers (GShard's random second expert) in training."""
-        return self.enabled and self.second_expert_policy == "random" and self.top_k > 1
+        return self.num_experts > 0 and self.second_expert_policy == "random" and self.top_k > 1
 
 
 EXPERT_LOAD = "moe_expert_load"  # the metric auxiliary-loss-free balancing moves the expert biases by
@@ -446,28 +444,35 @@ def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Ar
 
 
 class MoEFeedForward(nnx.Module):
-    """SwiGLU experts behind a GShard router: x [batch, length, embed] -> (y, stats).
+    """SwiGLU experts behind a GShard router: x [batch, length, embed] -> (y, stats); a layer any model may use.
 
-    Expert weights are `[expert, embed, mlp]` named ("expert", "embed", "mlp");
-    the router `[embed, experts]` leaves its expert dimension unsharded, since
-    every device routes its own tokens to all experts. `shared_experts`, a
-    dense feed-forward the caller builds (x -> (y, stats)), sees every token
-    and is added to the routed output, as DeepSeekMoE's shared experts
-    (arXiv 2401.06066).
+    `moe` says how tokens are routed (top-k, capacity or dropless, dispatch,
+    router, expert width via `expert_mlp_dim` else `mlp_dim`, auxiliary-loss-
+    free balancing); the stats it returns become the model's auxiliary losses
+    and metrics through `moe_losses(stats, moe)`. Expert weights are
+    `[expert, embed, mlp]` named ("expert", "embed", "mlp"), split over
+    `mesh.expert` by nestor's rules; the router `[embed, experts]` leaves its
+    expert dimension unsharded, since every device routes its own tokens to
+    all experts. `shared_experts`, a dense feed-forward the caller builds
+    (x -> (y, stats)), sees every token and is added to the routed output, as
+    DeepSeekMoE's shared experts (arXiv 2401.06066). Weights are float32
+    normals of stddev `init_std` (`out_std` for the output projection, default
+    `init_std`); matmuls run in `dtype`.
     """
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, shared_experts: nnx.Module | None = None):
-        d, m, e = cfg.embed_dim, cfg.moe.expert_width(cfg.mlp_dim), cfg.moe.num_experts
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.router = param(rngs, (d, e), (axes.EMBED, None), std)
-        self.gate = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
-        self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), std)
-        self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), out_std)
+    def __init__(self, embed_dim: int, mlp_dim: int, moe: MoELayerConfig, rngs: nnx.Rngs, *,
+                 dtype: str = "float32", init_std: float = 0.02, out_std: float | None = None,
+                 shared_experts: nnx.Module | None = None):
+        d, m, e = embed_dim, moe.expert_width(mlp_dim), moe.num_experts
+        self.router = param(rngs, (d, e), (axes.EMBED, None), init_std)
+        self.gate = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), init_std)
+        self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), init_std)
+        self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), init_std if out_std is None else out_std)
         self.shared_experts = shared_experts
-        self.selection_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,))
-                               if cfg.moe.bias_update_rate else None)
-        self.moe = cfg.moe
-        self.dtype = cfg.compute_dtype
+        self.selection_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,),
+                                          update_rate=moe.bias_update_rate) if moe.bias_update_rate else None)
+        self.moe = moe
+        self.dtype = jnp.dtype(dtype)
 
     def bias(self) -> jax.Array | None:
         """Returns the selection bias [experts] of auxiliary-loss-free balancing, or None without it."""
@@ -485,9 +490,18 @@ class MoEFeedForward(nnx.Module):
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
         return einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
 
-    def __call__(self, x: jax.Array, *, train: bool = True,
+    def __call__(self, x: jax.Array, *, train: bool | None = None,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
-        """Returns (output [batch, length, embed], routing stats); `routing_key` only matters in training."""
+        """Returns (output [batch, length, embed], routing stats). `train` (default: the step's,
+        models.task.training) picks the capacity factor and random routing, which draws from `routing_key`
+        (default: the step's key, models.task.step_key)."""
+        if train is None:
+            train = task.training()
+        if routing_key is None and train and self.moe.needs_routing_key:
+            routing_key = task.step_key()
+            if routing_key is None:
+                raise ValueError("moe.second_expert_policy=random needs a routing key in training: call the "
+                                 "layer inside a nestor step (models.task.step_key) or pass routing_key")
         batch, length, dim = x.shape
         tokens_per_group = self.moe.group_size or length
         groups = batch * length // tokens_per_group

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nestor.models import task
 from nestor.models.params import UNNAMED, logical_axes_of
 
 Stats = dict[str, jax.Array]
@@ -113,7 +114,8 @@ class Stack(nnx.Module):
     Calling it runs `block(x, **kwargs)` (or `block(x, row_inputs, **kwargs)` when `row_inputs` is given)
     through every block in order; a block returns x, or (x, stats) with stats a dict of arrays, which the
     call returns stacked [count, ...]. Everything a block reads besides x and row_inputs is a constant of
-    the trace (kwargs), the same for every block.
+    the trace (kwargs), the same for every block; inside a block, `models.task.step_key()` is a key of
+    that block's own.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
@@ -124,10 +126,16 @@ class Stack(nnx.Module):
 
     def __call__(self, x: jax.Array, row_inputs: Any = None, **kwargs) -> tuple[jax.Array, Stats]:
         graphdef, state = nnx.split(self.blocks)
+        key, train = task.step_key(), task.training()
+        params = nnx.to_pure_dict(state)
+        # each block draws from a key of its own (models.task.step_key), split from the step's
+        inputs = params if key is None else (params, jax.random.split(key, self.count))
 
-        def layer_fn(params: Any, h: jax.Array, rows: Any) -> tuple[jax.Array, Stats]:
-            block = nnx.merge(graphdef, params)
-            out = block(h, **kwargs) if rows is None else block(h, rows, **kwargs)
+        def layer_fn(unit_inputs: Any, h: jax.Array, rows: Any) -> tuple[jax.Array, Stats]:
+            unit_params, unit_key = (unit_inputs, None) if key is None else unit_inputs
+            block = nnx.merge(graphdef, unit_params)
+            with task.step_info(train, unit_key):
+                out = block(h, **kwargs) if rows is None else block(h, rows, **kwargs)
             return out if isinstance(out, tuple) else (out, {})
 
-        return run(self.name, layer_fn, nnx.to_pure_dict(state), x, row_inputs)
+        return run(self.name, layer_fn, inputs, x, row_inputs)

@@ -212,6 +212,13 @@ def shared_experts(cfg: TransformerConfig, rngs: nnx.Rngs) -> MLP | None:
     return MLP(cfg, rngs, width=cfg.moe.shared_experts * cfg.moe.expert_width(cfg.mlp_dim))
 
 
+def moe_feed_forward(cfg: TransformerConfig, rngs: nnx.Rngs) -> MoEFeedForward:
+    """Returns the LM's MoE feed-forward layer, with its shared experts when `moe.shared_experts` asks."""
+    shared = shared_experts(cfg, rngs)
+    return MoEFeedForward(cfg.embed_dim, cfg.mlp_dim, cfg.moe, rngs, dtype=cfg.dtype, init_std=cfg.init_std,
+                          out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), shared_experts=shared)
+
+
 class Block(nnx.Module):
     """One pre-norm transformer layer. Returns (x, stats); dense layers report no stats."""
 
@@ -219,7 +226,7 @@ class Block(nnx.Module):
         self.attention_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.attention = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.mlp = MoEFeedForward(cfg, rngs, shared_experts(cfg, rngs)) if mixture_of_experts else MLP(cfg, rngs)
+        self.mlp = moe_feed_forward(cfg, rngs) if mixture_of_experts else MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
@@ -346,7 +353,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         block_def, block_state = nnx.split(self.blocks)
         stacked = nnx.to_pure_dict(block_state)
-        random_routing = train and cfg.moe.needs_routing_key
+        random_routing = train and cfg.moe.enabled and cfg.moe.needs_routing_key
         if random_routing:
             if routing_key is None:
                 raise ValueError("moe.second_expert_policy=random needs a routing_key in training")

@@ -179,6 +179,7 @@ class PipelineConfig:
                         choices=("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"))
     repeats: int = key(1, "circular, interleaved_1f1b: non-adjacent layer groups per stage (R); "
                        "num_layers % (S*R) == 0", **_POSITIVE)
+    stack: str = key("blocks", "the model's stack (models.stack) a pipeline splits into stages; nestor's LM: blocks")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nestor.models import axes
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
+from nestor.models.stack import Stack
 from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.model_class import build_model
 from nestor.orchestrator.optimizer import make_optimizer
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
@@ -49,6 +51,7 @@ class StateLayout:
     shardings: dict          # state tree of NamedSharding
     optimizer: optax.GradientTransformation
     update_shardings: dict | None = None  # params tree: where each share of a parameter is updated (None: as held)
+    bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
 
     def update_shares(self, tree: dict) -> dict:
         """Returns the params-like `tree` constrained to where the optimizer updates it (`update_shardings`),
@@ -75,12 +78,29 @@ def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
 SHARDING_AXES = ("fsdp", "tensor")  # the mesh axes that split a model's weight matrices
 
 
-def layout_problems(config: Config, state: nnx.State, mesh: Mesh, rules: Rules,
+def _pipelined_stack_problems(config: Config, model: nnx.Module, mesh: Mesh) -> list[tuple[str, str]]:
+    """Returns the problems of pipelining the model's stack `pipeline.stack` over `mesh.pipeline` stages: no
+    stack of that name, or one whose blocks do not split into stages x repeats."""
+    if mesh.shape["pipeline"] == 1:
+        return []
+    stacks = {node.name: node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)}
+    name = config.pipeline.stack
+    if name not in stacks:
+        return [("pipeline.stack", f"the model has no stack named {name!r} to pipeline; its stacks (models.stack."
+                                   f"Stack) are {', '.join(sorted(stacks)) or 'none'}")]
+    schedule = schedule_for(config, mesh.shape["pipeline"])
+    return [(f"pipeline.{what}" if what != "layers" else "pipeline.stack", f"stack {name!r}: {message}")
+            for what, message in schedule.problems(stacks[name].count)]
+
+
+def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: Mesh, rules: Rules,
                     batch_axes: set[str]) -> list[tuple[str, str]]:
-    """Returns config problems of a model of the user's parameters on `mesh`: a matrix without logical names
-    where the mesh splits parameters, a dimension its mesh axes do not divide, and a `mesh.rules` entry for a
-    name neither the parameters nor the batch (`batch_axes`) nor nestor's activations use."""
-    problems = []
+    """Returns config problems of a model of the user's (`model`, its parameters `state`) on `mesh`: a matrix
+    without logical names where the mesh splits parameters, a dimension its mesh axes do not divide, a stack
+    the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
+    (`batch_axes`) nor nestor's activations use."""
+    problems = _pipelined_stack_problems(config, model, mesh)
+    stack_reported = bool(problems)  # a stack that does not split over the stages: said once, not per parameter
     splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
     names: set[str] = set()
     for path, var in nnx.to_flat_state(state):
@@ -99,7 +119,7 @@ def layout_problems(config: Config, state: nnx.State, mesh: Mesh, rules: Rules,
         for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
             axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
             shards = math.prod(mesh.shape[axis] for axis in axes)
-            if size % shards:
+            if size % shards and not (stack_reported and "pipeline" in axes):
                 problems.append(("model.class", f"parameter {where} {list(shape)}: its {name!r} dimension of {size} "
                                                 f"does not split over {' x '.join(f'mesh.{a}' for a in axes)} "
                                                 f"(= {shards}); change mesh.rules.{name} or the mesh"))
@@ -139,6 +159,19 @@ def update_sharding(sharding: NamedSharding, shape: tuple[int, ...], batch_axes:
     return sharding
 
 
+def _bias_update_rate(bias: nnx.State) -> float:
+    """Returns the update rate of the model's ExpertBias variables; raises ConfigError unless the model holds
+    them in one stack (one array [MoE layers, experts], which the step moves by its metric `moe_expert_load`)
+    at one rate."""
+    flat = nnx.to_flat_state(bias)
+    rates = {var.get_metadata().get("update_rate", 0.0) for _, var in flat}
+    if len(flat) != 1 or len(rates) != 1:
+        raise ConfigError([("model.class", f"auxiliary-loss-free balancing moves one ExpertBias array [MoE layers, "
+                                          f"experts] at one rate; the model holds {len(flat)} at rates "
+                                          f"{sorted(rates)}: keep its MoE layers in one models.stack.Stack")])
+    return float(rates.pop())
+
+
 def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset[str] = frozenset()) -> StateLayout:
     """Returns the abstract, sharded layout of the train state for `mesh`; `batch_axes` are the logical names
     of the batch's fields (for the checks of a model of the user's). Raises ConfigError where a model of
@@ -146,7 +179,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
     graphdef, abstract_bias, abstract_params = split_model(abstract_model)
     if not config.model.builtin_lm:
-        if problems := layout_problems(config, abstract_params, mesh, rules, batch_axes):
+        if problems := layout_problems(config, abstract_model, abstract_params, mesh, rules, batch_axes):
             raise ConfigError(problems)
     logical, params_shape = _logical_and_values(abstract_params)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
@@ -166,11 +199,13 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     )
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_shape, "opt_state": opt_shape}
+    bias_update_rate = 0.0
     if bias_shape:
         shardings["expert_bias"] = tree_shardings(bias_logical, mesh, rules)
         shapes["expert_bias"] = bias_shape
+        bias_update_rate = _bias_update_rate(abstract_bias)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings)
+    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:

@@ -148,10 +148,10 @@ def layer_runner(config: Config, policy: RematPolicy | None) -> StackRunner:
 
 
 def stack_runners(config: Config, mesh: Mesh, rules: Rules, backend: Backend) -> dict[str | None, StackRunner]:
-    """Returns how the model's stacks (models.stack) run forward: the stack "blocks" pipelined when
-    `mesh.pipeline > 1`, every other stack (and "blocks" without a pipeline) by `layer_runner`'s (an MoE
-    model's first dense layers before the pipeline: on every stage); every unit is rematerialised by
-    the backend's remat policy, and a pipeline runs the backend's loop."""
+    """Returns how the model's stacks (models.stack) run forward: the stack `pipeline.stack` ("blocks" for
+    nestor's LM) pipelined when `mesh.pipeline > 1`, every other stack (and that one without a pipeline) by
+    `layer_runner`'s (an MoE model's first dense layers before the pipeline: on every stage); every unit is
+    rematerialised by the backend's remat policy, and a pipeline runs the backend's loop."""
     compiled = backend.compiled_here()
     policy = compiled.remat_policy()
     layers = layer_runner(config, policy)
@@ -161,7 +161,16 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules, backend: Backend) ->
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
-    return {STACK: pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, compiled.pipeline_loop), None: layers}
+    if config.model.builtin_lm:
+        return {STACK: pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, compiled.pipeline_loop),
+                None: layers}
+
+    def pipelined(layer_fn, stacked_params, x, row_inputs=None):  # x [batch, ...]: its rows split, the rest whole
+        activation_axes = (axes.BATCH,) + (None,) * (x.ndim - 1)
+        runner = pipeline_runner(forward, mesh, rules, activation_axes, policy, compiled.pipeline_loop)
+        return runner(layer_fn, stacked_params, x, row_inputs)
+
+    return {config.pipeline.stack: pipelined, None: layers}
 
 
 def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
@@ -241,8 +250,11 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
                    "lr": schedule(state["step"])}
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         if "expert_bias" in state:  # auxiliary-loss-free balancing: outside the optimizer
+            if EXPERT_LOAD not in metrics:
+                raise ConfigError([("model.class", f"a model with ExpertBias variables returns the metric "
+                                                   f"{EXPERT_LOAD} (models.moe.moe_losses), which moves them")])
             new_state["expert_bias"] = balanced_expert_bias(state["expert_bias"], metrics[EXPERT_LOAD],
-                                                            config.moe.bias_update_rate)
+                                                            layout.bias_update_rate)
             metrics[EXPERT_BIAS] = jax.tree.leaves(new_state["expert_bias"])[0]
         return new_state, metrics
 

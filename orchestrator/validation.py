@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from nestor.backend.mosaic_gpu import TILE, tiles
 from nestor.backend.remat import NAMED_POLICIES
 from nestor.models.moe import expert_capacity
+from nestor.models.transformer import STACK
 from nestor.orchestrator.config_keys import key_table
 from nestor.orchestrator.degrees import (REPEATED_SCHEDULES, mesh_axes_key, mesh_degrees, moe_tokens_per_device,
                                        schedule_for, total_devices)
@@ -60,6 +61,8 @@ def validate(config: Config) -> Config:
     if m.num_heads % m.num_kv_heads:
         problems.append(("model.num_kv_heads", f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}"))
     problems += _remat_problems(config)
+    if config.pipeline.stack != STACK:
+        problems.append(("pipeline.stack", f"nestor's LM pipelines its {STACK!r} stack (got {config.pipeline.stack!r})"))
     if m.attention == "cudnn" and m.dtype == "float32":
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
@@ -95,9 +98,11 @@ def _user_model_validated(config: Config) -> Config:
                                             "own builds its expert layers itself (docs/models.md)"))
     if not problems and not (total_devices(config) is None and -1 in config.mesh.ici_shape().values()):
         degrees = mesh_degrees(config)
-        if degrees["pipeline"] > 1:
-            problems.append(("mesh.pipeline", f"pipelining a model.class of your own is not built yet; use "
-                                              f"mesh.pipeline=1 (got {degrees['pipeline']})"))
+        if degrees["pipeline"] > 1 and schedule_for(config, degrees["pipeline"]).one_f_one_b:
+            problems.append(("pipeline.schedule", f"{config.pipeline.schedule} runs the backward pass inside its "
+                                                  "loop, which needs the model split into input, stack and head; "
+                                                  "a model.class of your own pipelines with gpipe or circular"))
+        problems += _pipeline_problems(config, builtin_lm=False)
         t = config.train
         shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("batch") or ())
         if t.global_batch % t.grad_accum or (t.global_batch // t.grad_accum) % shards:
@@ -311,8 +316,9 @@ def _divisibility_problems(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
-def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
-    """Every check a pipeline schedule needs: layers into stages x repeats, batch into micro-batches."""
+def _pipeline_problems(config: Config, builtin_lm: bool = True) -> list[tuple[str, str]]:
+    """Every check a pipeline schedule needs: layers into stages x repeats (nestor's LM; a model of the user's
+    has its stack checked once built, orchestrator.state), batch into micro-batches."""
     p, t = config.pipeline, config.train
     problems = []
     if p.repeats > 1 and p.schedule not in REPEATED_SCHEDULES:
@@ -334,8 +340,9 @@ def _pipeline_problems(config: Config) -> list[tuple[str, str]]:
     note = f" (counted in units of moe.every={every} layers)" if every > 1 else ""
     if first_dense:
         note += f" (after moe.first_dense_layers={first_dense}, which run before the pipeline)"
+    units = (config.model.num_layers - first_dense) // every if builtin_lm else schedule.stages * schedule.repeats
     problems += [(keys[what], message + (note if what == "layers" else ""))
-                 for what, message in schedule.problems((config.model.num_layers - first_dense) // every)]
+                 for what, message in schedule.problems(units)]
     per_step_batch = t.global_batch // t.grad_accum
     if per_step_batch % p.microbatches:
         problems.append(("train.global_batch", f"the per-step batch {per_step_batch} (global_batch / grad_accum) "

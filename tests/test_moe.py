@@ -11,7 +11,7 @@ from flax import nnx
 
 from nestor.models.moe import (MoEFeedForward, MoELayerConfig, expert_capacity, load_balancing_loss, moe_losses, route,
                                router_z_loss)
-from nestor.models.transformer import TransformerConfig, shared_experts
+from nestor.models.transformer import TransformerConfig, moe_feed_forward
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.explain import compile_step, param_table
 from nestor.orchestrator.flops import matmul_params_per_token
@@ -30,7 +30,7 @@ def moe_layer(top_k: int, capacity_factor: float, groups_of: int = 0, eval_capac
                          eval_capacity_factor=eval_capacity_factor, group_size=groups_of, dispatch="einsum")
     cfg = TransformerConfig(vocab_size=8, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=24, init_std=0.5, moe=moe)
-    return MoEFeedForward(cfg, nnx.Rngs(params=3))
+    return moe_feed_forward(cfg, nnx.Rngs(params=3))
 
 
 def expert_output(layer: MoEFeedForward, expert: int, x: jax.Array) -> jax.Array:
@@ -84,7 +84,7 @@ def test_fine_grained_shared_and_sigmoid_experts_equal_per_token_reference(case,
                          expert_mlp_dim=expert_width, shared_experts=shared, dispatch=dispatch)
     cfg = TransformerConfig(vocab_size=8, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=24, init_std=0.5, moe=moe)
-    layer = MoEFeedForward(cfg, nnx.Rngs(params=3), shared_experts(cfg, nnx.Rngs(params=4)))
+    layer = moe_feed_forward(cfg, nnx.Rngs(params=3))
     assert layer.gate.shape == (experts, 16, expert_width)
     assert (layer.shared_experts.gate.shape[1] if shared else 0) == shared * expert_width
     x = tokens()

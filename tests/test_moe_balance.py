@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nestor.models.moe import ExpertBias, MoEFeedForward, MoELayerConfig
-from nestor.models.transformer import TransformerConfig
+from nestor.models.moe import ExpertBias, MoELayerConfig
+from nestor.models.transformer import TransformerConfig, moe_feed_forward
 from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.flops import matmul_params_per_token
@@ -59,7 +59,7 @@ def test_bias_update_balances_a_router_biased_to_one_expert():
                          bias_update_rate=0.01)
     cfg = TransformerConfig(vocab_size=8, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=16, init_std=0.5, moe=moe)
-    layer = MoEFeedForward(cfg, nnx.Rngs(params=3))
+    layer = moe_feed_forward(cfg, nnx.Rngs(params=3))
     layer.router[...] = layer.router[...].at[0, 0].add(5.0)  # with feature 0 at 1: expert 0's logit + 5
     graphdef, bias, params = nnx.split(layer, ExpertBias, ...)
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, assign, expert_capacity, flat_slots, route
-from nestor.models.transformer import TransformerConfig
+from nestor.models.transformer import TransformerConfig, moe_feed_forward
 
 EXPERTS = 4
 # (top_k, capacity_factor, random second expert); 0.3 leaves experts a third of the slots they are asked for
@@ -24,7 +24,7 @@ def layer_with(dispatch: str, top_k: int, capacity_factor: float, experts: int =
     moe = MoELayerConfig(num_experts=experts, every=1, top_k=top_k, capacity_factor=capacity_factor, dispatch=dispatch)
     cfg = TransformerConfig(vocab_size=8, embed_dim=embed, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=mlp, init_std=0.5, moe=moe)
-    return MoEFeedForward(cfg, nnx.Rngs(params=3))
+    return moe_feed_forward(cfg, nnx.Rngs(params=3))
 
 
 def output_stats_and_grads(layer: MoEFeedForward, x: jax.Array, key: jax.Array | None):

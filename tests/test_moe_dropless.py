@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, dropless_expert_outputs
-from nestor.models.transformer import TransformerConfig, shared_experts
+from nestor.models.transformer import TransformerConfig, moe_feed_forward
 from nestor.orchestrator.explain import compile_step, explain
 from nestor.orchestrator.job import build_job
 from nestor.parallel.experts import ALL_GATHER
@@ -27,7 +27,7 @@ def layer_with(top_k: int, capacity_factor: float, router: str = "softmax", shar
                          expert_mlp_dim=8, shared_experts=shared, dispatch=dispatch)
     cfg = TransformerConfig(vocab_size=8, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                             mlp_dim=24, init_std=0.5, moe=moe)
-    return MoEFeedForward(cfg, nnx.Rngs(params=3), shared_experts(cfg, nnx.Rngs(params=4)))
+    return moe_feed_forward(cfg, nnx.Rngs(params=3))
 
 
 @pytest.mark.parametrize("top_k, random_second", [(1, False), (2, False), (2, True), (8, False)],

@@ -119,9 +119,18 @@ def one_device(user_dir):
     return run_fresh(user_config(*EVAL, **ONE_DEVICE))
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2), dict(data=8)])
-def test_a_users_model_trains_on_any_mesh_as_on_one_device(one_device, mesh):
-    result = run_fresh(user_config(*EVAL, **mesh_overrides(**mesh)))
+PIPELINED = ("pipeline.microbatches=4",)
+
+
+@pytest.mark.parametrize("mesh,overrides", [
+    (dict(data=2, fsdp=2, tensor=2), ()), (dict(fsdp=4, tensor=2), ()), (dict(data=8), ()),
+    (dict(pipeline=2, data=2, tensor=2), PIPELINED),
+    (dict(pipeline=2, fsdp=4), (*PIPELINED, "pipeline.schedule=circular", "pipeline.repeats=2", "model.args.depth=4")),
+])
+def test_a_users_model_trains_on_any_mesh_as_on_one_device(one_device, user_dir, mesh, overrides):
+    if "model.args.depth=4" in overrides:  # circular: 2 stages x 2 repeats of the 4 blocks
+        one_device = run_fresh(user_config(*EVAL, "model.args.depth=4", **ONE_DEVICE))
+    result = run_fresh(user_config(*EVAL, *overrides, **mesh_overrides(**mesh)))
     assert_same_training(result, one_device)
     evaluated = [[record["eval_loss"] for record in run.history if "eval_loss" in record] for run in (result, one_device)]
     assert len(evaluated[0]) == 2  # after steps 3 and 6, on the eval arrays
@@ -151,6 +160,71 @@ def test_mesh_rules_map_a_users_own_logical_name(user_dir):
     assert {row["name"]: row["spec"] for row in report["params"]}["head"] == ["fsdp", "tensor"]
 
 
+# A sequence classifier whose every block is nestor's MoE feed-forward (models.moe), its routing, capacity and
+# balancing set from model.args.
+MOE_MODEL = '''
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from nestor.models.axes import constrain
+from nestor.models.moe import MoEFeedForward, MoELayerConfig, moe_losses
+from nestor.models.stack import Stack
+
+
+class Block(nnx.Module):
+    def __init__(self, width, hidden, moe, rngs):
+        self.experts = MoEFeedForward(width, hidden, moe, rngs, init_std=0.1)
+
+    def __call__(self, x):
+        y, stats = self.experts(x)
+        return constrain(x + y, ("batch", "length", "act_embed")), stats
+
+
+class MoEClassifier(nnx.Module):
+    def __init__(self, *, width=16, hidden=32, depth=2, classes=4, routing, rngs):
+        self.moe = MoELayerConfig(**routing)
+        init = nnx.initializers.normal(0.1)
+        self.embed = nnx.Param(nnx.with_partitioning(init, (None, "embed"))(rngs.params(), (16, width)))
+        self.blocks = Stack(lambda r: Block(width, hidden, self.moe, r), depth, rngs=rngs, name="blocks")
+        self.head = nnx.Param(nnx.with_partitioning(init, ("embed", None))(rngs.params(), (width, classes)))
+
+    def loss(self, batch):
+        x = constrain(batch["x"] @ self.embed[...], ("batch", "length", "act_embed"))
+        x, stats = self.blocks(x)
+        logits = x.mean(axis=1) @ self.head[...]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        aux, metrics = moe_losses(stats, self.moe)
+        return loss + aux, {"class_loss": loss, **metrics}
+'''
+
+
+def write_sequences(directory: Path) -> None:
+    """Writes train.npz of sequences [rows, 8, 16] whose class is the argmax of a projection of their mean."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(256, 8, 16)).astype(np.float32)
+    np.savez(directory / "train.npz", x=x, y=np.argmax(x.mean(axis=1) @ rng.normal(size=(16, 4)), -1).astype(np.int32))
+
+
+@pytest.mark.parametrize("routing,mesh", [
+    ("{num_experts: 4, top_k: 2, capacity_factor: 1.25, second_expert_policy: random, group_size: 4}",
+     dict(expert=2, data=2, tensor=2)),
+    ("{num_experts: 4, top_k: 2, capacity_factor: 0, bias_update_rate: 0.01}", dict(expert=4, data=2)),
+])
+def test_a_users_model_with_nestors_moe_layers_trains_on_an_expert_mesh_as_on_one_device(user_dir, routing, mesh):
+    write_user_directory(user_dir, "moe_classifier", MOE_MODEL)
+    write_sequences(user_dir)
+    overrides = ("model.class=moe_classifier:MoEClassifier", f"model.args.routing={routing}")
+    reference = run_fresh(user_config(*overrides, **ONE_DEVICE))
+    result = run_fresh(user_config(*overrides, **mesh_overrides(**mesh)))
+    assert_same_training(result, reference)
+    last = result.history[-1]
+    assert last["moe_aux_loss"] > 0 and np.sum(last["moe_expert_load"], axis=1) == pytest.approx([1.0, 1.0])
+    if "bias_update_rate" in routing:  # auxiliary-loss-free balancing moved the biases, the same on both meshes
+        np.testing.assert_allclose(last["moe_expert_bias"], reference.history[-1]["moe_expert_bias"], atol=1e-6)
+        assert np.abs(last["moe_expert_bias"]).max() > 0
+
+
 UNNAMED = MODEL.replace('dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))',
                         'nnx.Param(jnp.zeros((cfg.width, cfg.classes)))')
 NO_LOSS = MODEL.replace("def loss(self, batch):", "def forward(self, batch):")
@@ -167,17 +241,22 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("model.class=noloss:MLP",), "noloss", NO_LOSS, "model.class", "has no method loss(batch)"),
     (("model.class=logits:MLP",), "logits", LOGITS, "model.class", "returned an array (16, 4); it must return"),
     (("model.args={hidden: 63}",), "mlp", MODEL, "model.class", "'mlp' dimension of 63 does not split over"),
-    (("mesh.pipeline=2",), "mlp", MODEL, "mesh.pipeline", "pipelining a model.class of your own"),
+    (("mesh.pipeline=2", "pipeline.schedule=1f1b"), "mlp", MODEL, "pipeline.schedule",
+     "a model.class of your own pipelines with gpipe or circular"),
+    (("mesh.pipeline=2", "pipeline.stack=encoder"), "mlp", MODEL, "pipeline.stack",
+     "the model has no stack named 'encoder' to pipeline; its stacks (models.stack.Stack) are blocks"),
+    (("mesh.pipeline=2", "model.args.depth=3"), "mlp", MODEL, "pipeline.stack",
+     "stack 'blocks': 3 layers do not split into 2 stages"),
     (("data.source=synthetic",), "mlp", MODEL, "data.source", "reads named arrays"),
     (("eval.every=2", "eval.source=text", "eval.paths=[my.yaml]"), "mlp", MODEL, "eval.source",
      "named arrays evaluate a model of your own"),
 ])
 def test_each_mistake_in_a_users_model_is_one_config_error(user_dir, overrides, module, source, key, says):
     write_user_directory(user_dir, module, source)
-    mesh = {} if "mesh.pipeline=2" in overrides else mesh_overrides(data=2, fsdp=2, tensor=2)
+    mesh = mesh_overrides(pipeline=2, data=4) if "mesh.pipeline=2" in overrides else mesh_overrides(data=2, fsdp=2,
+                                                                                                   tensor=2)
     with pytest.raises(ConfigError) as error:
-        explain(user_config(*overrides, **mesh) if "mesh.pipeline=2" not in overrides
-                else user_config(*overrides, "mesh.data=4"))
+        explain(user_config(*(o for o in overrides if o != "mesh.pipeline=2"), **mesh))
     assert error.value.problems[0][0] == key and says in error.value.problems[0][1], error.value.problems
 
 
