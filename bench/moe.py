@@ -117,13 +117,14 @@ def routing_flop_share(config) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from nestor.models.moe import MoEFeedForward, expert_capacity, grouped_swiglu
+    from nestor.models.moe import expert_capacity, grouped_swiglu
+    from nestor.models.transformer import moe_feed_forward
     from nestor.orchestrator.explain import cost_flops
     from nestor.orchestrator.model_class import lm_config
 
     cfg = lm_config(config)
     moe = cfg.moe
-    layer = nnx.eval_shape(lambda: MoEFeedForward(cfg, nnx.Rngs(params=0)))
+    layer = nnx.eval_shape(lambda: moe_feed_forward(cfg, nnx.Rngs(params=0)))
     graphdef, params = nnx.split(layer)
     batch, length, dim = config.train.global_batch, config.train.seq_len, cfg.embed_dim
     tokens = jax.ShapeDtypeStruct((batch, length, dim), jnp.float32)

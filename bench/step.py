@@ -227,7 +227,7 @@ def compiled_programs(mesh: dict[str, int], *overrides: str) -> dict[str, dict]:
     bare, shardings, batch = make_bare_step(config, job)
     abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                             job.layout.abstract, shardings)
-    tokens = jax.ShapeDtypeStruct(job.data.shape, np.int32, sharding=batch)
+    tokens = jax.ShapeDtypeStruct(job.data.fields["tokens"].shape, np.int32, sharding=batch)
     return {"nestor": program(compile_step(job)), "bare": program(bare.lower(abstract, tokens).compile())}
 
 

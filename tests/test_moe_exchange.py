@@ -122,8 +122,8 @@ def test_ragged_exchange_equals_all_gather_exchange(tiny_config, monkeypatch, me
             patch.setattr(jax.lax, "ragged_all_to_all", counted)
             grad_fn, job = grad_fn_with(config, exchange)
             # with random routing some second choices go to no expert: rows that are never sent
-            results[exchange] = grad_fn(init_state(job.config, job.layout)["params"], tokens,
-                                        routing_key=jax.random.key(1))
+            results[exchange] = grad_fn(init_state(job.config, job.layout)["params"], {"tokens": tokens},
+                                        key=jax.random.key(1))
     assert calls == [("expert",)] * 2  # one MoE layer: to the experts and back (autodiff transposes the emulation)
     (loss, _), grads = results["ragged_all_to_all"]
     (reference_loss, _), reference_grads = results["all_gather"]
@@ -140,7 +140,7 @@ def test_ragged_exchange_lowers_for_gpu_with_no_all_gather(tiny_config):
         grad_fn, job = grad_fn_with(config, exchange)
         params = jax.eval_shape(lambda: init_state(job.config, job.layout)["params"])
         tokens = jax.ShapeDtypeStruct((16, 33), jnp.int32)
-        texts[exchange] = grad_fn.trace(params, tokens).lower(lowering_platforms=("cuda",)).as_text()
+        texts[exchange] = grad_fn.trace(params, {"tokens": tokens}).lower(lowering_platforms=("cuda",)).as_text()
     ragged = texts["ragged_all_to_all"]
     assert ragged.count("@ragged_all_to_all(") == 4  # to the experts and back, forward and backward
     assert "all_gather" not in ragged and "all_gather" in texts["all_gather"]

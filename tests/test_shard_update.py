@@ -4,7 +4,6 @@ import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nestor.models import axes
 from nestor.orchestrator.explain import compile_step
 from nestor.orchestrator.job import build_job, make_mesh
 from nestor.orchestrator.state import per_device_bytes, state_layout, update_sharding
