@@ -125,6 +125,12 @@ class Stack(nnx.Module):
         self.blocks = stacked(make_block, count, axis, rngs)
 
     def __call__(self, x: jax.Array, row_inputs: Any = None, **kwargs) -> tuple[jax.Array, Stats]:
+        layer_fn, inputs = self.units(**kwargs)
+        return run(self.name, layer_fn, inputs, x, row_inputs)
+
+    def units(self, **kwargs) -> tuple[LayerFn, Any]:
+        """Returns (layer_fn, stacked inputs): one block as a function of its inputs, and every block's inputs
+        stacked [count, ...] (its parameters, with a key each when the step has one); what a runner takes."""
         graphdef, state = nnx.split(self.blocks)
         key, train = task.step_key(), task.training()
         params = nnx.to_pure_dict(state)
@@ -138,4 +144,4 @@ class Stack(nnx.Module):
                 out = block(h, **kwargs) if rows is None else block(h, rows, **kwargs)
             return out if isinstance(out, tuple) else (out, {})
 
-        return run(self.name, layer_fn, inputs, x, row_inputs)
+        return layer_fn, inputs

@@ -21,6 +21,17 @@ import jax
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 LOSS_METHOD = "loss"  # the method the step calls: loss(batch) -> (loss, metrics)
+# A model that a schedule running the backward pass inside its loop (1F1B and its kin) pipelines also splits
+# its loss around the pipelined stack (docs/models.md), so that on a micro-batch
+#   loss(batch) == pipeline_output(stack(pipeline_input(batch), pipeline_rows(batch)), batch)
+#                  + pipeline_stats_loss(stack stats)
+# pipeline_input(batch) -> x: everything before the stack (the first stage runs it);
+# pipeline_output(x, batch) -> (loss, metrics): everything after it (the last stage runs it);
+# optional: pipeline_rows(batch) -> per-row tensors every block reads unchanged, or None;
+# optional: pipeline_stats_loss(stats) -> (loss, metrics), linear in the stack's stats (e.g. moe_losses);
+# optional: pipeline_units(name) -> (path of the stack's parameters, layer_fn, stacked inputs), for a model
+# whose stack is not a models.stack.Stack.
+PIPELINE_METHODS = ("pipeline_input", "pipeline_output")
 
 
 @dataclasses.dataclass(frozen=True)

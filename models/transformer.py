@@ -321,6 +321,30 @@ class Transformer(nnx.Module):
         moe_loss, moe_metrics = moe_losses(stats, self.cfg.moe)
         return (loss + moe_loss if train else loss), {"lm_loss": loss, **moe_metrics}
 
+    def pipeline_input(self, batch: task.Batch) -> jax.Array:
+        """The pipeline split (models.task): the blocks' input for a batch, as `loss` computes it."""
+        return self.stack_input(batch["tokens"][:, :-1], segment_ids=batch.get("segment_ids"))
+
+    def pipeline_output(self, x: jax.Array, batch: task.Batch) -> tuple[jax.Array, task.Metrics]:
+        """The pipeline split (models.task): the next-token loss of the blocks' output `x`."""
+        loss = next_token_loss(self.logits(x), batch["tokens"][:, 1:])
+        return loss, {"lm_loss": loss}
+
+    def pipeline_rows(self, batch: task.Batch) -> jax.Array | None:
+        """The pipeline split (models.task): the segment ids every block reads."""
+        return batch.get("segment_ids")
+
+    def pipeline_stats_loss(self, stats: Stats) -> tuple[jax.Array, task.Metrics]:
+        """The pipeline split (models.task): the MoE layers' weighted losses and metrics."""
+        return moe_losses(stats, self.cfg.moe)
+
+    def pipeline_units(self, name: str) -> tuple[tuple[str, ...], LayerFn, Any]:
+        """The pipeline split (models.task): the blocks' parameters' path, their layer function and stacked
+        inputs, for the step's training flag and key (models.task)."""
+        if name != STACK:
+            raise ValueError(f"nestor's LM pipelines its {STACK!r} stack, not {name!r}")
+        return (STACK,), *self.units(train=task.training(), routing_key=task.step_key())
+
     def stack_input(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         """Returns the input of the stacked units [batch, length, embed]: the embedded tokens, through an MoE
         model's first dense layers (`moe.first_dense_layers`, the stack "dense") when it has them."""

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.models import axes
+from nestor.models import task
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
@@ -89,8 +90,15 @@ def _pipelined_stack_problems(config: Config, model: nnx.Module, mesh: Mesh) -> 
         return [("pipeline.stack", f"the model has no stack named {name!r} to pipeline; its stacks (models.stack."
                                    f"Stack) are {', '.join(sorted(stacks)) or 'none'}")]
     schedule = schedule_for(config, mesh.shape["pipeline"])
-    return [(f"pipeline.{what}" if what != "layers" else "pipeline.stack", f"stack {name!r}: {message}")
-            for what, message in schedule.problems(stacks[name].count)]
+    problems = [(f"pipeline.{what}" if what != "layers" else "pipeline.stack", f"stack {name!r}: {message}")
+                for what, message in schedule.problems(stacks[name].count)]
+    missing = [method for method in task.PIPELINE_METHODS if not callable(getattr(model, method, None))]
+    if schedule.one_f_one_b and missing:
+        problems.append(("pipeline.schedule", f"{config.pipeline.schedule} runs the backward pass inside its loop, "
+                                              f"which needs the model split around its stack: "
+                                              f"{type(model).__name__} has no {', '.join(missing)} (docs/models.md); "
+                                              "gpipe and circular need nothing more"))
+    return problems
 
 
 def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: Mesh, rules: Rules,

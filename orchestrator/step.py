@@ -23,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nestor.backend import Backend, BackendError, backend_of_devices
 from nestor.models import axes, ops, stack, task
 from nestor.models.axes import activation_sharding
-from nestor.models.moe import EXPERT_LOAD, expert_parallelism, moe_losses
+from nestor.models.moe import EXPERT_LOAD, expert_parallelism
 from nestor.models.stack import RematPolicy, StackRunner, scan_layers, unrolled_layers
-from nestor.models.transformer import DENSE_STACK, STACK, next_token_loss
+from nestor.models.transformer import STACK
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.batches import Field, batch_fields, shardings
 from nestor.orchestrator.degrees import schedule_for
@@ -185,42 +185,78 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
         loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend))
         return jax.value_and_grad(loss_fn, has_aux=True)
     policy = backend.compiled_here().remat_policy()
-    value_and_grad = one_f_one_b(schedule, mesh, rules, ACTIVATION_AXES, policy)
-    dense_runners = {DENSE_STACK: layer_runner(config, policy)}
+    other_stacks = {None: layer_runner(config, policy)}  # the stacks outside the pipeline: on every stage
     context = model_context(backend, mesh, rules)
+    name = config.pipeline.stack
 
     def grad_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None):
-        # The built-in LM's decomposition into embedding, stacked units and head, whose gradients the
-        # schedule computes itself.
-        tokens = batch["tokens"]
-        micro_inputs = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
-        if "segment_ids" in batch:
-            micro_inputs["segment_ids"] = batch["segment_ids"]
-        rest = {name: value for name, value in params.items() if name != STACK}  # embedding, dense layers, head
+        # The model split around its pipelined stack (models.task's pipeline methods): the schedule computes the
+        # stack's gradients itself, and those of the rest through pipeline_input and pipeline_output.
+        def model(params: dict) -> nnx.Module:
+            return nnx.merge(layout.graphdef, expert_bias or {}, params)
 
-        def model(rest: dict):  # the blocks' gradients come from the schedule's stages, the rest's from embed and head
-            return nnx.merge(layout.graphdef, expert_bias or {}, {**rest, STACK: params[STACK]})
+        with context(), task.step_info(True, key):
+            whole = model(params)
+            path, layer_fn, stacked = pipelined_units(whole, name)
+            stack_params = nested_get(params, path)
+            rest = nested_without(params, path)
 
-        def embed(rest: dict, micro: dict) -> jax.Array:  # at the first stage: embedding, first dense layers
-            with stack.runners(dense_runners):
-                return model(rest).stack_input(micro["tokens"], segment_ids=micro.get("segment_ids"))
+            def input_fn(rest: dict, micro: Batch) -> jax.Array:  # the first stage
+                with stack.runners(other_stacks), task.step_info(True, key):
+                    return model(nested_with(rest, path, stack_params)).pipeline_input(micro)
 
-        def head(rest: dict, y: jax.Array, micro: dict) -> tuple[jax.Array, Metrics]:
-            return next_token_loss(model(rest).logits(y), micro["targets"]), {}
+            def head_fn(rest: dict, y: jax.Array, micro: Batch) -> tuple[jax.Array, Metrics]:  # the last stage
+                with stack.runners(other_stacks), task.step_info(True, key):
+                    return model(nested_with(rest, path, stack_params)).pipeline_output(y, micro)
 
-        moe = model(rest).cfg.moe
-        with context():
-            layer_fn, stacked = model(rest).units(routing_key=key)
-            (loss, _, stats), (stacked_grads, rest_grads) = value_and_grad(
-                layer_fn, embed, head, stacked, rest, micro_inputs, batch.get("segment_ids"),
-                lambda stats: moe_losses(stats, moe)[0])
-        block_grads = stacked_grads[0] if isinstance(stacked, tuple) else stacked_grads  # (params, routing keys)
-        moe_loss, moe_metrics = moe_losses(stats, moe)
-        # the units carry the expert bias beside their weights; it is not trained, so its gradient is dropped
-        return (loss + moe_loss, {"lm_loss": loss, **moe_metrics}), {**rest_grads,
-                                                                     STACK: like(block_grads, params[STACK])}
+            rows = whole.pipeline_rows(batch) if hasattr(whole, "pipeline_rows") else None
+            stats_loss = whole.pipeline_stats_loss if hasattr(whole, "pipeline_stats_loss") else None
+            x_shape = jax.eval_shape(input_fn, rest, batch)
+            activation_axes = ACTIVATION_AXES if config.model.builtin_lm else (axes.BATCH,) + (None,) * (
+                len(x_shape.shape) - 1)
+            value_and_grad = one_f_one_b(schedule, mesh, rules, activation_axes, policy)
+            (loss, metrics, stats), (stacked_grads, rest_grads) = value_and_grad(
+                layer_fn, input_fn, head_fn, stacked, rest, batch, rows,
+                None if stats_loss is None else lambda stats: stats_loss(stats)[0])
+        stats_part, stats_metrics = stats_loss(stats) if stats_loss else (0.0, {})
+        unit_grads = stacked_grads[0] if isinstance(stacked, tuple) else stacked_grads  # (params, keys)
+        # the units may carry untrained variables (an expert bias) beside their weights: their gradients drop
+        grads = nested_with(rest_grads, path, like(unit_grads, stack_params))
+        return (loss + stats_part, {**metrics, **stats_metrics}), grads
 
     return grad_fn
+
+
+def pipelined_units(model: nnx.Module, name: str) -> tuple[tuple[str, ...], Any, Any]:
+    """Returns (path of the stack's parameters in the params tree, layer_fn, stacked inputs) of the model's
+    stack `name`: the model's own `pipeline_units` (models.task), else its models.stack.Stack of that name."""
+    if hasattr(model, "pipeline_units"):
+        return model.pipeline_units(name)
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, stack.Stack) and node.name == name:
+            return (*path, "blocks"), *node.units()
+    raise ConfigError([("pipeline.stack", f"the model has no stack named {name!r} to pipeline")])
+
+
+def nested_get(tree: dict, path: tuple[str, ...]) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def nested_with(tree: dict, path: tuple[str, ...], value: Any) -> dict:
+    """Returns a copy of the nested dict `tree` with `value` at `path`."""
+    head, *tail = path
+    return {**tree, head: nested_with(tree.get(head, {}), tuple(tail), value) if tail else value}
+
+
+def nested_without(tree: dict, path: tuple[str, ...]) -> dict:
+    """Returns a copy of the nested dict `tree` without the entry at `path` (nor dicts it leaves empty)."""
+    head, *tail = path
+    if not tail:
+        return {key: value for key, value in tree.items() if key != head}
+    inner = nested_without(tree[head], tuple(tail))
+    return {key: value for key, value in tree.items() if key != head} | ({head: inner} if inner else {})
 
 
 def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None,

@@ -98,10 +98,6 @@ def _user_model_validated(config: Config) -> Config:
                                             "own builds its expert layers itself (docs/models.md)"))
     if not problems and not (total_devices(config) is None and -1 in config.mesh.ici_shape().values()):
         degrees = mesh_degrees(config)
-        if degrees["pipeline"] > 1 and schedule_for(config, degrees["pipeline"]).one_f_one_b:
-            problems.append(("pipeline.schedule", f"{config.pipeline.schedule} runs the backward pass inside its "
-                                                  "loop, which needs the model split into input, stack and head; "
-                                                  "a model.class of your own pipelines with gpipe or circular"))
         problems += _pipeline_problems(config, builtin_lm=False)
         t = config.train
         shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("batch") or ())

@@ -61,8 +61,13 @@ class MLP(nnx.Module):
         self.head = dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))
 
     def loss(self, batch):
-        x = constrain(batch["x"] @ self.embed[...], ("batch", "act_embed"))
-        x, _ = self.blocks(x)
+        x, _ = self.blocks(self.pipeline_input(batch))
+        return self.pipeline_output(x, batch)
+
+    def pipeline_input(self, batch):  # before the stack: what a 1F1B pipeline's first stage runs
+        return constrain(batch["x"] @ self.embed[...], ("batch", "act_embed"))
+
+    def pipeline_output(self, x, batch):  # after it: the last stage
         logits = x @ self.head[...]
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
@@ -126,6 +131,8 @@ PIPELINED = ("pipeline.microbatches=4",)
     (dict(data=2, fsdp=2, tensor=2), ()), (dict(fsdp=4, tensor=2), ()), (dict(data=8), ()),
     (dict(pipeline=2, data=2, tensor=2), PIPELINED),
     (dict(pipeline=2, fsdp=4), (*PIPELINED, "pipeline.schedule=circular", "pipeline.repeats=2", "model.args.depth=4")),
+    (dict(pipeline=2, data=4), (*PIPELINED, "pipeline.schedule=1f1b")),
+    (dict(pipeline=2, data=2, tensor=2), (*PIPELINED, "pipeline.schedule=zero_bubble")),
 ])
 def test_a_users_model_trains_on_any_mesh_as_on_one_device(one_device, user_dir, mesh, overrides):
     if "model.args.depth=4" in overrides:  # circular: 2 stages x 2 repeats of the 4 blocks
@@ -228,6 +235,8 @@ def test_a_users_model_with_nestors_moe_layers_trains_on_an_expert_mesh_as_on_on
 UNNAMED = MODEL.replace('dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))',
                         'nnx.Param(jnp.zeros((cfg.width, cfg.classes)))')
 NO_LOSS = MODEL.replace("def loss(self, batch):", "def forward(self, batch):")
+UNSPLIT = MODEL.replace("def pipeline_input(self, batch):", "def embed_batch(self, batch):").replace(
+    "self.pipeline_input(batch)", "self.embed_batch(batch)")
 LOGITS = MODEL.replace("        return loss, {", "        return logits\n        return loss, {")
 
 
@@ -241,8 +250,9 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("model.class=noloss:MLP",), "noloss", NO_LOSS, "model.class", "has no method loss(batch)"),
     (("model.class=logits:MLP",), "logits", LOGITS, "model.class", "returned an array (16, 4); it must return"),
     (("model.args={hidden: 63}",), "mlp", MODEL, "model.class", "'mlp' dimension of 63 does not split over"),
-    (("mesh.pipeline=2", "pipeline.schedule=1f1b"), "mlp", MODEL, "pipeline.schedule",
-     "a model.class of your own pipelines with gpipe or circular"),
+    (("mesh.pipeline=2", "pipeline.schedule=1f1b", "model.class=unsplit:MLP"), "unsplit", UNSPLIT, "pipeline.schedule",
+     "1f1b runs the backward pass inside its loop, which needs the model split around its stack: MLP has no "
+     "pipeline_input"),
     (("mesh.pipeline=2", "pipeline.stack=encoder"), "mlp", MODEL, "pipeline.stack",
      "the model has no stack named 'encoder' to pipeline; its stacks (models.stack.Stack) are blocks"),
     (("mesh.pipeline=2", "model.args.depth=3"), "mlp", MODEL, "pipeline.stack",
