@@ -7,7 +7,7 @@ each. So for bfloat16 on CPU the backend installs these (docs/benchmarks.md has
 the measurements):
 
 - `einsum`: models.ops.einsum_from_float32_sums for every weight matmul.
-- `causal_attention`: jax.nn.dot_product_attention's xla arithmetic (float32
+- `attention`: jax.nn.dot_product_attention's xla arithmetic (float32
   scores and softmax, grouped-query heads as they are) with every product summed
   in float32 from operands in the inputs' dtype; the backward pass recomputes
   the probabilities from the queries and keys (flash attention's backward,
@@ -22,6 +22,7 @@ GPUs and TPUs sum in float32 inside a bfloat16 dot already: they keep models.ops
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -38,24 +39,25 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 def ops_from_float32_sums() -> ops.Ops:
     """Returns the ops of bfloat16 on XLA:CPU: matmuls, attention and SwiGLU from float32 sums."""
-    return ops.Ops(einsum=ops.einsum_from_float32_sums, attention=causal_attention, swiglu=swiglu,
-                   names={"einsum": "einsum from float32 sums", "attention": "causal_attention (float32 sums)",
+    return ops.Ops(einsum=ops.einsum_from_float32_sums, attention=attention, swiglu=swiglu,
+                   names={"einsum": "einsum from float32 sums", "attention": "attention (float32 sums)",
                           "swiglu": "silu(gate) * up in float32", "grouped_matmul": "jax.lax.ragged_dot"})
 
 
-def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Returns `jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True)` [batch, length,
+def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
+              causal: bool = True) -> jax.Array:
+    """Returns `jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=causal)` [batch, length,
     heads, head_dim] with every product (forward and backward) summed in float32 from operands in the
     inputs' dtype, each result rounded once to it.
 
     query [batch, length, heads, head_dim]; key, value [batch, length, kv_heads, head_dim], query head h
     reading key/value head h // (heads / kv_heads); mask None or boolean [batch or 1, 1, length, length],
-    True where query t may see key s (on top of the causal mask). A row that sees no key gets the mean of
+    True where query t may see key s (on top of the causal mask, if causal). A row that sees no key gets the mean of
     the values and no gradient to its query or the keys, as in jax.
     """
     if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1):
         raise ValueError(f"mask of shape {mask.shape}: give [batch or 1, 1, length, length]")
-    return _attention(query, key, value, mask)
+    return _attention(query, key, value, mask, causal)
 
 
 def _head_major(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -75,43 +77,45 @@ def _length_major(x: jax.Array) -> jax.Array:
     return x.transpose(0, 3, 1, 2, 4).reshape(batch, length, kv_heads * group, head_dim)
 
 
-def _probabilities(query: jax.Array, key: jax.Array,
-                   mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def _probabilities(query: jax.Array, key: jax.Array, mask: jax.Array | None,
+                   causal: bool) -> tuple[jax.Array, jax.Array]:
     """Returns (probabilities [batch, kv_heads, group, length, length] in float32, where query t sees key s)
     of `query` [batch, kv_heads, group, length, head_dim] and `key` [batch, kv_heads, length, head_dim],
     the scores masked and scaled as jax's xla path does."""
     length, head_dim = query.shape[-2:]
     scores = jnp.einsum("bgrtk,bgsk->bgrts", query, key, preferred_element_type=jnp.float32)
     scores = scores * jnp.array(1 / math.sqrt(head_dim), jnp.float32)
-    visible = jnp.tril(jnp.ones((length, key.shape[2]), bool))
+    visible = jnp.ones((length, key.shape[2]), bool)
+    if causal:
+        visible = jnp.tril(visible)
     if mask is not None:
         visible = jnp.logical_and(visible, jnp.asarray(mask)[:, :, None])  # [batch, 1, 1, length, length]
     scores = jnp.where(visible, scores, -0.7 * jnp.finfo(jnp.float32).max)  # jax's "large negative number"
     return jax.nn.softmax(scores, axis=-1), visible
 
 
-@jax.custom_vjp
-def _attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
-    probabilities, _ = _probabilities(_head_major(query, key.shape[2]), _swap_length_and_heads(key), mask)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None, causal: bool) -> jax.Array:
+    probabilities, _ = _probabilities(_head_major(query, key.shape[2]), _swap_length_and_heads(key), mask, causal)
     context = jnp.einsum("bgrts,bgsk->bgrtk", probabilities.astype(value.dtype), _swap_length_and_heads(value),
                          preferred_element_type=jnp.float32)
     return _length_major(context).astype(query.dtype)
 
 
-def _attention_forward(query, key, value, mask):
+def _attention_forward(query, key, value, mask, causal):
     # The context under both names, once: `dots` keeps the matmul sums, `minimal` may keep `attention_context`;
     # the output projection's backward pass and this rule's (flash attention's D) read the same kept array.
-    context = checkpoint_name(checkpoint_name(_attention(query, key, value, mask), remat_names.MATMUL_SUMS),
+    context = checkpoint_name(checkpoint_name(_attention(query, key, value, mask, causal), remat_names.MATMUL_SUMS),
                               remat_names.ATTENTION_CONTEXT)
     return context, (query, key, value, mask, context)
 
 
-def _attention_backward(saved, gradient: jax.Array):
+def _attention_backward(causal: bool, saved, gradient: jax.Array):
     query, key, value, mask, context = saved
     dtype, scale, kv_heads = query.dtype, 1 / math.sqrt(query.shape[-1]), key.shape[2]
     query_hm = _head_major(query, kv_heads)
     key_hm, value_hm = _swap_length_and_heads(key), _swap_length_and_heads(value)
-    probabilities, visible = _probabilities(query_hm, key_hm, mask)
+    probabilities, visible = _probabilities(query_hm, key_hm, mask, causal)
     gradient = _head_major(gradient.astype(dtype), kv_heads)
     # sum_s p dp is the context's dot product with its gradient (flash attention's D, arXiv 2205.14135): a sum
     # over head_dim instead of over the keys

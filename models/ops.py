@@ -28,7 +28,7 @@ from nestor.models import remat_names
 # einsum(equation, x, weight, out_dtype=None) -> out: "x,weight->out" in x's dtype, or in out_dtype
 Einsum = Callable[..., jax.Array]
 # attention(query [b, t, heads, k], key [b, t, kv_heads, k], value, mask None | [b or 1, 1, t, t]) -> [b, t, heads, k]
-Attention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
+Attention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, bool], jax.Array]
 Swiglu = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> silu(gate) * up
 # grouped_matmul(rows [M, K] sorted by group, weights [G, K, N], group_sizes [G]) -> [M, N], rows past the groups 0
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -107,10 +107,10 @@ _float32_sums.defvjp(_forward, _backward)
 
 
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
-                          *, implementation: str | None = None) -> jax.Array:
-    """Returns `jax.nn.dot_product_attention`'s causal attention with `implementation` (None: jax's choice),
-    its context tagged `remat_names.ATTENTION_CONTEXT`."""
-    context = jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=True,
+                          causal: bool = True, *, implementation: str | None = None) -> jax.Array:
+    """Returns `jax.nn.dot_product_attention`'s attention, causal or not, with `implementation` (None: jax's
+    choice), its context tagged `remat_names.ATTENTION_CONTEXT`."""
+    context = jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=causal,
                                            implementation=implementation)
     return checkpoint_name(context, remat_names.ATTENTION_CONTEXT)
 
@@ -160,9 +160,11 @@ def einsum(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype 
     return _ops.get().einsum(equation, x, weight, out_dtype)
 
 
-def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Returns the installed causal attention [batch, length, heads, head_dim] (see `Attention`)."""
-    return _ops.get().attention(query, key, value, mask)
+def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None, *,
+              causal: bool = True) -> jax.Array:
+    """Returns the installed attention [batch, length, heads, head_dim] (see `Attention`): causal, or every
+    query seeing every key (`causal=False`), within `mask`."""
+    return _ops.get().attention(query, key, value, mask, causal)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

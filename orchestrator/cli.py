@@ -103,9 +103,13 @@ def _eval(config, args) -> int:
 
     configure_jax(config)
     result = evaluate_checkpoint(config)
+    others = "".join(f" {name} {value:.4f}" for name, value in result.items()
+                     if name not in ("step", "eval_loss", "eval_perplexity"))
+    rows = (f"{config.train.global_batch} x {config.train.seq_len} tokens" if config.model.builtin_lm
+            else f"{config.train.global_batch} rows")
     print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f} eval_perplexity "
-          f"{result['eval_perplexity']:.3f} ({config.eval.steps} batches of {config.train.global_batch} x "
-          f"{config.train.seq_len} tokens, eval.source={config.eval.source})")
+          f"{result['eval_perplexity']:.3f}{others} ({config.eval.steps} batches of {rows}, "
+          f"eval.source={config.eval.source})")
     return 0
 
 

@@ -113,7 +113,8 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = key("synthetic", "synthetic | text | tokens (shards of `nestor data prepare`) | arrays (named "
-                      "arrays, for a model.class of your own)", choices=("synthetic", "text", "tokens", "arrays"))
+                      "arrays, for a model.class of your own) | python (data.factory's arrays)",
+                      choices=("synthetic", "text", "tokens", "arrays", "python"))
     paths: tuple[str, ...] = key((), "text: globs of text files (no NUL bytes); empty = the Python standard "
                                  "library's sources; tokens: prepared directories; arrays: .npz files or "
                                  "directories of .npy files")
@@ -122,6 +123,9 @@ class DataConfig:
     tokenizer: str | None = key(None, "text: path to a tokenizers JSON or SentencePiece model; null = bytes")
     document_mask: bool = key(True, "text, tokens: no token attends across a document separator (token 0); "
                               "synthetic: no-op")
+    factory: str | None = key(None, "python: module:function(split, **data.args) returning a dict of named arrays, "
+                              "rows first, for split train or eval (docs/models.md)")
+    args: dict = key({}, "python: keyword arguments of data.factory")
 
 
 EVAL_SOURCES = ("heldout", "synthetic", "text", "tokens", "arrays")

@@ -10,6 +10,7 @@ import typing
 from typing import Any
 
 INT32_MAX = 2**31 - 1  # steps, sizes and counts live in int32 on the device
+ARRAY_SOURCES = ("arrays", "python")  # the data sources of named arrays, for a model.class of the user's
 
 
 @dataclasses.dataclass(frozen=True)

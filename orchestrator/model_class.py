@@ -11,21 +11,17 @@ function returning a module. The module's `loss(batch) -> (loss, metrics)` is th
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
-import os
-import sys
 import typing
 from collections.abc import Callable
-from pathlib import Path
 
 from flax import nnx
 
-from nestor.cluster.launcher import USER_CODE_ENV
 from nestor.models import task
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.moe_step import moe_layer_config
+from nestor.orchestrator.user_code import import_object
 
 LM = "lm"  # the built-in decoder LM's name in `model.class`
 
@@ -46,35 +42,22 @@ def lm_config(config: Config) -> TransformerConfig:
     )
 
 
-def user_code_root() -> Path:
-    """Returns the directory `model.class` import paths are resolved in: the one nestor runs in, or where a
-    launcher's worker was told it is (cluster.launcher.USER_CODE_ENV)."""
-    return Path(os.environ.get(USER_CODE_ENV) or os.getcwd()).resolve()
-
-
 def import_model_class(path: str) -> Callable[..., nnx.Module]:
-    """Returns the callable `module:Name` names, importing `module` from `user_code_root()` (first) or the
-    installed packages. Raises ConfigError (key model.class) when it does not resolve."""
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
+    """Returns the callable `module:Name` names (orchestrator.user_code). Raises ConfigError (model.class)
+    when it does not resolve."""
+    if ":" not in path:
         raise ConfigError([("model.class", f"{path!r} is neither {LM!r} nor an import path module:Name "
                                            "(e.g. mypackage.vit:ViT)")])
-    root = str(user_code_root())
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        raise ConfigError([("model.class", f"cannot import {module_name!r} ({error}); it is looked up in {root} "
-                                           "(the directory nestor runs in) and the installed packages")]) from None
-    except Exception as error:  # the user's module raised while importing: say where
-        raise ConfigError([("model.class", f"importing {module_name!r} raised {type(error).__name__}: {error}")]
-                          ) from None
-    if not hasattr(module, name):
-        public = sorted(n for n in vars(module) if not n.startswith("_"))
-        raise ConfigError([("model.class", f"{module_name!r} ({module.__file__}) has no {name!r}; it defines "
-                                           f"{', '.join(public) or 'nothing public'}")])
-    return getattr(module, name)
+    return import_object(path, "model.class", "mypackage.vit:ViT")
+
+
+def resolve_user_code(config: Config) -> None:
+    """Imports the run's `model.class` and `data.factory` (neither called): raises ConfigError where one
+    does not resolve, for a driver that checks before its workers build anything."""
+    if not is_builtin_lm(config):
+        import_model_class(config.model.class_)
+    if config.data.source == "python" and config.data.factory:
+        import_object(config.data.factory, "data.factory", "mypackage.data:images")
 
 
 def _config_dataclass(factory: Callable) -> type | None:

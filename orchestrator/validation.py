@@ -13,7 +13,7 @@ from nestor.backend.mosaic_gpu import TILE, tiles
 from nestor.backend.remat import NAMED_POLICIES
 from nestor.models.moe import expert_capacity
 from nestor.models.transformer import STACK
-from nestor.orchestrator.config_keys import key_table
+from nestor.orchestrator.config_keys import ARRAY_SOURCES, key_table
 from nestor.orchestrator.degrees import (REPEATED_SCHEDULES, mesh_axes_key, mesh_degrees, moe_tokens_per_device,
                                        schedule_for, total_devices)
 from nestor.orchestrator.errors import ConfigError
@@ -88,9 +88,12 @@ def _user_model_validated(config: Config) -> Config:
     (orchestrator.state)."""
     problems = _remat_problems(config) + _device_memory_problems(config) + _profile_problems(config)
     problems += _schedule_problems(config) + _mesh_problems(config, known_axes=None)
-    if config.data.source != "arrays":
+    if config.data.source not in ARRAY_SOURCES:
         problems.append(("data.source", f"model.class {config.model.class_} reads named arrays: use data.source="
-                                        "arrays (the token sources feed nestor's language model, model.class: lm)"))
+                                        "arrays or python (the token sources feed nestor's language model, "
+                                        "model.class: lm)"))
+    if config.data.source == "python" and not config.data.factory:
+        problems.append(("data.factory", "data.source=python needs module:function returning the named arrays"))
     if config.eval.every:
         problems += eval_problems(config)
     if config.moe.num_experts:
@@ -124,7 +127,7 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
     """data.mixture is for prepared token shards; each entry is {paths: [dirs], weight: w > 0}; the
     tokens source needs directories from data.paths or data.mixture."""
     data = config.data
-    if data.source == "arrays":
+    if data.source in ARRAY_SOURCES:
         return [("data.source", "named arrays feed a model.class of your own; nestor's language model (model.class: "
                                 "lm) reads synthetic, text or tokens")]
     if data.mixture and data.source != "tokens":
@@ -152,14 +155,14 @@ def eval_problems(config: Config) -> list[tuple[str, str]]:
     (data.source=tokens), `text` and `tokens` need eval.paths. Checked when eval.every is set, and by
     `nestor eval`."""
     source = config.eval.source
-    if source == "heldout" and config.data.source != "tokens":
+    if source == "heldout" and config.data.source not in ("tokens", "python"):
         return [("eval.source", f"heldout is the eval split of prepared shards, and data.source is "
                                 f"{config.data.source}; set eval.source to text, tokens, synthetic or arrays (with eval.paths), "
                                 "or train on data.source=tokens")]
     if source == "arrays" and not config.eval.paths:
         return [("eval.paths", "eval.source=arrays needs .npz files or directories of .npy files held out from "
                                "training")]
-    if (source == "arrays") != (config.data.source == "arrays") and source != "heldout":
+    if (source == "arrays") != (config.data.source in ARRAY_SOURCES) and source != "heldout":
         return [("eval.source", f"evaluates a model trained on data.source={config.data.source} on {source} batches; "
                                 "named arrays evaluate a model of your own, the token sources nestor's LM")]
     if source == "tokens" and not config.eval.paths:

@@ -257,13 +257,13 @@ def _attention_loss(attend, mask):
 _jax_attention = functools.partial(ops.dot_product_attention, implementation="xla")
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("masks", MASKS)
-def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(masks):
+def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(masks, causal):
     q, k, v, mask = _attention_inputs(jnp.float32, masks)
-    np.testing.assert_allclose(xla_cpu.causal_attention(q, k, v, mask), _jax_attention(q, k, v, mask), rtol=1e-6,
-                               atol=1e-6)
-    ours, theirs = (jax.grad(_attention_loss(attend, mask), (0, 1, 2))(q, k, v)
-                    for attend in (xla_cpu.causal_attention, _jax_attention))
+    ours_fn, jax_fn = (functools.partial(attend, causal=causal) for attend in (xla_cpu.attention, _jax_attention))
+    np.testing.assert_allclose(ours_fn(q, k, v, mask), jax_fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
+    ours, theirs = (jax.grad(_attention_loss(attend, mask), (0, 1, 2))(q, k, v) for attend in (ours_fn, jax_fn))
     for got, want in zip(ours, theirs):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -274,12 +274,12 @@ def test_bfloat16_attention_is_as_close_to_float32_as_jax_and_sums_bfloat16_oper
     inputs = _attention_inputs(jnp.bfloat16, masks)
     want = jax.grad(_attention_loss(_jax_attention, exact[3]), (0, 1, 2))(*exact[:3])
     ours, theirs = (jax.grad(_attention_loss(attend, inputs[3]), (0, 1, 2))(*inputs[:3])
-                    for attend in (xla_cpu.causal_attention, _jax_attention))
+                    for attend in (xla_cpu.attention, _jax_attention))
     errors = [(relative_error(got, exact), relative_error(their, exact)) for got, their, exact in zip(ours, theirs, want)]
     # measured: 0.3-0.47%, at most 1.15x (the keys': flash attention's D reads the context rounded to bfloat16)
     assert all(error <= 1.2 * their for error, their in errors), errors
-    assert relative_error(xla_cpu.causal_attention(*inputs), _jax_attention(*exact)) < 0.01
-    loss = _attention_loss(xla_cpu.causal_attention, inputs[3])
+    assert relative_error(xla_cpu.attention(*inputs), _jax_attention(*exact)) < 0.01
+    loss = _attention_loss(xla_cpu.attention, inputs[3])
     dots = equations(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(*inputs[:3]).jaxpr, "dot_general")
     assert len(dots) == 2 + 5  # scores and context; the backward's scores again and its four products
     for eqn in dots:
@@ -297,7 +297,7 @@ def test_xla_cpu_runs_the_attention_products_on_bfloat16_operands():
         dots = dot_operand_dtypes(text)
         return len(dots), sum("f32" in operands for operands in dots)
 
-    dots, upcast_dots = upcast(xla_cpu.causal_attention)
+    dots, upcast_dots = upcast(xla_cpu.attention)
     assert dots >= 5 and upcast_dots == 0  # 5 compiled here: without remat XLA shares the scores between passes
     if jax.__version_info__ < (0, 11):
         assert upcast(_jax_attention)[1] > 0
@@ -307,7 +307,7 @@ def test_a_mask_of_another_rank_or_per_head_is_refused():
     q, k, v, mask = _attention_inputs(jnp.bfloat16, "documents")
     for wrong in (mask[0, 0], mask[:, 0], jnp.repeat(mask, 4, axis=1)):
         with pytest.raises(ValueError, match=r"batch or 1, 1, length, length"):
-            xla_cpu.causal_attention(q, k, v, wrong)
+            xla_cpu.attention(q, k, v, wrong)
 
 
 def test_dots_keeps_the_attention_context_not_its_scores():
@@ -327,7 +327,7 @@ def test_dots_keeps_the_attention_context_not_its_scores():
         return _saved_residuals(jax.checkpoint(layer(attend), policy=policy), q, k, v, out)
 
     inputs = ["bf16[2,24,2,8]"] * 2 + ["bf16[2,24,4,8]", "bf16[4,8,16]"]
-    assert kept(xla_cpu.causal_attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
+    assert kept(xla_cpu.attention) == sorted([*inputs, "bf16[2,24,4,8]", "bf16[2,24,16]"])  # context, output
     assert any(residual.startswith("f32[") and residual.count(",") == 4 for residual in kept(_jax_attention))  # scores
 
 
@@ -338,7 +338,7 @@ def test_a_policy_keeping_the_attention_context_keeps_it_once_for_both_backward_
     out = jax.random.normal(jax.random.key(5), (4, 8, 16)).astype(jnp.bfloat16)
 
     def loss(q, k, v, out):  # linear in the projection: its own backward pass reads the context only
-        context = xla_cpu.causal_attention(q, k, v)
+        context = xla_cpu.attention(q, k, v)
         return ops.einsum_from_float32_sums("bthk,hkd->btd", context, out).astype(jnp.float32).sum()
 
     def checkpointed(policy: str, names: tuple[str, ...] = ()):

@@ -258,6 +258,8 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("mesh.pipeline=2", "model.args.depth=3"), "mlp", MODEL, "pipeline.stack",
      "stack 'blocks': 3 layers do not split into 2 stages"),
     (("data.source=synthetic",), "mlp", MODEL, "data.source", "reads named arrays"),
+    (("data.source=python",), "mlp", MODEL, "data.factory", "data.source=python needs module:function"),
+    (("data.source=python", "data.factory=mlp:MLPConfig"), "mlp", MODEL, "data.args", "cannot be called"),
     (("eval.every=2", "eval.source=text", "eval.paths=[my.yaml]"), "mlp", MODEL, "eval.source",
      "named arrays evaluate a model of your own"),
 ])

@@ -1,8 +1,9 @@
-"""Named arrays as a data source (`data.source: arrays`), for any model (models.task).
+"""Named arrays as a data source, for any model (models.task).
 
-`data.paths` names `.npz` files or directories of `.npy` files (one per field, opened memory-mapped), all
-fields of all paths with the same names and the same number of rows; the paths' rows are concatenated in
-the order given. Row r of step s reads the example a seeded permutation of the examples puts at position
+`data.source: arrays`: `data.paths` names `.npz` files or directories of `.npy` files (one per field, opened
+memory-mapped), all fields of all paths with the same names and the same number of rows; the paths' rows
+are concatenated in the order given. `data.source: python`: `data.factory` (module:function) returns the
+arrays of a split itself. Row r of step s reads the example a seeded permutation of the examples puts at position
 s x global_batch + r, a new permutation every epoch (orchestrator.data.order): a pure function of
 (run.seed, s, r), so any mesh and host count see the same batches, and each process reads only its rows.
 """
@@ -17,6 +18,7 @@ import numpy as np
 from nestor.models import axes
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.order import WindowOrder
+from nestor.orchestrator.user_code import import_object
 
 
 def _open(path: Path, key: str) -> dict[str, np.ndarray]:
@@ -33,29 +35,55 @@ def _open(path: Path, key: str) -> dict[str, np.ndarray]:
 
 
 class ArraySource:
-    """The rows of named arrays read by (seed, step, row); `rows(step, rows)` -> {field: [len(rows), ...]}."""
+    """The rows of named arrays read by (seed, step, row); `rows(step, rows)` -> {field: [len(rows), ...]}.
 
-    def __init__(self, config: Config, paths: tuple[str, ...], key: str = "data.paths"):
-        if not paths:
-            raise ConfigError([(key, "data.source=arrays needs .npz files or directories of .npy files")])
-        parts = [(Path(p).expanduser(), _open(Path(p).expanduser(), key)) for p in paths]
+    `parts` are (where from, {field: array}) in order, their rows concatenated; `origin` names them for the
+    fingerprint; `key` is the config key errors name.
+    """
+
+    def __init__(self, config: Config, parts: list[tuple[str, dict[str, np.ndarray]]], key: str, origin: str):
         names = sorted(parts[0][1])
-        for path, arrays in parts:
+        for where, arrays in parts:
             if sorted(arrays) != names:
-                raise ConfigError([(key, f"{path} holds the fields {sorted(arrays)}, {parts[0][0]} holds {names}; "
-                                         "every path must hold the same fields")])
+                raise ConfigError([(key, f"{where} holds the fields {sorted(arrays)}, {parts[0][0]} holds {names}; "
+                                         "every part must hold the same fields")])
             lengths = {name: len(array) for name, array in arrays.items()}
-            if len(set(lengths.values())) != 1:
-                raise ConfigError([(key, f"the fields of {path} have different numbers of rows: {lengths}")])
+            if len(set(lengths.values())) != 1 or 0 in lengths.values():
+                raise ConfigError([(key, f"the fields of {where} have no rows or different numbers of rows: "
+                                         f"{lengths}")])
         self.arrays = {name: [arrays[name] for _, arrays in parts] for name in names}
         self.starts = np.cumsum([0] + [len(arrays[names[0]]) for _, arrays in parts])
         self.num_rows = int(self.starts[-1])
         self.num_tokens = None
         self.global_batch = config.train.global_batch
         self.order = WindowOrder(config.run.seed, self.num_rows)
-        listing = "\n".join(f"{path}:{name}:{arrays[name].shape}:{arrays[name].dtype}"
-                            for path, arrays in parts for name in names)
+        listing = "\n".join([origin] + [f"{where}:{name}:{arrays[name].shape}:{arrays[name].dtype}"
+                                         for where, arrays in parts for name in names])
         self.fingerprint = "arrays:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_paths(cls, config: Config, paths: tuple[str, ...], key: str = "data.paths") -> ArraySource:
+        """Returns the source of `.npz` files and directories of `.npy` files (`data.source: arrays`)."""
+        if not paths:
+            raise ConfigError([(key, "data.source=arrays needs .npz files or directories of .npy files")])
+        return cls(config, [(p, _open(Path(p).expanduser(), key)) for p in paths], key, "paths")
+
+    @classmethod
+    def from_factory(cls, config: Config, split: str) -> ArraySource:
+        """Returns the source of `data.factory(split=split, **data.args)`: a dict of named arrays, rows first
+        (`data.source: python`); `split` is "train", or "eval" for the held-out rows (eval.source: heldout)."""
+        factory = import_object(config.data.factory or "", "data.factory", "mypackage.data:images")
+        try:
+            arrays = factory(split=split, **dict(config.data.args))
+        except TypeError as error:
+            raise ConfigError([("data.args", f"{config.data.factory}(split={split!r}, **{dict(config.data.args)}) "
+                                             f"cannot be called: {error}")]) from None
+        if not isinstance(arrays, dict) or not arrays:
+            raise ConfigError([("data.factory", f"{config.data.factory} returned {type(arrays).__name__}; it must "
+                                                "return a dict of named arrays, rows first")])
+        arrays = {str(name): np.asarray(value) for name, value in arrays.items()}
+        origin = f"factory:{config.data.factory}:{sorted(dict(config.data.args).items())}:{split}"
+        return cls(config, [(f"{config.data.factory}(split={split!r})", arrays)], "data.factory", origin)
 
     def example_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Returns each field's shape past the rows and its dtype."""

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from nestor.models import axes
 
 from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.config_keys import ARRAY_SOURCES
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
@@ -210,9 +211,10 @@ def batch_fields(config: Config, source: str | None = None, paths: tuple[str, ..
     """Returns the fields of the batches of data source `source` reading `paths` (default: `data.source`,
     `data.paths`); named arrays are opened (memory-mapped) to learn theirs."""
     source = config.data.source if source is None else source
-    if source != "arrays":
+    if source not in ARRAY_SOURCES:
         return token_fields(config, masks_documents(config, source))
-    arrays = ArraySource(config, config.data.paths if paths is None else paths, key)
+    arrays = (ArraySource.from_factory(config, "train") if source == "python" else
+              ArraySource.from_paths(config, config.data.paths if paths is None else paths, key))
     return {name: Field((config.train.global_batch, *shape), dtype, field_axes(1 + len(shape)))
             for name, (shape, dtype) in arrays.example_shapes().items()}
 
@@ -233,7 +235,9 @@ def make_source(config: Config, split: str = "train"):
     if config.data.source == "tokens":
         return TokenSource(config, split)
     if config.data.source == "arrays":
-        return ArraySource(config, config.data.paths)
+        return ArraySource.from_paths(config, config.data.paths)
+    if config.data.source == "python":
+        return ArraySource.from_factory(config, split)
     return SyntheticSource(config) if config.data.source == "synthetic" else TextSource(config)
 
 

@@ -48,7 +48,8 @@ def restore_newest(config: Config, devices: list[jax.Device] | None = None) -> R
 
 
 def evaluate_checkpoint(config: Config, devices: list[jax.Device] | None = None) -> dict[str, float]:
-    """Returns {step, eval_loss, eval_perplexity} of run.dir's newest checkpoint on the eval batches.
+    """Returns {step, eval_loss, eval_perplexity, eval_<metric>...} of run.dir's newest checkpoint on the eval
+    batches.
     Raises ConfigError as `restore_newest` and `eval_source` do."""
     restored = restore_newest(config, devices)
     evaluator = Evaluator(config, restored.layout, restored.mesh, restored.rules)

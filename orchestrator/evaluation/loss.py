@@ -66,24 +66,25 @@ def eval_fields(config: Config) -> dict[str, Field]:
 
 
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
-    """Returns the jitted eval_step(params, expert_bias, batch) -> the batch's mean evaluation loss, float32
-    and replicated (`expert_bias`: the state's, or None without bias balancing); with train.grad_accum > 1
-    the batch runs in that many micro-batches, as in training. `backend` defaults to
-    `backend_for(config, mesh)`."""
+    """Returns the jitted eval_step(params, expert_bias, batch) -> (the batch's mean evaluation loss, the
+    means of the model's scalar metrics), float32 and replicated (`expert_bias`: the state's, or None without
+    bias balancing); with train.grad_accum > 1 the batch runs in that many micro-batches, as in training.
+    `backend` defaults to `backend_for(config, mesh)`."""
     backend = backend or backend_for(config, mesh)
     loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend), train=False)
     constrain = activation_constrainer(mesh, rules)
     fields = eval_fields(config)
     accum = config.train.grad_accum
 
-    def micro_loss(params: dict, expert_bias: dict | None, batch: dict) -> jax.Array:
-        return loss_fn(params, constrain_batch(batch, fields, constrain), expert_bias=expert_bias)[0]
+    def micro_loss(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict]:
+        loss, metrics = loss_fn(params, constrain_batch(batch, fields, constrain), expert_bias=expert_bias)
+        return loss, {name: value for name, value in metrics.items() if jnp.ndim(value) == 0}
 
-    def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> jax.Array:
+    def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict]:
         if accum == 1:
             return micro_loss(params, expert_bias, batch)
-        return jnp.mean(jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro),
-                                    micro_batches(batch, accum)))
+        per_micro = jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro), micro_batches(batch, accum))
+        return jax.tree.map(jnp.mean, per_micro)
 
     return jax.jit(eval_step, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
                                             shardings(fields, mesh, rules)),
@@ -91,7 +92,8 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
 
 
 class Evaluator:
-    """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity."""
+    """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity and
+    the model's scalar metrics as eval_<name>."""
 
     def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
         self.config = config
@@ -104,9 +106,10 @@ class Evaluator:
         return bool(every) and (step % every == 0 or step == self.config.train.steps)
 
     def __call__(self, state: dict) -> dict[str, jax.Array]:
-        """Returns {eval_loss, eval_perplexity} (device scalars) of `state`'s parameters (and expert bias)
-        over the eval.steps batches."""
-        losses = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
-                  for index in range(self.config.eval.steps)]
-        loss = jnp.mean(jnp.stack(losses))
-        return {"eval_loss": loss, "eval_perplexity": jnp.exp(loss)}
+        """Returns {eval_loss, eval_perplexity, eval_<metric> for each scalar metric of the model} (device
+        scalars) of `state`'s parameters (and expert bias) over the eval.steps batches."""
+        results = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
+                   for index in range(self.config.eval.steps)]
+        loss, metrics = jax.tree.map(lambda *values: jnp.mean(jnp.stack(values)), *results)
+        return {"eval_loss": loss, "eval_perplexity": jnp.exp(loss),
+                **{f"eval_{name}": value for name, value in metrics.items()}}

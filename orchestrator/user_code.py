@@ -1,0 +1,43 @@
+"""The user's own code a run names by import path (`model.class`, `data.factory`): resolved in the directory
+nestor runs in, then in the installed packages."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from nestor.cluster.launcher import USER_CODE_ENV
+from nestor.orchestrator.config import ConfigError
+
+
+def user_code_root() -> Path:
+    """Returns the directory import paths are resolved in: the one nestor runs in, or where a launcher's
+    worker was told it is (cluster.launcher.USER_CODE_ENV)."""
+    return Path(os.environ.get(USER_CODE_ENV) or os.getcwd()).resolve()
+
+
+def import_object(path: str, key: str, example: str) -> Any:
+    """Returns the object `module:name` names, importing `module` from `user_code_root()` (first) or the
+    installed packages. Raises ConfigError naming `key` when it does not resolve (`example`: a path of the
+    kind the key takes, for the message)."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ConfigError([(key, f"{path!r} is not an import path module:name (e.g. {example})")])
+    root = str(user_code_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ConfigError([(key, f"cannot import {module_name!r} ({error}); it is looked up in {root} (the "
+                                 "directory nestor runs in) and the installed packages")]) from None
+    except Exception as error:  # the user's module raised while importing: say what
+        raise ConfigError([(key, f"importing {module_name!r} raised {type(error).__name__}: {error}")]) from None
+    if not hasattr(module, name):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ConfigError([(key, f"{module_name!r} ({module.__file__}) has no {name!r}; it defines "
+                                 f"{', '.join(public) or 'nothing public'}")])
+    return getattr(module, name)
