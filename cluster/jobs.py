@@ -14,18 +14,15 @@ import functools
 import logging
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from nestor.cluster.launcher import PROJECT_ROOT, use_token_if_present
+from nestor.cluster.launcher import stage_project, use_token_if_present
 from nestor.cluster.rendezvous import ClusterError
 
 SUBMITTED_CONFIG = ".nestor/config.yaml"
-# What a job needs of the project: its packages and configs, no run dirs, venvs or docs.
-JOB_FILES = ("pyproject.toml", "nestor", "configs", "orchestrator", "backend", "parallel", "models", "cluster")
 AGENT_WAIT_S = 60.0  # how long a submission waits for a just-started head's job agent
 # How long `stop` lets the job's driver end after its SIGTERM (the workers save the step they reach) before
 # Ray kills it: Ray's own default is 3 s. RAY_JOB_STOP_WAIT_TIME_S in the submitting shell overrides it.
@@ -73,24 +70,18 @@ def _jobs_call(address: str, what: str, call):
         raise ClusterError(f"--address {address}: {what} failed: {_one_line(error)}") from None
 
 
-def submit(address: str, config_yaml: str, command: str = "train") -> str:
+def submit(address: str, config_yaml: str, command: str = "train", user_code: tuple[str, ...] = ()) -> str:
     """Submits `nestor <command>` on `config_yaml` (resolved config text); returns the submission id.
 
     The job runs `python -m nestor.orchestrator` from the project directory (uploaded as
-    its working dir) with the Python on the cluster's PATH; a Python without
+    its working dir, with the user's own modules and packages `user_code` beside
+    nestor's) with the Python on the cluster's PATH; a Python without
     nestor's dependencies ends the job with one line naming them. Raises
     ClusterError (one line) when the cluster cannot be reached or refuses the job.
     """
     jobs = client(address)
     with tempfile.TemporaryDirectory(prefix="nestor-submit-") as staging:
-        working_dir = Path(staging) / "project"
-        for name in JOB_FILES:
-            source, target = PROJECT_ROOT / name, working_dir / name
-            if source.is_dir():
-                shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, target)
+        working_dir = stage_project(Path(staging) / "project", user_code)
         (working_dir / SUBMITTED_CONFIG).parent.mkdir(exist_ok=True)
         (working_dir / SUBMITTED_CONFIG).write_text(config_yaml)
         submit_job = functools.partial(

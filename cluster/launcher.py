@@ -26,9 +26,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,6 +45,30 @@ STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to s
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # where a worker resolves the user's own code (model.class): the directory the run was started in
 USER_CODE_ENV = "NESTOR_USER_CODE"
+# What a job needs of the project: its packages and configs, no run dirs, venvs or docs.
+JOB_FILES = ("pyproject.toml", "nestor", "configs", "orchestrator", "backend", "parallel", "models", "cluster")
+
+
+def stage_project(destination: Path, user_code: tuple[str, ...] = ()) -> Path:
+    """Copies what a job needs of the project (JOB_FILES) and the user's own code (`user_code`: module
+    files and package directories, importable from a job's working directory) into `destination`;
+    returns it. Raises ClusterError when the user's code would take one of the project's names."""
+    for name in JOB_FILES:
+        source, target = PROJECT_ROOT / name, destination / name
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    for path in map(Path, user_code):
+        target = destination / path.name
+        if target.exists():
+            raise ClusterError(f"your code {path} would shadow nestor's {path.name!r} on the cluster; rename it")
+        if path.is_dir():
+            shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, target)
+    return destination
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the token it generated
 UPLOAD_EXCLUDES = [".git", ".venv", "venv", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
                    "bench"]
@@ -72,6 +98,7 @@ class ClusterSpec:
     tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
     dashboard: bool = True  # embedded cluster: serve the dashboard (and the state API) on 127.0.0.1
     worker_logs: bool = False  # stream every worker's raw output to the driver (Ray-prefixed)
+    user_code: tuple[str, ...] = ()  # the user's modules and packages a remote cluster's workers import
 
     def worker_resources(self) -> dict[str, float]:
         """Returns the Ray resources one worker reserves."""
@@ -150,9 +177,16 @@ def _connect(spec: ClusterSpec) -> None:
         _check_reachable(spec.address)
         use_token_if_present()
         try:
-            ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
-                     runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
-                                  "env_vars": _start_timeout(spec)})
+            if spec.user_code:  # the project and the user's code, staged together as the working dir
+                with tempfile.TemporaryDirectory(prefix="nestor-upload-") as staging:
+                    ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                             runtime_env={"working_dir": str(stage_project(Path(staging) / "project",
+                                                                           spec.user_code)),
+                                          "env_vars": _start_timeout(spec)})
+            else:
+                ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                         runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
+                                      "env_vars": _start_timeout(spec)})
         except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             # Something answered there (_check_reachable): a GCS that refused us, or not a GCS at all.

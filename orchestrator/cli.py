@@ -126,8 +126,11 @@ def _submit(config, args) -> int:
     import yaml
 
     from nestor.cluster import jobs
+    from nestor.orchestrator.model_class import resolve_user_code, user_code_paths
 
-    job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False))
+    resolve_user_code(config)  # an import path that does not resolve is one line here, not in the job's log
+    job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False),
+                         user_code=user_code_paths(config))
     print(job_id, flush=True)
     print(f"nestor: run.dir on the cluster: {config.run.dir} (relative paths resolve against the directory "
           "nestor runs in; every host must see this path)", file=sys.stderr, flush=True)

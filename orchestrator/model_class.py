@@ -21,7 +21,7 @@ from nestor.models import task
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.moe_step import moe_layer_config
-from nestor.orchestrator.user_code import import_object
+from nestor.orchestrator.user_code import code_paths, import_object
 
 LM = "lm"  # the built-in decoder LM's name in `model.class`
 
@@ -58,6 +58,15 @@ def resolve_user_code(config: Config) -> None:
         import_model_class(config.model.class_)
     if config.data.source == "python" and config.data.factory:
         import_object(config.data.factory, "data.factory", "mypackage.data:images")
+
+
+def user_code_paths(config: Config) -> tuple[str, ...]:
+    """Returns the user's modules and packages the run imports (`model.class`, `data.factory`) that live in
+    the directory nestor runs in: what a remote cluster's workers and a submitted job receive."""
+    paths = [] if is_builtin_lm(config) else [config.model.class_]
+    if config.data.source == "python" and config.data.factory:
+        paths.append(config.data.factory)
+    return code_paths(paths)
 
 
 def _config_dataclass(factory: Callable) -> type | None:

@@ -6,7 +6,7 @@ import signal
 
 from nestor.cluster.launcher import ClusterSpec, Preempted, Stopped, launch
 from nestor.orchestrator.config import Config
-from nestor.orchestrator.model_class import resolve_user_code
+from nestor.orchestrator.model_class import resolve_user_code, user_code_paths
 from nestor.orchestrator.paths import show_relative_to, user_directory
 from nestor.orchestrator.progress import Console, ForwardingConsole, replay
 from nestor.orchestrator.run_lock import RunDirLock
@@ -18,7 +18,7 @@ def cluster_spec(config: Config) -> ClusterSpec:
     return ClusterSpec(hosts=c.hosts, devices_per_host=c.devices_per_host, accelerator=c.accelerator,
                        address=c.address, max_failures=c.max_failures, init_timeout_s=c.init_timeout_s,
                        tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard,
-                       worker_logs=c.worker_logs)
+                       worker_logs=c.worker_logs, user_code=user_code_paths(config) if c.address else ())
 
 
 def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:

@@ -4,6 +4,7 @@ nestor runs in, then in the installed packages."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -41,3 +42,22 @@ def import_object(path: str, key: str, example: str) -> Any:
         raise ConfigError([(key, f"{module_name!r} ({module.__file__}) has no {name!r}; it defines "
                                  f"{', '.join(public) or 'nothing public'}")])
     return getattr(module, name)
+
+
+def code_paths(import_paths: list[str]) -> tuple[str, ...]:
+    """Returns the files and package directories under `user_code_root()` that the import paths' top-level
+    modules come from (none for installed packages): what a remote cluster or a submitted job must receive."""
+    root = user_code_root()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    found: list[str] = []
+    for path in import_paths:
+        top = path.partition(":")[0].split(".")[0]
+        spec = importlib.util.find_spec(top) if top and top != "nestor" else None  # nestor travels anyway
+        if spec is None or spec.origin is None:
+            continue
+        source = Path(spec.origin).resolve()
+        shipped = source.parent if spec.submodule_search_locations else source
+        if shipped.is_relative_to(root) and str(shipped) not in found:
+            found.append(str(shipped))
+    return tuple(found)

@@ -440,3 +440,42 @@ def test_jobs_api_errors_are_one_line(ray_head):
         assert process.returncode == 1 and len(lines) == 1, process.stderr
         assert lines[0].startswith(f"nestor: --address {url}: {what} raysubmit_doesnotexist failed: ")
         assert "does not exist" in lines[0], lines[0]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_remote_cluster_and_a_submitted_job_receive_the_users_model(ray_head, tmp_path):
+    """A model of the user's, in the directory nestor runs in, trains on a cluster by address and as a
+    submitted job: both receive its module with nestor's code, and train the same steps."""
+    from tests.test_user_model import write_user_directory
+
+    url, gcs_address = ray_head
+    directory = write_user_directory(tmp_path / "project")
+    shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}"))
+
+    def nestor_here(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, "-m", "nestor.orchestrator.cli", *args], cwd=directory, env=shell, text=True,
+                              capture_output=True, timeout=400)
+
+    common = ["my.yaml", f"data.paths=[{directory / 'train.npz'}]", "train.steps=2", *TWO_HOSTS, "mesh.data=2",
+              "mesh.fsdp=2", "mesh.tensor=2"]
+    remote = nestor_here("train", *common, f"cluster.address={gcs_address}", f"run.dir={tmp_path / 'remote'}")
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    submitted = nestor_here("submit", *common, f"run.dir={tmp_path / 'submitted'}", "--address", url, "--follow")
+    assert submitted.returncode == 0, (submitted.stdout + submitted.stderr)[-3000:]
+    losses = [[r["loss"] for r in metrics(tmp_path / name)] for name in ("remote", "submitted")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+
+
+def test_staging_ships_the_users_modules_beside_nestors_and_refuses_a_clash(tmp_path):
+    from nestor.cluster.launcher import stage_project
+
+    (tmp_path / "mine.py").write_text("X = 1\n")
+    (tmp_path / "mypackage").mkdir()
+    (tmp_path / "mypackage" / "__init__.py").write_text("")
+    staged = stage_project(tmp_path / "staged", (str(tmp_path / "mine.py"), str(tmp_path / "mypackage")))
+    assert (staged / "mine.py").read_text() == "X = 1\n" and (staged / "mypackage" / "__init__.py").exists()
+    assert (staged / "orchestrator" / "cli.py").exists() and (staged / "nestor" / "__init__.py").exists()
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ClusterError, match="would shadow nestor's 'models'"):
+        stage_project(tmp_path / "again", (str(tmp_path / "models"),))

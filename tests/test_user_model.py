@@ -278,3 +278,12 @@ def test_the_console_script_reports_a_users_mistake_in_one_line_with_exit_2(user
                              "model.class=mlp:Nope"], cwd=user_dir, env=child_env(), capture_output=True, text=True,
                             timeout=240)
     assert result.returncode == 2 and "model.class" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_users_code_a_remote_cluster_receives_is_what_the_run_imports_from_its_directory(user_dir):
+    from nestor.orchestrator.model_class import user_code_paths
+
+    assert user_code_paths(user_config()) == (str(user_dir / "mlp.py"),)
+    vit = user_config("model.class=nestor.models.vit:ViT", "data.source=python",
+                      "data.factory=nestor.orchestrator.data.examples:digits")
+    assert user_code_paths(vit) == ()  # nestor's own models travel with nestor
