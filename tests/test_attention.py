@@ -20,7 +20,7 @@ from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                            mlp_dim=64, init_std=0.2)
-# (model config, ops installed): jax.nn.dot_product_attention, and xla_cpu.causal_attention (what the model runs
+# (model config, ops installed): jax.nn.dot_product_attention, and xla_cpu.attention (what the model runs
 # in bfloat16 on CPU)
 CONFIGS = {"jax": (CONFIG, ops.PLAIN),
            "float32 sums": (dataclasses.replace(CONFIG, dtype="bfloat16"), xla_cpu.ops_from_float32_sums())}
@@ -115,7 +115,7 @@ def test_the_reported_attention_is_the_function_the_model_calls(tiny_config, mon
     def counted(name, function):
         return lambda *args, **kwargs: calls.append(name) or function(*args, **kwargs)
 
-    monkeypatch.setattr(xla_cpu, "_attention", counted("causal_attention", xla_cpu._attention))
+    monkeypatch.setattr(xla_cpu, "_attention", counted("attention", xla_cpu._attention))
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         counted("jax.nn.dot_product_attention", jax.nn.dot_product_attention))
     for overrides in ((), ("model.dtype=bfloat16",)):  # float32: jax's; bfloat16 on CPU: float32 sums
@@ -134,7 +134,7 @@ def test_mfu_rows_add_what_runs_where_it_is_not_the_implementation_asked_for(tin
 
     row = {"model": "tiny", "remat": "dots", "error": "-"}
     for asked, config, platform, cell in (
-            ("xla", tiny_config("model.dtype=bfloat16"), "cpu", "xla: causal_attention (float32 sums)"),
+            ("xla", tiny_config("model.dtype=bfloat16"), "cpu", "xla: attention (float32 sums)"),
             ("auto", tiny_config("model.dtype=bfloat16", "model.attention=auto"), "gpu",
              "auto: jax.nn.dot_product_attention (cudnn)"),
             ("xla", tiny_config(), "cpu", "xla")):
