@@ -457,8 +457,7 @@ def test_a_remote_cluster_and_a_submitted_job_receive_the_users_model(ray_head, 
         return subprocess.run([PYTHON, "-m", "nestor.orchestrator.cli", *args], cwd=directory, env=shell, text=True,
                               capture_output=True, timeout=400)
 
-    common = ["my.yaml", f"data.paths=[{directory / 'train.npz'}]", "train.steps=2", *TWO_HOSTS, "mesh.data=2",
-              "mesh.fsdp=2", "mesh.tensor=2"]
+    common = ["my.yaml", f"data.paths=[{directory / 'train.npz'}]", "train.steps=2", *TWO_HOSTS]
     remote = nestor_here("train", *common, f"cluster.address={gcs_address}", f"run.dir={tmp_path / 'remote'}")
     assert remote.returncode == 0, remote.stderr[-3000:]
     submitted = nestor_here("submit", *common, f"run.dir={tmp_path / 'submitted'}", "--address", url, "--follow")

@@ -84,6 +84,7 @@ train:
   global_batch: 16
 optimizer:
   warmup_steps: 2
+  decay_steps: 6               # the schedule of 6 steps, however many a run trains: a resume continues it
 run:
   dir: runs/mlp
   compile_cache: null
