@@ -62,8 +62,9 @@ def stage_project(destination: Path, user_code: tuple[str, ...] = ()) -> Path:
             shutil.copy2(source, target)
     for path in map(Path, user_code):
         target = destination / path.name
-        if target.exists():
-            raise ClusterError(f"your code {path} would shadow nestor's {path.name!r} on the cluster; rename it")
+        module = path.stem if path.is_file() else path.name
+        if target.exists() or module in JOB_FILES:  # `models.py` would lose to nestor's `models/` package
+            raise ClusterError(f"your code {path} would clash with nestor's {module!r} on the cluster; rename it")
         if path.is_dir():
             shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
         else:
@@ -176,23 +177,22 @@ def _connect(spec: ClusterSpec) -> None:
     if spec.address:
         _check_reachable(spec.address)
         use_token_if_present()
+        # the project and the user's code, staged together as the working dir (a clash refused before Ray)
+        staging = tempfile.TemporaryDirectory(prefix="nestor-upload-") if spec.user_code else None
+        upload = ({"working_dir": str(stage_project(Path(staging.name) / "project", spec.user_code))} if staging
+                  else {"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES})
         try:
-            if spec.user_code:  # the project and the user's code, staged together as the working dir
-                with tempfile.TemporaryDirectory(prefix="nestor-upload-") as staging:
-                    ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
-                             runtime_env={"working_dir": str(stage_project(Path(staging) / "project",
-                                                                           spec.user_code)),
-                                          "env_vars": _start_timeout(spec)})
-            else:
-                ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
-                         runtime_env={"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES,
-                                      "env_vars": _start_timeout(spec)})
+            ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                     runtime_env={**upload, "env_vars": _start_timeout(spec)})
         except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             # Something answered there (_check_reachable): a GCS that refused us, or not a GCS at all.
             raise ClusterError(f"cluster.address={spec.address}: could not connect to Ray there ({first_line}); "
                                "is it a Ray head's GCS port (6379 by default)? A cluster under token auth needs "
                                "its token here: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token") from None
+        finally:
+            if staging is not None:
+                staging.cleanup()  # ray.init has uploaded it
         return
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers
     # import the code from this checkout, whatever version is installed.

@@ -24,6 +24,7 @@ from nestor.models.axes import constrain
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, moe_losses
 from nestor.models.params import param
 from nestor.models.stack import Stack
+from nestor.models.transformer import RMSNorm
 
 PAD, BOS = 0, 1  # byte b is token b + 2
 ACTIVATIONS = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)
@@ -56,16 +57,6 @@ class Seq2SeqConfig:
                               eval_capacity_factor=self.eval_capacity_factor, group_size=self.group_size,
                               second_expert_policy=self.second_expert_policy, dispatch="einsum",
                               aux_loss_weight=self.aux_loss_weight, z_loss_weight=self.z_loss_weight)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axes.NORM,))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps) * self.scale[...]).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -154,6 +145,8 @@ class Unit(nnx.Module):
 class Seq2Seq(nnx.Module):
     """Source bytes -> target bytes; the loss is the target tokens' cross-entropy (PAD excluded; each row's
     mean, averaged over rows) plus the MoE layers' weighted load-balancing (and z) losses."""
+
+    pipeline_stack = "encoder"  # the stack its split wraps (models.task): the decoder pipelines with GPipe only
 
     def __init__(self, cfg: Seq2SeqConfig, rngs: nnx.Rngs):
         if cfg.encoder_layers % 2 or cfg.decoder_layers % 2 or cfg.embed_dim % cfg.num_heads:

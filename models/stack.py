@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -111,37 +112,37 @@ class Stack(nnx.Module):
     """`count` blocks made by `make_block(rngs)`, parameters stacked [count, ...] along the logical axis
     `axis` (default "layers", which the pipeline splits into stages), run as the stack called `name`.
 
-    Calling it runs `block(x, **kwargs)` (or `block(x, row_inputs, **kwargs)` when `row_inputs` is given)
-    through every block in order; a block returns x, or (x, stats) with stats a dict of arrays, which the
-    call returns stacked [count, ...]. Everything a block reads besides x and row_inputs is a constant of
-    the trace (kwargs), the same for every block; inside a block, `models.task.step_key()` is a key of
-    that block's own.
+    Calling it runs `block(x)` (or `block(x, row_inputs)` when `row_inputs` is given: per-row tensors every
+    block reads unchanged) through every block in order; a block returns x, or (x, stats) with stats a dict
+    of arrays, which the call returns stacked [count, ...]. Inside a block, `models.task.step_key()` is a key
+    of that block's own, drawn from the step's key and the stack's name.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
-                 name: str = "layers", axis: str = "layers"):
+                 name: str = "blocks", axis: str = "layers"):
         self.name = name
         self.count = count
         self.blocks = stacked(make_block, count, axis, rngs)
 
-    def __call__(self, x: jax.Array, row_inputs: Any = None, **kwargs) -> tuple[jax.Array, Stats]:
-        layer_fn, inputs = self.units(**kwargs)
+    def __call__(self, x: jax.Array, row_inputs: Any = None) -> tuple[jax.Array, Stats]:
+        layer_fn, inputs = self.units()
         return run(self.name, layer_fn, inputs, x, row_inputs)
 
-    def units(self, **kwargs) -> tuple[LayerFn, Any]:
+    def units(self) -> tuple[LayerFn, Any]:
         """Returns (layer_fn, stacked inputs): one block as a function of its inputs, and every block's inputs
         stacked [count, ...] (its parameters, with a key each when the step has one); what a runner takes."""
         graphdef, state = nnx.split(self.blocks)
         key, train = task.step_key(), task.training()
         params = nnx.to_pure_dict(state)
-        # each block draws from a key of its own (models.task.step_key), split from the step's
+        if key is not None:  # each block draws from a key of its own; two stacks never share one
+            key = jax.random.fold_in(key, zlib.crc32(self.name.encode()) & 0x7FFFFFFF)
         inputs = params if key is None else (params, jax.random.split(key, self.count))
 
         def layer_fn(unit_inputs: Any, h: jax.Array, rows: Any) -> tuple[jax.Array, Stats]:
             unit_params, unit_key = (unit_inputs, None) if key is None else unit_inputs
             block = nnx.merge(graphdef, unit_params)
             with task.step_info(train, unit_key):
-                out = block(h, **kwargs) if rows is None else block(h, rows, **kwargs)
+                out = block(h) if rows is None else block(h, rows)
             return out if isinstance(out, tuple) else (out, {})
 
         return layer_fn, inputs

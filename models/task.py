@@ -31,7 +31,9 @@ LOSS_METHOD = "loss"  # the method the step calls: loss(batch) -> (loss, metrics
 # optional: pipeline_stats_loss(stats) -> (loss, metrics), linear in the stack's stats (e.g. moe_losses);
 # optional: pipeline_units(name) -> (path of the stack's parameters, layer_fn, stacked inputs), for a model
 # whose stack is not a models.stack.Stack.
+# optional: pipeline_stack, the name of the stack the split wraps (a config error where pipeline.stack differs).
 PIPELINE_METHODS = ("pipeline_input", "pipeline_output")
+PIPELINE_STACK = "pipeline_stack"
 
 
 @dataclasses.dataclass(frozen=True)

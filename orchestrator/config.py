@@ -135,7 +135,7 @@ EVAL_SOURCES = ("heldout", "synthetic", "text", "tokens", "arrays")
 class EvalConfig:
     every: int = key(0, "evaluate after every N-th step and the last; 0 = never (nestor eval still works)",
                      minimum=0)
-    steps: int = key(4, "eval batches of train.global_batch x train.seq_len tokens, the same ones every time",
+    steps: int = key(4, "eval batches of train.global_batch rows, the same ones every time",
                      **_POSITIVE)
     source: str = key("heldout", "heldout (the eval split of the data.paths / data.mixture shards) | synthetic | "
                       "text | tokens | arrays (eval.paths)", choices=EVAL_SOURCES)

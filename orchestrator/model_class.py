@@ -97,7 +97,7 @@ def build_model(config: Config, seed: int) -> nnx.Module:
     with nnx.use_eager_sharding(False):  # the job lays parameters out itself (orchestrator.state)
         try:
             model = factory(dataclass(**args), rngs=rngs) if dataclass else factory(**args, rngs=rngs)
-        except TypeError as error:
+        except (TypeError, ValueError) as error:  # arguments the class does not take, or refuses
             target = f"{path}'s {dataclass.__name__}" if dataclass else path
             raise ConfigError([("model.args", f"{target} cannot be built from {args}: {error}")]) from None
     if not isinstance(model, nnx.Module):

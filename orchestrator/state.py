@@ -20,8 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nestor.models import axes
-from nestor.models import task
+from nestor.models import axes, task
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
@@ -81,10 +80,16 @@ SHARDING_AXES = ("fsdp", "tensor")  # the mesh axes that split a model's weight 
 
 def _pipelined_stack_problems(config: Config, model: nnx.Module, mesh: Mesh) -> list[tuple[str, str]]:
     """Returns the problems of pipelining the model's stack `pipeline.stack` over `mesh.pipeline` stages: no
-    stack of that name, or one whose blocks do not split into stages x repeats."""
-    if mesh.shape["pipeline"] == 1:
+    stack of that name (or two), one whose blocks do not split into stages x repeats, and for a schedule that
+    runs the backward pass in its loop a model without the split around that stack (models.task)."""
+    if mesh.shape["pipeline"] == 1 or hasattr(model, "pipeline_units"):  # a model that gives its stack itself
         return []
-    stacks = {node.name: node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)}
+    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+    names = [node.name for node in found]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        return [("model.class", f"two stacks are named {', '.join(map(repr, twice))}: give each Stack a name= of "
+                                "its own")]
+    stacks = {node.name: node for node in found}
     name = config.pipeline.stack
     if name not in stacks:
         return [("pipeline.stack", f"the model has no stack named {name!r} to pipeline; its stacks (models.stack."
@@ -92,12 +97,44 @@ def _pipelined_stack_problems(config: Config, model: nnx.Module, mesh: Mesh) -> 
     schedule = schedule_for(config, mesh.shape["pipeline"])
     problems = [(f"pipeline.{what}" if what != "layers" else "pipeline.stack", f"stack {name!r}: {message}")
                 for what, message in schedule.problems(stacks[name].count)]
+    if not schedule.one_f_one_b:
+        return problems
     missing = [method for method in task.PIPELINE_METHODS if not callable(getattr(model, method, None))]
-    if schedule.one_f_one_b and missing:
+    split_stack = getattr(model, task.PIPELINE_STACK, name)
+    if missing:
         problems.append(("pipeline.schedule", f"{config.pipeline.schedule} runs the backward pass inside its loop, "
                                               f"which needs the model split around its stack: "
                                               f"{type(model).__name__} has no {', '.join(missing)} (docs/models.md); "
                                               "gpipe and circular need nothing more"))
+    elif split_stack != name:
+        problems.append(("pipeline.stack", f"{config.pipeline.schedule} runs {type(model).__name__}'s split around "
+                                           f"its stack {split_stack!r} (its {task.PIPELINE_STACK}), not {name!r}; "
+                                           f"pipeline {split_stack!r}, or {name!r} with gpipe or circular"))
+    return problems
+
+
+def _unpipelined_stacks_whole(config: Config, model: nnx.Module, logical: dict) -> dict:
+    """Returns the logical axes with the stacking dimension of every stack the pipeline does not split
+    replicated (None): those stacks run on every stage, so their blocks are not spread over the stages."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Stack) and node.name != config.pipeline.stack:
+            subtree = logical
+            for part in (*path, "blocks")[:-1]:
+                subtree = subtree[part]
+            subtree["blocks"] = jax.tree.map(lambda names: (None, *names[1:]), subtree["blocks"],
+                                             is_leaf=is_logical_axes)
+    return logical
+
+
+def trained_variable_problems(state: nnx.State) -> list[tuple[str, str]]:
+    """Returns a problem for each variable of a model of the user's that is neither a parameter nor an expert
+    bias: the step trains nnx.Param and keeps nothing else (RNG state, batch statistics)."""
+    problems = []
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Param):
+            problems.append(("model.class", f"{'/'.join(map(str, path))} is an {type(var).__name__}; the step trains "
+                                            "nnx.Param variables and keeps no other state (use models.task.step_key "
+                                            "for randomness; no batch statistics)"))
     return problems
 
 
@@ -107,8 +144,7 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
     without logical names where the mesh splits parameters, a dimension its mesh axes do not divide, a stack
     the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
     (`batch_axes`) nor nestor's activations use."""
-    problems = _pipelined_stack_problems(config, model, mesh)
-    stack_reported = bool(problems)  # a stack that does not split over the stages: said once, not per parameter
+    problems = _pipelined_stack_problems(config, model, mesh)  # the stages' split, said once per stack
     splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
     names: set[str] = set()
     for path, var in nnx.to_flat_state(state):
@@ -123,13 +159,20 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
                                                 "(nnx.with_partitioning(init, ('embed', 'mlp')), docs/models.md)"))
             continue
         names.update(name for name in logical if name)
+        dims = [name for name in logical if name != axes.LAYERS]  # a stack's leading dimension aside
+        own = [name for name in dims if name]
+        if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
+            problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
+                                            f"rule maps any of those names while {', '.join(splitting)} would "
+                                            "split it: map them with mesh.rules (e.g. {model: tensor}) or use "
+                                            "nestor's names (docs/models.md)"))
         spec = partition_spec(logical, rules)
         for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
-            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            shards = math.prod(mesh.shape[axis] for axis in axes)
-            if size % shards and not (stack_reported and "pipeline" in axes):
+            mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            shards = math.prod(mesh.shape[axis] for axis in mesh_axes)
+            if size % shards and "pipeline" not in mesh_axes:
                 problems.append(("model.class", f"parameter {where} {list(shape)}: its {name!r} dimension of {size} "
-                                                f"does not split over {' x '.join(f'mesh.{a}' for a in axes)} "
+                                                f"does not split over {' x '.join(f'mesh.{a}' for a in mesh_axes)} "
                                                 f"(= {shards}); change mesh.rules.{name} or the mesh"))
     known = names | batch_axes | set(DEFAULT_RULES)
     for name in config.mesh.rules:
@@ -187,9 +230,12 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
     graphdef, abstract_bias, abstract_params = split_model(abstract_model)
     if not config.model.builtin_lm:
-        if problems := layout_problems(config, abstract_model, abstract_params, mesh, rules, batch_axes):
+        if problems := (trained_variable_problems(abstract_params)
+                        or layout_problems(config, abstract_model, abstract_params, mesh, rules, batch_axes)):
             raise ConfigError(problems)
     logical, params_shape = _logical_and_values(abstract_params)
+    if not config.model.builtin_lm:
+        logical = _unpipelined_stacks_whole(config, abstract_model, logical)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
     optimizer = make_optimizer(config, logical)
     opt_shape = jax.eval_shape(optimizer.init, params_shape)

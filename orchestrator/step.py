@@ -114,19 +114,19 @@ def _accumulated_grads(grad_fn: GradFn, params: dict, batch: Batch, key: jax.Arr
     draws its random numbers from `fold_in(key, i)`, so no two micro-batches draw the same."""
     if accum == 1:
         (loss, metrics), grads = grad_fn(params, batch, key=key)
-        return grads, {"loss": loss, **metrics}
+        return grads, {**metrics, "loss": loss}  # a metric of the model's never hides the loss
     micro = micro_batches(batch, accum)
 
     def body(carry, inputs):
         index, micro_batch = inputs
         (loss, metrics), grads = grad_fn(params, pin(micro_batch), key=jax.random.fold_in(key, index))
-        summed = jax.tree.map(jnp.add, carry, (grads, {"loss": loss, **metrics}))
+        summed = jax.tree.map(jnp.add, carry, (grads, {**metrics, "loss": loss}))
         return summed, None
 
     first = jax.tree.map(lambda value: value[0], micro)
     (loss_shape, metrics_shape), grads_shape = jax.eval_shape(functools.partial(grad_fn, key=key), params, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         (grads_shape, {"loss": loss_shape, **metrics_shape}))
+                         (grads_shape, {**metrics_shape, "loss": loss_shape}))
     (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
     return jax.tree.map(lambda g: g / accum, (grads, metrics))
 

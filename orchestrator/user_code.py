@@ -54,10 +54,16 @@ def code_paths(import_paths: list[str]) -> tuple[str, ...]:
     for path in import_paths:
         top = path.partition(":")[0].split(".")[0]
         spec = importlib.util.find_spec(top) if top and top != "nestor" else None  # nestor travels anyway
-        if spec is None or spec.origin is None:
+        if spec is None:
             continue
-        source = Path(spec.origin).resolve()
-        shipped = source.parent if spec.submodule_search_locations else source
+        if spec.origin is None:  # a namespace package: its directory
+            locations = list(spec.submodule_search_locations or [])
+            if not locations:
+                continue
+            shipped = Path(locations[0]).resolve()
+        else:
+            source = Path(spec.origin).resolve()
+            shipped = source.parent if spec.submodule_search_locations else source
         if shipped.is_relative_to(root) and str(shipped) not in found:
             found.append(str(shipped))
     return tuple(found)

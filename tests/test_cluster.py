@@ -476,5 +476,7 @@ def test_staging_ships_the_users_modules_beside_nestors_and_refuses_a_clash(tmp_
     assert (staged / "mine.py").read_text() == "X = 1\n" and (staged / "mypackage" / "__init__.py").exists()
     assert (staged / "orchestrator" / "cli.py").exists() and (staged / "nestor" / "__init__.py").exists()
     (tmp_path / "models").mkdir()
-    with pytest.raises(ClusterError, match="would shadow nestor's 'models'"):
-        stage_project(tmp_path / "again", (str(tmp_path / "models"),))
+    (tmp_path / "cluster.py").write_text("")
+    for clash in ("models", "cluster.py"):  # a module would lose to nestor's package of its name
+        with pytest.raises(ClusterError, match=f"would clash with nestor's '{clash.removesuffix('.py')}'"):
+            stage_project(tmp_path / f"again-{clash}", (str(tmp_path / clash),))

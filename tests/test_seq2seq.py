@@ -15,7 +15,7 @@ SMALL = ("model.args.embed_dim=32", "model.args.mlp_dim=64", "model.args.num_exp
          "train.global_batch=16", "optimizer.warmup_steps=2", "eval.every=5", "eval.steps=1", "train.log_every=1",
          "data.args.rows=256", "data.args.source_length=12", "data.args.target_length=12",
          "cluster.devices_per_host=8", "run.compile_cache=null", COMPARABLE_ADAM)
-DETERMINISTIC = ("model.args.second_expert_policy=all",)  # a pipeline's micro-batches draw their own noise
+DETERMINISTIC = ("model.args.second_expert_policy=all",)  # a pipeline's micro-batches draw noise for their rows
 
 
 def m4_config(*overrides: str, **dotted):
@@ -58,3 +58,12 @@ def test_the_synthetic_task_reverses_each_sentence():
     for source, target in zip(task["source"], task["target"]):
         text = bytes(int(t) - 2 for t in source if t).decode()
         assert bytes(int(t) - 2 for t in target[1:] if t).decode() == text[::-1]
+
+
+def test_a_1f1b_schedule_pipelines_the_stack_the_models_split_wraps():
+    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.explain import explain
+
+    with pytest.raises(ConfigError, match="runs Seq2Seq's split around its stack 'encoder'"):
+        explain(m4_config("pipeline.stack=decoder", "pipeline.schedule=1f1b", "pipeline.microbatches=2",
+                          **mesh_overrides(pipeline=2, data=4)))

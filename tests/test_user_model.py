@@ -236,6 +236,14 @@ def test_a_users_model_with_nestors_moe_layers_trains_on_an_expert_mesh_as_on_on
 UNNAMED = MODEL.replace('dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))',
                         'nnx.Param(jnp.zeros((cfg.width, cfg.classes)))')
 NO_LOSS = MODEL.replace("def loss(self, batch):", "def forward(self, batch):")
+TWO_STACKS = MODEL.replace(
+    '        self.head = dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))',
+    '        self.head = dense(rngs, (cfg.width, cfg.classes), ("embed", "classes"))\n'
+    '        self.more = Stack(lambda r: Block(cfg, r), cfg.depth, rngs=rngs, name="blocks")')
+DROPOUT = MODEL.replace(
+    "        self.scale = nnx.Param(jnp.ones((cfg.width,)))",
+    "        self.scale = nnx.Param(jnp.ones((cfg.width,)))\n        self.dropout = nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=0))")
+GUIDE_NAMES = MODEL.replace('("embed", "classes"))', '("model", "classes"))')  # mesh axis names as Flax's guide
 UNSPLIT = MODEL.replace("def pipeline_input(self, batch):", "def embed_batch(self, batch):").replace(
     "self.pipeline_input(batch)", "self.embed_batch(batch)")
 LOGITS = MODEL.replace("        return loss, {", "        return logits\n        return loss, {")
@@ -259,6 +267,11 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("mesh.pipeline=2", "model.args.depth=3"), "mlp", MODEL, "pipeline.stack",
      "stack 'blocks': 3 layers do not split into 2 stages"),
     (("data.source=synthetic",), "mlp", MODEL, "data.source", "reads named arrays"),
+    (("mesh.pipeline=2", "model.class=twostacks:MLP"), "twostacks", TWO_STACKS, "model.class",
+     "two stacks are named 'blocks'"),
+    (("model.class=dropout:MLP",), "dropout", DROPOUT, "model.class", "the step trains nnx.Param"),
+    (("model.class=guide:MLP",), "guide", GUIDE_NAMES, "model.class",
+     "is named ('model', 'classes'), and no rule maps any of those names"),
     (("data.source=python",), "mlp", MODEL, "data.factory", "data.source=python needs module:function"),
     (("data.source=python", "data.factory=mlp:MLPConfig"), "mlp", MODEL, "data.args", "cannot be called"),
     (("eval.every=2", "eval.source=text", "eval.paths=[my.yaml]"), "mlp", MODEL, "eval.source",
@@ -284,7 +297,8 @@ def test_the_console_script_reports_a_users_mistake_in_one_line_with_exit_2(user
 def test_the_users_code_a_remote_cluster_receives_is_what_the_run_imports_from_its_directory(user_dir):
     from nestor.orchestrator.model_class import user_code_paths
 
-    assert user_code_paths(user_config()) == (str(user_dir / "mlp.py"),)
+    write_user_directory(user_dir, "shipped", MODEL)  # a module no other test imported from elsewhere
+    assert user_code_paths(user_config("model.class=shipped:MLP")) == (str(user_dir / "shipped.py"),)
     vit = user_config("model.class=nestor.models.vit:ViT", "data.source=python",
                       "data.factory=nestor.orchestrator.data.examples:digits")
     assert user_code_paths(vit) == ()  # nestor's own models travel with nestor

@@ -3,9 +3,10 @@
 `data.source: arrays`: `data.paths` names `.npz` files or directories of `.npy` files (one per field, opened
 memory-mapped), all fields of all paths with the same names and the same number of rows; the paths' rows
 are concatenated in the order given. `data.source: python`: `data.factory` (module:function) returns the
-arrays of a split itself. Row r of step s reads the example a seeded permutation of the examples puts at position
-s x global_batch + r, a new permutation every epoch (orchestrator.data.order): a pure function of
-(run.seed, s, r), so any mesh and host count see the same batches, and each process reads only its rows.
+arrays of a split itself (called once per process and split, the arrays then held in memory). Row r of
+step s reads the example a seeded permutation of the examples puts at position s x global_batch + r, a new
+permutation every epoch (orchestrator.data.order): a pure function of (run.seed, s, r), so any mesh and
+host count see the same batches, and each process reads only its rows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def _open(path: Path, key: str) -> dict[str, np.ndarray]:
         raise ConfigError([(key, f"{path} is not an .npz file or a directory of .npy files")])
     with np.load(path) as archive:
         return {name: archive[name] for name in archive.files}
+
+
+_FACTORY_ARRAYS: dict[str, dict[str, np.ndarray]] = {}  # data.factory's arrays by (factory, args, split)
 
 
 class ArraySource:
@@ -72,17 +76,19 @@ class ArraySource:
     def from_factory(cls, config: Config, split: str) -> ArraySource:
         """Returns the source of `data.factory(split=split, **data.args)`: a dict of named arrays, rows first
         (`data.source: python`); `split` is "train", or "eval" for the held-out rows (eval.source: heldout)."""
-        factory = import_object(config.data.factory or "", "data.factory", "mypackage.data:images")
-        try:
-            arrays = factory(split=split, **dict(config.data.args))
-        except TypeError as error:
-            raise ConfigError([("data.args", f"{config.data.factory}(split={split!r}, **{dict(config.data.args)}) "
-                                             f"cannot be called: {error}")]) from None
-        if not isinstance(arrays, dict) or not arrays:
-            raise ConfigError([("data.factory", f"{config.data.factory} returned {type(arrays).__name__}; it must "
-                                                "return a dict of named arrays, rows first")])
-        arrays = {str(name): np.asarray(value) for name, value in arrays.items()}
         origin = f"factory:{config.data.factory}:{sorted(dict(config.data.args).items())}:{split}"
+        if origin not in _FACTORY_ARRAYS:  # a job asks for its fields and its rows: the factory runs once
+            factory = import_object(config.data.factory or "", "data.factory", "mypackage.data:images")
+            try:
+                arrays = factory(split=split, **dict(config.data.args))
+            except TypeError as error:
+                raise ConfigError([("data.args", f"{config.data.factory}(split={split!r}, **"
+                                                 f"{dict(config.data.args)}) cannot be called: {error}")]) from None
+            if not isinstance(arrays, dict) or not arrays:
+                raise ConfigError([("data.factory", f"{config.data.factory} returned {type(arrays).__name__}; it "
+                                                    "must return a dict of named arrays, rows first")])
+            _FACTORY_ARRAYS[origin] = {str(name): np.asarray(value) for name, value in arrays.items()}
+        arrays = _FACTORY_ARRAYS[origin]
         return cls(config, [(f"{config.data.factory}(split={split!r})", arrays)], "data.factory", origin)
 
     def example_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

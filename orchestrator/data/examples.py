@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
 from nestor.orchestrator.config import ConfigError
@@ -11,7 +14,7 @@ SPLITS = ("train", "eval")
 
 
 def digits(split: str = "train", eval_fraction: float = 0.2, seed: int = 0) -> dict[str, np.ndarray]:
-    """Returns scikit-learn's handwritten digits (1,797 images of 8 x 8 pixels, UCI; `load_digits`) as
+    """Returns scikit-learn's handwritten digits (8 x 8 grayscale images, UCI; `load_digits`) as
     {"image" float32 [n, 8, 8, 1] in [0, 1], "label" int32 [n]}: the `eval` split is a fixed `eval_fraction`
     of the images (a permutation by `seed`), `train` the rest."""
     if split not in SPLITS:
@@ -46,9 +49,6 @@ def translation(split: str = "train", paths: tuple[str, ...] = (), source_length
     """Returns source/target pairs of JSONL files (`paths`; one {"source": ..., "target": ...} object a line)
     as byte tokens: "source" int32 [n, source_length], "target" int32 [n, target_length + 1] opening with
     BOS (models.seq2seq). The `eval` split is a fixed `eval_fraction` of the pairs (a permutation by `seed`)."""
-    import json
-    from pathlib import Path
-
     if split not in SPLITS:
         raise ConfigError([("data.factory", f"translation has the splits {', '.join(SPLITS)}, not {split!r}")])
     if not paths:

@@ -62,7 +62,9 @@ def eval_source(config: Config):
 
 def eval_fields(config: Config) -> dict[str, Field]:
     """Returns the fields of the eval batches (those of `eval.source`'s data; heldout is the training data's)."""
-    return batch_fields(config, config.data.source if config.eval.source == "heldout" else config.eval.source)
+    if config.eval.source == "heldout":
+        return batch_fields(config, config.data.source)
+    return batch_fields(config, config.eval.source, config.eval.paths, "eval.paths")
 
 
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
@@ -111,5 +113,5 @@ class Evaluator:
         results = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
                    for index in range(self.config.eval.steps)]
         loss, metrics = jax.tree.map(lambda *values: jnp.mean(jnp.stack(values)), *results)
-        return {"eval_loss": loss, "eval_perplexity": jnp.exp(loss),
-                **{f"eval_{name}": value for name, value in metrics.items()}}
+        return {**{f"eval_{name}": value for name, value in metrics.items()},
+                "eval_loss": loss, "eval_perplexity": jnp.exp(loss)}  # a metric of the model's never hides them
