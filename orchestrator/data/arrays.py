@@ -35,7 +35,9 @@ def _open(path: Path, key: str) -> dict[str, np.ndarray]:
         return {name: archive[name] for name in archive.files}
 
 
-_FACTORY_ARRAYS: dict[str, dict[str, np.ndarray]] = {}  # data.factory's arrays by (factory, args, split)
+# The arrays a process has loaded, by where from (an .npz file and its mtime, a factory call): a job asks for
+# its batches' fields and then its rows, so each file is read and each factory runs once.
+_LOADED: dict[str, dict[str, np.ndarray]] = {}
 
 
 class ArraySource:
@@ -70,14 +72,21 @@ class ArraySource:
         """Returns the source of `.npz` files and directories of `.npy` files (`data.source: arrays`)."""
         if not paths:
             raise ConfigError([(key, "data.source=arrays needs .npz files or directories of .npy files")])
-        return cls(config, [(p, _open(Path(p).expanduser(), key)) for p in paths], key, "paths")
+        parts = []
+        for p in paths:
+            path = Path(p).expanduser()
+            loaded = f"path:{path.resolve()}:{path.stat().st_mtime_ns if path.exists() else None}"
+            if loaded not in _LOADED:
+                _LOADED[loaded] = _open(path, key)
+            parts.append((p, _LOADED[loaded]))
+        return cls(config, parts, key, "paths")
 
     @classmethod
     def from_factory(cls, config: Config, split: str) -> ArraySource:
         """Returns the source of `data.factory(split=split, **data.args)`: a dict of named arrays, rows first
         (`data.source: python`); `split` is "train", or "eval" for the held-out rows (eval.source: heldout)."""
         origin = f"factory:{config.data.factory}:{sorted(dict(config.data.args).items())}:{split}"
-        if origin not in _FACTORY_ARRAYS:  # a job asks for its fields and its rows: the factory runs once
+        if origin not in _LOADED:
             factory = import_object(config.data.factory or "", "data.factory", "mypackage.data:images")
             try:
                 arrays = factory(split=split, **dict(config.data.args))
@@ -87,8 +96,8 @@ class ArraySource:
             if not isinstance(arrays, dict) or not arrays:
                 raise ConfigError([("data.factory", f"{config.data.factory} returned {type(arrays).__name__}; it "
                                                     "must return a dict of named arrays, rows first")])
-            _FACTORY_ARRAYS[origin] = {str(name): np.asarray(value) for name, value in arrays.items()}
-        arrays = _FACTORY_ARRAYS[origin]
+            _LOADED[origin] = {str(name): np.asarray(value) for name, value in arrays.items()}
+        arrays = _LOADED[origin]
         return cls(config, [(f"{config.data.factory}(split={split!r})", arrays)], "data.factory", origin)
 
     def example_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
