@@ -21,6 +21,7 @@ HEADS = "heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 NORM = "norm"
+BIAS = "bias"  # a bias's own dimension (its heads, if any, are named apart): replicated, never weight-decayed
 LAYERS = "layers"
 DENSE_LAYERS = "dense_layers"  # the stack of an MoE model's first dense layers
 EXPERT = "expert"

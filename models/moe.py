@@ -62,7 +62,8 @@ class MoELayerConfig:
     group_size: int = 0               # tokens per routing group; 0 = one group per sequence
     second_expert_policy: str = "all"  # all | random
     dispatch: str = "sort"            # sort | einsum (GShard's reference)
-    router: str = "softmax"           # softmax | sigmoid (scores for selection; gates renormalised over the top k)
+    router: str = "softmax"           # softmax | sigmoid (scores for selection)
+    normalize_gates: bool = True      # k > 1: the chosen experts' gates renormalised to sum to one
     expert_mlp_dim: int = 0           # hidden width of each expert; 0 = the model's mlp_dim
     shared_experts: int = 0           # nestor's LM: always-on experts, one SwiGLU of shared_experts x expert width
     first_dense_layers: int = 0       # nestor's LM: the first layers are dense (DeepSeek-V3); `every` counts the rest
@@ -138,15 +139,16 @@ class Routing(NamedTuple):
     stats: Stats
 
 
-def top_k_gates(probs: jax.Array, top_k: int,
-                selection_bias: jax.Array | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
+def top_k_gates(probs: jax.Array, top_k: int, selection_bias: jax.Array | None = None,
+                normalize: bool = True) -> tuple[list[jax.Array], list[jax.Array]]:
     """Returns (experts, gates): per choice, the chosen expert [g, s] (int32) and its gate [g, s].
 
     `probs` are router scores in [0, 1] (softmax probabilities or sigmoids).
     Choices come in order of score plus `selection_bias` [experts] (none: 0;
     equal scores: the lower expert first); the gates are the scores without
-    it. With k > 1 the gates are renormalised
-    to sum to one over the chosen experts (GShard's g1 / (g1 + g2)); with k = 1
+    it. With k > 1 and `normalize` the gates are renormalised
+    to sum to one over the chosen experts (GShard's g1 / (g1 + g2), Mixtral's;
+    Qwen3-MoE's `norm_topk_prob: false` keeps the scores); with k = 1
     the gate stays the router probability, as in the Switch Transformer (arXiv
     2101.03961), since a renormalised single gate would always be 1 and the
     router would get no gradient from the model's output.
@@ -163,7 +165,7 @@ def top_k_gates(probs: jax.Array, top_k: int,
         experts.append(expert)
         gates.append(jnp.take_along_axis(probs, expert[..., None], axis=-1)[..., 0])
         remaining = jnp.where(expert_ids == expert[..., None], -jnp.inf, remaining)  # leaves the next choices
-    if top_k > 1:
+    if top_k > 1 and normalize:
         total = sum(gates)
         gates = [gate / total for gate in gates]
     return experts, gates
@@ -231,13 +233,14 @@ class Choices(NamedTuple):
 
 
 def choose(logits: jax.Array, *, top_k: int, routing_key: jax.Array | None = None, router: str = "softmax",
-           selection_bias: jax.Array | None = None) -> Choices:
+           selection_bias: jax.Array | None = None, normalize: bool = True) -> Choices:
     """Returns each token's top-k choices of experts for router `logits` [groups, tokens, experts]: the
     routing decision every dispatch shares, and its statistics (`assign` adds the drops).
 
     `routing_key` turns on random routing of the later choices (see
     `random_routing`); `router` picks the scores (see `router_scores`);
     `selection_bias` [experts] shifts which experts are chosen (see
+    `top_k_gates`), `normalize` whether the gates are renormalised (see
     `top_k_gates`). Statistics: `moe_aux_loss`, `moe_z_loss`,
     `moe_dropped_fraction` (0: nothing is dropped yet) and
     `moe_tokens_per_expert` [experts] (assignments each expert was asked for).
@@ -245,7 +248,7 @@ def choose(logits: jax.Array, *, top_k: int, routing_key: jax.Array | None = Non
     logits = logits.astype(jnp.float32)
     num_experts = logits.shape[-1]
     scores, probs = router_scores(logits, router)  # [groups, tokens, experts]
-    experts, gates = top_k_gates(scores, top_k, selection_bias)
+    experts, gates = top_k_gates(scores, top_k, selection_bias, normalize)
     if routing_key is not None and top_k > 1:
         routed = random_routing(gates, routing_key)
     else:
@@ -265,7 +268,7 @@ def choose(logits: jax.Array, *, top_k: int, routing_key: jax.Array | None = Non
 
 
 def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
-           router: str = "softmax", selection_bias: jax.Array | None = None) -> Assignment:
+           router: str = "softmax", selection_bias: jax.Array | None = None, normalize: bool = True) -> Assignment:
     """Returns each choice's expert, slot, kept flag and gate, and the statistics, of `choose`'s decisions
     for router `logits` [groups, tokens, experts] (the same keywords).
 
@@ -274,7 +277,8 @@ def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arr
     `capacity` or beyond is dropped. `moe_dropped_fraction` is dropped
     assignments / routed assignments (for k = 1 the share of tokens dropped).
     """
-    choices = choose(logits, top_k=top_k, routing_key=routing_key, router=router, selection_bias=selection_bias)
+    choices = choose(logits, top_k=top_k, routing_key=routing_key, router=router, selection_bias=selection_bias,
+                     normalize=normalize)
     gates, stats = choices.gates, choices.stats
     filled = jnp.zeros((logits.shape[0], logits.shape[2]), jnp.float32)  # [groups, experts] slots taken
     experts, slots, kept = [], [], []
@@ -292,10 +296,10 @@ def assign(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Arr
 
 
 def route(logits: jax.Array, *, top_k: int, capacity: int, routing_key: jax.Array | None = None,
-          router: str = "softmax", selection_bias: jax.Array | None = None) -> Routing:
+          router: str = "softmax", selection_bias: jax.Array | None = None, normalize: bool = True) -> Routing:
     """Returns GShard's one-hot dispatch and combine tensors, and the statistics, of `assign`'s decisions."""
     assignment = assign(logits, top_k=top_k, capacity=capacity, routing_key=routing_key, router=router,
-                        selection_bias=selection_bias)
+                        selection_bias=selection_bias, normalize=normalize)
     num_experts = logits.shape[-1]
     dispatch = combine = jnp.zeros((*logits.shape, capacity), jnp.float32)
     for expert, slot, kept, gate in zip(assignment.experts, assignment.slots, assignment.kept, assignment.gates):
@@ -526,7 +530,7 @@ class MoEFeedForward(nnx.Module):
                         routing_key: jax.Array | None) -> tuple[jax.Array, Stats]:
         """Returns (output [groups, tokens, embed], stats) through GShard's one-hot dispatch and combine einsums."""
         routing = route(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
-                        router=self.moe.router, selection_bias=self.bias())
+                        router=self.moe.router, selection_bias=self.bias(), normalize=self.moe.normalize_gates)
         expert_inputs = jnp.einsum("gsec,gsm->egcm", routing.dispatch.astype(grouped.dtype), grouped)
         expert_outputs = self.experts_across_devices(expert_inputs)
         return jnp.einsum("gsec,egcm->gsm", routing.combine.astype(grouped.dtype), expert_outputs), routing.stats
@@ -537,7 +541,7 @@ class MoEFeedForward(nnx.Module):
         groups, _, dim = grouped.shape
         experts = self.moe.num_experts
         assignment = assign(logits, top_k=self.moe.top_k, capacity=capacity, routing_key=routing_key,
-                            router=self.moe.router, selection_bias=self.bias())
+                            router=self.moe.router, selection_bias=self.bias(), normalize=self.moe.normalize_gates)
         slots = flat_slots(assignment, experts, capacity)  # [groups, choices, tokens]
         owners = slot_owners(slots, experts * capacity)  # [groups, experts x capacity]
         slot_inputs = gather_into_slots(grouped, slots, owners)  # [groups, experts x capacity, embed]
@@ -554,7 +558,7 @@ class MoEFeedForward(nnx.Module):
         groups, tokens_per_group, dim = grouped.shape
         top_k = self.moe.top_k
         choices = choose(logits, top_k=top_k, routing_key=routing_key, router=self.moe.router,
-                         selection_bias=self.bias())
+                         selection_bias=self.bias(), normalize=self.moe.normalize_gates)
         routed = jnp.stack(choices.routed, axis=-1).reshape(-1, top_k)
         experts = jnp.where(routed > 0, jnp.stack(choices.experts, axis=-1).reshape(-1, top_k),
                             self.moe.num_experts)  # [groups x tokens, k]; not routed: no expert

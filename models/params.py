@@ -29,3 +29,8 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str | None
     """Returns a float32 normal-initialised parameter named by `logical_axes` (None = never sharded)."""
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value, logical_axes=logical_axes)
+
+
+def bias(shape: tuple[int, ...], logical_axes: tuple[str | None, ...]) -> nnx.Param:
+    """Returns a float32 zero-initialised bias named by `logical_axes`."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), logical_axes=logical_axes)

@@ -38,10 +38,23 @@ from jax.ad_checkpoint import checkpoint_name
 from nestor.models import axes, ops, remat_names, stack, task
 from nestor.models.axes import constrain
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, moe_losses
-from nestor.models.params import param
+from nestor.models.params import bias, param
 from nestor.models.stack import LayerFn, stacked
 
 Stats = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling ("llama3"): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, and those between are
+    interpolated smoothly (as transformers' `_compute_llama3_parameters`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +68,10 @@ class TransformerConfig:
     mlp_dim: int
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False   # biases on the query, key and value projections (Qwen2)
+    out_bias: bool = False   # a bias on the attention's output projection
+    qk_norm: bool = False    # RMSNorm over each head of the queries and keys before RoPE (Qwen3)
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"
@@ -89,11 +106,26 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.Array:
-    """Returns x [batch, length, heads, head_dim] rotated by position (RoPE, arXiv 2104.09864); the
-    first of the `length` positions is `offset` (a decoding step's place in the sequence)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Returns RoPE's inverse frequencies [head_dim / 2] in float32, scaled by `scaling` when given."""
+    inverse_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return inverse_freq
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inverse_freq
+    scaled = jnp.where(wavelength > context / scaling.low_freq_factor, inverse_freq / scaling.factor, inverse_freq)
+    smooth = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelength >= context / scaling.high_freq_factor) & (wavelength <= context / scaling.low_freq_factor)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotary(x: jax.Array, theta: float, offset: int | jax.Array = 0, scaling: RopeScaling | None = None) -> jax.Array:
+    """Returns x [batch, length, heads, head_dim] rotated by position (RoPE, arXiv 2104.09864, in the
+    "rotate half" form that pairs dimension i with i + head_dim / 2); the first of the `length` positions
+    is `offset` (a decoding step's place in the sequence)."""
     length, head_dim = x.shape[1], x.shape[-1]
-    inverse_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inverse_freq = rope_frequencies(head_dim, theta, scaling)
     positions = jnp.arange(length, dtype=jnp.float32) + offset
     angles = positions[:, None] * inverse_freq[None, :]  # [length, head_dim/2]
     sin = jnp.sin(angles)[None, :, None, :]
@@ -134,6 +166,15 @@ class Attention(nnx.Module):
         self.key = param(rngs, (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), std)
         self.value = param(rngs, (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), std)
         self.out = param(rngs, (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), out_std)
+        if cfg.qkv_bias:
+            self.query_bias = bias((h, k), (axes.HEADS, axes.BIAS))
+            self.key_bias = bias((g, k), (axes.KV_HEADS, axes.BIAS))
+            self.value_bias = bias((g, k), (axes.KV_HEADS, axes.BIAS))
+        if cfg.out_bias:
+            self.out_bias = bias((d,), (axes.BIAS,))
+        if cfg.qk_norm:
+            self.query_norm = RMSNorm(k, cfg.norm_eps)
+            self.key_norm = RMSNorm(k, cfg.norm_eps)
         self.cfg = cfg
 
     def project(self, x: jax.Array, offset: int | jax.Array = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -142,19 +183,32 @@ class Attention(nnx.Module):
         cfg = self.cfg
         dtype = cfg.compute_dtype
         einsum = ops.einsum
-        q = checkpoint_name(einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), remat_names.QUERY_PROJ)
-        k = checkpoint_name(einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), remat_names.KEY_PROJ)
-        v = checkpoint_name(einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), remat_names.VALUE_PROJ)
-        q = constrain(rotary(q, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        k = constrain(rotary(k, cfg.rope_theta, offset), (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
+        q = einsum("btd,dhk->bthk", x, self.query[...].astype(dtype))
+        k = einsum("btd,dgk->btgk", x, self.key[...].astype(dtype))
+        v = einsum("btd,dgk->btgk", x, self.value[...].astype(dtype))
+        if cfg.qkv_bias:
+            q, k, v = (projection + b[...].astype(dtype)
+                       for projection, b in zip((q, k, v), (self.query_bias, self.key_bias, self.value_bias)))
+        q = checkpoint_name(q, remat_names.QUERY_PROJ)
+        k = checkpoint_name(k, remat_names.KEY_PROJ)
+        v = checkpoint_name(v, remat_names.VALUE_PROJ)
+        if cfg.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)
+        q = constrain(rotary(q, cfg.rope_theta, offset, cfg.rope_scaling),
+                      (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
+        k = constrain(rotary(k, cfg.rope_theta, offset, cfg.rope_scaling),
+                      (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         return q, k, v
 
     def output(self, context: jax.Array) -> jax.Array:
         """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
         context = constrain(context, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        return checkpoint_name(ops.einsum("bthk,hkd->btd", context, self.out[...].astype(self.cfg.compute_dtype)),
-                               remat_names.OUT_PROJ)
+        dtype = self.cfg.compute_dtype
+        out = ops.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype))
+        if self.cfg.out_bias:
+            out = out + self.out_bias[...].astype(dtype)
+        return checkpoint_name(out, remat_names.OUT_PROJ)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]

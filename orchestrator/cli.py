@@ -1,4 +1,4 @@
-"""The `nestor` command: train, explain, eval, sample, submit, status, stop, data prepare."""
+"""The `nestor` command: train, explain, eval, sample, logits, export, submit, status, stop, data prepare."""
 
 from __future__ import annotations
 
@@ -122,6 +122,50 @@ def _sample(config, args) -> int:
     return 0
 
 
+def _logits(config, args) -> int:
+    import numpy as np
+
+    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.evaluation.commands import logits_of
+    from nestor.orchestrator.runtime import configure_jax
+
+    try:
+        tokens = np.load(args.tokens)
+    except (OSError, ValueError) as error:
+        raise ConfigError([("--tokens", f"{args.tokens} is no .npy array: {error}")]) from None
+    configure_jax(config)
+    logits, source = logits_of(config, tokens)
+    import jax
+
+    if jax.process_index() == 0:
+        np.save(args.out, logits)
+        print(f"logits {list(logits.shape)} of {shown(source)} -> {shown(args.out)}")
+    return 0
+
+
+def _export(args) -> int:
+    from nestor.orchestrator.hf.export import export
+    from nestor.orchestrator.runtime import configure_jax
+
+    config = export_config(args)
+    configure_jax(config)
+    written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb)
+    print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {written.files} "
+          f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
+    return 0
+
+
+def export_config(args):
+    """Returns the config of the run in `args.run_dir` (its config.yaml), with `args.overrides` (a mesh that
+    fits this machine, say) layered over it."""
+    from nestor.orchestrator.config import ConfigError, load
+
+    saved = Path(args.run_dir).expanduser() / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError([("RUN_DIR", f"{shown(saved)} does not exist: name a run directory of nestor train")])
+    return load(saved, args.overrides)
+
+
 def _submit(config, args) -> int:
     import yaml
 
@@ -239,10 +283,24 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=_non_negative, default=0.0, help="0 = greedy")
     sample.add_argument("--top-k", type=_non_negative_int, default=0, help="draw from the K likeliest; 0 = all")
     sample.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the draws")
+    logits = commands.add_parser("logits", help="write the logits of run.dir's newest checkpoint (or model.init_from) "
+                                                "for given token rows")
+    logits.add_argument("--tokens", required=True, help="a .npy of int token ids [rows, length]")
+    logits.add_argument("--out", required=True, help="the .npy to write, float32 [rows, length, vocab]")
+    export = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face checkpoint")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its config.yaml and checkpoints/)")
+    export.add_argument("--to", required=True, choices=("hf",), help="the format: hf (config.json, safetensors)")
+    export.add_argument("--out", required=True, help="the directory to write (created; must be empty)")
+    export.add_argument("--step", type=_non_negative_int, help="the checkpoint (default: the newest)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the tensors' dtype")
+    export.add_argument("--max-shard-gb", type=_positive(float), default=5.0, help="the most GB per file")
+    export.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
+                        help="overrides of the run's config (a mesh that fits the devices here)")
+    export.set_defaults(handler=_export)
     submit = commands.add_parser("submit", help="submit a training job to a running Ray cluster (Jobs API)")
     submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
     for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
-                             (submit, _submit)):
+                             (logits, _logits), (submit, _submit)):
         command.add_argument("config", help="run YAML, e.g. configs/quickstart.yaml")
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
@@ -289,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.handler is None:
             return _job_command(args)
-        if args.command == "data":
+        if args.command in ("data", "export"):
             return args.handler(args)
         config = load(args.config, args.overrides)
         return args.handler(config, args)

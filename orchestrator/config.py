@@ -24,6 +24,7 @@ from nestor.orchestrator import config_keys
 from nestor.orchestrator.config_keys import FIELD_NAMES, INT32_MAX, YAML_NAMES, Key, hints, key  # noqa: F401
 from nestor.orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from nestor.orchestrator.health import HISTORY as HEALTH_HISTORY
+from nestor.orchestrator.hf.config import sections
 from nestor.orchestrator.validation import validate
 from nestor.parallel.rules import MESH_AXES
 
@@ -52,6 +53,8 @@ class ModelConfig:
                       "module:Name, resolved in the directory nestor runs in (docs/models.md)")
     args: dict = key({}, "model.class module:Name: keyword arguments of Name (or of its config dataclass)")
     preset: str | None = key(None, "configs/models/<preset>.yaml, applied before the keys below")
+    init_from: str | None = key(None, "a Hugging Face checkpoint directory (config.json, *.safetensors) a fresh run "
+                                "starts from: the keys below and moe.* come from its config.json (docs/finetune.md)")
     vocab_size: int = key(256, "byte-level by default", **_POSITIVE)
     embed_dim: int = key(64, "width of the residual stream", **_POSITIVE)
     num_layers: int = key(2, "transformer blocks", **_POSITIVE)
@@ -61,6 +64,11 @@ class ModelConfig:
     mlp_dim: int = key(128, "hidden width of the SwiGLU feed-forward", **_POSITIVE)
     tie_embeddings: bool = key(False, "unembed with the transposed token embedding")
     rope_theta: float = key(10000.0, "RoPE base frequency", above=0)
+    rope_scaling: dict | None = key(None, "RoPE frequency scaling {type: llama3, factor, low_freq_factor, "
+                                    "high_freq_factor, original_max_position_embeddings} (Llama 3.1); null = none")
+    qkv_bias: bool = key(False, "biases on the query, key and value projections (Qwen2)")
+    out_bias: bool = key(False, "a bias on the attention's output projection")
+    qk_norm: bool = key(False, "RMSNorm over each query and key head before RoPE (Qwen3)")
     norm_eps: float = key(1e-6, "RMSNorm epsilon", minimum=0)
     init_std: float = key(0.02, "stddev of the normal initialiser", above=0)
     dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16; params stay float32",
@@ -211,6 +219,8 @@ class MoEConfig:
                               "(jax's Pallas grouped-GEMM kernels, Hopper only)", choices=GROUPED_MATMUL_CHOICES)
     router: str = key("softmax", "softmax | sigmoid (DeepSeek-V3: per-expert sigmoid scores, gates renormalised over "
                       "the top k)", choices=("softmax", "sigmoid"))
+    normalize_gates: bool = key(True, "top_k > 1: the chosen experts' gates renormalised to sum to one (GShard, "
+                                "Mixtral); false keeps the router's probabilities (Qwen3-MoE's norm_topk_prob: false)")
     expert_mlp_dim: int = key(0, "hidden width of each routed expert (fine-grained experts); 0 = model.mlp_dim",
                               minimum=0)
     shared_experts: int = key(0, "always-on experts added to the routed output (DeepSeekMoE), each expert_mlp_dim "
@@ -434,8 +444,52 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
                    if isinstance(layer.get("model"), dict) and layer["model"].get("preset")), None)
     if preset:
         tree = _merge(tree, preset_sections(preset))
+    init_from = next((layer["model"].get("init_from") for layer in (extra, user)
+                      if isinstance(layer.get("model"), dict) and layer["model"].get("init_from")), None)
+    if init_from:
+        tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra)))
     tree = _merge(_merge(tree, user), extra)
     return _validated(from_dict(tree))
+
+
+# the moe.* keys that are part of an imported model's architecture; its capacity is the run's choice
+MOE_ARCHITECTURE = ("num_experts", "every", "top_k", "router", "normalize_gates", "expert_mlp_dim",
+                    "first_dense_layers")
+
+
+def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...]) -> dict:
+    """Returns the model and moe sections a Hugging Face checkpoint's config.json implies (orchestrator.hf),
+    its tokenizer.json as data.tokenizer when it has one. Raises ConfigError when a preset is named too,
+    or when a key of `layers` (the run YAML, the overrides) sets a model key to another value."""
+    if not isinstance(init_from, str):
+        raise ConfigError([("model.init_from", f"expected a directory, got {init_from!r}")])
+    if preset:
+        raise ConfigError([("model.preset", f"{preset!r} and model.init_from both describe the model; the "
+                                            "checkpoint's config.json does, so drop the preset")])
+    directory = Path(_absolute(init_from, Path.cwd()))
+    derived = sections(directory)
+    problems = []
+    for section, keys in derived.items():
+        for name, value in keys.items():
+            if section == "moe" and name not in MOE_ARCHITECTURE:
+                continue  # a routing choice (capacity), the run's to make
+            for layer in layers:
+                given = (layer.get(section) or {}).get(YAML_NAMES.get(name, name), value)
+                if given != value:
+                    problems.append((f"{section}.{name}", f"{given!r} conflicts with {directory / 'config.json'}, "
+                                                          f"which makes it {value!r}"))
+    if problems:
+        raise ConfigError(problems)
+    tokenizer = directory / "tokenizer.json"
+    if tokenizer.is_file():
+        from nestor.orchestrator.tokenizer import open_tokenizer
+
+        ids, vocab = open_tokenizer(str(tokenizer), "model.init_from").vocab_size, derived["model"]["vocab_size"]
+        if ids > vocab:
+            raise ConfigError([("model.init_from", f"{tokenizer} has {ids} tokens, more than config.json's "
+                                                   f"vocab_size {vocab}: the tokenizer is not this model's")])
+        derived["data"] = {"tokenizer": str(tokenizer)}
+    return derived
 
 
 def _absolute(path: str, base: Path) -> str:
@@ -453,6 +507,8 @@ def resolve_paths(config: Config, base: Path) -> Config:
     run, data = config.run, config.data
     return dataclasses.replace(
         config,
+        model=dataclasses.replace(config.model, init_from=config.model.init_from and
+                                  _absolute(config.model.init_from, base)),
         run=dataclasses.replace(run, dir=_absolute(run.dir, base),
                                 compile_cache=run.compile_cache and _absolute(run.compile_cache, base)),
         data=dataclasses.replace(data, paths=tuple(_absolute(p, base) for p in data.paths),

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from nestor.models import task
-from nestor.models.transformer import Transformer, TransformerConfig
+from nestor.models.transformer import RopeScaling, Transformer, TransformerConfig
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.moe_step import moe_layer_config
 from nestor.orchestrator.user_code import code_paths, import_object
@@ -38,8 +38,18 @@ def lm_config(config: Config) -> TransformerConfig:
         vocab_size=m.vocab_size, embed_dim=m.embed_dim, num_layers=m.num_layers,
         num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
+        rope_scaling=rope_scaling(m.rope_scaling), qkv_bias=m.qkv_bias, out_bias=m.out_bias, qk_norm=m.qk_norm,
         norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
     )
+
+
+def rope_scaling(keys: dict | None) -> RopeScaling | None:
+    """Returns the LM's RoPE scaling from `model.rope_scaling` (validated: orchestrator.validation)."""
+    if not keys:
+        return None
+    return RopeScaling(factor=float(keys["factor"]), low_freq_factor=float(keys["low_freq_factor"]),
+                       high_freq_factor=float(keys["high_freq_factor"]),
+                       original_max_position_embeddings=int(keys["original_max_position_embeddings"]))
 
 
 def import_model_class(path: str) -> Callable[..., nnx.Module]:

@@ -31,6 +31,7 @@ def moe_layer_config(config: Config) -> MoELayerConfig:
         num_experts=moe.num_experts, every=moe.every, top_k=moe.top_k, capacity_factor=moe.capacity_factor,
         eval_capacity_factor=moe.eval_capacity_factor, group_size=moe.group_size,
         second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
+        normalize_gates=moe.normalize_gates,
         expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
         first_dense_layers=moe.first_dense_layers, bias_update_rate=moe.bias_update_rate,
         aux_loss_weight=moe.aux_loss_weight, z_loss_weight=moe.z_loss_weight,

@@ -68,8 +68,10 @@ def schedule_change(saved: dict, config: Config, step: int) -> str | None:
 
 
 def _decay_mask(logical_tree):
-    # Norm scales are not decayed: shrinking them only fights the normalisation.
-    return jax.tree.map(lambda names: axes.NORM not in names, logical_tree, is_leaf=is_logical_axes)
+    # Norm scales and biases are not decayed: shrinking a norm's scale only fights the normalisation, and
+    # a bias scales no input.
+    return jax.tree.map(lambda names: axes.NORM not in names and axes.BIAS not in names, logical_tree,
+                        is_leaf=is_logical_axes)
 
 
 def make_optimizer(config: Config, logical_tree) -> optax.GradientTransformation:

@@ -263,7 +263,22 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
-    """Returns the train state initialised directly into its shardings (no full copy anywhere)."""
+    """Returns the train state initialised directly into its shardings (no full copy anywhere): fresh
+    parameters, or with `model.init_from` a Hugging Face checkpoint's (orchestrator.hf.load), each process
+    reading only its slices; the optimizer starts fresh either way."""
+    if config.model.init_from:
+        from nestor.orchestrator.hf.load import load_params
+
+        params, _ = load_params(config, layout.abstract["params"])
+
+        def from_params(params: dict) -> dict:
+            state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
+            if "expert_bias" in layout.shardings:  # auxiliary-loss-free balancing starts unbiased
+                state["expert_bias"] = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype),
+                                                    layout.abstract["expert_bias"])
+            return state
+
+        return jax.jit(from_params, out_shardings=layout.shardings, donate_argnums=0)(params)
 
     def init() -> dict:
         _, bias, params = split_model(build_model(config, config.run.seed))

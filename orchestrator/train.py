@@ -74,6 +74,11 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
     """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state."""
     resumed = checkpointer.restore_latest()
     if resumed is None:
+        if config.model.init_from:
+            from nestor.orchestrator.hf.load import keep_source_files
+
+            log(f"starting from the weights of {shown(config.model.init_from)}")
+            keep_source_files(config)
         return 0, init_state(config, job.layout)
     step, state, data_state = resumed
     job.data.restore(data_state, log)

@@ -61,6 +61,7 @@ def validate(config: Config) -> Config:
     if m.num_heads % m.num_kv_heads:
         problems.append(("model.num_kv_heads", f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}"))
     problems += _remat_problems(config)
+    problems += _rope_scaling_problems(m.rope_scaling)
     if config.pipeline.stack != STACK:
         problems.append(("pipeline.stack", f"nestor's LM pipelines its {STACK!r} stack (got {config.pipeline.stack!r})"))
     if m.attention == "cudnn" and m.dtype == "float32":
@@ -80,6 +81,28 @@ def validate(config: Config) -> Config:
     if problems:
         raise ConfigError(problems)
     return config
+
+
+ROPE_SCALING_KEYS = ("type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_scaling_problems(scaling: dict | None) -> list[tuple[str, str]]:
+    """model.rope_scaling: Llama 3.1's scaling, every number positive, the low frequency factor below the high."""
+    if scaling is None:
+        return []
+    key = "model.rope_scaling"
+    if scaling.get("type") != "llama3":
+        return [(key, f"type {scaling.get('type')!r} is not implemented; nestor's LM implements llama3 (or null)")]
+    if sorted(scaling) != sorted(ROPE_SCALING_KEYS):
+        return [(key, f"llama3 scaling takes exactly {', '.join(ROPE_SCALING_KEYS)}; got {', '.join(scaling)}")]
+    numbers = {name: scaling[name] for name in ROPE_SCALING_KEYS[1:]}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in numbers.values()):
+        return [(key, f"factor, the frequency factors and original_max_position_embeddings are positive numbers; "
+                      f"got {numbers}")]
+    if numbers["low_freq_factor"] >= numbers["high_freq_factor"]:
+        return [(key, f"low_freq_factor ({numbers['low_freq_factor']}) must be below high_freq_factor "
+                      f"({numbers['high_freq_factor']})")]
+    return []
 
 
 def _user_model_validated(config: Config) -> Config:

@@ -29,6 +29,7 @@ DEFAULT_RULES: Rules = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "norm": (),
+    "bias": (),
     "layers": ("pipeline",),
     "dense_layers": (),  # run before the pipeline, on every stage
     "expert": ("expert",),

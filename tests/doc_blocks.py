@@ -148,6 +148,9 @@ def run_block(block_id: str, tmp_path_factory) -> BlockRun:
     if block_id not in _RUNS:
         if block.doc not in _CLONES:
             _CLONES[block.doc] = fresh_copy(tmp_path_factory.mktemp(Path(block.doc).stem))
+            shared = _CLONES[block.doc].parent / "shared"  # ../shared beside the copy, as beside a checkout
+            if not shared.exists() and (ROOT.parent / "shared").is_dir():
+                shared.symlink_to(ROOT.parent / "shared")
         _RUNS[block_id] = _run(block, _CLONES[block.doc])
     return _RUNS[block_id]
 

@@ -1,5 +1,6 @@
-"""`nestor eval` and `nestor sample`: run.dir's newest checkpoint restored onto the current mesh, then
-evaluated on the eval batches or decoded from a prompt."""
+"""`nestor eval`, `nestor sample` and `nestor logits`: run.dir's newest checkpoint restored onto the current
+mesh (for logits, or a fresh run's `model.init_from`), then evaluated on the eval batches, decoded from a
+prompt, or run forward on given tokens."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import dataclasses
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from nestor.models import axes
+from nestor.models import axes, stack, task
+from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
 from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
@@ -18,7 +22,7 @@ from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, s
 from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.model_class import LM, is_builtin_lm
 from nestor.orchestrator.state import StateLayout, state_layout
-from nestor.orchestrator.step import backend_for
+from nestor.orchestrator.step import backend_for, model_context, stack_runners
 from nestor.orchestrator.tokenizer import fitting_tokenizer
 from nestor.parallel.rules import Rules, partition_spec, resolve_rules
 
@@ -90,3 +94,60 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []
     kept = tokens[:ends[0]] if len(ends) else tokens
     return prompt + tokenizer.decode(kept.tolist())
+
+
+def _parameters(config: Config, mesh: Mesh, rules: Rules) -> tuple[StateLayout, dict, dict | None, str]:
+    """Returns (layout, params, expert_bias or None, where they came from): run.dir's newest checkpoint, else
+    `model.init_from`'s weights. Raises ConfigError naming run.dir when there is neither."""
+    layout = state_layout(config, mesh, rules)
+    if finalized_steps(checkpoint_dir(config.run.dir)):
+        step, state = restore_state(config, layout)
+        return layout, state["params"], state.get("expert_bias"), f"checkpoint {step}"
+    if not config.model.init_from:
+        raise ConfigError([("run.dir", f"{config.run.dir} holds no checkpoint and model.init_from is unset: "
+                                       "train first, or name a Hugging Face checkpoint")])
+    from nestor.orchestrator.hf.load import load_params
+
+    params, _ = load_params(config, layout.abstract["params"])
+    bias = layout.abstract.get("expert_bias")
+    if bias is not None:
+        bias = jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), bias)
+    return layout, params, bias, config.model.init_from
+
+
+def logits_of(config: Config, tokens: np.ndarray, devices: list[jax.Device] | None = None) -> tuple[np.ndarray, str]:
+    """Returns (float32 logits [rows, length, vocab] of int `tokens` [rows, length], where the weights came
+    from): the model's forward pass in evaluation (no dropped token where MoE is dropless), on the config's
+    mesh, of run.dir's newest checkpoint or else `model.init_from`. Rows are padded to what the mesh and
+    the pipeline's micro-batches split, then cut. Raises ConfigError (--tokens) for tokens that are not
+    [rows, length] ids of the vocabulary, and as `_parameters`."""
+    if not is_builtin_lm(config):
+        raise ConfigError([("model.class", f"nestor logits runs nestor's language model (model.class: {LM})")])
+    tokens = np.asarray(tokens)
+    vocab = config.model.vocab_size
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0:
+        raise ConfigError([("--tokens", f"expected integer ids [rows, length], got {tokens.dtype} {list(tokens.shape)}")])
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise ConfigError([("--tokens", f"ids {tokens.min()}..{tokens.max()} are outside model.vocab_size={vocab}")])
+    mesh = make_mesh(config, devices)
+    rules = resolve_rules(config.mesh.rules)
+    layout, params, bias, source = _parameters(config, mesh, rules)
+    backend = backend_for(config, mesh)
+    context, runners = model_context(backend, mesh, rules), stack_runners(config, mesh, rules, backend)
+    multiple = batch_rows(mesh, rules) * (config.pipeline.microbatches if mesh.shape["pipeline"] > 1 else 1)
+    rows = tokens.shape[0]
+    padded = np.concatenate([tokens, np.repeat(tokens[-1:], -rows % multiple, axis=0)]).astype(np.int32)
+
+    def forward(params: dict, expert_bias: dict | None, tokens: jax.Array) -> jax.Array:
+        model = nnx.merge(layout.graphdef, expert_bias or {}, params)
+        with context(), stack.runners(runners), task.step_info(False, None):
+            return model(tokens, train=False)[0]
+
+    token_sharding = NamedSharding(mesh, partition_spec((axes.BATCH, axes.LENGTH), rules))
+    run = jax.jit(forward, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
+                                         token_sharding),
+                  out_shardings=NamedSharding(mesh, partition_spec((axes.BATCH, axes.LENGTH, None), rules)))
+    logits = run(params, bias, jax.make_array_from_callback(padded.shape, token_sharding, lambda index: padded[index]))
+    if jax.process_count() > 1:
+        logits = multihost_utils.process_allgather(logits, tiled=True)
+    return np.asarray(logits, np.float32)[:rows], source

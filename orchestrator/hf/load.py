@@ -1,0 +1,111 @@
+"""`model.init_from`: a fresh run's parameters read from a Hugging Face checkpoint into their shardings.
+
+Every parameter is built by `jax.make_array_from_callback`: each process reads, for each distinct box its
+devices hold, the slices of the tensors that make it up (orchestrator.hf.safetensors), so no host holds
+the whole model, on any mesh. The checkpoint's tensors are checked against its config.json first: a
+missing, surplus or misshapen tensor is a ConfigError naming it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.hf.config import ARCHITECTURES, KEY, architecture, read
+from nestor.orchestrator.hf.params import IGNORED_SUFFIXES, Entry, entries
+from nestor.orchestrator.hf.safetensors import Box, Reader
+from nestor.orchestrator.model_class import lm_config
+
+# files of a checkpoint directory a run keeps in run.dir/hf/ for export and sampling
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model")
+SOURCE_DIR = "hf"
+
+
+def checkpoint_entries(config: Config) -> list[Entry]:
+    """Returns the entries (orchestrator.hf.params) of the run's LM, its experts named as its checkpoint's."""
+    directory = Path(config.model.init_from)
+    return entries(lm_config(config), ARCHITECTURES[architecture(read(directory), directory)])
+
+
+def check_tensors(reader: Reader, model_entries: list[Entry], tied: bool) -> None:
+    """Raises ConfigError listing the tensors the checkpoint lacks, holds beyond the model, or holds in
+    another shape than its config.json implies."""
+    expected = {name: entry.hf_shape for entry in model_entries for _, name in entry.names()}
+    problems = []
+    for name, shape in expected.items():
+        tensor = reader.tensors.get(name)
+        if tensor is None:
+            problems.append((KEY, f"{reader.directory} lacks tensor {name} {list(shape)}"))
+        elif tensor.shape != shape:
+            problems.append((KEY, f"{reader.directory}: tensor {name} is {list(tensor.shape)}, its config.json "
+                                  f"makes it {list(shape)}"))
+    surplus = sorted(name for name in reader.tensors if name not in expected and not name.endswith(IGNORED_SUFFIXES)
+                     and not (tied and name == "lm_head.weight"))
+    if surplus:
+        shown = ", ".join(surplus[:5]) + (f" and {len(surplus) - 5} more" if len(surplus) > 5 else "")
+        problems.append((KEY, f"{reader.directory} holds tensors the model of its config.json has no place for: "
+                              f"{shown}"))
+    if problems:
+        raise ConfigError(problems[:10])
+
+
+def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """Returns the box [start, stop) per dimension of a device's `index` into an array of `shape`."""
+    return tuple(s.indices(size)[:2] for s, size in zip(index, shape))
+
+
+def read_box(reader: Reader, entry: Entry, box: Box) -> np.ndarray:
+    """Returns the float32 values of `box` of nestor's parameter `entry`, read from its tensors' slices."""
+    stack, per_layer = box[:len(entry.stack)], box[len(entry.stack):]
+    hf_box, _ = entry.hf_box(per_layer, exact=False)
+    blocks = []
+    for index in np.ndindex(*(stop - start for start, stop in stack)):
+        name = entry.name(*(start + i for (start, _), i in zip(stack, index)))
+        blocks.append(entry.to_nestor(reader.read(name, hf_box), per_layer).astype(np.float32))
+    shape = [stop - start for start, stop in box]
+    return np.stack(blocks).reshape(shape) if stack else blocks[0]
+
+
+def load_params(config: Config, abstract_params: dict) -> tuple[dict, int]:
+    """Returns (the parameters of `config.model.init_from` laid out as `abstract_params` (a tree of sharded
+    jax.ShapeDtypeStruct), the tensor bytes this process read)."""
+    reader = Reader(Path(config.model.init_from))
+    model_entries = checkpoint_entries(config)
+    check_tensors(reader, model_entries, config.model.tie_embeddings)
+    by_path = {entry.path: entry for entry in model_entries}
+
+    def load(path, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        entry = by_path[tuple(str(getattr(key, "key", key)) for key in path)]
+        read: dict[Box, np.ndarray] = {}  # devices holding the same box share one read
+
+        def box_values(index: tuple[slice, ...]) -> np.ndarray:
+            box = box_of(index, leaf.shape)
+            if box not in read:
+                read[box] = read_box(reader, entry, box)
+            return read[box]
+
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, box_values)
+
+    try:
+        params = jax.tree_util.tree_map_with_path(load, abstract_params)
+    finally:
+        reader.close()
+    return params, reader.bytes_read
+
+
+def keep_source_files(config: Config) -> None:
+    """Copies the checkpoint's config, generation config and tokenizer files into run.dir/hf/ (process 0),
+    where `nestor export` and `nestor sample` find them after the source has moved."""
+    if jax.process_index():
+        return
+    target = Path(config.run.dir) / SOURCE_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    for name in SIDE_FILES:
+        source = Path(config.model.init_from) / name
+        if source.is_file():
+            shutil.copyfile(source, target / name)
