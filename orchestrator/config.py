@@ -447,7 +447,8 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     init_from = next((layer["model"].get("init_from") for layer in (extra, user)
                       if isinstance(layer.get("model"), dict) and layer["model"].get("init_from")), None)
     if init_from:
-        tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra)))
+        run_dir = _merge(_merge(tree, user), extra)["run"]["dir"]
+        tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra), run_dir))
     tree = _merge(_merge(tree, user), extra)
     return _validated(from_dict(tree))
 
@@ -457,16 +458,20 @@ MOE_ARCHITECTURE = ("num_experts", "every", "top_k", "router", "normalize_gates"
                     "first_dense_layers")
 
 
-def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...]) -> dict:
+def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...], run_dir: Any = None) -> dict:
     """Returns the model and moe sections a Hugging Face checkpoint's config.json implies (orchestrator.hf),
-    its tokenizer.json as data.tokenizer when it has one. Raises ConfigError when a preset is named too,
-    or when a key of `layers` (the run YAML, the overrides) sets a model key to another value."""
+    its tokenizer.json as data.tokenizer when it has one; once the source has moved, the copies a run
+    started from it kept in `run_dir`/hf serve. Raises ConfigError when a preset is named too, or when a key
+    of `layers` (the run YAML, the overrides) sets a model key to another value."""
     if not isinstance(init_from, str):
         raise ConfigError([("model.init_from", f"expected a directory, got {init_from!r}")])
     if preset:
         raise ConfigError([("model.preset", f"{preset!r} and model.init_from both describe the model; the "
                                             "checkpoint's config.json does, so drop the preset")])
     directory = Path(_absolute(init_from, Path.cwd()))
+    kept = Path(_absolute(run_dir, Path.cwd())) / "hf" if isinstance(run_dir, str) else None
+    if not (directory / "config.json").is_file() and kept is not None and (kept / "config.json").is_file():
+        directory = kept  # the run's copies (orchestrator.hf.load.keep_source_files)
     derived = sections(directory)
     problems = []
     for section, keys in derived.items():

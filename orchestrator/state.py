@@ -26,6 +26,7 @@ from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.degrees import schedule_for
+from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.model_class import build_model
 from nestor.orchestrator.optimizer import make_optimizer
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
@@ -267,8 +268,6 @@ def init_state(config: Config, layout: StateLayout) -> dict:
     parameters, or with `model.init_from` a Hugging Face checkpoint's (orchestrator.hf.load), each process
     reading only its slices; the optimizer starts fresh either way."""
     if config.model.init_from:
-        from nestor.orchestrator.hf.load import load_params
-
         params, _ = load_params(config, layout.abstract["params"])
 
         def from_params(params: dict) -> dict:

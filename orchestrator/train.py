@@ -20,6 +20,7 @@ from nestor.orchestrator.checkpoint_restore import finalized_steps
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.health import CALMER, StateHealth
+from nestor.orchestrator.hf.load import keep_source_files
 from nestor.orchestrator.job import Job, abstract_batch, build_job
 from nestor.orchestrator.metrics import MetricsWriter, Throughput, sharding_table
 from nestor.orchestrator.optimizer import schedule_change
@@ -75,8 +76,6 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
     resumed = checkpointer.restore_latest()
     if resumed is None:
         if config.model.init_from:
-            from nestor.orchestrator.hf.load import keep_source_files
-
             log(f"starting from the weights of {shown(config.model.init_from)}")
             keep_source_files(config)
         return 0, init_state(config, job.layout)

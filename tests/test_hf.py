@@ -27,7 +27,8 @@ from nestor.orchestrator.model_class import lm_config
 from nestor.models.transformer import Transformer
 from nestor.orchestrator.state import init_state
 from tests.conftest import COMPARABLE_ADAM
-from tests.helpers import ONE_DEVICE, assert_same_training, last_lines_of_two_processes, mesh_overrides, run_fresh
+from tests.helpers import (ONE_DEVICE, assert_same_training, last_lines_of_two_processes, mesh_overrides, run,
+                           run_fresh)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf"
 NAMES = ("llama3", "mixtral", "qwen3")
@@ -136,14 +137,29 @@ def test_import_then_export_round_trips_every_tensor_and_config_field(name, mesh
     assert_same_checkpoint(tmp_path / "out", FIXTURES / name)
 
 
-def test_export_without_a_source_writes_the_architecture_of_the_keys_in_bfloat16(tmp_path):
-    config = load(None, ["model.preset=tiny", f"run.dir={tmp_path / 'run'}", "model.qk_norm=true"])
-    saved_at_step_0(config)
-    export(config, tmp_path / "out", dtype="bfloat16")
+@pytest.mark.parametrize("architecture,keys", [
+    ("Qwen3ForCausalLM", ["model.qk_norm=true"]),
+    ("Qwen2ForCausalLM", ["model.qkv_bias=true"]),
+    ("LlamaForCausalLM", ["model.qkv_bias=true", "model.out_bias=true", "model.rope_scaling={type: llama3, factor: 8, "
+                          "low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 16}"]),
+    ("Qwen3MoeForCausalLM", ["model.qk_norm=true", "moe.num_experts=4", "moe.every=2", "model.num_layers=4",
+                             "moe.first_dense_layers=2", "moe.expert_mlp_dim=32", "moe.normalize_gates=false",
+                             "moe.capacity_factor=0"]),
+])
+def test_a_model_trained_from_scratch_exports_as_the_architecture_of_its_keys(architecture, keys, tmp_path):
+    """Exported without a source checkpoint, then imported again: the same keys and the same logits (the
+    biases and norms trained away from their initial values first)."""
+    config = load(None, ["model.preset=tiny", f"run.dir={tmp_path / 'run'}", "train.steps=2", "optimizer.lr=0.05",
+                         "cluster.devices_per_host=1", *keys])
+    run(config)  # two steps: its checkpoint 2 in run.dir
+    assert export(config, tmp_path / "out").step == 2
     hf = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert hf["architectures"] == ["Qwen3ForCausalLM"] and hf["dtype"] == "bfloat16"
-    again = load(None, [f"model.init_from={tmp_path / 'out'}", f"run.dir={tmp_path / 'again'}"])
+    assert hf["architectures"] == [architecture] and hf["dtype"] == "float32"
+    again = load(None, [f"model.init_from={tmp_path / 'out'}", f"run.dir={tmp_path / 'again'}",
+                        "cluster.devices_per_host=1", *(k for k in keys if k.startswith("moe.capacity"))])
     assert lm_config(again) == lm_config(config)
+    ids = np.random.default_rng(0).integers(0, config.model.vocab_size, (2, 16))
+    np.testing.assert_array_equal(logits_of(again, ids)[0], logits_of(config, ids)[0])
     with pytest.raises(ConfigError, match="--out"):
         export(config, tmp_path / "out")
 
@@ -276,3 +292,34 @@ def test_the_features_imports_need_train_alike_on_a_sharded_mesh(tiny_config):
     one_device = run_fresh(config.replace(**ONE_DEVICE))
     for mesh in (dict(data=2, fsdp=2, tensor=2), dict(pipeline=2, expert=2, tensor=2)):
         assert_same_training(run_fresh(config.replace(**mesh_overrides(**mesh))), one_device)
+
+
+def test_hub_configs_of_qwen2_keep_their_switched_off_sliding_window(tmp_path):
+    """Qwen2.5 configs carry sliding_window with use_sliding_window false, and fields of later transformers."""
+    from nestor.orchestrator.hf.config import sections
+
+    qwen3 = json.loads((FIXTURES / "qwen3" / "config.json").read_text())
+    qwen2 = {**qwen3, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 32768,
+             "use_sliding_window": False, "use_mrope": False, "_attn_implementation_autoset": True}
+    (tmp_path / "config.json").write_text(json.dumps(qwen2))
+    model = sections(tmp_path)["model"]
+    assert model["qkv_bias"] and not model["out_bias"] and not model["qk_norm"]
+    (tmp_path / "config.json").write_text(json.dumps({**qwen2, "use_sliding_window": True}))
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        sections(tmp_path)
+
+
+def test_a_run_resumes_and_exports_after_its_source_has_moved(tmp_path):
+    source = copy_of("qwen3", tmp_path)
+    config = fixture_config(source, tmp_path / "run", "cluster.devices_per_host=1")
+    saved_at_step_0(config)
+    from nestor.orchestrator.hf.load import keep_source_files
+
+    keep_source_files(config)
+    shutil.rmtree(source)
+    again = load(tmp_path / "run" / "config.yaml") if (tmp_path / "run" / "config.yaml").exists() else \
+        fixture_config(source, tmp_path / "run", "cluster.devices_per_host=1")
+    assert lm_config(again) == lm_config(config)
+    export(again, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == \
+        json.loads((tmp_path / "run" / "hf" / "config.json").read_text())

@@ -19,6 +19,7 @@ from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
+from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.model_class import LM, is_builtin_lm
 from nestor.orchestrator.state import StateLayout, state_layout
@@ -106,8 +107,6 @@ def _parameters(config: Config, mesh: Mesh, rules: Rules) -> tuple[StateLayout, 
     if not config.model.init_from:
         raise ConfigError([("run.dir", f"{config.run.dir} holds no checkpoint and model.init_from is unset: "
                                        "train first, or name a Hugging Face checkpoint")])
-    from nestor.orchestrator.hf.load import load_params
-
     params, _ = load_params(config, layout.abstract["params"])
     bias = layout.abstract.get("expert_bias")
     if bias is not None:

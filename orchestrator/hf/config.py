@@ -30,11 +30,14 @@ DESCRIPTIVE = {
     "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder", "problem_type",
     "task_specific_params", "torchscript", "use_bfloat16", "finetuning_task", "prefix", "sep_token_id",
     "decoder_start_token_id", "num_labels", "cross_attention_hidden_size", "pruned_heads",
+    "_attn_implementation_autoset",
 }
 # Fields that change the model, each with the values nestor computes exactly.
 REQUIRED = {"hidden_act": ("silu",), "mlp_bias": (False, None), "attention_dropout": (0, 0.0, None),
             "router_jitter_noise": (0, 0.0, None), "use_sliding_window": (False, None), "sliding_window": (None,),
-            "shared_expert_intermediate_size": (0, None)}
+            "shared_expert_intermediate_size": (0, None), "use_mrope": (False, None)}
+# Qwen configs carry a sliding_window that only use_sliding_window switches on
+SWITCHED_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
 MAPPED = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
           "intermediate_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
           "attention_bias", "layer_types", "num_local_experts", "num_experts", "num_experts_per_tok",
@@ -102,8 +105,11 @@ def sections(directory: Path) -> dict:
     def problem(field: str, message: str) -> None:
         problems.append((KEY, f"{directory / CONFIG}: {field}: {message}"))
 
+    family = ARCHITECTURES[name]
     for field, value in config.items():
         if field in DESCRIPTIVE or field in MAPPED:
+            continue
+        if field == "sliding_window" and family in SWITCHED_WINDOW and not config.get("use_sliding_window"):
             continue
         if field in REQUIRED:
             if value not in REQUIRED[field]:
@@ -114,7 +120,6 @@ def sections(directory: Path) -> dict:
     theta, scaling = _rope(config, problem)
     if any(kind != "full_attention" for kind in config.get("layer_types") or []):
         problem("layer_types", f"{config['layer_types']}: nestor's layers are all full_attention")
-    family = ARCHITECTURES[name]
     bias = bool(config.get("attention_bias", False))
     model = {
         "vocab_size": config["vocab_size"], "embed_dim": config["hidden_size"],
@@ -170,12 +175,13 @@ def to_hf(model: dict, moe: dict, base: dict | None) -> dict:
             config[field] = model[key]
     rope = {"rope_type": "llama3" if model["rope_scaling"] else "default", "rope_theta": model["rope_theta"],
             **{key: model["rope_scaling"][key] for key in LLAMA3_KEYS if model["rope_scaling"]}}
-    if "rope_parameters" in config or "rope_theta" not in config:
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"} if model["rope_scaling"] else None
+    if "rope_parameters" in config or not base:  # transformers 5's spelling; a new config has both
         config["rope_parameters"] = rope
-    else:
+    if "rope_parameters" not in (base or {}):  # transformers 4's spelling, which vLLM on it reads
         config["rope_theta"] = model["rope_theta"]
-        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"} \
-            if model["rope_scaling"] else None
+        if scaling or "rope_scaling" in config:
+            config["rope_scaling"] = scaling
     if family != "qwen2" and ("attention_bias" in config or model["out_bias"]):
         config["attention_bias"] = model["out_bias"]
     if family == "mixtral":
@@ -196,16 +202,18 @@ def _architecture_of(model: dict, moe: dict, family: str | None = None) -> str:
         if moe["router"] != "softmax" or moe["shared_experts"] or moe["bias_update_rate"]:
             problems.append(("moe", "only a softmax router without shared experts or expert biases exports "
                                     "(Mixtral, Qwen3-MoE)"))
-        elif model["qk_norm"] and not model["qkv_bias"]:
+        elif model["qk_norm"] and model["qkv_bias"] == model["out_bias"]:
             return "Qwen3MoeForCausalLM"
-        elif (not model["qk_norm"] and not model["qkv_bias"] and moe["every"] == 1 and not moe["first_dense_layers"]
-              and moe["normalize_gates"] and not moe["expert_mlp_dim"]):
+        elif (not model["qk_norm"] and not model["qkv_bias"] and not model["out_bias"] and moe["every"] == 1
+              and not moe["first_dense_layers"] and moe["normalize_gates"] and not moe["expert_mlp_dim"]):
             return "MixtralForCausalLM"
         else:
-            problems.append(("moe", "exports as Mixtral (every layer MoE, gates renormalised, no q/k norm) or "
-                                    "Qwen3-MoE (q/k norm, no biases)"))
-    elif model["qk_norm"]:
+            problems.append(("moe", "exports as Mixtral (every layer MoE, gates renormalised, no q/k norm, no "
+                                    "biases) or Qwen3-MoE (q/k norm, all four attention biases or none)"))
+    elif model["qk_norm"] and model["qkv_bias"] == model["out_bias"]:
         return "Qwen3ForCausalLM"
+    elif model["qk_norm"]:
+        problems.append(("model.qk_norm", "Qwen3 has all four attention biases or none (qkv_bias = out_bias)"))
     elif model["qkv_bias"] and not model["out_bias"]:
         return "Qwen2ForCausalLM"
     elif model["qkv_bias"] == model["out_bias"]:

@@ -99,6 +99,7 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
                                            "architecture")])
     if out.exists() and any(out.iterdir()):
         raise ConfigError([("--out", f"{out} holds files; export writes into a new or empty directory")])
+    wait_for_every_process("export target checked")  # before process 0 writes into it
     saved = Path(config.run.dir) / SOURCE_DIR / CONFIG
     base = json.loads(saved.read_text()) if saved.is_file() else None
     keys = config.to_dict()
