@@ -315,6 +315,9 @@ def restore_state(config: Config, layout: StateLayout, step: int | None = None) 
 
     Raises FileNotFoundError when the run has no checkpoint.
     """
+    directory = checkpoint_dir(config.run.dir)
+    if not directory.is_dir():  # a reader creates nothing: no empty checkpoints/ in a mistyped run.dir
+        raise FileNotFoundError(f"no checkpoint in {shown(directory)}")
     checkpointer = Checkpointer(config, layout, log=lambda *_: None, owner=False)
     try:
         step = checkpointer.latest_step() if step is None else step

@@ -196,6 +196,7 @@ def _job_command(args) -> int:
 
 
 def _data_prepare(args) -> int:
+    from nestor.orchestrator.config import VOCAB_MULTIPLE
     from nestor.orchestrator.data.prepare import Options, prepare
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
@@ -215,9 +216,6 @@ def _data_prepare(args) -> int:
         print(f"(model.vocab_size: the tokenizer's {ids:,} ids rounded up to a multiple of {VOCAB_MULTIPLE}, "
               "so that any mesh splits the vocabulary)")
     return 0
-
-
-VOCAB_MULTIPLE = 128  # `data prepare`'s suggested model.vocab_size is a multiple of this
 
 
 def _fraction(text: str) -> float:

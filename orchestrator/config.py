@@ -9,6 +9,7 @@ problem with its key path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -22,13 +23,16 @@ from nestor.backend.remat import CHOICES as REMAT_CHOICES
 from nestor.models import remat_names
 from nestor.orchestrator import config_keys
 from nestor.orchestrator.config_keys import FIELD_NAMES, INT32_MAX, YAML_NAMES, Key, hints, key  # noqa: F401
+from nestor.orchestrator.data.shards import METADATA
 from nestor.orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from nestor.orchestrator.health import HISTORY as HEALTH_HISTORY
 from nestor.orchestrator.hf.config import sections
+from nestor.orchestrator.tokenizer import BYTES
 from nestor.orchestrator.validation import validate
 from nestor.parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
 
 
 _POSITIVE = dict(minimum=1)
@@ -450,7 +454,40 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         run_dir = _merge(_merge(tree, user), extra)["run"]["dir"]
         tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra), run_dir))
     tree = _merge(_merge(tree, user), extra)
+    tree = _merge(tree, shards_tokenizer(tree, (user, extra), bool(init_from)))
     return _validated(from_dict(tree))
+
+
+def _given(layers: tuple[dict, ...], section: str, name: str) -> bool:
+    """Returns whether a run YAML or override layer sets `section.name`."""
+    return any(isinstance(layer.get(section), dict) and name in layer[section] for layer in layers)
+
+
+def shards_tokenizer(tree: dict, layers: tuple[dict, ...], model_given: bool) -> dict:
+    """Returns the keys prepared token shards imply when the run reads them (`data.source: tokens`): the
+    tokenizer they were prepared with as `data.tokenizer` unless the run names one, and a `model.vocab_size`
+    that holds its ids (rounded up to a multiple of 128) unless the run or a checkpoint sets one. A
+    directory that is not prepared is left to the data source to report."""
+    data = tree.get("data") or {}
+    if data.get("source") != "tokens" or _given(layers, "data", "tokenizer"):
+        return {}
+    entries = list(data.get("paths") or []) + [path for entry in data.get("mixture") or [] if isinstance(entry, dict)
+                                                for path in ([entry["paths"]] if isinstance(entry.get("paths"), str)
+                                                             else entry.get("paths") or [])]
+    for path in entries:
+        metadata_file = Path(_absolute(str(path), Path.cwd())) / METADATA
+        try:
+            tokenizer = json.loads(metadata_file.read_text())["tokenizer"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        keys: dict = {} if tokenizer.get("path") in (None, BYTES) else {"data": {"tokenizer": tokenizer["path"]}}
+        ids = tokenizer.get("vocab_size")
+        vocab = (tree.get("model") or {}).get("vocab_size")
+        if not model_given and not _given(layers, "model", "vocab_size") and isinstance(ids, int) and \
+                isinstance(vocab, int) and ids > vocab:
+            keys["model"] = {"vocab_size": -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}
+        return keys
+    return {}
 
 
 # the moe.* keys that are part of an imported model's architecture; its capacity is the run's choice

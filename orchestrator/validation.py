@@ -7,6 +7,8 @@ over the product of the mesh axes its logical name maps to.
 from __future__ import annotations
 
 import math
+import sysconfig
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nestor.backend.mosaic_gpu import TILE, tiles
@@ -179,9 +181,14 @@ def eval_problems(config: Config) -> list[tuple[str, str]]:
     `nestor eval`."""
     source = config.eval.source
     if source == "heldout" and config.data.source not in ("tokens", "python"):
+        example = ""
+        if config.data.source == "text" and not config.data.paths:  # the standard library's top-level sources
+            package = Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py"
+            example = (f"; the default text is the standard library's top-level modules, so its packages are "
+                       f"held out: eval.source=text eval.paths=[{package}]")
         return [("eval.source", f"heldout is the eval split of prepared shards, and data.source is "
-                                f"{config.data.source}; set eval.source to text, tokens, synthetic or arrays (with eval.paths), "
-                                "or train on data.source=tokens")]
+                                f"{config.data.source}; set eval.source to text, tokens, synthetic or arrays (with "
+                                f"eval.paths), or train on data.source=tokens{example}")]
     if source == "arrays" and not config.eval.paths:
         return [("eval.paths", "eval.source=arrays needs .npz files or directories of .npy files held out from "
                                "training")]

@@ -161,3 +161,45 @@ def test_an_eval_source_leaves_no_empty_shard_in_either_split(corpus, tmp_path):
     listed = {shard["name"] for split in ("train", "eval") for shard in metadata["splits"][split]["shards"]}
     assert {path.stem for path in out.glob("*.tokens")} == listed
     assert len(split_documents(out, "eval")) == 1000 and len(split_documents(out, "train")) == 2000
+
+
+def test_binary_inputs_are_skipped_and_listed_and_a_late_nul_is_an_error(tmp_path, monkeypatch, capsys):
+    from nestor.orchestrator.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "src" / "a.py").write_text("print('hello')\n" * 50)
+    (tmp_path / "src" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\x00\x01binary" * 10)
+    assert main(["data", "prepare", "src", "--tokenizer", "bytes", "--out", "out"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped 1 binary input(s) (a NUL byte; not text): src/__pycache__/a.cpython-311.pyc" in printed
+    assert json.loads((tmp_path / "out" / METADATA).read_text())["splits"]["train"]["documents"] == 1
+    (tmp_path / "src" / "late.txt").write_bytes(b"x" * 10_000 + b"\x00")  # past the probe
+    assert main(["data", "prepare", "src", "--tokenizer", "bytes", "--out", "out2"]) == 2
+    assert "src/late.txt is not text: a NUL byte at offset 10000" in capsys.readouterr().err
+
+
+def test_training_and_sampling_on_prepared_shards_use_their_tokenizer(corpus, tmp_path, monkeypatch, capsys):
+    """Shards prepared with a word-level tokenizer: no data.tokenizer key, and the run's config.yaml, its
+    vocabulary and `nestor sample` take that tokenizer; naming another is refused."""
+    import yaml
+
+    from nestor.orchestrator.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = str(corpus[0] / "words.json")
+    assert main(["data", "prepare", str(corpus[0] / "a.jsonl"), "--tokenizer", tokenizer, "--out", "words",
+                 "--text-field", "body", "--eval-fraction", "0.1"]) == 0
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "run": {"dir": "run"}, "model": {"preset": "tiny", "vocab_size": 128},
+        "data": {"source": "tokens", "paths": ["words"]},
+        "train": {"steps": 2, "seq_len": 16, "global_batch": 2},
+        "cluster": {"launcher": "inprocess", "devices_per_host": 1}}))
+    assert main(["train", "run.yaml"]) == 0
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["tokenizer"] == tokenizer
+    capsys.readouterr()
+    assert main(["sample", "run.yaml", "--prompt", "the cat", "--max-tokens", "4"]) == 0
+    sampled = capsys.readouterr().out.strip().splitlines()[-1]
+    assert sampled.startswith("the cat") and set(sampled.split()) <= set(WORDS) | {"[UNK]", "[SEP]"}, sampled
+    assert main(["train", "run.yaml", "data.tokenizer=bytes", "run.dir=other"]) == 2
+    assert "data.tokenizer" in capsys.readouterr().err

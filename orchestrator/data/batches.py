@@ -42,7 +42,7 @@ from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.config_keys import ARRAY_SOURCES
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
+from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, TEXT_PROBE_BYTES
 from nestor.orchestrator.data.tokens import TokenSource
 from nestor.orchestrator.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
@@ -93,7 +93,6 @@ class SyntheticSource:
         return out
 
 
-TEXT_PROBE_BYTES = 8192  # as much of each file as is read to tell text from binary, like git does
 
 
 def text_files(patterns: tuple[str, ...]) -> list[Path]:

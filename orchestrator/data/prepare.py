@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nestor.orchestrator.data.shards import FORMAT, METADATA, SPLITS, shard_name, token_dtype, write_atomically, write_shard
+from nestor.orchestrator.data.shards import (FORMAT, METADATA, SPLITS, TEXT_PROBE_BYTES, shard_name, token_dtype,
+                                             write_atomically, write_shard)
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.tokenizer import BYTES, TokenizerFile, open_tokenizer
 
@@ -75,6 +76,24 @@ def input_files(sources: list[str], key: str) -> list[Path]:
                                      "directories")])
         files += found
     return files
+
+
+def is_binary(path: Path) -> bool:
+    """Returns whether a text input holds a NUL byte in its first TEXT_PROBE_BYTES (a `.pyc`, an image):
+    NUL never occurs in text, and its id 0 is the document separator."""
+    with path.open("rb") as file:
+        return b"\0" in file.read(TEXT_PROBE_BYTES)
+
+
+def text_inputs(files: list[Path], log=print) -> list[Path]:
+    """Returns `files` without the binary text inputs (`is_binary`; .jsonl and .parquet are kept), saying
+    which were skipped."""
+    skipped = [path for path in files if _kind(path) == "text" and is_binary(path)]
+    if skipped:
+        shown = ", ".join(str(path) for path in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5
+                                                                else "")
+        log(f"skipped {len(skipped)} binary input(s) (a NUL byte; not text): {shown}")
+    return [path for path in files if path not in set(skipped)]
 
 
 def _kind(path: Path) -> str:
@@ -138,7 +157,11 @@ def documents(piece: Piece, options: Options) -> Iterator[str]:
     """Yields the texts of a piece's documents; raises ConfigError naming the option that does not fit
     (a JSONL line without the text field, a Parquet file without the column)."""
     if piece.kind == "text":
-        yield Path(piece.path).read_text(errors="replace")
+        text = Path(piece.path).read_text(errors="replace")
+        if "\0" in text:  # past the probe of `is_binary`
+            raise ConfigError([("SOURCE", f"{piece.path} is not text: a NUL byte at offset {text.index(chr(0))} "
+                                          "(NUL separates documents); leave the file out")])
+        yield text
     elif piece.kind == "jsonl":
         with open(piece.path, "rb") as f:
             f.seek(piece.start)
@@ -224,8 +247,10 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
     that does not load, an --out of another plan, or records without the text.
     """
     tokenizer = open_tokenizer(options.tokenizer, "--tokenizer")
-    held_out = set(input_files(list(eval_sources), "--eval-source")) if eval_sources else set()
-    files = input_files(list(sources), "SOURCE") + sorted(held_out)
+    held_out = set(text_inputs(input_files(list(eval_sources), "--eval-source"), log)) if eval_sources else set()
+    files = text_inputs(input_files(list(sources), "SOURCE"), log) + sorted(held_out)
+    if not files:
+        raise ConfigError([("SOURCE", "every input is binary; give text, .jsonl or .parquet files")])
     units = plan_units(files, held_out, max(1, int(options.shard_mb * 2**20)))
     _check_plan(options, _plan_record(files, held_out, options, tokenizer))
     markers = {int(p.stem): json.loads(p.read_text()) for p in (options.out / UNITS).glob("*.json")}

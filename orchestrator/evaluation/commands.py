@@ -94,7 +94,11 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
                                    expert_bias=restored.state.get("expert_bias")))[0]
     ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []
     kept = tokens[:ends[0]] if len(ends) else tokens
-    return prompt + tokenizer.decode(kept.tolist())
+    # decoded with the prompt, so that the tokenizer places the space between them (a word-level or
+    # SentencePiece decoder), then printed after the prompt as the user wrote it
+    prompt_ids = ids[1:] if documents else ids
+    before, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + kept.tolist())
+    return prompt + (whole[len(before):] if whole.startswith(before) else tokenizer.decode(kept.tolist()))
 
 
 def _parameters(config: Config, mesh: Mesh, rules: Rules) -> tuple[StateLayout, dict, dict | None, str]:
