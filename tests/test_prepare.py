@@ -193,8 +193,8 @@ def test_training_and_sampling_on_prepared_shards_use_their_tokenizer(corpus, tm
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({
         "run": {"dir": "run"}, "model": {"preset": "tiny", "vocab_size": 128},
         "data": {"source": "tokens", "paths": ["words"]},
-        "train": {"steps": 2, "seq_len": 16, "global_batch": 2},
-        "cluster": {"launcher": "inprocess", "devices_per_host": 1}}))
+        "train": {"steps": 2, "seq_len": 16, "global_batch": 8},
+        "cluster": {"launcher": "inprocess", "devices_per_host": 8}}))  # the suite's 8 devices
     assert main(["train", "run.yaml"]) == 0
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["tokenizer"] == tokenizer
     capsys.readouterr()
