@@ -120,6 +120,16 @@ def follow(address: str, job_id: str, out=sys.stdout) -> str:
     return str(_jobs_call(address, f"asking the status of {job_id}", lambda: jobs.get_job_status(job_id)).value)
 
 
+def logs(address: str, job_id: str) -> str:
+    """Returns the job's output so far (all of it once the job has ended), without Ray's own info lines.
+
+    Raises ClusterError when the cluster is unreachable or does not know the job.
+    """
+    jobs = client(address)
+    text = _jobs_call(address, f"reading the logs of job {job_id}", lambda: jobs.get_job_logs(job_id))
+    return "".join(line for line in text.splitlines(keepends=True) if not RAY_INFO_LINE.match(line))
+
+
 def status(address: str, job_id: str) -> str:
     """Returns the job's status name (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED).
 

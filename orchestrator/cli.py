@@ -1,4 +1,4 @@
-"""The `nestor` command: train, explain, eval, sample, logits, export, submit, status, stop, data prepare."""
+"""The `nestor` command: train, explain, eval, sample, logits, export, submit, status, logs, stop, data prepare."""
 
 from __future__ import annotations
 
@@ -188,8 +188,15 @@ def _submit(config, args) -> int:
 def _job_command(args) -> int:
     from nestor.cluster import jobs
 
+    if args.command == "stop-head":
+        from nestor.cluster.head import stop_head
+
+        print(f"stopped the Ray head at {args.address}: {stop_head(args.address)} processes")
+        return 0
     if args.command == "status":
         print(jobs.status(args.address, args.job_id))
+    elif args.command == "logs":
+        print(jobs.logs(args.address, args.job_id), end="")
     else:
         print("stopped" if jobs.stop(args.address, args.job_id) else "not running")
     return 0
@@ -304,12 +311,17 @@ def parser() -> argparse.ArgumentParser:
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
                                   "anywhere on the line")
         command.set_defaults(handler=handler)
-    for name, text in (("status", "print a submitted job's status"), ("stop", "stop a submitted job")):
+    for name, text in (("status", "print a submitted job's status"), ("logs", "print a submitted job's output"),
+                       ("stop", "stop a submitted job")):
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", help="the submission id `nestor submit` printed")
         command.set_defaults(handler=None)
+    stop_head = commands.add_parser("stop-head", help="stop the Ray head at --address on this machine (not "
+                                                      "every Ray node, as `ray stop` does)")
+    stop_head.add_argument("--address", required=True, help="the head's GCS address HOST:PORT (ray start --port)")
+    stop_head.set_defaults(handler=None)
     _data_parser(commands)
-    for command in (submit, commands.choices["status"], commands.choices["stop"]):
+    for command in (submit, commands.choices["status"], commands.choices["logs"], commands.choices["stop"]):
         command.add_argument("--address", required=True, help="the cluster's dashboard URL, e.g. http://127.0.0.1:8265")
     return main
 

@@ -165,8 +165,10 @@ def _run(block: Block, clone: Path) -> BlockRun:
         process = subprocess.run(command, input=text if block.language == "python" else None, cwd=clone, env=env,
                                  capture_output=True, text=True, timeout=840)
     finally:
-        if "ray start" in text:  # a block that failed half-way must not leave its head to later tests
-            subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        # a block that failed half-way must not leave its head to later tests; other heads on the machine stay
+        for port in re.findall(r"ray start --head .*?--port=(\d+)", text):
+            subprocess.run([str(VENV_BIN / "nestor"), "stop-head", "--address", f"127.0.0.1:{port}"], env=env,
+                           capture_output=True, timeout=120)
     seconds = time.perf_counter() - started
     deadline = time.monotonic() + 20  # daemons exit a moment after ray.shutdown returns
     while ray_daemons() - before and time.monotonic() < deadline:

@@ -234,6 +234,8 @@ def test_job_asking_for_more_devices_than_the_cluster_has_fails_before_workers(r
     assert process.returncode == 1
     assert "asks for 2 x 1 CPU, 2 x 4 GPU, but the cluster has 3 CPU, 0 GPU" in process.stdout
     assert not (tmp_path / "metrics.jsonl").exists()
+    logs = nestor("logs", process.stdout.split()[0], "--address", url)  # the finished job's output, read again
+    assert logs.returncode == 0 and "but the cluster has 3 CPU, 0 GPU" in logs.stdout, logs.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)
@@ -434,7 +436,8 @@ def test_kuberay_rayjob_names_image_entrypoint_and_resources():
 def test_jobs_api_errors_are_one_line(ray_head):
     url, _ = ray_head
     # "job X failed: ..." read as if the job had run and failed
-    for command, what in (("status", "asking the status of job"), ("stop", "stopping job")):
+    for command, what in (("status", "asking the status of job"), ("logs", "reading the logs of job"),
+                          ("stop", "stopping job")):
         process = nestor(command, "raysubmit_doesnotexist", "--address", url, timeout=100)
         lines = process.stderr.strip().splitlines()
         assert process.returncode == 1 and len(lines) == 1, process.stderr
@@ -480,3 +483,23 @@ def test_staging_ships_the_users_modules_beside_nestors_and_refuses_a_clash(tmp_
     for clash in ("models", "cluster.py"):  # a module would lose to nestor's package of its name
         with pytest.raises(ClusterError, match=f"would clash with nestor's '{clash.removesuffix('.py')}'"):
             stage_project(tmp_path / f"again-{clash}", (str(tmp_path / clash),))
+
+
+def test_stop_head_ends_the_processes_of_its_address_and_no_others():
+    """Stand-ins for two heads' daemons (the address on their command lines, as Ray's raylet and workers
+    carry it): stopping one leaves the other running."""
+    from nestor.cluster.head import stop_head
+
+    ours, theirs = (f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2))
+    sleeper = "import time; time.sleep(120)"
+    started = {address: [subprocess.Popen([PYTHON, "-c", sleeper, f"--gcs-address={address}"]) for _ in range(2)]
+               for address in (ours, theirs)}
+    try:
+        time.sleep(0.5)
+        assert stop_head(ours, grace_s=5) == 2
+        assert all(process.wait(timeout=10) is not None for process in started[ours])
+        assert all(process.poll() is None for process in started[theirs])
+        assert nestor("stop-head", "--address", ours).returncode == 1  # none left: one line, exit 1
+    finally:
+        for process in started[theirs] + started[ours]:
+            process.kill()

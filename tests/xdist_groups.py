@@ -3,7 +3,7 @@ hooks are tests/conftest.py's, kept here without jax so that a test can run them
 
 A worker takes a whole file at a time (its module fixtures, compiled steps among them, are built once), and
 the files whose tests start Ray clusters all go to one worker, first (they take longest): they count the
-machine's Ray daemons and stop every Ray node (`ray stop`), so they must never run beside each other.
+machine's Ray daemons before and after, so they must never run beside each other.
 xdist's own `--dist loadgroup` cannot do this under pytest 9.2 (it renames `item._nodeid`, which pytest
 no longer reads).
 """
