@@ -306,7 +306,7 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
     for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
                              (logits, _logits), (submit, _submit)):
-        command.add_argument("config", help="run YAML, e.g. configs/quickstart.yaml")
+        command.add_argument("config", nargs="?", help="run YAML, e.g. configs/quickstart.yaml")
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
                                   "anywhere on the line")
@@ -331,6 +331,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     (`nestor submit CONFIG --address URL train.steps=20 --follow`). Exits 2 on anything else."""
     main = parser()
     args, extra = main.parse_known_args(argv)
+    if getattr(args, "config", "") is None:  # argparse would name the optional overrides as required too
+        main.error(f"nestor {args.command} needs a run YAML: nestor {args.command} CONFIG [KEY=VALUE ...], e.g. "
+                   f"nestor {args.command} configs/quickstart.yaml")
     if extra and getattr(args, "overrides", None) is not None:
         strays = [item for item in extra if item.startswith("-") or not ("=" in item or item.endswith((".yaml", ".yml")))]
         if strays:

@@ -40,3 +40,15 @@ def test_config_error_is_one_message_with_the_key_and_no_traceback():
 def test_missing_config_file_is_a_config_error():
     result = nestor("train", "configs/no-such-file.yaml")
     assert result.returncode == 2 and "file not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_command_without_its_config_says_so_and_not_that_overrides_are_required(capsys):
+    from nestor.orchestrator.cli import main
+
+    for command in ("train", "eval", "logits"):
+        with pytest.raises(SystemExit) as exited:
+            main([command] + (["--tokens", "t.npy", "--out", "o.npy"] if command == "logits" else []))
+        assert exited.value.code == 2
+        error = capsys.readouterr().err
+        assert f"nestor {command} needs a run YAML: nestor {command} CONFIG [KEY=VALUE ...]" in error
+        assert "KEY=VALUE|FILE.yaml" not in error.splitlines()[-1]
