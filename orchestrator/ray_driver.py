@@ -6,7 +6,8 @@ import signal
 
 from nestor.cluster.launcher import ClusterSpec, Preempted, Stopped, launch
 from nestor.orchestrator.config import Config
-from nestor.orchestrator.model_class import resolve_user_code, user_code_paths
+from nestor.orchestrator.model_class import user_code_paths
+from nestor.orchestrator.launch_checks import check_before_launch
 from nestor.orchestrator.paths import show_relative_to, user_directory
 from nestor.orchestrator.progress import Console, ForwardingConsole, replay
 from nestor.orchestrator.run_lock import RunDirLock
@@ -69,7 +70,7 @@ def train_on_ray(config: Config, console: Console) -> int | None:
     The lock is held here, in the driver, for the whole run: it outlives
     worker-group restarts, and a refused run never starts Ray.
     """
-    resolve_user_code(config)  # an import path that does not resolve is one line here, before Ray starts
+    check_before_launch(config)  # one line in seconds, before Ray starts and before anything is written
     try:
         with RunDirLock(config.run.dir, console.log):
             return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),

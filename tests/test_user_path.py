@@ -192,3 +192,31 @@ def test_hosts_that_do_not_share_run_dir_fail_naming_the_process(tmp_path):
     for message in last_lines_of_two_processes(SHARED_RUN_DIR_CHECK, own):  # every process stops, with the same diagnosis
         assert re.search(r"not the same directory on every host: process 1 on \S+ cannot see", message), message
         assert "process 0 on" not in message
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_bad_data_path_and_a_misfit_checkpoint_are_refused_before_ray_starts_and_write_nothing(tmp_path):
+    import hashlib
+    import time
+
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    started = time.monotonic()
+    bad = console_script("train", "configs/quickstart.yaml", "data.source=tokens", "data.paths=[runs/nothere]",
+                         "run.dir=runs/bad", cwd=tmp_path)
+    assert bad.returncode == 2 and "data.paths" in bad.stderr and "runs/nothere" in bad.stderr, bad.stderr[-2000:]
+    assert time.monotonic() - started < 10 and not (tmp_path / "runs" / "bad").exists()
+
+    tiny = ["model.preset=tiny", "train.steps=1", "run.dir=runs/tiny"]
+    trained = console_script("train", "configs/quickstart.yaml", *tiny, "cluster.launcher=inprocess", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+
+    def files() -> dict[str, str]:
+        return {str(path): hashlib.sha256(path.read_bytes()).hexdigest()
+                for path in sorted((tmp_path / "runs" / "tiny").rglob("*")) if path.is_file()}
+
+    before, started = files(), time.monotonic()
+    misfit = console_script("train", "configs/quickstart.yaml", *tiny, "train.steps=2", "model.embed_dim=128",
+                            cwd=tmp_path)
+    assert misfit.returncode == 2 and "model.embed_dim: is 128 but" in misfit.stderr, misfit.stderr[-2000:]
+    assert time.monotonic() - started < 10 and files() == before
