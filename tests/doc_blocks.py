@@ -5,10 +5,12 @@ Each fenced ```bash and ```python block of README.md and docs/*.md is run by
 (`run_block`): the README's main command is run once per suite, not once per
 test that looks at it.
 
-A block's commands run in order, in one shell with the test's virtual
-environment on PATH (an activated venv); `.venv/bin/` means that environment,
-whose installation (`python3 -m venv .venv && .venv/bin/pip install ...`) CI
-has already done. To stay within CI's time, every `train.steps=K` becomes
+A block's commands run in order, in one shell; `.venv/bin/` means the test's
+virtual environment, whose installation (`python3 -m venv .venv &&
+.venv/bin/pip install ...`) CI has already done, and `source
+.venv/bin/activate` puts it on PATH for that block and the later blocks of its
+doc, as in a user's terminal; without it, bare `nestor` or `python` is not
+found, as after the README's commands. To stay within CI's time, every `train.steps=K` becomes
 K // 10 and a `nestor train` without one trains 5 steps. A block preceded by
 `<!-- doc-test: skip: REASON -->` needs what a test cannot have (a cloud
 project, accelerators) and is skipped with that reason; one preceded by
@@ -37,6 +39,7 @@ VENV_BIN = Path(sys.executable).parent
 _FENCE = re.compile(r"(?:<!-- doc-test: (?P<marker>[^>]*?) -->\n)?```(?P<language>bash|python)\n(?P<body>.*?)```",
                     re.S)
 THIS_SUITE = "python -m pytest"
+ACTIVATE = "source .venv/bin/activate"
 _INSTALL = re.compile(r"python3 -m venv \.venv && \.venv/bin/pip install -e [^&]+ && ")
 
 
@@ -113,7 +116,8 @@ def runnable(block: Block) -> str:
     for line in block.body.replace("\\\n", " ").splitlines():
         if not line.strip() or line.lstrip().startswith("#") or THIS_SUITE in line:
             continue  # the line that runs this suite is what CI runs (.ci/run)
-        line = _INSTALL.sub("", line).replace(".venv/bin/", f"{VENV_BIN}/")
+        line = _INSTALL.sub("", line).replace(ACTIVATE, f"export PATH={VENV_BIN}:$PATH")
+        line = line.replace(".venv/bin/", f"{VENV_BIN}/")
         lines.append(fewer_steps(line))
     text = "\n".join(lines)
     if block.marker == "free-ports":
@@ -155,9 +159,16 @@ def run_block(block_id: str, tmp_path_factory) -> BlockRun:
     return _RUNS[block_id]
 
 
+def activated(block: Block) -> bool:
+    """Returns whether the block, or an earlier block of its doc, activates the environment (`ACTIVATE`)."""
+    return any(ACTIVATE in other.body for other in blocks() if other.doc == block.doc and other.index <= block.index)
+
+
 def _run(block: Block, clone: Path) -> BlockRun:
     text = runnable(block)
-    env = dict(user_env(), PATH=f"{VENV_BIN}:{user_env()['PATH']}")
+    if block.language == "bash" and activated(block) and ACTIVATE not in block.body:
+        text = f"export PATH={VENV_BIN}:$PATH\n{text}"  # the doc's terminal, activated by an earlier block
+    env = user_env()
     command = [sys.executable, "-"] if block.language == "python" else ["bash", "-euo", "pipefail", "-c", text]
     before = ray_daemons()
     started = time.perf_counter()
