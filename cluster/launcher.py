@@ -110,11 +110,20 @@ class ClusterSpec:
         return {"CPU": 1}
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A start-up phase a worker reports to the driver (`launch`'s `on_phase`), apart from the run's messages."""
+
+    text: str
+
+
 def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
            spec: ClusterSpec, storage_dir: str, on_message: Callable[[Any], None] = lambda message: None,
-           on_stop: Callable[[int], None] = lambda signum: None) -> int | None:
+           on_stop: Callable[[int], None] = lambda signum: None,
+           on_phase: Callable[[str], None] = lambda text: None) -> int | None:
     """Runs `train_fn(argument, send, stop_requested)` on `spec.hosts` workers joined by jax.distributed;
-    returns when all finish: None, or the signal the driver was stopped by.
+    returns when all finish: None, or the signal the driver was stopped by. `on_phase(text)` hears each
+    start-up phase as it ends (Ray up, the worker processes joined), with the seconds since `launch` began.
 
     `send(message)` (any picklable value) reaches `on_message(message)` in this
     process, in order. A group whose workers raise `Preempted` is started
@@ -137,13 +146,22 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
         # Ray swaps 127.0.0.1 for the machine's routable IP unless told it is a
         # laptop-only cluster; read once when Ray is imported, so set it first.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    started = time.monotonic()
     import ray
 
     _connect(spec)
+    on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
+
+    def message(value: Any) -> None:
+        if isinstance(value, Phase):
+            on_phase(f"{value.text} ({time.monotonic() - started:.0f} s)")
+        else:
+            on_message(value)
+
     with _DriverSignals(on_stop) as signals:
         try:
             check_capacity(spec, ray.nodes())
-            stopped_by = _fit(train_fn, argument, spec, storage_dir, on_message, signals)
+            stopped_by = _fit(train_fn, argument, spec, storage_dir, message, signals)
             signals.settled = True  # the workers have ended: a Ctrl-C now would only cut Ray's shutdown short
             return stopped_by
         finally:
@@ -458,6 +476,9 @@ def _worker(config: dict) -> None:
         # Bind the coordinator to the node's Ray address, not every interface.
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
+        if rank == 0:
+            config["mailbox"].put.remote(Phase(f"{world} worker process(es) joined jax.distributed, "
+                                               f"{jax.device_count()} devices"))
     mailbox = config["mailbox"]
     stop = _StopWatch(mailbox)
     try:

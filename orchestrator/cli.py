@@ -7,10 +7,13 @@ import json
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 from nestor.orchestrator.paths import shown
 from nestor.orchestrator.preflight import check_dependencies
+
+STARTED = time.monotonic()  # when the command started: the whole run's time is counted from here
 
 
 def _tensorboard_command(log_dir: str) -> str:
@@ -81,6 +84,7 @@ def _train(config, args) -> int:
             for line in where_results_are(config):
                 print(line)
         return 130
+    print(f"the whole run took {time.monotonic() - STARTED:.0f} s, from the command to its last save")
     for line in where_results_are(config):
         print(line)
     # A preempted run exits as the signal would have made it (128 + signal), after its checkpoint.

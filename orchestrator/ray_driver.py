@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 from nestor.cluster.launcher import ClusterSpec, Preempted, Stopped, launch
@@ -70,11 +71,15 @@ def train_on_ray(config: Config, console: Console) -> int | None:
     The lock is held here, in the driver, for the whole run: it outlives
     worker-group restarts, and a refused run never starts Ray.
     """
+    c = config.cluster
+    where = f"the Ray cluster at {c.address}" if c.address else (
+        "the Ray job's cluster" if os.environ.get("RAY_ADDRESS") else "a local Ray cluster on 127.0.0.1")
+    console.log(f"starting {c.hosts} worker process(es) x {c.devices_per_host} {c.accelerator} device(s) on {where}")
     check_before_launch(config)  # one line in seconds, before Ray starts and before anything is written
     try:
         with RunDirLock(config.run.dir, console.log):
             return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),
                           storage_dir=config.run.dir, on_message=lambda message: replay(console, message),
-                          on_stop=lambda signum: console.log(stopping_line(signum)))
+                          on_stop=lambda signum: console.log(stopping_line(signum)), on_phase=console.log)
     finally:
         console.close()

@@ -73,6 +73,8 @@ def _check_finite(step: int, values: dict, checkpointer: Checkpointer) -> None:
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
     """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state."""
+    if kept := finalized_steps(checkpointer.directory):
+        log(f"restoring checkpoint {kept[-1]} from {shown(checkpointer.directory)}")
     resumed = checkpointer.restore_latest()
     if resumed is None:
         if config.model.init_from:

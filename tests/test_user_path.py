@@ -80,7 +80,12 @@ def test_main_job_prints_one_clean_stream_off_a_terminal(quickstart_runs):
     assert "compiling the train step ..." in lines and any(re.fullmatch(r"compiled in \d+\.\d s", l) for l in lines)
     assert "run dir: runs/quickstart  (config.yaml, metrics.jsonl, checkpoints/, tb/)" in lines
     assert any(l.startswith("TensorBoard: ") and l.endswith("--logdir runs/quickstart/tb") for l in lines)
-    assert sum(l.startswith("step ") for l in lines) == 1 and len(lines) <= 10, first.stdout
+    assert sum(l.startswith("step ") for l in lines) == 1 and len(lines) <= 13, first.stdout
+    # a line for each start-up phase, and the whole run's time beside the steps'
+    assert lines[0] == "starting 2 worker process(es) x 4 cpu device(s) on a local Ray cluster on 127.0.0.1"
+    assert re.fullmatch(r"Ray is up \(\d+ s\); starting 2 worker process\(es\)", lines[1]), lines[1]
+    assert re.fullmatch(r"2 worker process\(es\) joined jax.distributed, 8 devices \(\d+ s\)", lines[2]), lines[2]
+    assert any(re.fullmatch(r"the whole run took \d+ s, from the command to its last save", l) for l in lines)
     assert first.stderr.strip() == "", first.stderr[-2000:]
     assert "CheckpointManager" not in first.stdout  # no Orbax INFO chatter
 
@@ -220,3 +225,20 @@ def test_a_bad_data_path_and_a_misfit_checkpoint_are_refused_before_ray_starts_a
                             cwd=tmp_path)
     assert misfit.returncode == 2 and "model.embed_dim: is 128 but" in misfit.stderr, misfit.stderr[-2000:]
     assert time.monotonic() - started < 10 and files() == before
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_first_line_comes_within_2_s_under_the_ray_launcher(tmp_path):
+    import time
+
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    started = time.monotonic()
+    process = subprocess.Popen([NESTOR, "train", "configs/quickstart.yaml", "train.steps=1", "run.dir=runs/first"],
+                               cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    first = process.stdout.readline()
+    waited = time.monotonic() - started
+    rest = process.communicate(timeout=240)[0]
+    assert process.returncode == 0, rest[-3000:]
+    assert first.startswith("starting 2 worker process(es)") and waited < 2, (waited, first)
