@@ -63,7 +63,7 @@ def _saves_refused(metrics_jsonl: Path) -> bool:
 
 
 def _train(config, args) -> int:
-    from nestor.orchestrator.checkpoint_restore import checkpoint_dir
+    from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
     from nestor.orchestrator.progress import Console
 
     console = Console()
@@ -80,9 +80,12 @@ def _train(config, args) -> int:
             stopped_by = train(config, console=console).stopped_by
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         print("nestor: interrupted: stopped without saving the steps since the newest checkpoint", file=sys.stderr)
-        if checkpoint_dir(config.run.dir).is_dir():  # the run got as far as its checkpoints
+        if finalized_steps(checkpoint_dir(config.run.dir)):
             for line in where_results_are(config):
                 print(line)
+        elif checkpoint_dir(config.run.dir).is_dir():  # the run got as far as its checkpoints, none saved
+            print(f"run dir: {shown(config.run.dir)}  (no checkpoint saved: running the same command again "
+                  "starts from step 0)")
         return 130
     print(f"the whole run took {time.monotonic() - STARTED:.0f} s, from the command to its last save")
     for line in where_results_are(config):

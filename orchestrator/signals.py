@@ -18,7 +18,8 @@ def no_stop_request(now: bool = False) -> None:
 
 class StopSignals:
     """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
-    (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once).
+    (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once);
+    `on_signal(signum)` hears the first one as it comes.
 
     In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
     `preemption_agreed`), so that every process stops after the same step;
@@ -28,9 +29,11 @@ class StopSignals:
     (`requested(now=True)` asks at once, where it matters: which signal stopped the run).
     """
 
-    def __init__(self, requested: Callable[..., int | None] = no_stop_request):
+    def __init__(self, requested: Callable[..., int | None] = no_stop_request,
+                 on_signal: Callable[[int], None] = lambda signum: None):
         self.received: int | None = None
         self._requested = requested
+        self._on_signal = on_signal  # hears the first signal, as it comes: the run says it will stop
         self._passed_on = False  # a request handed to the preemption sync manager
         self._previous: dict[int, object] = {}
 
@@ -48,6 +51,7 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.received = signum
+        self._on_signal(signum)
 
     @staticmethod
     def _forward(signum, frame) -> None:
@@ -70,3 +74,10 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def stopping_line(signum: int) -> str:
+    """What a run in this process says when a signal reaches it: it saves at the next step; the hint of a
+    second Ctrl-C for a Ctrl-C only."""
+    again = " (press Ctrl-C again to stop now, without a save)" if signum == signal.SIGINT else ""
+    return f"{signal.Signals(signum).name}: stopping and saving at the next step{again}"

@@ -29,7 +29,7 @@ from nestor.orchestrator.profiler import StepProfiler
 from nestor.orchestrator.progress import Console
 from nestor.orchestrator.run_lock import holding_run_dir
 from nestor.orchestrator.runtime import check_shared_run_dir, wait_for_every_process
-from nestor.orchestrator.signals import StopSignals, no_stop_request
+from nestor.orchestrator.signals import StopSignals, no_stop_request, stopping_line
 from nestor.orchestrator.state import init_state, param_table
 
 
@@ -194,7 +194,7 @@ def _train(config: Config, job: Job, console: Console, stop_requested: Callable[
         profiler = StepProfiler(config, enabled=lead, log=log)
         closing.callback(profiler.stop)
         started = time.perf_counter()
-        with StopSignals(stop_requested) as signals:
+        with StopSignals(stop_requested, on_signal=lambda signum: log(stopping_line(signum))) as signals:
             result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
                                                     profiler)
     if result.stopped_by is not None:

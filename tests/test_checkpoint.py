@@ -218,6 +218,7 @@ def test_sigterm_saves_the_current_step_before_exit(tmp_path):
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM: stopping and saving at the next step\n" in out  # said as it came, not only at the end
     saved = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
     assert len(saved) == 1 and saved[0] >= 3
     assert saved[0] == max(logged_losses(run_dir))  # the saved state is the last one logged

@@ -197,8 +197,11 @@ def test_an_interrupted_run_says_what_a_rerun_resumes_from(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("nestor.orchestrator.train.train", interrupted)
+    (Path("runs") / "begun" / "checkpoints").mkdir(parents=True)  # a run that got that far, and saved nothing
     for run_dir, closing in (("runs/a", "resume or extend: run the same command again (from checkpoint 2; "
-                                        "train.steps=4 now)"), ("runs/new", None)):
+                                        "train.steps=4 now)"), ("runs/new", None),
+                             ("runs/begun", "run dir: runs/begun  (no checkpoint saved: running the same command "
+                                            "again starts from step 0)")):
         assert main(["train", "tiny.yaml", *BASE, f"run.dir={run_dir}", "train.steps=4"]) == 130
         out, err = capsys.readouterr()
         assert err == "nestor: interrupted: stopped without saving the steps since the newest checkpoint\n"
