@@ -2,7 +2,7 @@
 `model.num_layers` should not change it. Depths are compiled alternately in one process, and both
 wall and process CPU time are printed (on a shared host, CPU time is the steadier of the two).
 
-    python -m bench.compile_depth --layers 8 32 --repeats 2    # llama3-8b, seq 8192, fsdp8, remat full
+    python -m bench.compile_depth --layers 8 32 --repeats 2    # llama3-8b, seq 8192, fsdp8, remat full, for an H100
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from nestor.orchestrator.explain import compile_step  # noqa: E402
 from nestor.orchestrator.job import build_job  # noqa: E402
 from nestor.orchestrator.memory_fit import GIB  # noqa: E402
 
-# llama3-8b at seq 8192, one sequence per device on fsdp8 (the quickstart's pipeline and MoE off).
+# llama3-8b at seq 8192, one sequence per device on fsdp8 (the quickstart's pipeline and MoE off), compiled
+# for an H100 as docs/scaling.md's explain commands compile it (the backend's choices for that target).
 OVERRIDES = ["model.preset=llama3-8b", "model.dtype=bfloat16", "train.seq_len=8192", "train.global_batch=8",
              "mesh.fsdp=8", "mesh.data=1", "mesh.pipeline=1", "mesh.expert=1", "mesh.tensor=1", "moe.num_experts=0",
-             "moe.every=0", "pipeline.microbatches=1", "run.compile_cache=null"]
+             "moe.every=0", "pipeline.microbatches=1", "run.compile_cache=null", "cluster.device_kind=h100"]
 
 
 def measure(layers: int, remat: str) -> tuple[float, float, int]:
