@@ -3,12 +3,12 @@
 `ray stop` ends every Ray process on the machine, whoever started it: on a shared host that ends other
 people's clusters and runs. A head's processes are known by its GCS address instead: the GCS server
 listens on its port and every other daemon and worker of the cluster (raylet, dashboard, agents,
-monitors, workers) names it as `--gcs-address=HOST:PORT` on its command line. `stop_head` signals only those.
+monitors) names it as `--gcs-address=HOST:PORT` on its command line, and the workers and agents are
+their children. `stop_head` signals only those.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
@@ -16,22 +16,24 @@ import psutil
 from nestor.cluster.rendezvous import ClusterError
 
 
+FLAGS = ("--gcs-address=", "--gcs_address=")  # how Ray's daemons name their cluster's GCS
+
+
 def _belongs(process: psutil.Process, address: str, port: str) -> bool:
     try:
         command = process.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-    if process.pid == os.getpid():  # the command that stops the head names its address too
-        return False
-    if any(f"address={address}" in part for part in command):  # --gcs-address=, --gcs_address=
+    if any(part == flag + address for part in command for flag in FLAGS):
         return True
     name = " ".join(command[:1])
-    return "gcs_server" in name and any(part == f"--gcs_server_port={port}" for part in command)
+    return "gcs_server" in name and f"--gcs_server_port={port}" in command
 
 
 def head_processes(address: str) -> list[psutil.Process]:
-    """Returns this machine's processes of the Ray cluster whose GCS is at `address` (HOST:PORT): those that
-    name it, and their descendants (workers and agents retitle themselves `ray::...`)."""
+    """Returns this machine's processes of the Ray cluster whose GCS is at `address` (HOST:PORT): its GCS
+    server, the daemons that name it, and their descendants (workers and agents retitle themselves
+    `ray::...`); never this process or one it runs under."""
     _, _, port = address.rpartition(":")
     found = {process.pid: process for process in psutil.process_iter() if _belongs(process, address, port)}
     for process in list(found.values()):
@@ -39,15 +41,21 @@ def head_processes(address: str) -> list[psutil.Process]:
             found.update((child.pid, child) for child in process.children(recursive=True))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    found.pop(os.getpid(), None)
+    here = psutil.Process()
+    for own in (here, *here.parents()):
+        found.pop(own.pid, None)
     return list(found.values())
 
 
 def stop_head(address: str, grace_s: float = 10.0) -> int:
     """Ends the processes of the Ray head at `address` (HOST:PORT) on this machine, SIGTERM then SIGKILL after
     `grace_s`; returns how many there were. Raises ClusterError when there are none."""
-    if ":" not in address:
-        raise ClusterError(f"--address {address}: give the head's GCS address HOST:PORT (ray start --port)")
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        raise ClusterError(f"--address {address}: give the head's GCS address HOST:PORT (ray start --port), not "
+                           "its dashboard URL")
+    if host == "localhost":
+        address = f"127.0.0.1:{port}"
     processes = head_processes(address)
     if not processes:
         raise ClusterError(f"--address {address}: no Ray process of that head runs on this machine")
@@ -56,11 +64,14 @@ def stop_head(address: str, grace_s: float = 10.0) -> int:
             process.terminate()
         except psutil.NoSuchProcess:
             pass
+        except psutil.AccessDenied:
+            raise ClusterError(f"--address {address}: process {process.pid} of that head belongs to another "
+                               "user; stop it as that user") from None
     _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
         try:
             process.kill()
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     psutil.wait_procs(alive, timeout=grace_s)
     time.sleep(0.1)

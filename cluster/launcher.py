@@ -476,9 +476,11 @@ def _worker(config: dict) -> None:
         # Bind the coordinator to the node's Ray address, not every interface.
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
-        if rank == 0:
-            config["mailbox"].put.remote(Phase(f"{world} worker process(es) joined jax.distributed, "
-                                               f"{jax.device_count()} devices"))
+    import jax  # on GPU and TPU Ray Train's JaxTrainer has joined jax.distributed before this function
+
+    if jax.process_index() == 0:
+        config["mailbox"].put.remote(Phase(f"{jax.process_count()} worker process(es) joined jax.distributed, "
+                                           f"{jax.device_count()} devices"))
     mailbox = config["mailbox"]
     stop = _StopWatch(mailbox)
     try:

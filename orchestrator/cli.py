@@ -210,8 +210,8 @@ def _job_command(args) -> int:
 
 
 def _data_prepare(args) -> int:
-    from nestor.orchestrator.config import VOCAB_MULTIPLE
     from nestor.orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.data.shards import VOCAB_MULTIPLE
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,

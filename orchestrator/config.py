@@ -23,7 +23,7 @@ from nestor.backend.remat import CHOICES as REMAT_CHOICES
 from nestor.models import remat_names
 from nestor.orchestrator import config_keys
 from nestor.orchestrator.config_keys import FIELD_NAMES, INT32_MAX, YAML_NAMES, Key, hints, key  # noqa: F401
-from nestor.orchestrator.data.shards import METADATA
+from nestor.orchestrator.data.shards import METADATA, VOCAB_MULTIPLE
 from nestor.orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from nestor.orchestrator.health import HISTORY as HEALTH_HISTORY
 from nestor.orchestrator.hf.config import sections
@@ -32,7 +32,6 @@ from nestor.orchestrator.validation import validate
 from nestor.parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
 
 
 _POSITIVE = dict(minimum=1)
@@ -451,7 +450,8 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     init_from = next((layer["model"].get("init_from") for layer in (extra, user)
                       if isinstance(layer.get("model"), dict) and layer["model"].get("init_from")), None)
     if init_from:
-        run_dir = _merge(_merge(tree, user), extra)["run"]["dir"]
+        run = _merge(_merge(tree, user), extra).get("run")
+        run_dir = run.get("dir") if isinstance(run, dict) else None
         tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra), run_dir))
     tree = _merge(_merge(tree, user), extra)
     tree = _merge(tree, shards_tokenizer(tree, (user, extra), bool(init_from)))
@@ -468,21 +468,30 @@ def shards_tokenizer(tree: dict, layers: tuple[dict, ...], model_given: bool) ->
     tokenizer they were prepared with as `data.tokenizer` unless the run names one, and a `model.vocab_size`
     that holds its ids (rounded up to a multiple of 128) unless the run or a checkpoint sets one. A
     directory that is not prepared is left to the data source to report."""
-    data = tree.get("data") or {}
-    if data.get("source") != "tokens" or _given(layers, "data", "tokenizer"):
-        return {}
-    entries = list(data.get("paths") or []) + [path for entry in data.get("mixture") or [] if isinstance(entry, dict)
-                                                for path in ([entry["paths"]] if isinstance(entry.get("paths"), str)
-                                                             else entry.get("paths") or [])]
+    data = tree.get("data")
+    if not isinstance(data, dict) or not isinstance(tree.get("model"), dict):
+        return {}  # a section written as a value: validation names it
+    if data.get("source") != "tokens" or _given(layers, "data", "tokenizer") or data.get("tokenizer"):
+        return {}  # the run's own tokenizer, or a checkpoint's (model.init_from), is checked against the shards
+    def paths_of(value: Any) -> list:  # a path or a list of them; anything else is validation's to name
+        return [value] if isinstance(value, str) else [p for p in value if isinstance(p, str)] \
+            if isinstance(value, list) else []
+
+    mixture = data.get("mixture") if isinstance(data.get("mixture"), list) else []
+    entries = paths_of(data.get("paths")) + [path for entry in mixture if isinstance(entry, dict)
+                                             for path in paths_of(entry.get("paths"))]
     for path in entries:
         metadata_file = Path(_absolute(str(path), Path.cwd())) / METADATA
         try:
-            tokenizer = json.loads(metadata_file.read_text())["tokenizer"]
+            tokenizer = dict(json.loads(metadata_file.read_text())["tokenizer"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        keys: dict = {} if tokenizer.get("path") in (None, BYTES) else {"data": {"tokenizer": tokenizer["path"]}}
+        path = tokenizer.get("path")
+        # the file the shards were prepared with, where it still is (else the shards' fingerprint check says so)
+        found = isinstance(path, str) and path != BYTES and Path(path).is_file()
+        keys: dict = {"data": {"tokenizer": path}} if found else {}
         ids = tokenizer.get("vocab_size")
-        vocab = (tree.get("model") or {}).get("vocab_size")
+        vocab = tree["model"].get("vocab_size")
         if not model_given and not _given(layers, "model", "vocab_size") and isinstance(ids, int) and \
                 isinstance(vocab, int) and ids > vocab:
             keys["model"] = {"vocab_size": -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE}
@@ -516,7 +525,8 @@ def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...], r
             if section == "moe" and name not in MOE_ARCHITECTURE:
                 continue  # a routing choice (capacity), the run's to make
             for layer in layers:
-                given = (layer.get(section) or {}).get(YAML_NAMES.get(name, name), value)
+                keys = layer.get(section)
+                given = keys.get(YAML_NAMES.get(name, name), value) if isinstance(keys, dict) else value
                 if given != value:
                     problems.append((f"{section}.{name}", f"{given!r} conflicts with {directory / 'config.json'}, "
                                                           f"which makes it {value!r}"))

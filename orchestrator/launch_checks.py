@@ -15,17 +15,19 @@ from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
 from nestor.orchestrator.model_class import resolve_user_code
 from nestor.orchestrator.paths import shown
 
-# the config keys that shape the train state a checkpoint holds (the workers compare the arrays themselves)
-SHAPING = {"model": ("class", "args", "vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "mlp_dim", "tie_embeddings", "qkv_bias", "out_bias", "qk_norm"),
-           "moe": ("num_experts", "every", "expert_mlp_dim", "shared_experts", "first_dense_layers")}
+# nestor LM's keys that shape the train state a checkpoint holds (the workers compare the arrays themselves)
+SHAPING = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+           "tie_embeddings", "qkv_bias", "out_bias", "qk_norm")
+MOE_SHAPING = ("num_experts", "every", "expert_mlp_dim", "shared_experts", "first_dense_layers")
 
 
 def data_problems(config: Config) -> None:
     """Raises ConfigError where the training data cannot be opened: text globs that match nothing (or
     match binary files), prepared directories that are missing, unfinished or of another tokenizer, array
-    files that do not exist."""
+    files that do not exist. A run on a cluster by address reads its data there: not checked here."""
     data = config.data
+    if config.cluster.address:
+        return
     if data.source == "text":
         text_files(data.paths)
     elif data.source == "tokens":
@@ -36,11 +38,16 @@ def data_problems(config: Config) -> None:
             raise ConfigError([("data.paths", f"{', '.join(missing)}: no such file or directory")])
 
 
+def _moe_on(section: dict) -> bool:
+    return bool(section.get("num_experts")) and bool(section.get("every"))
+
+
 def checkpoint_misfit(config: Config) -> None:
-    """Raises ConfigError when run.dir's newest checkpoint was written by a model of other `model.*` or
-    `moe.*` keys (its arrays would not fit), naming each key that differs."""
+    """Raises ConfigError when run.dir's newest checkpoint was written by nestor's LM with other keys that
+    shape its arrays (model sizes, MoE layout), naming each; a model of the user's is left to the workers,
+    which compare the arrays."""
     steps = finalized_steps(checkpoint_dir(config.run.dir))
-    if not steps:
+    if not steps or not config.model.builtin_lm:
         return
     step_dir = checkpoint_dir(config.run.dir) / str(steps[-1])
     try:
@@ -48,9 +55,15 @@ def checkpoint_misfit(config: Config) -> None:
     except Exception:  # noqa: BLE001 - an unreadable config is the workers' to judge (and quarantine)
         return
     current = config.to_dict()
+    if saved.get("model", {}).get("class", "lm") != "lm":
+        return
+    keys = [("model", key) for key in SHAPING]
+    if _moe_on(saved.get("moe", {})) or _moe_on(current["moe"]):
+        both = _moe_on(saved.get("moe", {})) and _moe_on(current["moe"])
+        keys += [("moe", key) for key in (MOE_SHAPING if both else ("num_experts", "every"))]
     problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {shown(step_dir)} was written with "
                                      f"{saved[section][key]!r}; use the checkpoint's value or a new run.dir")
-                for section, keys in SHAPING.items() for key in keys
+                for section, key in keys
                 if key in saved.get(section, {}) and current[section].get(key) != saved[section][key]]
     if problems:
         raise ConfigError(problems)

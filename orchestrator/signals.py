@@ -19,7 +19,7 @@ def no_stop_request(now: bool = False) -> None:
 class StopSignals:
     """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
     (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once);
-    `on_signal(signum)` hears the first one as it comes.
+    `on_signal(signum)` hears the first one when the loop next asks (`stop_before`).
 
     In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
     `preemption_agreed`), so that every process stops after the same step;
@@ -33,7 +33,8 @@ class StopSignals:
                  on_signal: Callable[[int], None] = lambda signum: None):
         self.received: int | None = None
         self._requested = requested
-        self._on_signal = on_signal  # hears the first signal, as it comes: the run says it will stop
+        self._on_signal = on_signal  # hears the first signal once the loop sees it (printing inside a signal
+        self._announced = False      # handler could interrupt a print of the loop's own)
         self._passed_on = False  # a request handed to the preemption sync manager
         self._previous: dict[int, object] = {}
 
@@ -51,7 +52,6 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.received = signum
-        self._on_signal(signum)
 
     @staticmethod
     def _forward(signum, frame) -> None:
@@ -69,6 +69,9 @@ class StopSignals:
             # else processes that cannot agree on a step go on: one that stopped alone would hang the rest
         if self.received is None and preemption_agreed(calls):
             self.received = self._requested(now=True) or signal.SIGTERM
+        if self.received is not None and not self._announced:
+            self._announced = True
+            self._on_signal(self.received)
         return self.received is not None
 
     def __exit__(self, *exc) -> None:

@@ -185,7 +185,7 @@ def eval_problems(config: Config) -> list[tuple[str, str]]:
         if config.data.source == "text" and not config.data.paths:  # the standard library's top-level sources
             package = Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py"
             example = (f"; the default text is the standard library's top-level modules, so its packages are "
-                       f"held out: eval.source=text eval.paths=[{package}]")
+                       f"held out: eval.source=text 'eval.paths=[{package}]'")
         return [("eval.source", f"heldout is the eval split of prepared shards, and data.source is "
                                 f"{config.data.source}; set eval.source to text, tokens, synthetic or arrays (with "
                                 f"eval.paths), or train on data.source=tokens{example}")]

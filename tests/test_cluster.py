@@ -490,7 +490,8 @@ def test_stop_head_ends_the_processes_of_its_address_and_no_others():
     carry it): stopping one leaves the other running."""
     from nestor.cluster.head import stop_head
 
-    ours, theirs = (f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2))
+    ours = f"127.0.0.1:{free_port('127.0.0.1')}"
+    theirs = ours + "0"  # a port that starts like ours
     sleeper = "import time; time.sleep(120)"
     started = {address: [subprocess.Popen([PYTHON, "-c", sleeper, f"--gcs-address={address}"]) for _ in range(2)]
                for address in (ours, theirs)}

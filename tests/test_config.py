@@ -4,6 +4,7 @@ import pytest
 
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.config import ConfigError
+from tests.conftest import ROOT
 
 
 def error_keys(*overrides: str) -> list[str]:
@@ -115,3 +116,18 @@ def test_preset_is_a_name_never_a_path():
         with pytest.raises(ConfigError, match="is not a preset; the presets") as caught:
             config_lib.load(None, [f"model.preset={path}"])
         assert [key for key, _ in caught.value.problems] == ["model.preset"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["data.source=tokens", "data.paths=5"], "data.paths"),
+    (["data.source=tokens", "data.mixture=5"], "data.mixture"),
+    (["data.source=tokens", "data.mixture=[5]"], "data.mixture"),
+    (["data=5"], "data"),
+    (["model.init_from=[1]"], "model.init_from"),
+])
+def test_keys_the_load_derives_others_from_are_config_errors_when_malformed(overrides, key):
+    """Prepared shards' tokenizer and a checkpoint's config.json are read while loading: a malformed
+    section or path is still a config error naming its key, no traceback."""
+    with pytest.raises(ConfigError) as raised:
+        config_lib.load(ROOT / "configs" / "quickstart.yaml", overrides)
+    assert any(problem_key == key for problem_key, _ in raised.value.problems), raised.value.problems

@@ -14,7 +14,7 @@ import pytest
 from tests.doc_blocks import VENV_BIN, blocks, fewer_steps, run_block, runnable
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def unrelated_ray_head(tmp_path_factory):
     """A Ray head of someone else's on this machine, up while every doc block runs (the cluster doc's starts
     and stops a head of its own): yields its GCS address and its processes' ids."""
@@ -40,7 +40,7 @@ def unrelated_ray_head(tmp_path_factory):
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("block", blocks(), ids=lambda block: block.id)
-def test_doc_block_runs_as_written_and_leaves_no_ray_daemon(block, tmp_path_factory):
+def test_doc_block_runs_as_written_and_leaves_no_ray_daemon(block, tmp_path_factory, unrelated_ray_head):
     if block.skip_reason:
         pytest.skip(block.skip_reason)
     done = run_block(block.id, tmp_path_factory)
@@ -61,7 +61,8 @@ def test_doc_commands_are_found_and_rewritten_as_documented():
 
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_submitted_job_from_the_cluster_doc_trains_and_its_driver_prints_each_step_once(tmp_path_factory):
+def test_submitted_job_from_the_cluster_doc_trains_and_its_driver_prints_each_step_once(tmp_path_factory,
+                                                                                        unrelated_ray_head):
     done = run_block("docs/cluster.md#0", tmp_path_factory)  # ray start --head; nestor submit ... --follow; nestor stop-head
     out, err = done.process.stdout, done.process.stderr
     assert done.process.returncode == 0, out[-3000:] + err[-3000:]

@@ -98,6 +98,7 @@ def test_eval_data_smaller_than_one_batch_or_missing_is_a_config_error_naming_th
 def test_eval_after_the_quickstart_names_keys_to_paste_and_readers_leave_a_missing_run_dir_missing(
         tmp_path, monkeypatch, capsys):
     import re
+    import shlex
 
     from nestor.orchestrator.cli import main
     from tests.conftest import ROOT
@@ -107,8 +108,8 @@ def test_eval_after_the_quickstart_names_keys_to_paste_and_readers_leave_a_missi
     assert main(["train", quickstart, "cluster.launcher=inprocess", "train.steps=1", "run.dir=run"]) == 0
     capsys.readouterr()
     assert main(["eval", quickstart, "run.dir=run"]) == 2
-    [paste] = re.findall(r"eval\.source=text eval\.paths=\[\S+\]", capsys.readouterr().err)
-    assert main(["eval", quickstart, "run.dir=run", "eval.steps=1", *paste.split()]) == 0
+    [paste] = re.findall(r"eval\.source=text 'eval\.paths=\[\S+\]'", capsys.readouterr().err)
+    assert main(["eval", quickstart, "run.dir=run", "eval.steps=1", *shlex.split(paste)]) == 0  # as a shell reads it
     assert "eval_loss" in capsys.readouterr().out
     assert main(["sample", quickstart, "run.dir=nothere", "--prompt", "def "]) == 2
     assert "no checkpoint" in capsys.readouterr().err

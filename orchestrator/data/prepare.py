@@ -93,7 +93,8 @@ def text_inputs(files: list[Path], log=print) -> list[Path]:
         shown = ", ".join(str(path) for path in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5
                                                                 else "")
         log(f"skipped {len(skipped)} binary input(s) (a NUL byte; not text): {shown}")
-    return [path for path in files if path not in set(skipped)]
+    binary = set(skipped)
+    return [path for path in files if path not in binary]
 
 
 def _kind(path: Path) -> str:

@@ -33,6 +33,7 @@ SPLITS = ("train", "eval")
 # Packed documents are separated by token 0: NUL never occurs in text files, and a separator stops the
 # model from learning to continue one document into the next; the loss derives segment ids from it.
 DOCUMENT_SEPARATOR = 0
+VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
 TEXT_PROBE_BYTES = 8192  # as much of each file as is read to tell text from binary, like git does
 
 

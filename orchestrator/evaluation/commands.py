@@ -94,6 +94,7 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
                                    expert_bias=restored.state.get("expert_bias")))[0]
     ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []
     kept = tokens[:ends[0]] if len(ends) else tokens
+    kept = kept[kept < tokenizer.vocab_size]  # ids of the padded vocabulary past the tokenizer's decode to nothing
     # decoded with the prompt, so that the tokenizer places the space between them (a word-level or
     # SentencePiece decoder), then printed after the prompt as the user wrote it
     prompt_ids = ids[1:] if documents else ids
