@@ -9,7 +9,11 @@ from pathlib import Path
 # are equal to the default build's); results differ from the default build in the last bits, so every
 # process a test compares with gets the flag too (tests.helpers.child_env). Doc blocks run as users do.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE]).strip()
+# XLA:CPU aborts the process when a collective's participants do not all arrive within its timeouts; with
+# 8 simulated devices' threads on 2 cores beside the other worker's Ray tests, a device can be starved that
+# long (a worker aborted in pipeline4 x fsdp2 1F1B, which passes alone in 9 s): the suite waits longer.
+PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900"
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE, PATIENT_COLLECTIVES]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
