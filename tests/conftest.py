@@ -51,3 +51,36 @@ def tiny_config(tmp_path):
         return config.replace(**dotted) if dotted else config
 
     return make
+
+
+@pytest.fixture(scope="session")
+def unrelated_ray_head(tmp_path_factory):
+    """A Ray head of someone else's on this machine, started before the first Ray test's body and up until
+    the suite ends, beside every Ray test and doc block (which start and stop heads of their own): yields its
+    GCS address and its GCS server's and raylet's (pid, start time)."""
+    import time
+
+    from nestor.cluster.head import head_processes
+    from tests.test_cluster import PYTHON, start_ray_head, stop_ray_head, user_shell
+
+    env = dict(user_shell(), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    head, _, gcs_address = start_ray_head(env, tmp_path_factory.mktemp("unrelated-head") / "head.log")
+
+    def daemons() -> set[tuple[int, float]]:
+        return {(process.pid, process.create_time()) for process in head_processes(gcs_address)
+                if process.name() in ("gcs_server", "raylet")}
+
+    deadline = time.monotonic() + 60  # the raylet may come up after the dashboard answers
+    while len(daemons()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        yield gcs_address, daemons()
+    finally:
+        stop_ray_head(head)
+
+
+@pytest.fixture(autouse=True)
+def _ray_tests_run_beside_an_unrelated_head(request):
+    """Every Ray test runs with `unrelated_ray_head` up (tests/test_user_path.py checks it is untouched)."""
+    if request.node.get_closest_marker("ray"):
+        request.getfixturevalue("unrelated_ray_head")

@@ -242,3 +242,14 @@ def test_the_first_line_comes_within_2_s_under_the_ray_launcher(tmp_path):
     rest = process.communicate(timeout=240)[0]
     assert process.returncode == 0, rest[-3000:]
     assert first.startswith("starting 2 worker process(es)") and waited < 2, (waited, first)
+
+
+@pytest.mark.ray
+def test_an_unrelated_ray_head_outlives_every_ray_test_and_doc_block(unrelated_ray_head):
+    """Last of the Ray files (tests/xdist_groups.py runs them in order, in one process): no test, doc block or
+    clean-up after one stopped a head it did not start (`ray stop` would have)."""
+    from nestor.cluster.head import head_processes
+
+    address, daemons = unrelated_ray_head
+    assert len(daemons) == 2  # its GCS server and raylet, as they were when it started
+    assert daemons <= {(process.pid, process.create_time()) for process in head_processes(address)}
