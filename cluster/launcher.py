@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nestor.cluster.cpu_devices import simulate_cpu_devices
+from nestor.cluster.interrupts import Interrupted
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 
 LOCALHOST = "127.0.0.1"
@@ -120,7 +121,8 @@ class Phase:
 def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
            spec: ClusterSpec, storage_dir: str, on_message: Callable[[Any], None] = lambda message: None,
            on_stop: Callable[[int], None] = lambda signum: None,
-           on_phase: Callable[[str], None] = lambda text: None) -> int | None:
+           on_phase: Callable[[str], None] = lambda text: None,
+           kept_signal: Callable[[], int | None] = lambda: None) -> int | None:
     """Runs `train_fn(argument, send, stop_requested)` on `spec.hosts` workers joined by jax.distributed;
     returns when all finish: None, or the signal the driver was stopped by. `on_phase(text)` hears each
     start-up phase as it ends (Ray up, the worker processes joined), with the seconds since `launch` began.
@@ -133,8 +135,9 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     `stop_requested(now=True)` asks the driver at once): `train_fn` should save,
     every worker at the same step, and raise `Stopped`; no group is started
     after that, and `launch` returns the signal (None if the workers finished
-    first). A second one, or a first one before any group started, raises
-    KeyboardInterrupt here, and the workers stop without a save; once the
+    first). A second one, or a first one before any group started (`kept_signal()`
+    returns one that came before `launch` handled signals), raises Interrupted
+    here, and the workers stop without a save; once the
     workers have ended, signals are ignored while Ray shuts down. Connects to `spec.address`, else to the
     cluster of the surrounding Ray job, else starts an embedded local cluster
     (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
@@ -158,7 +161,7 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
         else:
             on_message(value)
 
-    with _DriverSignals(on_stop) as signals:
+    with _DriverSignals(on_stop, kept_signal) as signals:
         try:
             check_capacity(spec, ray.nodes())
             stopped_by = _fit(train_fn, argument, spec, storage_dir, message, signals)
@@ -320,12 +323,14 @@ class Mailbox:
 
 
 class _DriverSignals:
-    """In the driver's main thread, while active: the first SIGINT or SIGTERM is kept in `received`, a
-    second raises KeyboardInterrupt, and once `settled` (the workers have ended) they are ignored.
+    """In the driver's main thread, while active: the first SIGINT or SIGTERM is kept in `received` (or the
+    one `kept_signal()` returns on entry), a second raises Interrupted, and once `settled` (the workers have
+    ended) they are ignored.
     Elsewhere nothing changes. `pass_on` tells the workers, once."""
 
-    def __init__(self, on_stop: Callable[[int], None]):
+    def __init__(self, on_stop: Callable[[int], None], kept_signal: Callable[[], int | None] = lambda: None):
         self.on_stop = on_stop
+        self.kept_signal = kept_signal
         self.received: int | None = None
         self.settled = False
         self._passed_on = False
@@ -335,13 +340,14 @@ class _DriverSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
+        self.received = self.kept_signal()  # one that came while Ray started
         return self
 
     def _handle(self, signum, frame) -> None:
         if self.settled:
             return
         if self.received is not None:
-            raise KeyboardInterrupt
+            raise Interrupted(signum)
         self.received = signum
 
     def pass_on(self, mailbox) -> None:
@@ -365,7 +371,7 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
     mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     while True:
         if signals.received is not None:
-            raise KeyboardInterrupt  # a stop before this group started: none starts, nothing new to save
+            raise Interrupted(signals.received)  # a stop before this group started: none starts, nothing new to save
         _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals)
         ended = ray.get(mailbox.take_ended.remote())
         if ended == "stopped":

@@ -44,9 +44,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from nestor.orchestrator.checkpoint_restore import (ITEMS, TEMPORARY, CheckpointReader, checkpoint_dir, finalized_steps,
-                                             handing_back_failures, quarantine_incomplete)
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.checkpoint_restore import (ITEMS, RECORD, TEMPORARY, CheckpointReader, checkpoint_dir,
+                                                    finalized_steps, handing_back_failures, is_finalized,
+                                                    quarantine_incomplete)
+from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.manifest import MANIFEST, records, write_manifest, written_by
 from nestor.orchestrator.paths import shown
@@ -75,11 +76,11 @@ class _OrbaxErrorsAreOurs(logging.Filter):
     """Drops ERROR records that Orbax logs, or whose exception runs through Orbax or names its
     temporary directories (asyncio's "exception was never retrieved" of the writes a failed save
     abandoned): a failed save or restore is reported once by the Checkpointer instead, as
-    CheckpointWriteError or a quarantine warning."""
+    CheckpointWriteError or a quarantine warning. Also its warning that a reader's manager is read-only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
+        if record.levelno < logging.ERROR:  # and a reader's manager is read-only on purpose
+            return not record.getMessage().startswith("Given directory is read only")
         _, exception, trace = record.exc_info or (None, None, None)
         places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
         return not any(f"{os.sep}orbax{os.sep}" in place or TEMPORARY in place for place in places)
@@ -166,29 +167,34 @@ class _DoneOnceHashed:
 class Checkpointer(CheckpointReader):
     """Saves and restores a run's checkpoints; `restore` targets the current mesh's layout.
 
-    `owner`: this run holds run.dir, so temporary directories of unfinished
-    saves left there are its to delete.
+    `owner`: this run holds run.dir, so torn checkpoints and temporary
+    directories of unfinished saves left there are its to move aside or
+    delete. Any other (`nestor eval`, `sample`, `logits`, `export`: readers,
+    maybe beside a run that trains) changes nothing in run.dir.
     """
 
     def __init__(self, config: Config, layout: StateLayout, log=print, owner: bool = True):
         self.config = config
         self.layout = layout
         self.log = log
+        self.owner = owner
         self.directory = checkpoint_dir(config.run.dir)
         self.in_flight: int | None = None  # the step being saved in the background
-        self.refused: set[int] = set()  # steps whose state failed the health check: never saved
         self.own_records: dict[int, str] = {}  # process 0: step -> its manifest records of the files it wrote
         _hold_back_orbax_noise()
         _write_small_replicated_shards_whole()
-        quarantine_incomplete(self.directory, log, remove_unfinished=owner)
+        if owner:
+            quarantine_incomplete(self.directory, log)
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
         asynchronous = self.config.checkpoint.async_save
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.checkpoint.keep,
+            max_to_keep=self.config.checkpoint.keep if self.owner else None,  # a reader deletes nothing
+            save_interval_steps=1 if self.owner else 0,
             enable_async_checkpointing=asynchronous,
-            create=True,
+            create=self.owner,
+            read_only=not self.owner,
             # The callback runs on process 0 once every process's files are written, before the rename that
             # finalizes. Directories are made before `save` returns, so a read-only run.dir fails there
             # (made in the background, a failure leaves Orbax's writer threads waiting for them forever).
@@ -246,16 +252,16 @@ class Checkpointer(CheckpointReader):
                                        f"{[p.name for p in unfinished]}")
         self._write_manifest(self.in_flight, unfinished[0])
 
-    def save(self, step: int, state: dict, data_state: dict, force: bool = False) -> bool:
+    def save(self, step: int, state: dict, data_state: dict, force: bool = False, health: dict | None = None) -> bool:
         """Starts saving `state` at `step` (in the background when `checkpoint.async`); returns whether it saved.
 
-        Without `force`, saves only every `checkpoint.every` steps; never a
-        step in `refused` (its state failed the health check). Device
-        buffers are copied to host before this returns, so the next step may
-        donate them. Raises CheckpointWriteError when this save or the one
-        before it failed.
+        Without `force`, saves only every `checkpoint.every` steps. `health`
+        (health.StateHealth.record) is kept in the step's metadata with the
+        promise of a manifest (`record`). Device buffers are copied to host
+        before this returns, so the next step may donate them. Raises
+        CheckpointWriteError when this save or the one before it failed.
         """
-        if step in self.manager.all_steps() or step in self.refused:
+        if step in self.manager.all_steps():
             return False
         every = self.config.checkpoint.every
         if not force and not (every and step % every == 0):
@@ -265,7 +271,8 @@ class Checkpointer(CheckpointReader):
                                   config=ocp.args.JsonSave(self.config.to_dict()))
         self.in_flight = step
         try:
-            saved = self.manager.save(step, args=args, force=True)
+            record = {"manifest": MANIFEST, **({"health": health} if health else {})}
+            saved = self.manager.save(step, args=args, force=True, custom_metadata={RECORD: record})
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:
                     self._write_manifest(step, self.directory / str(step))
@@ -310,19 +317,42 @@ class Checkpointer(CheckpointReader):
             self.manager.close()
 
 
-def restore_state(config: Config, layout: StateLayout, step: int | None = None) -> tuple[int, Any]:
-    """Returns (step, train state) of checkpoint `step` (default: newest) in `layout`'s shardings.
+class CheckpointUnreadable(RunFailed):
+    """A reader could not read a checkpoint: it is damaged, or the run that trains rotated it out meanwhile."""
 
-    Raises FileNotFoundError when the run has no checkpoint.
+    headline = "cannot read the checkpoint: "
+
+
+READ_ATTEMPTS = 3  # a reader beside a run that trains tries the newest step again when one is rotated out
+
+
+def restore_state(config: Config, layout: StateLayout, step: int | None = None) -> tuple[int, Any]:
+    """Returns (step, train state) of checkpoint `step` (default: newest) in `layout`'s shardings, changing
+    nothing in run.dir (a run may be training there).
+
+    Raises FileNotFoundError when the run has no checkpoint, CheckpointUnreadable when the checkpoint is
+    damaged, or disappears while it is read (`checkpoint.keep` rotated it out) more than READ_ATTEMPTS times.
     """
     directory = checkpoint_dir(config.run.dir)
-    if not directory.is_dir():  # a reader creates nothing: no empty checkpoints/ in a mistyped run.dir
+    if not finalized_steps(directory):  # a reader creates nothing: no empty checkpoints/ in a mistyped run.dir
         raise FileNotFoundError(f"no checkpoint in {shown(directory)}")
-    checkpointer = Checkpointer(config, layout, log=lambda *_: None, owner=False)
+    reader = Checkpointer(config, layout, log=lambda *_: None, owner=False)
     try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {shown(checkpointer.directory)}")
-        return step, checkpointer.restore(step)[0]
+        for _ in range(READ_ATTEMPTS):
+            chosen = step if step is not None else (finalized_steps(directory) or [None])[-1]
+            if chosen is None or not is_finalized(directory / str(chosen)):
+                break
+            try:
+                return chosen, reader.restore(chosen)[0]
+            except ConfigError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a damaged checkpoint, or one deleted while read
+                if is_finalized(directory / str(chosen)):
+                    raise CheckpointUnreadable(f"{shown(directory / str(chosen))}: {type(error).__name__}: "
+                                               f"{str(error).strip()[:300]}") from None
+                if step is not None:
+                    break
+        raise CheckpointUnreadable(f"{shown(directory / str(chosen))} was removed while it was read (a run that "
+                                   "trains there rotates checkpoints out: checkpoint.keep); run the command again")
     finally:
-        checkpointer.close()
+        reader.close()

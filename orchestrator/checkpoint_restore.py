@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from nestor.orchestrator.config import Config, ConfigError
-from nestor.orchestrator.manifest import MANIFEST, verify_manifest
+from nestor.orchestrator.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
 from nestor.orchestrator.paths import shown
 from nestor.orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
 from nestor.orchestrator.state import StateLayout
@@ -35,6 +35,8 @@ METADATA_FILE = "_CHECKPOINT_METADATA"
 ITEMS = ("state", "data", "config")
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp[-<suffix>]` and renames it when it is complete.
 TEMPORARY = ".orbax-checkpoint-tmp"
+# The key of nestor's record in a step's Orbax metadata: {"manifest": its file name, "health": ...}.
+RECORD = "nestor"
 # What a process says of its check or read of a checkpoint, when not the error it hit.
 _DONE, _MISFIT = "done", "does not fit the config"
 
@@ -68,17 +70,17 @@ def quarantine(step_dir: Path, reason: str, log=print) -> Path:
     return target
 
 
-def quarantine_incomplete(directory: Path, log=print, remove_unfinished: bool = False) -> list[Path]:
-    """Moves aside every `<step>` directory that lacks Orbax's metadata or an item; returns the moved
-    ones. With `remove_unfinished` (only for the run that holds run.dir: another
-    run's save may be in flight), also deletes the temporary directories of saves that never finished.
+def quarantine_incomplete(directory: Path, log=print) -> list[Path]:
+    """Moves aside every `<step>` directory that lacks Orbax's metadata or an item and deletes the
+    temporary directories of saves that never finished; returns the moved ones. Only for the run that
+    holds run.dir (another's save may be in flight).
 
     Process 0 moves; every process waits for it before going on, so none lists a
     step directory that is about to go.
     """
     moved = []
     if directory.is_dir() and jax.process_index() == 0:
-        for unfinished in directory.glob(f"*{TEMPORARY}*") if remove_unfinished else ():
+        for unfinished in directory.glob(f"*{TEMPORARY}*"):
             shutil.rmtree(unfinished, ignore_errors=True)
             log(f"removed {shown(unfinished)}: a save that never finished")
         steps = [p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()]
@@ -162,18 +164,25 @@ class CheckpointReader:
         """
         return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
 
+    def record(self, step: int) -> dict:
+        """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records)."""
+        return (self.manager.metadata(step).custom_metadata or {}).get(RECORD) or {}
+
     def check(self, step: int) -> None:
         """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
         model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
 
         Raises CorruptCheckpoint when this process's share of the files differs
-        from the manifest written at save; a step without a manifest is not
-        checked, and process 0 says so in one warning. Reads no array and waits
-        for no other process.
+        from the manifest written at save, or when the manifest its record
+        promises is missing; a step of an older nestor without one is not
+        checked, and process 0 says so in one warning at each restore. Reads no
+        array and waits for no other process.
         """
         step_dir = self.directory / str(step)
         if (step_dir / MANIFEST).is_file():
-            verify_manifest(step_dir)
+            verify_manifest(step_dir, ITEMS)
+        elif self.record(step).get("manifest"):
+            raise CorruptCheckpoint(f"{MANIFEST} is missing (nestor wrote one with this checkpoint)")
         elif jax.process_index() == 0:
             self.log(f"warning: checkpoint {shown(step_dir)} has no {MANIFEST} (written by an older nestor, or a "
                      "synchronous save cut off before it); restored without checking its files")
@@ -234,11 +243,18 @@ class CheckpointReader:
                                            f"{verdicts.index(_MISFIT)}, which says how")])
         failures = [(process, said) for process, said in enumerate(verdicts) if said != _DONE]
         if failures:
-            self.manager.close()
-            if jax.process_index() == 0:
-                reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
-                                   for process, said in failures)
-                quarantine(self.directory / str(step), f"unusable ({reason})", self.log)
-            wait_for_every_process(f"checkpoint {step} moved aside", VERDICT_TIMEOUT_S)
-            self.manager = self._open()
+            reason = "; ".join(said if jax.process_count() == 1 else f"process {process}: {said}"
+                               for process, said in failures)
+            self.set_aside([step], f"unusable ({reason})")
         return not failures, result
+
+    def set_aside(self, steps: list[int], reason: str) -> None:
+        """Moves checkpoints `steps` to torn_checkpoints/ (process 0; every process waits), saying `reason`."""
+        if not steps:
+            return
+        self.manager.close()
+        if jax.process_index() == 0:
+            for step in steps:
+                quarantine(self.directory / str(step), reason, self.log)
+        wait_for_every_process(f"checkpoints {steps} moved aside", VERDICT_TIMEOUT_S)
+        self.manager = self._open()

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from nestor.cluster.interrupts import signals_kept_for_the_run, sigterm_interrupts
 from nestor.orchestrator.paths import shown
 from nestor.orchestrator.preflight import check_dependencies
 
@@ -27,25 +28,18 @@ def _tensorboard_command(log_dir: str) -> str:
 
 def where_results_are(config) -> list[str]:
     """Returns the closing lines of a run: where its files are, how to look at them, and what running the
-    same command again does: resume from the newest checkpoint, or, when run.dir shows that every save
-    was refused (whichever launcher ran it), start from step 0. A driver that cannot see run.dir (a
+    same command again does (resume from the newest checkpoint). A driver that cannot see run.dir (a
     cluster's storage) says what it said before any checkpoint was read."""
     from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-    from nestor.orchestrator.health import CALMER
 
     run_dir = config.run.dir
     kept = finalized_steps(checkpoint_dir(run_dir))
-    refused = not kept and _saves_refused(Path(run_dir) / "metrics.jsonl")
-    files = ["config.yaml", "metrics.jsonl", "checkpoints/ empty" if refused else "checkpoints/"]
+    files = ["config.yaml", "metrics.jsonl", "checkpoints/"]
     if config.metrics.tensorboard:
         files.append("tb/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
-    if refused:
-        lines.append("no checkpoint kept: every save was refused (see above), so running the same command again "
-                     f"starts from step 0; {CALMER} first")
-        return lines
     if kept and kept[-1] > config.train.steps:  # nothing was trained: the run is past train.steps
         lines.append(f"extend: run the same command with train.steps above {kept[-1]}, the newest checkpoint")
         return lines
@@ -54,12 +48,9 @@ def where_results_are(config) -> list[str]:
     return lines
 
 
-def _saves_refused(metrics_jsonl: Path) -> bool:
-    """Returns whether metrics.jsonl records a checkpoint the health check refused (`checkpoint_skipped`)."""
-    try:
-        return any(json.loads(line).get("checkpoint_skipped") for line in metrics_jsonl.read_text().splitlines())
-    except OSError:
-        return False
+def _interrupted(interrupt: KeyboardInterrupt) -> str:
+    """Returns how a KeyboardInterrupt (or Interrupted, with its signal) stopped the command, in a word."""
+    return "terminated (SIGTERM)" if getattr(interrupt, "signum", None) == signal.SIGTERM else "interrupted"
 
 
 def _train(config, args) -> int:
@@ -78,15 +69,16 @@ def _train(config, args) -> int:
 
             configure_jax(config)
             stopped_by = train(config, console=console).stopped_by
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
-        print("nestor: interrupted: stopped without saving the steps since the newest checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # a second Ctrl-C, or a signal before training handles them
+        print(f"nestor: {_interrupted(interrupt)}: stopped without saving the steps since the newest checkpoint",
+              file=sys.stderr)
         if finalized_steps(checkpoint_dir(config.run.dir)):
             for line in where_results_are(config):
                 print(line)
         elif checkpoint_dir(config.run.dir).is_dir():  # the run got as far as its checkpoints, none saved
             print(f"run dir: {shown(config.run.dir)}  (no checkpoint saved: running the same command again "
                   "starts from step 0)")
-        return 130
+        return 128 + getattr(interrupt, "signum", signal.SIGINT)
     print(f"the whole run took {time.monotonic() - STARTED:.0f} s, from the command to its last save")
     for line in where_results_are(config):
         print(line)
@@ -354,8 +346,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code: 2 for a config error, 1 for a cluster error, a missing
     dependency, a diverged run or a failed checkpoint write (printed as one message, no trace), 128 + signal
-    when stopped by one."""
+    when stopped by one. From its first line, a SIGINT or SIGTERM to `nestor train` waits for the run to
+    take it (it stops before its first step, or saves and stops), and stops other commands with one line."""
     args = parse(argv)
+    with signals_kept_for_the_run() if args.command == "train" else sigterm_interrupts():
+        return _main(args)
+
+
+def _main(args) -> int:
     missing = check_dependencies()
     if missing:
         print(f"nestor: {missing}", file=sys.stderr)
@@ -380,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as error:  # a diverged run, a failed checkpoint write
         print(f"nestor: {error.headline}{error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("nestor: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:
+        print(f"nestor: {_interrupted(interrupt)}", file=sys.stderr)
+        return 128 + getattr(interrupt, "signum", signal.SIGINT)
 
 
 def console_script() -> int:

@@ -25,7 +25,7 @@ from nestor.orchestrator import config_keys
 from nestor.orchestrator.config_keys import FIELD_NAMES, INT32_MAX, YAML_NAMES, Key, hints, key  # noqa: F401
 from nestor.orchestrator.data.shards import METADATA, VOCAB_MULTIPLE
 from nestor.orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
-from nestor.orchestrator.health import HISTORY as HEALTH_HISTORY
+from nestor.orchestrator.health import WINDOW as HEALTH_WINDOW
 from nestor.orchestrator.hf.config import sections
 from nestor.orchestrator.tokenizer import BYTES
 from nestor.orchestrator.validation import validate
@@ -241,9 +241,9 @@ class MoEConfig:
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
-    health_factor: float = key(10.0, "save a state only if its loss and parameter norm are at most this factor x "
-                               f"their median over the last {HEALTH_HISTORY} healthy steps (a finite blow-up is "
-                               "never kept); 0 = finite is enough", minimum=1, also=(0,))
+    health_factor: float = key(2.0, f"a state whose loss (median of the last {HEALTH_WINDOW} steps) or parameter "
+                               "norm is over this factor x the run's best loss and that state's norm blew up: "
+                               "training stops before saving it; 0 = finite is enough", minimum=1, also=(0,))
     # `async` is a Python keyword, so the field is `async_save`; the YAML key stays `async`.
     async_save: bool = key(True, "save in the background while training continues")
 
@@ -661,7 +661,9 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
         if number is not None and math.isfinite(number):
             return number, None
         return None, f"expected a finite number, got {value!r}"
-    if hint is str:
+    if hint is str:  # an empty string would be a path to the working directory, or a silent "unset"
+        if value == "":
+            return None, "expected a non-empty string (null unsets a key that may be unset)"
         return (value, None) if isinstance(value, str) else (None, f"expected a string, got {value!r}")
     if origin is tuple and args[0] is dict:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) for v in value):
@@ -670,8 +672,8 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
     if origin is tuple:
         if isinstance(value, str):
             value = [value]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            return None, f"expected a list of strings, got {value!r}"
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            return None, f"expected a list of non-empty strings, got {value!r}"
         return tuple(value), None
     if hint is dict or origin is dict:
         return (dict(value), None) if isinstance(value, dict) else (None, f"expected a mapping, got {value!r}")

@@ -79,9 +79,10 @@ def _file_problem(step_dir: Path, name: str, recorded: dict) -> str | None:
     return None
 
 
-def verify_manifest(step_dir: Path) -> None:
-    """Checks this process's share of the files of `step_dir` (every process_count-th) against its
-    manifest; raises CorruptCheckpoint naming the first that differs.
+def verify_manifest(step_dir: Path, items: tuple[str, ...]) -> None:
+    """Checks that the manifest of `step_dir` lists every file of its `items`, and this process's share
+    of them (every process_count-th) against it; raises CorruptCheckpoint naming the first that differs
+    or is not listed (an empty or partial manifest verifies nothing).
 
     Waits for no other process: the caller shares each process's verdict
     (`Checkpointer._judged`), so a mismatch seen by one process moves the
@@ -91,6 +92,13 @@ def verify_manifest(step_dir: Path) -> None:
         files = json.loads((step_dir / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({type(error).__name__}: {error})") from None
+    if not isinstance(files, dict):
+        raise CorruptCheckpoint(f"{MANIFEST} is unreadable (its files are not a mapping)")
+    present = {str(path.relative_to(step_dir)) for item in items for path in (step_dir / item).rglob("*")
+               if path.is_file()}
+    if unlisted := sorted(present - set(files)):
+        raise CorruptCheckpoint(f"{MANIFEST} does not list {len(unlisted)} of its {len(present)} files "
+                                f"({unlisted[0]}{', ...' if len(unlisted) > 1 else ''})")
     names = sorted(files)
     for name in names[jax.process_index()::jax.process_count()]:
         if problem := _file_problem(step_dir, name, files[name]):

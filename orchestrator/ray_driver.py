@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+from nestor.cluster.interrupts import Interrupted, kept_signal
 from nestor.cluster.launcher import ClusterSpec, Preempted, Stopped, launch
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.model_class import user_code_paths
@@ -78,8 +79,11 @@ def train_on_ray(config: Config, console: Console) -> int | None:
     check_before_launch(config)  # one line in seconds, before Ray starts and before anything is written
     try:
         with RunDirLock(config.run.dir, console.log):
+            if (signum := kept_signal()) is not None:  # before Ray starts: stop now, nothing to save
+                raise Interrupted(signum)
             return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),
                           storage_dir=config.run.dir, on_message=lambda message: replay(console, message),
-                          on_stop=lambda signum: console.log(stopping_line(signum)), on_phase=console.log)
+                          on_stop=lambda signum: console.log(stopping_line(signum)), on_phase=console.log,
+                          kept_signal=kept_signal)
     finally:
         console.close()

@@ -1,4 +1,12 @@
-"""One run at a time on a run.dir: the lock file `run.dir/nestor.lock`.
+"""One run at a time on a run.dir that nestor owns: the lock file `run.dir/nestor.lock` and the marker
+`run.dir/nestor_run.json`.
+
+A run writes into run.dir freely (config.yaml, checkpoints/, metrics.jsonl,
+tb/), so run.dir must be nestor's: new, empty, or holding a nestor run (its
+marker, written when a run first takes the directory; or, for runs of a
+nestor older than the marker, its lock file or its config.yaml beside its
+checkpoints or metrics). Anything else, the user's project directory above
+all, is refused before a file is written.
 
 Two runs on one run.dir would interleave metrics.jsonl and fight over the
 checkpoints. The process that speaks for a run (the `nestor` process under
@@ -22,11 +30,53 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.paths import shown
 
 LOCK_NAME = "nestor.lock"
+MARKER = "nestor_run.json"
+
+
+def _older_nestor_run(run_dir: Path) -> bool:
+    """Whether `run_dir`, without a marker, holds a run of a nestor older than the marker."""
+    if (run_dir / LOCK_NAME).exists():
+        return True
+    if not ((run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file()):
+        return False
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and {"run", "mesh", "train"} <= set(saved)
+
+
+def claim_run_dir(run_dir: str | Path) -> None:
+    """Makes `run_dir` (created if new) nestor's by writing its marker, unless it holds a nestor run already.
+
+    Raises ConfigError (key run.dir) when it is not a directory, cannot be created or written, or holds
+    files of someone else's.
+    """
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([("run.dir", f"{shown(run_dir)} is a file, not a directory; choose a new or empty directory")])
+    try:
+        if (run_dir / MARKER).is_file():
+            return
+        if run_dir.is_dir():
+            entries = sorted(entry.name for entry in run_dir.iterdir())
+            if entries and not _older_nestor_run(run_dir):
+                listed = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+                raise ConfigError([("run.dir", f"{shown(run_dir)} holds files that are not a nestor run ({listed}); "
+                                               "choose a new or empty directory")])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname()}
+        (run_dir / MARKER).write_text(json.dumps(record) + "\n")
+    except OSError as error:  # a file in the way, a read-only parent, a full disk
+        where = f" ({shown(error.filename)})" if error.filename and Path(error.filename) != run_dir else ""
+        raise ConfigError([("run.dir", f"cannot make {shown(run_dir)} a run directory: "
+                                       f"{error.strerror or error}{where}")]) from None
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -70,7 +120,8 @@ def _describe(holder: dict | None) -> str:
 class RunDirLock:
     """The lock on a run.dir; use as a context manager around the run.
 
-    Raises ConfigError (key run.dir) on entry when another live run holds it.
+    Raises ConfigError (key run.dir) on entry when another live run holds it, or when run.dir is not
+    nestor's (`claim_run_dir`).
     """
 
     def __init__(self, run_dir: str | Path, log=print):
@@ -88,7 +139,7 @@ class RunDirLock:
             raise ConfigError([("run.dir", problem)]) from None
 
     def _acquire(self) -> "RunDirLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(self.path.parent)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

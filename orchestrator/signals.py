@@ -9,6 +9,7 @@ from typing import Callable
 
 import jax
 
+from nestor.cluster.interrupts import Interrupted, kept_signal
 from nestor.orchestrator.runtime import preemption_agreed, preemption_is_agreed
 
 
@@ -19,7 +20,7 @@ def no_stop_request(now: bool = False) -> None:
 class StopSignals:
     """While active, SIGTERM and SIGINT only set `received`: the loop saves and stops at the next step
     (a SIGINT after the first signal raises KeyboardInterrupt: Ctrl-C twice stops at once);
-    `on_signal(signum)` hears the first one when the loop next asks (`stop_before`).
+    `on_signal(signum, calls)` hears the first one when the loop next asks (`stop_before(calls)`).
 
     In a multi-host run SIGTERM belongs to jax's preemption sync manager (see
     `preemption_agreed`), so that every process stops after the same step;
@@ -30,12 +31,13 @@ class StopSignals:
     """
 
     def __init__(self, requested: Callable[..., int | None] = no_stop_request,
-                 on_signal: Callable[[int], None] = lambda signum: None):
+                 on_signal: Callable[[int, int], None] = lambda signum, calls: None):
         self.received: int | None = None
         self._requested = requested
         self._on_signal = on_signal  # hears the first signal once the loop sees it (printing inside a signal
         self._announced = False      # handler could interrupt a print of the loop's own)
         self._passed_on = False  # a request handed to the preemption sync manager
+        self._kept: int | None = None  # a signal kept before the run handled signals, taken as a request
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -46,11 +48,12 @@ class StopSignals:
             else:
                 for signum in (signal.SIGTERM, signal.SIGINT):
                     self._previous[signum] = signal.signal(signum, self._handle)
+        self._kept = kept_signal()  # one that came before the run handled signals: stop before the first step
         return self
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
+            raise Interrupted(signum)  # a second Ctrl-C: stop now, without the save
         self.received = signum
 
     @staticmethod
@@ -60,7 +63,8 @@ class StopSignals:
     def stop_before(self, calls: int) -> bool:
         """Returns whether to stop before this run's `calls`-th step (from 1): a signal came to this
         process, or, in a multi-host run, every process agreed on this step after one got SIGTERM."""
-        if self.received is None and not self._passed_on and (requested := self._requested()) is not None:
+        requested = None if self.received is not None or self._passed_on else self._kept or self._requested()
+        if requested is not None:
             self._passed_on = True
             if preemption_is_agreed():
                 os.kill(os.getpid(), signal.SIGTERM)  # every process stops after the step they agree on
@@ -71,7 +75,7 @@ class StopSignals:
             self.received = self._requested(now=True) or signal.SIGTERM
         if self.received is not None and not self._announced:
             self._announced = True
-            self._on_signal(self.received)
+            self._on_signal(self.received, calls)
         return self.received is not None
 
     def __exit__(self, *exc) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -19,7 +20,7 @@ from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.checkpoint_restore import finalized_steps
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
-from nestor.orchestrator.health import CALMER, StateHealth
+from nestor.orchestrator.health import CALMER, StateHealth, best_of
 from nestor.orchestrator.hf.load import keep_source_files
 from nestor.orchestrator.job import Job, abstract_batch, build_job
 from nestor.orchestrator.metrics import MetricsWriter, Throughput, sharding_table
@@ -34,7 +35,8 @@ from nestor.orchestrator.state import init_state, param_table
 
 
 class TrainingDiverged(RunFailed):
-    """The loss or the parameters became NaN or Inf; the newest checkpoint, if any, is the last good state."""
+    """The loss or the parameters became NaN or Inf, or blew up against the run's best (orchestrator.health);
+    the newest checkpoint, if any, is the last good state."""
 
     headline = "training diverged: "
 
@@ -60,19 +62,37 @@ def _to_host(metrics: dict) -> dict:
     return {name: np.asarray(value) for name, value in metrics.items()}
 
 
-def _check_finite(step: int, values: dict, checkpointer: Checkpointer) -> None:
+def _diverged(what: str, checkpointer: Checkpointer, broken: int | None) -> TrainingDiverged:
+    """Returns the error that stops a run whose state became `what`: saves in flight are finished, checkpoint
+    `broken` (a restored one whose first loss says it is broken) and those saved since are moved aside, and
+    the message names the newest checkpoint left, the last good state."""
+    checkpointer.raise_if_failed(wait=True)  # a save in flight is kept (or its failure said) first
+    if broken is not None:
+        checkpointer.set_aside([step for step in finalized_steps(checkpointer.directory) if step >= broken],
+                               "broken (the first loss after restoring it was not finite or blew up)")
+    kept = finalized_steps(checkpointer.directory)
+    rerun = (f"checkpoint {kept[-1]} holds the last good state, and running again resumes from it" if kept
+             else "no checkpoint is kept, so running again starts from step 0")
+    return TrainingDiverged(f"{what}; stopped without saving this state. {rerun}: {CALMER} first")
+
+
+def _check_health(step: int, values: dict, health: StateHealth, checkpointer: Checkpointer,
+                  restored: tuple[int, dict] | None, first_step: int) -> None:
+    """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
+    broken = None
+    if restored is not None and step == first_step + 1:  # its loss is the restored parameters'
+        restored_step, record = restored
+        if health.restored_state_is_broken(float(values["loss"]), record.get("health")):
+            broken = restored_step
     for name in ("loss", "param_norm"):
-        if name in values and not np.isfinite(values[name]):
-            checkpointer.raise_if_failed(wait=True)  # a save in flight is kept (or its failure said) first
-            kept = finalized_steps(checkpointer.directory)
-            rerun = (f"checkpoint {kept[-1]} holds the last good state, and running again resumes from it" if kept
-                     else "no checkpoint is kept, so running again starts from step 0")
-            raise TrainingDiverged(f"{name} is {float(values[name])} at step {step}; stopped without saving this "
-                                   f"state. {rerun}: {CALMER} first")
+        if not np.isfinite(values[name]):
+            raise _diverged(f"{name} is {float(values[name])} at step {step}", checkpointer, broken)
+    if unhealthy := health.judge(step, values):
+        raise _diverged(f"the state of step {step} blew up: {unhealthy}", checkpointer, broken)
 
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
-    """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state."""
+    """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state (step 0)."""
     if kept := finalized_steps(checkpointer.directory):
         log(f"restoring checkpoint {kept[-1]} from {shown(checkpointer.directory)}")
     resumed = checkpointer.restore_latest()
@@ -87,6 +107,12 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
     if change := schedule_change(checkpointer.saved_config(step), config, step):
         log(change)
     return step, state
+
+
+def _norm(job: Job, state: dict) -> float:
+    """Returns the norm of `state`'s parameters (replicated: every process reads it)."""
+    replicated = NamedSharding(job.mesh, PartitionSpec())
+    return float(jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"]))
 
 
 def _sharding_text(job: Job) -> str:
@@ -119,21 +145,29 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     ConfigError for configs that do not fit the devices, a checkpoint that
     does not fit the config (run.dir left as it was) or a run.dir another run
     holds; ClusterError when the processes of a multi-host run do not share
-    run.dir; TrainingDiverged on a NaN/Inf loss, leaving the last good
+    run.dir; TrainingDiverged on a NaN/Inf loss or parameter norm, or a
+    state whose loss or parameter norm blew up against the run's best
+    (checkpoint.health_factor), before it is saved, leaving the last good
     checkpoint newest; CheckpointWriteError as soon as a save fails (disk
-    full, read-only run.dir). A state whose loss or parameter norm blew up
-    (checkpoint.health_factor) is not saved.
+    full, read-only run.dir).
     """
     console = console or Console()
-    job = build_job(config, devices)
-    run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    check_shared_run_dir(run_dir)
-    with holding_run_dir(run_dir, lock, console.log):
-        return _train(config, job, console, stop_requested)
+
+    def acknowledge(signum: int, calls: int) -> None:  # before the first step, the closing line says it
+        if calls > 1:
+            console.log(stopping_line(signum))
+
+    # From the start: a signal during start-up or the compile stops the run before its first step.
+    with StopSignals(stop_requested, on_signal=acknowledge) as signals:
+        job = build_job(config, devices)
+        run_dir = Path(config.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        check_shared_run_dir(run_dir)
+        with holding_run_dir(run_dir, lock, console.log):
+            return _train(config, job, console, signals)
 
 
-def _train(config: Config, job: Job, console: Console, stop_requested: Callable[..., int | None]) -> TrainResult:
+def _train(config: Config, job: Job, console: Console, signals: StopSignals) -> TrainResult:
     log = console.log
     lead = jax.process_index() == 0
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
@@ -151,9 +185,9 @@ def _train(config: Config, job: Job, console: Console, stop_requested: Callable[
             return result
         if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
             (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        replicated = NamedSharding(job.mesh, PartitionSpec())  # every process can read the norm
-        start_norm = jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"])
-        health = StateHealth(config.checkpoint.health_factor, float(start_norm))
+        restored = (first_step, checkpointer.record(first_step)) if first_step else None
+        best = best_of(restored and restored[1].get("health"))
+        health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
         job.step_fn, compile_s = _compile(job, state, first_step, console)
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
         writer = MetricsWriter(config, throughput, enabled=lead)
@@ -171,19 +205,11 @@ def _train(config: Config, job: Job, console: Console, stop_requested: Callable[
             # Off logging steps, only what every step needs comes to the host.
             values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
             finished_at = time.perf_counter() if finished is None else finished
-            _check_finite(step, values, checkpointer)  # before the state goes to disk
+            _check_health(step, values, health, checkpointer, restored, first_step)  # before the state goes to disk
             result.losses.append(float(values["loss"]))
-            if unhealthy := health.judge(values):
-                checkpointer.refused.add(step)
-            if save is not None and unhealthy:
-                newest = checkpointer.latest_step()
-                kept = ("no checkpoint is kept yet" if newest is None
-                        else f"the newest checkpoint ({newest}) stays the last good state")
-                log(f"checkpoint {step} not saved: {unhealthy}; {kept}")
-                timings["checkpoint_skipped"] = 1
-            elif save is not None:
+            if save is not None:
                 saving = time.perf_counter()
-                save()
+                save(health=health.record())
                 timings["checkpoint_s"] = time.perf_counter() - saving
             if logged:
                 record = writer.write(step, values, finished_at - started, timings)
@@ -194,13 +220,13 @@ def _train(config: Config, job: Job, console: Console, stop_requested: Callable[
         profiler = StepProfiler(config, enabled=lead, log=log)
         closing.callback(profiler.stop)
         started = time.perf_counter()
-        with StopSignals(stop_requested, on_signal=lambda signum: log(stopping_line(signum))) as signals:
-            result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
-                                                    profiler)
+        result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
+                                                profiler)
     if result.stopped_by is not None:
         everywhere = " on every process" if jax.process_count() > 1 else ""
-        log(f"stopped by signal {result.stopped_by} after step {int(result.state['step'])}{everywhere}; "
-            "checkpoint saved")
+        name = signal.Signals(result.stopped_by).name
+        log(f"stopped by {name} after step {int(result.state['step'])}{everywhere}; checkpoint saved"
+            if result.losses else f"stopped by {name} before the first step{everywhere}: nothing trained or saved")
     if result.losses:
         log(f"trained steps {first_step + 1}..{first_step + len(result.losses)} in "
             f"{time.perf_counter() - started:.0f} s: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
@@ -247,7 +273,8 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
     jax.block_until_ready(state)
     final_save = functools.partial(checkpointer.save, int(state["step"]), state, job.data.state(), force=True)
     if pending is None:
-        final_save()  # the state is the restored one or already saved: nothing new unless no step ran
+        if int(state["step"]) > first_step:
+            final_save()  # saved already, unless the steps since the last save were none of checkpoint.every's
     else:
         flush(pending, save=final_save)
     return state, signals.received

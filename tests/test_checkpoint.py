@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -367,3 +368,39 @@ def test_resume_that_moves_the_end_of_the_lr_schedule_says_so_in_one_line(tmp_pa
     assert len(changes) == 1
     assert "optimizer.decay_steps 2 -> 3" in changes[0] and "train.steps" in changes[0]
     assert "step 3 gets lr" in changes[0]
+
+
+def _stopped_at(run_dir: Path, delay: float, signum: int) -> tuple[int, str]:
+    """Runs `nestor train` (the tiny model), sends `signum` `delay` seconds after its start; returns its exit
+    code and everything it printed."""
+    process = cli(run_dir, "train.steps=1000", "checkpoint.every=0")
+    time.sleep(delay)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=120)
+    return process.returncode, out + err
+
+
+@pytest.mark.timeout(900)
+def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_line(tmp_path):
+    # Once the interpreter has started the CLI (0.5 s leaves it time), up to the first step: loading the config,
+    # importing jax, building the mesh, the compile. It was swallowed near "compiling" (the run went on).
+    reference = cli(tmp_path / "reference", "train.steps=1")
+    started, compiled = time.monotonic(), None
+    for line in reference.stdout:
+        if line.startswith("compiled in"):
+            compiled = time.monotonic() - started
+    assert reference.wait() == 0 and compiled, reference.stderr.read()[-3000:]
+    stop_lines = re.compile(r"^(nestor: interrupted|stopped by SIGINT)", re.M)
+    before_the_first_step = 0
+    for index, delay in enumerate(np.linspace(0.5, 0.85 * compiled, 20)):
+        code, printed = _stopped_at(tmp_path / f"run{index}", float(delay), signal.SIGINT)
+        assert code == 128 + signal.SIGINT and "Traceback" not in printed, (delay, printed[-3000:])
+        assert len(stop_lines.findall(printed)) == 1, (delay, printed[-3000:])
+        trained = "step     1" in printed  # a busy machine can make a start-up slower than the reference's
+        saved = list((tmp_path / f"run{index}").glob("checkpoints/*"))
+        assert bool(saved) == trained, (delay, printed[-3000:])  # nothing trained is saved; nothing trained lost
+        before_the_first_step += not trained
+    assert before_the_first_step >= 10
+    code, printed = _stopped_at(tmp_path / "terminated", 0.8 * compiled, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM and "Traceback" not in printed, printed[-3000:]
+    assert len(re.findall(r"^(nestor: terminated \(SIGTERM\)|stopped by SIGTERM)", printed, re.M)) == 1, printed

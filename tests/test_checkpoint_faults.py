@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -15,11 +16,11 @@ import pytest
 import yaml
 
 from nestor.orchestrator import manifest
-from nestor.orchestrator.checkpoint import Checkpointer, checkpoint_dir
+from nestor.orchestrator.checkpoint import Checkpointer, CheckpointUnreadable, checkpoint_dir, restore_state
 from nestor.orchestrator.cli import main, where_results_are
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.progress import Console
-from nestor.orchestrator.train import train
+from nestor.orchestrator.train import TrainingDiverged, train
 from tests.helpers import run
 from tests.test_checkpoint import BASE, cli, load
 
@@ -72,13 +73,22 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_previous_one_re
 
 
 
+def as_an_older_nestor_wrote_it(step_dir: Path) -> None:
+    """Removes nestor's record (health, the promise of a manifest) from a step's Orbax metadata."""
+    metadata = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    metadata["custom_metadata"] = {}
+    (step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps(metadata))
+
+
 def test_a_step_without_manifest_restores_unverified_when_finalized_and_is_torn_when_not(saved, tmp_path):
     layout = build_job(load(saved[0], *SAVED)).layout
-    legacy = copy_of(saved, tmp_path, "legacy")  # as an older nestor wrote it: finalized, no manifest
+    legacy = copy_of(saved, tmp_path, "legacy")  # as an older nestor wrote it: finalized, no manifest, no record
     (checkpoint_dir(legacy) / "6" / manifest.MANIFEST).unlink()
-    step, warnings = restore_latest(legacy, layout)
-    assert step == 6 and len(warnings) == 1, warnings
-    assert str(checkpoint_dir(legacy) / "6") in warnings[0] and "without checking its files" in warnings[0]
+    as_an_older_nestor_wrote_it(checkpoint_dir(legacy) / "6")
+    for _ in range(2):  # said at every restore
+        step, warnings = restore_latest(legacy, layout)
+        assert step == 6 and len(warnings) == 1, warnings
+        assert str(checkpoint_dir(legacy) / "6") in warnings[0] and "without checking its files" in warnings[0]
 
     torn = copy_of(saved, tmp_path, "torn")  # neither manifest nor Orbax's metadata
     for name in (manifest.MANIFEST, "_CHECKPOINT_METADATA"):
@@ -86,6 +96,28 @@ def test_a_step_without_manifest_restores_unverified_when_finalized_and_is_torn_
     step, warnings = restore_latest(torn, layout)
     assert step == 4 and len(warnings) == 1 and "checkpoints/6 is incomplete" in warnings[0], warnings
     assert [p.name.split("-")[0] for p in (torn / "torn_checkpoints").iterdir()] == ["6"]
+
+
+def test_a_deleted_empty_or_partial_manifest_of_a_checkpoint_nestor_wrote_is_refused(saved, tmp_path):
+    layout = build_job(load(saved[0], *SAVED)).layout
+    listed = json.loads((checkpoint_dir(saved[0]) / "6" / manifest.MANIFEST).read_text())["files"]
+    partial = dict(sorted(listed.items())[1:])
+    cases = {"deleted": (None, "nestor_manifest.json is missing (nestor wrote one with this checkpoint)"),
+             "empty": ({}, f"does not list {len(listed)} of its {len(listed)} files"),
+             "partial": (partial, f"does not list 1 of its {len(listed)} files ({sorted(listed)[0]})")}
+    for name, (files, said) in cases.items():
+        run_dir = copy_of(saved, tmp_path, name)
+        step_dir = checkpoint_dir(run_dir) / "6"
+        largest = array_files(step_dir)[0]
+        data = bytearray(largest.read_bytes())
+        data[len(data) // 2] ^= 1  # and a flipped bit the manifest no longer vouches for
+        largest.write_bytes(bytes(data))
+        if files is None:
+            (step_dir / manifest.MANIFEST).unlink()
+        else:
+            (step_dir / manifest.MANIFEST).write_text(json.dumps({"files": files}))
+        step, warnings = restore_latest(run_dir, layout)
+        assert step == 4 and len(warnings) == 1 and said in warnings[0], (name, warnings)
 
 
 def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_path, monkeypatch):
@@ -128,27 +160,66 @@ def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_lo
     assert result.losses == run(load(direct, "train.steps=8", *SAVED[1:])).losses
 
 
-def test_a_blown_up_finite_state_is_not_saved_and_a_lower_lr_resumes(saved, tmp_path):
+def test_a_blown_up_finite_state_stops_the_run_unsaved_and_a_lower_lr_resumes(saved, tmp_path):
     run_dir = copy_of(saved, tmp_path, "blown")
-    healthy_norm = saved[1].history[-1]["param_norm"]  # step 6's
-    lines = []
-    blown = train(load(run_dir, "train.steps=8", "checkpoint.every=1", "optimizer.lr=10", "optimizer.clip_norm=0",
-                       *SAVED[2:]), console=Console(log=lines.append))
-    norms = [record["param_norm"] for record in blown.history]
-    assert np.isfinite(blown.losses).all() and min(norms) > 10 * healthy_norm  # blown up, yet finite
-    refusals = [line for line in lines if "not saved" in line]
-    assert [line.split()[1] for line in refusals] == ["7", "8"]
-    assert all(line.endswith("; the newest checkpoint (6) stays the last good state") for line in refusals)
+    with pytest.raises(TrainingDiverged) as stopped:
+        train(load(run_dir, "train.steps=8", "checkpoint.every=1", "optimizer.lr=10", "optimizer.clip_norm=0",
+                   *SAVED[2:]), console=Console(log=lambda line: None))
+    healthy = next(r for r in saved[1].history if r["step"] == 6)
+    assert str(stopped.value).startswith("the state of step 7 blew up: its parameter norm ")
+    assert (f"is more than checkpoint.health_factor=2 x {healthy['param_norm']:.4g}, the norm of the best state "
+            "(step ") in str(stopped.value)
+    assert str(stopped.value).endswith("stopped without saving this state. checkpoint 6 holds the last good state, "
+                                       "and running again resumes from it: lower optimizer.lr, raise "
+                                       "optimizer.warmup_steps or set optimizer.clip_norm first")
     assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir()) == [2, 4, 6]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r.get("checkpoint_skipped")] == [7, 8]
-    closing = where_results_are(load(run_dir, "train.steps=8"))
-    assert closing[-1] == "resume or extend: run the same command again (from checkpoint 6; train.steps=8 now)"
 
     lowered = run(load(run_dir, "train.steps=8", *SAVED[1:]))
     assert lowered.first_step == 6 and np.isfinite(lowered.losses).all()
-    assert max(record["param_norm"] for record in lowered.history) < 1.1 * healthy_norm
+    assert max(record["param_norm"] for record in lowered.history) < 1.1 * healthy["param_norm"]
     assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir())[-1] == 8
+
+
+@pytest.mark.parametrize("lr, kept", [("0.3", 6), ("0.05", 12)])
+def test_a_blow_up_on_resume_stops_and_keeps_a_checkpoint_that_passes_the_gate(saved, tmp_path, lr, kept):
+    # The issue's run: resumed with a learning rate far too high, keeping one checkpoint, saving every step. At
+    # lr=0.05 the norm grows 7-15% a step: states within the factor are saved (and rotate checkpoint 6 out).
+    run_dir = copy_of(saved, tmp_path, "resumed")
+    with pytest.raises(TrainingDiverged) as stopped:
+        train(load(run_dir, "train.steps=40", "checkpoint.every=1", "checkpoint.keep=1", f"optimizer.lr={lr}",
+                   "optimizer.decay_steps=40", "train.log_every=1"), console=Console(log=lambda line: None))
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    best = records[6]  # the healthy run's lowest loss and its norm
+    said = re.match(r"the state of step (\d+) blew up: its parameter norm ([\d.]+) is more than "
+                    r"checkpoint.health_factor=2 x ([\d.]+), the norm of the best state \(step 6\)", str(stopped.value))
+    assert said and int(said[1]) == kept + 1 and float(said[3]) == pytest.approx(best["param_norm"], rel=1e-3)
+    assert float(said[2]) > 2 * best["param_norm"] and max(records) == kept  # the blown-up state: never logged or saved
+    assert f"checkpoint {kept} holds the last good state" in str(stopped.value)
+    assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir()) == ([2, 4, 6] if kept == 6 else [kept])
+    assert records[kept]["loss"] < 2 * best["loss"] and records[kept]["param_norm"] < 2 * best["param_norm"]
+
+
+def test_a_checkpoint_whose_first_loss_is_nan_is_moved_aside_and_the_one_before_named(saved, tmp_path):
+    # A checkpoint of an older nestor (no manifest, no record) that restores to broken parameters: the NaN is
+    # its own (the first loss after a restore is computed before any update), not the learning rate's.
+    run_dir = copy_of(saved, tmp_path, "broken")
+    config = load(run_dir, "train.steps=8", *SAVED[1:])
+    job = build_job(config)
+    checkpointer = Checkpointer(config, job.layout, log=lambda line: None)
+    step, state, data_state = checkpointer.restore_latest()
+    state = {**state, "step": state["step"] + 1,
+             "params": jax.tree.map(lambda p: p * float("nan"), state["params"])}
+    checkpointer.save(7, state, data_state, force=True)
+    checkpointer.close()
+    (checkpoint_dir(run_dir) / "7" / manifest.MANIFEST).unlink()
+    as_an_older_nestor_wrote_it(checkpoint_dir(run_dir) / "7")
+    lines = []
+    with pytest.raises(TrainingDiverged) as stopped:
+        train(config, console=Console(log=lines.append))
+    assert "loss is nan at step 8" in str(stopped.value)
+    assert "checkpoint 6 holds the last good state" in str(stopped.value)
+    assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir()) == [4, 6]  # keep=3 rotated 2 out for 7
+    assert any("checkpoints/7 is broken (the first loss after restoring it was not finite" in line for line in lines)
 
 
 @pytest.fixture
@@ -159,18 +230,14 @@ def user_directory(tmp_path, monkeypatch):
 
 
 @pytest.mark.usefixtures("user_directory")
-def test_a_run_that_kept_no_checkpoint_says_a_rerun_starts_from_step_0(tmp_path, capsys):
+def test_a_run_that_blew_up_before_its_first_save_says_a_rerun_starts_from_step_0(tmp_path, capsys):
     blowing_up = ["train.steps=4", "checkpoint.every=2", "optimizer.lr=10", "optimizer.clip_norm=0"]
-    assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/blow", *blowing_up]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    refusals = [line for line in lines if "not saved" in line]
-    assert [line.split()[1] for line in refusals] == ["2", "4"]  # every save, the last one's included
-    assert all(line.endswith("; no checkpoint is kept yet") for line in refusals)
+    assert main(["train", "tiny.yaml", *BASE, "run.dir=runs/blow", *blowing_up]) == 1
+    err = capsys.readouterr().err
+    assert "the state of step 2 blew up" in err or "the state of step 1 blew up" in err, err
+    assert err.rstrip().endswith("no checkpoint is kept, so running again starts from step 0: lower optimizer.lr, "
+                                 "raise optimizer.warmup_steps or set optimizer.clip_norm first")
     assert list((tmp_path / "runs" / "blow" / "checkpoints").iterdir()) == []
-    assert lines[-2:] == ["run dir: runs/blow  (config.yaml, metrics.jsonl, checkpoints/ empty)",
-                          "no checkpoint kept: every save was refused (see above), so running the same command "
-                          "again starts from step 0; lower optimizer.lr, raise optimizer.warmup_steps or set "
-                          "optimizer.clip_norm first"]
 
 
 @pytest.mark.usefixtures("user_directory")
@@ -339,3 +406,37 @@ def test_a_read_only_run_dir_stops_the_run_in_one_line(saved, tmp_path):
     process = cli(run_dir, "train.steps=8", *SAVED[1:], prefix=read_only(checkpoint_dir(run_dir)))
     assert_stopped_in_one_line(process, run_dir, "checkpoint 8 could not be written (Read-only file system", 1)
     assert_checkpoints_intact(run_dir, build_job(load(run_dir, *SAVED)).layout)
+
+
+@pytest.mark.timeout(900)
+def test_readers_beside_a_run_that_rotates_every_step_never_fail_it_and_never_move_a_file(tmp_path, monkeypatch):
+    # `nestor eval` beside a run with checkpoint.keep=1 moved the checkpoint being rotated out into
+    # torn_checkpoints/ (the run then died: "checkpoint 73 could not be written (ENOENT)") and crashed itself.
+    run_dir = tmp_path / "run"
+    trainer = cli(run_dir, "train.steps=200", "checkpoint.every=1", "checkpoint.keep=1", "train.log_every=50")
+    config = load(run_dir, "train.steps=200")
+    layout = build_job(config).layout
+    read, gone = [], 0
+    while trainer.poll() is None:
+        try:
+            step, state = restore_state(config, layout)
+        except FileNotFoundError:  # no checkpoint yet
+            time.sleep(0.2)
+            continue
+        except CheckpointUnreadable as error:  # rotated out READ_ATTEMPTS times in a row: one line, no crash
+            assert "was removed while it was read" in str(error), error
+            gone += 1
+            continue
+        assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state["params"]))
+        assert int(state["step"]) == step
+        read.append(step)
+    out, err = trainer.communicate()
+    assert trainer.returncode == 0 and "could not be written" not in err, err[-3000:]
+    assert len(read) >= 5 and read == sorted(read) and gone <= len(read) // 4, (read, gone)
+    assert "torn_checkpoints" not in {p.name for p in run_dir.iterdir()}
+    assert [p.name for p in checkpoint_dir(run_dir).iterdir()] == ["200"]
+    monkeypatch.chdir(tmp_path)  # and `nestor eval` itself on the finished run: nothing in run.dir changes
+    before = {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    assert main(["eval", str(run_dir.parent / "run.yaml"), *BASE, f"run.dir={run_dir}", "eval.steps=1",
+                 "eval.source=synthetic"]) == 0
+    assert {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
