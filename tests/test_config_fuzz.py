@@ -6,6 +6,7 @@ process through `load`, the function the CLI calls; a few go through the real
 console script to show exit code 2 and no traceback.
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -98,28 +99,60 @@ def test_a_new_key_is_fuzzed_from_its_declaration():
     assert bad_values(int, Key("a degree", minimum=1, also=(-1,))) == ["fast", str(2**70), str(INT32_MAX + 1), "0"]
 
 
+# Ten levels of ten aliases each: 10^10 values once expanded (issue 41 saw a MemoryError after 100 s).
+ALIAS_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]\n" for level in range(1, 10))
+
+
 def _bad_files(tmp_path: Path) -> dict[str, str]:
-    """Returns the config files the issue saw as tracebacks or silence, by what is wrong with them."""
+    """Returns the config files the issues saw as tracebacks, hangs or silence, by what is wrong with them."""
     (tmp_path / "latin1.yaml").write_bytes("run:\n  dir: caf\xe9\n".encode("latin-1"))
     (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "broken.yaml").write_text("run: [dir\n")
     (tmp_path / "scalar.yaml").write_text("5\n")
     (tmp_path / "directory.yaml").mkdir()
-    return {name: str(tmp_path / f"{name}.yaml") for name in ("latin1", "empty", "broken", "scalar", "directory")}
+    os.mkfifo(tmp_path / "fifo.yaml")  # reading it would wait for a writer forever
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")  # endless
+    (tmp_path / "huge.yaml").write_text("# " + "x" * 2**20 + "\n")
+    (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)
+    (tmp_path / "recursive.yaml").write_text("model:\n  args: &args {inner: *args}\n")
+    (tmp_path / "repeated_key.yaml").write_text("train:\n  steps: 5\n  seq_len: 32\n  steps: 6\n")
+    (tmp_path / "repeated_section.yaml").write_text("train:\n  steps: 5\nmodel:\n  preset: tiny\ntrain:\n  seq_len: 32\n")
+    return {name: str(tmp_path / f"{name}.yaml") for name in BAD_FILES}
+
+
+BAD_FILES = {"latin1": "is not UTF-8 text", "empty": "write `{}`", "broken": "is not valid YAML",
+             "scalar": "must hold a mapping", "directory": "is a directory", "fifo": "is not a regular file",
+             "zero": "is not a regular file", "huge": "is larger than 1024 KiB",
+             "bomb": "expands to more than 100,000 values", "recursive": "expands to more than 100,000 values",
+             "repeated_key": "train.steps is written twice (lines 2 and 4)",
+             "repeated_section": "train is written twice (lines 1 and 5)"}
 
 
 def test_bad_config_files_are_one_line_errors_naming_the_config(tmp_path):
-    expected = {"latin1": "is not UTF-8 text", "empty": "write `{}`", "broken": "is not valid YAML",
-                "scalar": "must hold a mapping", "directory": "is a directory"}
+    started = time.perf_counter()
     for name, path in _bad_files(tmp_path).items():
         with pytest.raises(ConfigError) as caught:
             load(path)
         [(key, message)] = caught.value.problems
-        assert key == "CONFIG" and path in message and expected[name] in message and "\n" not in message, message
+        assert key == "CONFIG" and path in message and BAD_FILES[name] in message and "\n" not in message, message
         with pytest.raises(ConfigError) as caught:
             load(QUICKSTART, [path])  # a further layer (an empty one was taken for no settings)
         [(key, message)] = caught.value.problems
-        assert key == path and expected[name] in message and "\n" not in message, message
+        assert key == path and BAD_FILES[name] in message and "\n" not in message, message
+    assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize("override, key, message", [
+    (".train.steps=5", ".train.steps", "write train.steps=5"),
+    ("train..steps=5", "train..steps", "write train.steps=5"),
+    ("model.args=" + ALIAS_BOMB.replace("\n", ", ").join("{}"), "model.args", "expands to more than 100,000"),
+    ("mesh.rules={embed: null, embed: fsdp}", "mesh.rules", "embed is written twice")])
+def test_overrides_with_an_empty_name_a_repeated_key_or_an_alias_bomb_name_the_override(override, key, message):
+    with pytest.raises(ConfigError) as caught:
+        load(QUICKSTART, [override])
+    [(named, text)] = caught.value.problems
+    assert named == key and message in text, caught.value.problems
 
 
 def _console_script() -> list[str]:
