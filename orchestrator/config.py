@@ -74,8 +74,8 @@ class ModelConfig:
     qk_norm: bool = key(False, "RMSNorm over each query and key head before RoPE (Qwen3)")
     norm_eps: float = key(1e-6, "RMSNorm epsilon", minimum=0)
     init_std: float = key(0.02, "stddev of the normal initialiser", above=0)
-    dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16; params stay float32",
-                     choices=("float32", "bfloat16", "float16"))
+    dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16 (GPUs only); params stay "
+                     "float32", choices=("float32", "bfloat16", "float16"))
     attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla; bf16 on "
                          "CPU from float32 sums) | xla | cudnn", choices=ATTENTION_CHOICES)
     remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (the backend's for the target: dots on "

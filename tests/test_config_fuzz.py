@@ -93,6 +93,28 @@ def test_every_generated_bad_value_is_a_config_error_naming_its_key():
     assert len(cases) > 300 and elapsed < 20, (len(cases), elapsed)
 
 
+# What issue 41 saw as tracebacks, hangs or silent acceptance (items 6 and 8), by overrides of the quickstart.
+ISSUE_41 = [(["train.seq_len=2147483647"], "train.seq_len"),  # an OverflowError in the MoE layer
+            (["train.seq_len=2147483646", "train.global_batch=1"], "moe.top_k"),
+            (["moe.capacity_factor=1e30"], "moe.capacity_factor"),  # an OverflowError
+            (["moe.eval_capacity_factor=1e30"], "moe.eval_capacity_factor"),
+            (["model.dtype=float16"], "model.dtype"),  # XLA:CPU's dot_general traceback
+            (["eval.steps=2147483647", "eval.every=10", "eval.source=synthetic"], "eval.steps")]  # a hang
+
+
+def test_issue_41_cases_are_config_errors_naming_their_key():
+    missed = []
+    for overrides, key in ISSUE_41:
+        try:
+            load(QUICKSTART, overrides)
+            missed.append(f"{overrides}: accepted")
+        except ConfigError as error:
+            names = [name for problem, _ in error.problems for name in problem.split(", ")]
+            if key not in names:
+                missed.append(f"{overrides}: names {names}, not {key}")
+    assert not missed, "\n".join(missed)
+
+
 def test_a_new_key_is_fuzzed_from_its_declaration():
     spec = Key("a made-up fraction", minimum=0, maximum=1)
     assert bad_values(float, spec) == ["fast", ".nan", ".inf", "-.inf", "-1", "1.5"]
