@@ -8,7 +8,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
-from nestor.backend import Backend
+from nestor.backend import ACCELERATORS, Backend, platform_family
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.degrees import mesh_axes_key
@@ -24,8 +24,14 @@ def select_devices(config: Config) -> list[jax.Device]:
 
     A single process standing in for `cluster.hosts` hosts (explain, the
     in-process launcher) takes the devices of all of them. Raises ConfigError
+    when `cluster.accelerator` names GPUs or TPUs and jax has other devices, or
     when a process has fewer devices than asked for.
     """
+    accelerator, platform = config.cluster.accelerator, platform_family(jax.devices()[0].platform)
+    if accelerator in ACCELERATORS and platform != accelerator:
+        raise ConfigError([("cluster.accelerator", f"{accelerator}, but jax here has {platform} devices only; set "
+                                                   f"cluster.accelerator={platform}, or install jax for {accelerator}s "
+                                                   "(docs/cluster.md)")])
     wanted = config.cluster.devices_per_host
     if wanted != -1 and jax.process_count() == 1:
         wanted *= config.cluster.hosts

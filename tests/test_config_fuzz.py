@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
+from nestor.orchestrator.job import select_devices
 from tests.conftest import ROOT
 from tests.helpers import child_env
 
@@ -113,6 +114,14 @@ def test_issue_41_cases_are_config_errors_naming_their_key():
             if key not in names:
                 missed.append(f"{overrides}: names {names}, not {key}")
     assert not missed, "\n".join(missed)
+
+
+def test_an_accelerator_jax_does_not_have_is_named_before_the_device_count():
+    for accelerator in ("gpu", "tpu"):  # the error named cluster.devices_per_host
+        with pytest.raises(ConfigError) as caught:
+            select_devices(load(QUICKSTART, [f"cluster.accelerator={accelerator}"]))
+        [(key, message)] = caught.value.problems
+        assert key == "cluster.accelerator" and "set cluster.accelerator=cpu" in message, message
 
 
 def test_a_new_key_is_fuzzed_from_its_declaration():
