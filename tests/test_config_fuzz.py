@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from nestor.orchestrator import cli
 from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
+from nestor.orchestrator.idle_keys import idle_keys, idle_warning
 from nestor.orchestrator.job import select_devices
 from tests.conftest import ROOT
 from tests.helpers import child_env
@@ -122,6 +124,32 @@ def test_an_accelerator_jax_does_not_have_is_named_before_the_device_count():
             select_devices(load(QUICKSTART, [f"cluster.accelerator={accelerator}"]))
         [(key, message)] = caught.value.problems
         assert key == "cluster.accelerator" and "set cluster.accelerator=cpu" in message, message
+
+
+# Keys issue 41 saw silently accepted in a mode that never reads them: valid, so a warning, not an error.
+IDLE = [(["cluster.tpu_topology=2x2x2", "cluster.tpu_type=TPU-V4"], ["cluster.tpu_topology", "cluster.tpu_type"]),
+        (["cluster.launcher=inprocess", "cluster.max_failures=3"], ["cluster.max_failures"]),
+        (["mesh.pipeline=1", "mesh.data=2", "pipeline.schedule=1f1b"], ["pipeline.microbatches", "pipeline.schedule"]),
+        (["pipeline.schedule=circular", "pipeline.microbatches=1"], ["pipeline.schedule"]),  # repeats=1: gpipe
+        (["moe.num_experts=0", "moe.every=0", "moe.top_k=1", "moe.router=sigmoid"], ["moe.top_k", "moe.router"]),
+        (["data.source=synthetic", "data.paths=[a.txt]"], ["data.paths"])]
+
+
+def test_keys_that_do_nothing_in_the_run_are_named_in_one_warning_line():
+    assert idle_warning(load(QUICKSTART)) is None
+    for overrides, keys in IDLE:
+        warning = idle_warning(load(QUICKSTART, overrides))
+        assert warning is not None and "\n" not in warning, overrides
+        named = [key for group, _ in idle_keys(load(QUICKSTART, overrides)) for key in group]
+        assert named == keys and all(key in warning for key in keys), (overrides, warning)
+
+
+def test_the_cli_prints_the_warning_once_on_stderr(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_explain", lambda config, args: 0)  # the warning comes before the command runs
+    assert cli.main(["explain", QUICKSTART, *IDLE[1][0]]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "nestor: warning: these keys do nothing in this run: cluster.max_failures (cluster.launcher=inprocess: they "
+        "configure the Ray launcher)"]
 
 
 def test_a_new_key_is_fuzzed_from_its_declaration():
