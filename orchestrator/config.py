@@ -276,10 +276,12 @@ class ClusterConfig:
     tpu_type: str | None = key(None, "tpu: Ray accelerator type, e.g. TPU-V4, TPU-V5LITEPOD, TPU-V5P")
     dashboard: bool = key(True, "embedded cluster: serve Ray's dashboard and state API on 127.0.0.1")
     worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
-    device_kind: str | None = key(None, "explain's memory check: a device in its table (h100, h200, a100-40gb, "
-                                  "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present (CPU: no "
-                                  "limit); also the target the backend's choices are made for")
-    device_memory_gb: float | None = key(None, "explain's memory check: GiB per device, overrides the table", above=0)
+    device_kind: str | None = key(None, "the memory checks of explain and train: a device in its table (h100, h200, "
+                                  "a100-40gb, a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present "
+                                  "(CPU: the host's RAM over its devices); also the target the backend's choices are "
+                                  "made for")
+    device_memory_gb: float | None = key(None, "the memory checks of explain and train: GiB per device, overrides "
+                                         "the table", above=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The bad values are generated from the key table (orchestrator.config.key_table),
 so a new key is fuzzed as soon as it is declared. Every case is validated in
-process through `load`, the function the CLI calls; a few go through the real
-console script to show exit code 2 and no traceback.
+process through `load`, the function the CLI calls (or, where the check needs the
+devices, through the job `train` builds before it allocates anything); a few go
+through the real console script to show exit code 2 and no traceback.
 """
 
 import os
@@ -12,12 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
-from nestor.orchestrator import cli
+from nestor.orchestrator import cli, memory_fit
 from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
 from nestor.orchestrator.idle_keys import idle_keys, idle_warning
-from nestor.orchestrator.job import select_devices
+from nestor.orchestrator.job import build_job, select_devices
 from tests.conftest import ROOT
 from tests.helpers import child_env
 
@@ -150,6 +152,21 @@ def test_the_cli_prints_the_warning_once_on_stderr(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "nestor: warning: these keys do nothing in this run: cluster.max_failures (cluster.launcher=inprocess: they "
         "configure the Ray launcher)"]
+
+
+@pytest.mark.parametrize("override, key", [("model.num_layers=1000000", "model.num_layers"),
+                                           ("model.embed_dim=1073741824", "model.embed_dim"),
+                                           ("moe.num_experts=65536", "moe.num_experts")])
+def test_a_state_no_device_holds_is_refused_before_anything_is_allocated(override, key, monkeypatch):
+    """Issue 41, item 8: these passed validation and `train` started allocating. The train state's layout is
+    abstract (nothing allocated), so the job refuses it against the host's RAM on CPU (16 GiB here)."""
+    monkeypatch.setattr(memory_fit, "host_memory_gib", lambda: 16.0)
+    live = sum(array.nbytes for array in jax.live_arrays())
+    with pytest.raises(ConfigError) as caught:
+        build_job(load(QUICKSTART, [override]))
+    [(named, message)] = caught.value.problems
+    assert named == key and "the 2.0 GiB each of this host's 8 CPU devices has of its 16.0 GiB of RAM" in message
+    assert sum(array.nbytes for array in jax.live_arrays()) - live < 2**20
 
 
 def test_a_new_key_is_fuzzed_from_its_declaration():
