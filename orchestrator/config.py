@@ -184,8 +184,8 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline, "
-                            "interleaved_1f1b a multiple of it", **_POSITIVE)
+    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); with repeats > 1, circular needs M >= "
+                            "mesh.pipeline, interleaved_1f1b a multiple of it", **_POSITIVE)
     schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
                         "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight) | "
                         "interleaved_1f1b (1f1b over R layer groups per stage: R*M+(R+1)S-2 ticks of 1/R stage, "

@@ -236,20 +236,37 @@ def _console_script() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "nestor.orchestrator.cli"]
 
 
-@pytest.mark.timeout(120)
-def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path):
-    files = _bad_files(tmp_path)
-    runs = [(["explain", QUICKSTART, "model=5"], "model"),
-            (["explain", QUICKSTART, "moe.capacity_factor=.nan"], "moe.capacity_factor"),
-            (["train", QUICKSTART, "run.seed=1180591620717411303424"], "run.seed"),
-            (["train", files["directory"]], "CONFIG")]
+def _exit_2_naming(runs: list[tuple[list[str], str]], cwd: Path) -> None:
+    """Runs the console script with each argument list at once; asserts each exits 2 with one problem,
+    naming its key, and no traceback."""
     env = child_env()  # PYTHONPATH: this checkout before the editable install
     started = time.perf_counter()
-    processes = [(subprocess.Popen([*_console_script(), *args], cwd=tmp_path, env=env, text=True,
+    processes = [(subprocess.Popen([*_console_script(), *args], cwd=cwd, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE), key) for args, key in runs]
     for process, key in processes:
         _, stderr = process.communicate(timeout=100)
         assert process.returncode == 2, stderr[-2000:]
         assert f"  {key}: " in stderr and "Traceback" not in stderr, stderr[-2000:]
-        assert len(stderr.strip().splitlines()) == 2, stderr  # "invalid config:" and the one problem
+        problem = stderr.strip().splitlines()[-2:]  # "invalid config:" and the one problem, after any jax warning
+        assert problem[0] == "nestor: invalid config:" and problem[1].startswith(f"  {key}: "), stderr
     assert time.perf_counter() - started < 90  # 4 processes at once; ~25 s on 2 loaded cores
+
+
+@pytest.mark.timeout(120)
+def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path):
+    files = _bad_files(tmp_path)
+    _exit_2_naming([(["explain", QUICKSTART, "model=5"], "model"),
+                    (["explain", QUICKSTART, "moe.capacity_factor=.nan"], "moe.capacity_factor"),
+                    (["train", QUICKSTART, "run.seed=1180591620717411303424"], "run.seed"),
+                    (["train", files["directory"]], "CONFIG")], tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_the_console_script_exits_2_for_issue_41s_tracebacks_and_hangs(tmp_path):
+    """A FIFO as the config hung; float16 on CPU, an accelerator jax does not have and a state no host holds
+    got as far as XLA or the allocator."""
+    inprocess = "cluster.launcher=inprocess"
+    _exit_2_naming([(["train", _bad_files(tmp_path)["fifo"]], "CONFIG"),
+                    (["train", QUICKSTART, inprocess, "model.dtype=float16"], "model.dtype"),
+                    (["train", QUICKSTART, inprocess, "cluster.accelerator=gpu"], "cluster.accelerator"),
+                    (["train", QUICKSTART, inprocess, "model.num_layers=1000000"], "model.num_layers")], tmp_path)
