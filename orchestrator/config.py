@@ -16,7 +16,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-
 from nestor.backend import ATTENTION_CHOICES, EXCHANGE_CHOICES, GROUPED_MATMUL_CHOICES
 from nestor.backend.remat import CHOICES as REMAT_CHOICES
 from nestor.models import remat_names

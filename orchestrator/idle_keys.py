@@ -54,7 +54,7 @@ def _modes(config: Config) -> list[tuple[tuple[str, ...], str]]:
     elif stages and config.pipeline.schedule == "circular" and config.pipeline.repeats == 1:
         modes.append((("pipeline.schedule",), "circular with pipeline.repeats=1 runs as gpipe"))
     if config.model.builtin_lm and not config.moe.num_experts:
-        moe_keys = tuple(path for path in _table_paths(config) if path.startswith("moe.") and
+        moe_keys = tuple(path for path, *_ in key_table(type(config)) if path.startswith("moe.") and
                          path not in MOE_LAYOUT_KEYS)
         modes.append((moe_keys + ("metrics.image_every",), "moe.num_experts=0: a dense model"))
     if data.source in ("synthetic", "python"):
@@ -71,10 +71,6 @@ def _pipeline_stages(config: Config) -> int | None:
     if total_devices(config) is None and -1 in config.mesh.ici_shape().values():
         return None
     return mesh_degrees(config)["pipeline"]
-
-
-def _table_paths(config: Config) -> list[str]:
-    return [path for path, *_ in key_table(type(config))]
 
 
 def _changed_keys(config: Config) -> set[str]:

@@ -1,7 +1,6 @@
 """Counts that are products of config keys: tokens per step and per evaluation, and an MoE layer's routed
 tokens and expert slots. Each is held to INT32_MAX, as every count a key holds is, and is checked here in
-Python integers before the program computes it: the MoE layers index slots and routed tokens in int32,
-and a capacity factor of 1e30 or a sequence of 2^31 tokens overflowed there as a traceback."""
+Python integers before the program computes it: the MoE layers index slots and routed tokens in int32."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ TOKENS_KEY = "train.global_batch, train.seq_len"
 
 
 def product_problems(config: Config) -> list[tuple[str, str]]:
-    """Returns (key path, message) for each product of keys past INT32_MAX in nestor's LM: a step's tokens,
-    and its MoE layers' routed tokens and slots (a model of the user's has global_batch rows a step)."""
+    """Returns (key path, message) for each product of keys past INT32_MAX in a step of nestor's LM: its
+    tokens, and its MoE layers' routed tokens and slots."""
     t = config.train
     step = t.global_batch * (t.seq_len + 1)  # a row of tokens holds its last target too
     if config.model.builtin_lm and step > INT32_MAX:
@@ -31,18 +30,15 @@ def product_problems(config: Config) -> list[tuple[str, str]]:
 
 def evaluation_problems(config: Config) -> list[tuple[str, str]]:
     """Returns (eval.steps, message) when an evaluation's tokens (rows for a model of the user's), eval.steps
-    batches of a step's, pass INT32_MAX (an evaluation of 2^31 batches ran for ever), else nothing."""
-    t = config.train
-    step = t.global_batch * (t.seq_len + 1 if config.model.builtin_lm else 1)
+    batches of a step's, pass INT32_MAX, else nothing."""
+    t, lm = config.train, config.model.builtin_lm
+    step = t.global_batch * (t.seq_len + 1 if lm else 1)
     evaluation = config.eval.steps * step
     if evaluation <= INT32_MAX:
         return []
-    return [("eval.steps", f"{config.eval.steps:,} batches of {step:,} {_unit(config)} = {evaluation:,} an "
-                           f"evaluation, more than {INT32_MAX:,}; use eval.steps <= {INT32_MAX // step:,}")]
-
-
-def _unit(config: Config) -> str:
-    return "tokens" if config.model.builtin_lm else "rows"
+    return [("eval.steps", f"{config.eval.steps:,} batches of {step:,} {'tokens' if lm else 'rows'} = "
+                           f"{evaluation:,} an evaluation, more than {INT32_MAX:,}; use eval.steps <= "
+                           f"{INT32_MAX // step:,}")]
 
 
 def _moe_products(config: Config) -> list[tuple[str, str]]:

@@ -13,7 +13,7 @@ import yaml
 
 from nestor.orchestrator.errors import ConfigError
 
-MAX_BYTES = 2**20       # base.yaml is 20 KiB; a run YAML is a few hundred bytes
+MAX_BYTES = 2**20       # base.yaml, every key with its comment, is 14 KiB; a run YAML a few hundred bytes
 MAX_VALUES = 100_000    # scalars, sequences and mappings, each alias counted as what it expands to
 
 # libyaml's loader where PyYAML was built with it: the same safe YAML 1.1, ~10x faster.
@@ -50,7 +50,7 @@ def read_yaml(path: Path, key: str, empty_ok: bool = True) -> dict:
     except UnicodeDecodeError as error:
         raise ConfigError([(key, f"{path} is not UTF-8 text (byte {error.start}); give a YAML file")]) from None
     try:
-        data = load_yaml(text)
+        data = _load(text)
     except yaml.YAMLError as error:
         raise ConfigError([(key, f"{path} is not valid YAML: {' '.join(str(error).split())}")]) from None
     except _Refused as error:
@@ -68,14 +68,14 @@ def override_value(text: str, key: str) -> Any:
     """Returns the value of an override `key=text` as YAML reads it (text that is not YAML stays a string);
     raises ConfigError naming `key` for a key written twice or more than MAX_VALUES values."""
     try:
-        return load_yaml(text)
+        return _load(text)
     except yaml.YAMLError:
         return text
     except _Refused as error:
         raise ConfigError([(key, str(error))]) from None
 
 
-def load_yaml(text: str) -> Any:
+def _load(text: str) -> Any:
     """Returns the data of one YAML document (safe tags only). Raises yaml.YAMLError for text that is not
     YAML and _Refused for a key written twice in a mapping or more than MAX_VALUES values."""
     loader = _SAFE_LOADER(text)
