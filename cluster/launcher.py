@@ -283,9 +283,12 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
         totals = {name: sum(n.get("Resources", {}).get(name, 0) for n in nodes if n.get("Alive")) for name in need}
         asked = ", ".join(f"{spec.hosts} x {amount:g} {name}" for name, amount in need.items())
         have = ", ".join(f"{total:g} {name}" for name, total in totals.items())
+        device = spec.accelerator.upper()
+        fix = (f"it has no {device}: set cluster.accelerator=cpu or add {device} nodes"
+               if device in totals and not totals[device] else "lower cluster.hosts/devices_per_host or add nodes")
         raise ClusterError(f"cluster.hosts={spec.hosts} x cluster.devices_per_host={spec.devices_per_host} "
-                           f"({spec.accelerator}) asks for {asked}, but the cluster has {have} "
-                           f"(room for {fits} worker(s)); lower cluster.hosts/devices_per_host or add nodes")
+                           f"(cluster.accelerator={spec.accelerator}) asks for {asked}, but the cluster has {have} "
+                           f"(room for {fits} worker(s)); {fix}")
 
 
 class Mailbox:

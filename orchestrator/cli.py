@@ -361,6 +361,7 @@ def _main(args) -> int:
     from nestor.cluster.rendezvous import ClusterError
     from nestor.orchestrator.config import ConfigError, load
     from nestor.orchestrator.errors import RunFailed
+    from nestor.orchestrator.idle_keys import idle_warning
 
     try:
         if args.handler is None:
@@ -368,6 +369,8 @@ def _main(args) -> int:
         if args.command in ("data", "export"):
             return args.handler(args)
         config = load(args.config, args.overrides)
+        if warning := idle_warning(config):
+            print(f"nestor: {warning}", file=sys.stderr)
         return args.handler(config, args)
     except ConfigError as error:
         print(f"nestor: {error}", file=sys.stderr)

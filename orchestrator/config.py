@@ -16,8 +16,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nestor.backend import ATTENTION_CHOICES, EXCHANGE_CHOICES, GROUPED_MATMUL_CHOICES
 from nestor.backend.remat import CHOICES as REMAT_CHOICES
 from nestor.models import remat_names
@@ -29,6 +27,7 @@ from nestor.orchestrator.health import WINDOW as HEALTH_WINDOW
 from nestor.orchestrator.hf.config import sections
 from nestor.orchestrator.tokenizer import BYTES
 from nestor.orchestrator.validation import validate
+from nestor.orchestrator.yaml_files import override_value, read_yaml
 from nestor.parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -74,8 +73,8 @@ class ModelConfig:
     qk_norm: bool = key(False, "RMSNorm over each query and key head before RoPE (Qwen3)")
     norm_eps: float = key(1e-6, "RMSNorm epsilon", minimum=0)
     init_std: float = key(0.02, "stddev of the normal initialiser", above=0)
-    dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16; params stay float32",
-                     choices=("float32", "bfloat16", "float16"))
+    dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16 (GPUs only); params stay "
+                     "float32", choices=("float32", "bfloat16", "float16"))
     attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla; bf16 on "
                          "CPU from float32 sums) | xla | cudnn", choices=ATTENTION_CHOICES)
     remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (the backend's for the target: dots on "
@@ -184,8 +183,8 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); circular needs M >= mesh.pipeline, "
-                            "interleaved_1f1b a multiple of it", **_POSITIVE)
+    microbatches: int = key(1, "micro-batches per pipelined step (GPipe M); with repeats > 1, circular needs M >= "
+                            "mesh.pipeline, interleaved_1f1b a multiple of it", **_POSITIVE)
     schedule: str = key("gpipe", "gpipe (M+S-1 iterations) | circular (R*M+S-1, bubble (S-1)/(R*M+S-1)) | 1f1b "
                         "(backward in the loop: M+2S-2 ticks, at most 2S-1 micro-batches in flight) | "
                         "interleaved_1f1b (1f1b over R layer groups per stage: R*M+(R+1)S-2 ticks of 1/R stage, "
@@ -276,10 +275,12 @@ class ClusterConfig:
     tpu_type: str | None = key(None, "tpu: Ray accelerator type, e.g. TPU-V4, TPU-V5LITEPOD, TPU-V5P")
     dashboard: bool = key(True, "embedded cluster: serve Ray's dashboard and state API on 127.0.0.1")
     worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
-    device_kind: str | None = key(None, "explain's memory check: a device in its table (h100, h200, a100-40gb, "
-                                  "a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present (CPU: no "
-                                  "limit); also the target the backend's choices are made for")
-    device_memory_gb: float | None = key(None, "explain's memory check: GiB per device, overrides the table", above=0)
+    device_kind: str | None = key(None, "the memory checks of explain and train: a device in its table (h100, h200, "
+                                  "a100-40gb, a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present "
+                                  "(CPU: the host's RAM over its devices); also the target the backend's choices are "
+                                  "made for")
+    device_memory_gb: float | None = key(None, "the memory checks of explain and train: GiB per device, overrides "
+                                         "the table", above=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,36 +357,6 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
-# libyaml's loader where PyYAML was built with it: the same safe YAML 1.1, ~10x faster.
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def _read_yaml(path: Path, key: str, empty_ok: bool = True) -> dict:
-    """Returns the mapping a YAML file holds; anything else (missing, a directory, not UTF-8, not YAML,
-    not a mapping, empty unless `empty_ok`) raises a one-line ConfigError naming `key`."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([(key, f"file not found: {path}")]) from None
-    except IsADirectoryError:
-        raise ConfigError([(key, f"{path} is a directory; give a YAML file")]) from None
-    except UnicodeDecodeError as error:
-        raise ConfigError([(key, f"{path} is not UTF-8 text (byte {error.start}); give a YAML file")]) from None
-    except OSError as error:
-        raise ConfigError([(key, f"cannot read {path}: {error.strerror}")]) from None
-    try:
-        data = yaml.load(text, Loader=_SAFE_LOADER)
-    except yaml.YAMLError as error:
-        raise ConfigError([(key, f"{path} is not valid YAML: {' '.join(str(error).split())}")]) from None
-    if data is None and empty_ok:
-        return {}
-    if data is None:
-        raise ConfigError([(key, f"{path} is empty; write `{{}}` for a file that sets nothing")])
-    if not isinstance(data, dict):
-        raise ConfigError([(key, f"{path} must hold a mapping of sections")])
-    return data
-
-
 def presets() -> list[str]:
     """Returns the model preset names: the stems of configs/models/*.yaml."""
     return sorted(path.stem for path in (CONFIGS_DIR / "models").glob("*.yaml"))
@@ -406,7 +377,7 @@ def preset_sections(preset: Any) -> dict:
 
     Raises ConfigError when `preset` is not a preset name.
     """
-    keys = _read_yaml(_preset_path(preset), "model.preset")
+    keys = read_yaml(_preset_path(preset), "model.preset")
     moe = keys.pop("moe", None)
     return {"model": keys} if moe is None else {"model": keys, "moe": moe}
 
@@ -416,13 +387,13 @@ def parse_overrides(overrides: list[str]) -> dict:
     tree: dict = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError([(item, "overrides are written key.path=value")])
-        try:
-            value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(tree, key.strip(), value)
+        if "" in key.split("."):
+            raise ConfigError([(key, f"a key path has a name between every two dots; write "
+                                     f"{'.'.join(part for part in key.split('.') if part)}={raw}")])
+        _set_dotted(tree, key, override_value(raw, key) if raw else "")
     return tree
 
 
@@ -435,12 +406,12 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     Raises ConfigError (with every problem's key path) when the YAML, an
     override or the combination is invalid.
     """
-    tree = _read_yaml(CONFIGS_DIR / "base.yaml", "base.yaml")
-    user = _read_yaml(Path(path), "CONFIG", empty_ok=False) if path is not None else {}
+    tree = read_yaml(CONFIGS_DIR / "base.yaml", "base.yaml")
+    user = read_yaml(Path(path), "CONFIG", empty_ok=False) if path is not None else {}
     if isinstance(overrides, list):
         # Further YAML files (e.g. configs/meshes/fsdp8.yaml) layer over CONFIG in order.
         for layer in [item for item in overrides if "=" not in item and item.endswith((".yaml", ".yml"))]:
-            user = _merge(user, _read_yaml(Path(layer), layer, empty_ok=False))
+            user = _merge(user, read_yaml(Path(layer), layer, empty_ok=False))
         overrides = [item for item in overrides if not ("=" not in item and item.endswith((".yaml", ".yml")))]
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     preset = next((layer["model"].get("preset") for layer in (extra, user)

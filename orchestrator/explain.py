@@ -12,7 +12,7 @@ import jax
 
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step
-from nestor.orchestrator.job import Job, abstract_batch, build_job
+from nestor.orchestrator.job import Job, abstract_batch, build_job, devices_here
 from nestor.orchestrator.memory_fit import GIB, fit_report
 from nestor.orchestrator.metrics import spec_text
 from nestor.orchestrator.moe_step import dropless_report
@@ -98,7 +98,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
             "peak_estimate": peak_bytes,
         },
         "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory.temp_size_in_bytes, peak_bytes,
-                          job.mesh.shape["pipeline"]),
+                          devices_here(job.mesh), job.mesh.shape["pipeline"]),
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
@@ -135,8 +135,10 @@ def fit_line(fit: dict[str, Any]) -> str:
     if fit["device_memory_bytes"] is None:
         line = f"per device: {parts}; {fit['verdict']}"
     else:
-        line = (f"per device: {parts} of {fit['device_memory_bytes'] / GIB:.0f} GiB "
-                f"({fit['device_kind'] or 'cluster.device_memory_gb'}): {fit['verdict']}")
+        memory = fit["device_memory_bytes"] / GIB
+        device = {None: "cluster.device_memory_gb", "cpu": "cpu: the host's RAM over its devices"}.get(
+            fit["device_kind"], fit["device_kind"])
+        line = f"per device: {parts} of {memory:.{0 if memory >= 10 else 1}f} GiB ({device}): {fit['verdict']}"
     return line + (f"\nnote: {fit['caveat']}" if fit.get("caveat") else "")
 
 

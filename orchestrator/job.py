@@ -8,12 +8,13 @@ import dataclasses
 import jax
 from jax.sharding import Mesh
 
-from nestor.backend import Backend
+from nestor.backend import ACCELERATORS, Backend, platform_family
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.degrees import mesh_axes_key
 from nestor.orchestrator.evaluation.loss import Evaluator
-from nestor.orchestrator.state import StateLayout, state_layout
+from nestor.orchestrator.memory_fit import state_problems
+from nestor.orchestrator.state import StateLayout, param_table, per_device_bytes, state_layout
 from nestor.orchestrator.step import backend_for, make_train_step
 from nestor.parallel.mesh import MeshError, build_mesh
 from nestor.parallel.rules import Rules, resolve_rules
@@ -24,8 +25,14 @@ def select_devices(config: Config) -> list[jax.Device]:
 
     A single process standing in for `cluster.hosts` hosts (explain, the
     in-process launcher) takes the devices of all of them. Raises ConfigError
+    when `cluster.accelerator` names GPUs or TPUs and jax has other devices, or
     when a process has fewer devices than asked for.
     """
+    accelerator, platform = config.cluster.accelerator, platform_family(jax.devices()[0].platform)
+    if accelerator in ACCELERATORS and platform != accelerator:
+        raise ConfigError([("cluster.accelerator", f"{accelerator}, but jax here has {platform} devices only; set "
+                                                   f"cluster.accelerator={platform}, or install jax for {accelerator}s "
+                                                   "(docs/cluster.md)")])
     wanted = config.cluster.devices_per_host
     if wanted != -1 and jax.process_count() == 1:
         wanted *= config.cluster.hosts
@@ -50,6 +57,22 @@ def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
     except MeshError as error:
         key = mesh_axes_key(config) if error.key == "mesh" else error.key
         raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
+
+
+def devices_here(mesh: Mesh) -> int:
+    """Returns how many of `mesh`'s devices this process holds: on CPU, the devices that share its RAM."""
+    return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
+
+
+def check_state_fits(config: Config, backend: Backend, layout: StateLayout, mesh: Mesh) -> None:
+    """Raises ConfigError naming the key that sizes the largest parameter when the train state alone, as
+    `layout` shards it, needs more than a device's memory (memory_fit.state_problems), before any of it
+    is allocated."""
+    params = param_table(layout)
+    state_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(layout.abstract))
+    largest = max(params, key=lambda row: row["bytes_total"])
+    if problems := state_problems(config, backend, state_bytes, largest, devices_here(mesh)):
+        raise ConfigError(problems)
 
 
 @dataclasses.dataclass
@@ -78,6 +101,8 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     fields = batch_fields(config)
     layout = state_layout(config, mesh, rules, frozenset(name for field in fields.values()
                                                          for name in field.logical_axes if name))
+    if with_data:  # a job that runs allocates its state: refused here, before anything is, if it cannot fit
+        check_state_fits(config, backend, layout, mesh)
     step_fn = make_train_step(config, layout, mesh, rules, backend, fields)
     data = DataPipeline(config, mesh, rules, fields=fields) if with_data else None
     evaluator = Evaluator(config, layout, mesh, rules, backend) if with_data and config.eval.every else None

@@ -1,10 +1,10 @@
-"""Will it fit? A compiled step's memory per device against the memory of one accelerator.
+"""Will it fit? A compiled step's memory per device against the memory of one device.
 
 Device memory is quoted in GiB (2^30 bytes; an "80 GB" H100 holds 80 GiB of
 HBM), so every figure here is in GiB. The device is `cluster.device_kind` (a
 name of the table below, or a jax `device_kind` string), by default the
-accelerators present; `cluster.device_memory_gb` overrides the table. On CPU
-there is no limit unless one of the two is given.
+accelerators present; `cluster.device_memory_gb` overrides the table. A run
+meant for CPUs has the host's RAM, shared by the devices it simulates.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from nestor.backend import Backend
+from nestor.models import axes
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -42,15 +45,51 @@ def table_entry(device_kind: str) -> str | None:
     return max(matches)[1] if matches else None
 
 
-def device_memory(config: Config, backend: Backend) -> tuple[str | None, float | None]:
+def host_memory_gib() -> float:
+    """Returns this host's RAM in GiB: what the CPU devices it simulates share."""
+    return psutil.virtual_memory().total / GIB
+
+
+def device_memory(config: Config, backend: Backend, devices_here: int) -> tuple[str | None, float | None]:
     """Returns (the device checked against, its memory in GiB): the backend's device kind
     (`cluster.device_kind`, or the accelerators' own); the memory is `cluster.device_memory_gb` or the
-    table's. (None, None) on CPU with neither key set."""
+    table's. A run meant for CPUs with neither key set is checked against `cpu`, the host's RAM split
+    over the `devices_here` devices this process holds; an accelerator not in the table has None."""
     cluster, kind = config.cluster, backend.device_kind
     if cluster.device_memory_gb is not None:
         return kind, cluster.device_memory_gb
+    if backend.target == "cpu" and not kind:
+        return "cpu", host_memory_gib() / devices_here
     entry = table_entry(kind) if kind else None
     return kind, DEVICE_MEMORY_GIB[entry] if entry else None
+
+
+# The config key that sizes each logical dimension of nestor's LM: what a state too large for its devices names.
+SIZE_KEYS = {axes.VOCAB: "model.vocab_size", axes.EMBED: "model.embed_dim", axes.MLP: "model.mlp_dim",
+             axes.HEADS: "model.num_heads", axes.KV_HEADS: "model.num_kv_heads", axes.HEAD_DIM: "model.head_dim",
+             axes.LAYERS: "model.num_layers", axes.DENSE_LAYERS: "moe.first_dense_layers",
+             axes.EXPERT: "moe.num_experts"}
+
+
+def state_problems(config: Config, backend: Backend, state_bytes: int, largest: dict[str, Any],
+                   devices_here: int) -> list[tuple[str, str]]:
+    """Returns (key, message) when the train state alone, `state_bytes` per device (parameters and optimizer
+    as the mesh shards them), is more than the device's memory (`device_memory`): nothing of it can be
+    allocated. `largest` is the largest parameter's row of state.param_table; the key named is the one
+    that sizes its largest dimension (model.args for a model of the user's)."""
+    kind, capacity_gib = device_memory(config, backend, devices_here)
+    if capacity_gib is None or state_bytes <= capacity_gib * GIB:
+        return []
+    dimension = max(range(len(largest["shape"])), key=lambda index: largest["shape"][index])
+    axis = largest["logical_axes"][dimension]
+    key = SIZE_KEYS.get(axis, "model.args") if config.model.builtin_lm else "model.args"
+    memory = (f"the {capacity_gib:.1f} GiB each of this host's {devices_here} CPU devices has of its "
+              f"{host_memory_gib():.1f} GiB of RAM" if kind == "cpu"
+              else f"the {capacity_gib:g} GiB of {kind or 'cluster.device_memory_gb'}")
+    return [(key, f"the train state needs {state_bytes / GIB:,.1f} GiB per device (float32 parameters and AdamW's "
+                  f"two moments, as the mesh shards them), more than {memory}; its largest parameter, "
+                  f"{largest['name']} {largest['shape']}, is {largest['shape'][dimension]:,} along {axis!r}: make "
+                  f"{key} smaller or shard the state over more devices")]
 
 
 def verdict(total_bytes: int, capacity_gib: float | None) -> str:
@@ -82,11 +121,12 @@ def unrolled_caveat(config: Config, backend: Backend, pipeline_stages: int = 1) 
 
 
 def fit_report(config: Config, backend: Backend, state_bytes: int, temporaries_bytes: int, total_bytes: int,
-               pipeline_stages: int = 1) -> dict[str, Any]:
+               devices_here: int, pipeline_stages: int = 1) -> dict[str, Any]:
     """Returns explain's `fit` entry: per device the state (parameters + optimizer), XLA's temporaries
-    and the total, in bytes, the device checked against, its memory, the verdict (`fits` is None
-    when the memory is unknown) and a `caveat` (None, or why the figures do not apply)."""
-    kind, capacity_gib = device_memory(config, backend)
+    and the total, in bytes, the device checked against (`device_memory`, over `devices_here` devices
+    on CPU), its memory, the verdict (`fits` is None when the memory is unknown) and a `caveat` (None,
+    or why the figures do not apply)."""
+    kind, capacity_gib = device_memory(config, backend, devices_here)
     return {"state_bytes": state_bytes, "temporaries_bytes": temporaries_bytes, "total_bytes": total_bytes,
             "device_kind": kind, "device_memory_bytes": None if capacity_gib is None else int(capacity_gib * GIB),
             "fits": None if capacity_gib is None else total_bytes <= capacity_gib * GIB,

@@ -20,6 +20,7 @@ from nestor.orchestrator.degrees import (REPEATED_SCHEDULES, mesh_axes_key, mesh
                                        schedule_for, total_devices)
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.memory_fit import DEVICE_MEMORY_GIB, table_entry
+from nestor.orchestrator.products import evaluation_problems, product_problems
 from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, unknown_rule_problems
 
 if TYPE_CHECKING:  # the config is read, never built, here
@@ -69,6 +70,11 @@ def validate(config: Config) -> Config:
     if m.attention == "cudnn" and m.dtype == "float32":
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
+    if m.dtype == "float16" and config.cluster.accelerator == "cpu":  # configure_jax compiles it on XLA:CPU
+        problems.append(("model.dtype", "float16 needs a GPU (cluster.accelerator=gpu): XLA:CPU, which compiles "
+                                        "for cluster.accelerator=cpu (explain's too), has no float16 matmul "
+                                        "with float32 sums; use bfloat16 or float32"))
+    problems += product_problems(config)
     problems += _device_memory_problems(config)
     problems += _data_problems(config)
     if config.eval.every:
@@ -178,7 +184,9 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
 def eval_problems(config: Config) -> list[tuple[str, str]]:
     """Returns (key path, message) when the eval source cannot be read: `heldout` needs prepared shards
     (data.source=tokens), `text` and `tokens` need eval.paths. Checked when eval.every is set, and by
-    `nestor eval`."""
+    `nestor eval`, with an evaluation's size (`evaluation_problems`)."""
+    if problems := evaluation_problems(config):
+        return problems
     source = config.eval.source
     if source == "heldout" and config.data.source not in ("tokens", "python"):
         example = ""

@@ -104,7 +104,7 @@ def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision(tiny_config):
     assert attention("float32", "gpu") == "xla"
     assert attention("bfloat16", "tpu") == "xla"
     assert attention("bfloat16", "gpu") == "cudnn"
-    assert attention("float16", "gpu") == "cudnn"
+    assert attention("float16", "gpu", "cluster.accelerator=gpu") == "cudnn"
     assert attention("bfloat16", "gpu", "model.attention=xla") == "xla"
     assert attention("bfloat16", "cpu", "cluster.device_kind=h100") == "cudnn"  # explain for an H100
 

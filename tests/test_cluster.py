@@ -81,6 +81,10 @@ def test_capacity_check_names_the_numbers():
     check_capacity(ClusterSpec(hosts=1, devices_per_host=4, accelerator="gpu"), nodes)
     with pytest.raises(ClusterError, match=r"asks for 2 x 1 CPU, 2 x 4 GPU, but the cluster has 16 CPU, 6 GPU \(room for 1 worker"):
         check_capacity(ClusterSpec(hosts=2, devices_per_host=4, accelerator="gpu"), nodes)
+    cpus = [{"Alive": True, "Resources": {"CPU": 8}}]
+    with pytest.raises(ClusterError, match=r"has 8 CPU, 0 GPU \(room for 0 worker\(s\)\); it has no GPU: set "
+                                           r"cluster.accelerator=cpu"):
+        check_capacity(ClusterSpec(hosts=1, devices_per_host=4, accelerator="gpu"), cpus)
 
 
 @pytest.mark.ray

@@ -2,18 +2,24 @@
 
 The bad values are generated from the key table (orchestrator.config.key_table),
 so a new key is fuzzed as soon as it is declared. Every case is validated in
-process through `load`, the function the CLI calls; a few go through the real
-console script to show exit code 2 and no traceback.
+process through `load`, the function the CLI calls (or, where the check needs the
+devices, through the job `train` builds before it allocates anything); a few go
+through the real console script to show exit code 2 and no traceback.
 """
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
+from nestor.orchestrator import cli, memory_fit
 from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
+from nestor.orchestrator.idle_keys import idle_keys, idle_warning
+from nestor.orchestrator.job import build_job, select_devices
 from tests.conftest import ROOT
 from tests.helpers import child_env
 
@@ -92,34 +98,137 @@ def test_every_generated_bad_value_is_a_config_error_naming_its_key():
     assert len(cases) > 300 and elapsed < 20, (len(cases), elapsed)
 
 
+# What issue 41 saw as tracebacks, hangs or silent acceptance (items 6 and 8), by overrides of the quickstart.
+ISSUE_41 = [(["train.seq_len=2147483647"], "train.seq_len"),  # an OverflowError in the MoE layer
+            (["train.seq_len=2147483646", "train.global_batch=1"], "moe.top_k"),
+            (["moe.capacity_factor=1e30"], "moe.capacity_factor"),  # an OverflowError
+            (["moe.eval_capacity_factor=1e30"], "moe.eval_capacity_factor"),
+            (["model.dtype=float16"], "model.dtype"),  # XLA:CPU's dot_general traceback
+            (["eval.steps=2147483647", "eval.every=10", "eval.source=synthetic"], "eval.steps")]  # a hang
+
+
+def test_issue_41_cases_are_config_errors_naming_their_key():
+    missed = []
+    for overrides, key in ISSUE_41:
+        try:
+            load(QUICKSTART, overrides)
+            missed.append(f"{overrides}: accepted")
+        except ConfigError as error:
+            names = [name for problem, _ in error.problems for name in problem.split(", ")]
+            if key not in names:
+                missed.append(f"{overrides}: names {names}, not {key}")
+    assert not missed, "\n".join(missed)
+
+
+def test_an_accelerator_jax_does_not_have_is_named_before_the_device_count():
+    for accelerator in ("gpu", "tpu"):  # the error named cluster.devices_per_host
+        with pytest.raises(ConfigError) as caught:
+            select_devices(load(QUICKSTART, [f"cluster.accelerator={accelerator}"]))
+        [(key, message)] = caught.value.problems
+        assert key == "cluster.accelerator" and "set cluster.accelerator=cpu" in message, message
+
+
+# Keys issue 41 saw silently accepted in a mode that never reads them: valid, so a warning, not an error.
+IDLE = [(["cluster.tpu_topology=2x2x2", "cluster.tpu_type=TPU-V4"], ["cluster.tpu_topology", "cluster.tpu_type"]),
+        (["cluster.launcher=inprocess", "cluster.max_failures=3"], ["cluster.max_failures"]),
+        (["mesh.pipeline=1", "mesh.data=2", "pipeline.schedule=1f1b"], ["pipeline.microbatches", "pipeline.schedule"]),
+        (["pipeline.schedule=circular", "pipeline.microbatches=1"], ["pipeline.schedule"]),  # repeats=1: gpipe
+        (["moe.num_experts=0", "moe.every=0", "moe.top_k=1", "moe.router=sigmoid"], ["moe.top_k", "moe.router"]),
+        (["data.source=synthetic", "data.paths=[a.txt]"], ["data.paths"])]
+
+
+def test_keys_that_do_nothing_in_the_run_are_named_in_one_warning_line():
+    assert idle_warning(load(QUICKSTART)) is None
+    for overrides, keys in IDLE:
+        warning = idle_warning(load(QUICKSTART, overrides))
+        assert warning is not None and "\n" not in warning, overrides
+        named = [key for group, _ in idle_keys(load(QUICKSTART, overrides)) for key in group]
+        assert named == keys and all(key in warning for key in keys), (overrides, warning)
+
+
+def test_the_cli_prints_the_warning_once_on_stderr(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_explain", lambda config, args: 0)  # the warning comes before the command runs
+    assert cli.main(["explain", QUICKSTART, *IDLE[1][0]]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "nestor: warning: these keys do nothing in this run: cluster.max_failures (cluster.launcher=inprocess: they "
+        "configure the Ray launcher)"]
+
+
+@pytest.mark.parametrize("override, key", [("model.num_layers=1000000", "model.num_layers"),
+                                           ("model.embed_dim=1073741824", "model.embed_dim"),
+                                           ("moe.num_experts=65536", "moe.num_experts")])
+def test_a_state_no_device_holds_is_refused_before_anything_is_allocated(override, key, monkeypatch):
+    """Issue 41, item 8: these passed validation and `train` started allocating. The train state's layout is
+    abstract (nothing allocated), so the job refuses it against the host's RAM on CPU (16 GiB here)."""
+    monkeypatch.setattr(memory_fit, "host_memory_gib", lambda: 16.0)
+    live = sum(array.nbytes for array in jax.live_arrays())
+    with pytest.raises(ConfigError) as caught:
+        build_job(load(QUICKSTART, [override]))
+    [(named, message)] = caught.value.problems
+    assert named == key and "the 2.0 GiB each of this host's 8 CPU devices has of its 16.0 GiB of RAM" in message
+    assert sum(array.nbytes for array in jax.live_arrays()) - live < 2**20
+
+
 def test_a_new_key_is_fuzzed_from_its_declaration():
     spec = Key("a made-up fraction", minimum=0, maximum=1)
     assert bad_values(float, spec) == ["fast", ".nan", ".inf", "-.inf", "-1", "1.5"]
     assert bad_values(int, Key("a degree", minimum=1, also=(-1,))) == ["fast", str(2**70), str(INT32_MAX + 1), "0"]
 
 
+# Ten levels of ten aliases each: 10^10 values once expanded (issue 41 saw a MemoryError after 100 s).
+ALIAS_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]\n" for level in range(1, 10))
+
+
 def _bad_files(tmp_path: Path) -> dict[str, str]:
-    """Returns the config files the issue saw as tracebacks or silence, by what is wrong with them."""
+    """Returns the config files the issues saw as tracebacks, hangs or silence, by what is wrong with them."""
     (tmp_path / "latin1.yaml").write_bytes("run:\n  dir: caf\xe9\n".encode("latin-1"))
     (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "broken.yaml").write_text("run: [dir\n")
     (tmp_path / "scalar.yaml").write_text("5\n")
     (tmp_path / "directory.yaml").mkdir()
-    return {name: str(tmp_path / f"{name}.yaml") for name in ("latin1", "empty", "broken", "scalar", "directory")}
+    os.mkfifo(tmp_path / "fifo.yaml")  # reading it would wait for a writer forever
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")  # endless
+    (tmp_path / "huge.yaml").write_text("# " + "x" * 2**20 + "\n")
+    (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)
+    (tmp_path / "recursive.yaml").write_text("model:\n  args: &args {inner: *args}\n")
+    (tmp_path / "repeated_key.yaml").write_text("train:\n  steps: 5\n  seq_len: 32\n  steps: 6\n")
+    (tmp_path / "repeated_section.yaml").write_text("train:\n  steps: 5\nmodel:\n  preset: tiny\ntrain:\n  seq_len: 32\n")
+    return {name: str(tmp_path / f"{name}.yaml") for name in BAD_FILES}
+
+
+BAD_FILES = {"latin1": "is not UTF-8 text", "empty": "write `{}`", "broken": "is not valid YAML",
+             "scalar": "must hold a mapping", "directory": "is a directory", "fifo": "is not a regular file",
+             "zero": "is not a regular file", "huge": "is larger than 1024 KiB",
+             "bomb": "expands to more than 100,000 values", "recursive": "expands to more than 100,000 values",
+             "repeated_key": "train.steps is written twice (lines 2 and 4)",
+             "repeated_section": "train is written twice (lines 1 and 5)"}
 
 
 def test_bad_config_files_are_one_line_errors_naming_the_config(tmp_path):
-    expected = {"latin1": "is not UTF-8 text", "empty": "write `{}`", "broken": "is not valid YAML",
-                "scalar": "must hold a mapping", "directory": "is a directory"}
+    started = time.perf_counter()
     for name, path in _bad_files(tmp_path).items():
         with pytest.raises(ConfigError) as caught:
             load(path)
         [(key, message)] = caught.value.problems
-        assert key == "CONFIG" and path in message and expected[name] in message and "\n" not in message, message
+        assert key == "CONFIG" and path in message and BAD_FILES[name] in message and "\n" not in message, message
         with pytest.raises(ConfigError) as caught:
             load(QUICKSTART, [path])  # a further layer (an empty one was taken for no settings)
         [(key, message)] = caught.value.problems
-        assert key == path and expected[name] in message and "\n" not in message, message
+        assert key == path and BAD_FILES[name] in message and "\n" not in message, message
+    assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize("override, key, message", [
+    (".train.steps=5", ".train.steps", "write train.steps=5"),
+    ("train..steps=5", "train..steps", "write train.steps=5"),
+    ("model.args=" + ALIAS_BOMB.replace("\n", ", ").join("{}"), "model.args", "expands to more than 100,000"),
+    ("mesh.rules={embed: null, embed: fsdp}", "mesh.rules", "embed is written twice")])
+def test_overrides_with_an_empty_name_a_repeated_key_or_an_alias_bomb_name_the_override(override, key, message):
+    with pytest.raises(ConfigError) as caught:
+        load(QUICKSTART, [override])
+    [(named, text)] = caught.value.problems
+    assert named == key and message in text, caught.value.problems
 
 
 def _console_script() -> list[str]:
@@ -127,20 +236,37 @@ def _console_script() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "nestor.orchestrator.cli"]
 
 
-@pytest.mark.timeout(120)
-def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path):
-    files = _bad_files(tmp_path)
-    runs = [(["explain", QUICKSTART, "model=5"], "model"),
-            (["explain", QUICKSTART, "moe.capacity_factor=.nan"], "moe.capacity_factor"),
-            (["train", QUICKSTART, "run.seed=1180591620717411303424"], "run.seed"),
-            (["train", files["directory"]], "CONFIG")]
+def _exit_2_naming(runs: list[tuple[list[str], str]], cwd: Path) -> None:
+    """Runs the console script with each argument list at once; asserts each exits 2 with one problem,
+    naming its key, and no traceback."""
     env = child_env()  # PYTHONPATH: this checkout before the editable install
     started = time.perf_counter()
-    processes = [(subprocess.Popen([*_console_script(), *args], cwd=tmp_path, env=env, text=True,
+    processes = [(subprocess.Popen([*_console_script(), *args], cwd=cwd, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE), key) for args, key in runs]
     for process, key in processes:
         _, stderr = process.communicate(timeout=100)
         assert process.returncode == 2, stderr[-2000:]
         assert f"  {key}: " in stderr and "Traceback" not in stderr, stderr[-2000:]
-        assert len(stderr.strip().splitlines()) == 2, stderr  # "invalid config:" and the one problem
+        problem = stderr.strip().splitlines()[-2:]  # "invalid config:" and the one problem, after any jax warning
+        assert problem[0] == "nestor: invalid config:" and problem[1].startswith(f"  {key}: "), stderr
     assert time.perf_counter() - started < 90  # 4 processes at once; ~25 s on 2 loaded cores
+
+
+@pytest.mark.timeout(120)
+def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path):
+    files = _bad_files(tmp_path)
+    _exit_2_naming([(["explain", QUICKSTART, "model=5"], "model"),
+                    (["explain", QUICKSTART, "moe.capacity_factor=.nan"], "moe.capacity_factor"),
+                    (["train", QUICKSTART, "run.seed=1180591620717411303424"], "run.seed"),
+                    (["train", files["directory"]], "CONFIG")], tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_the_console_script_exits_2_for_issue_41s_tracebacks_and_hangs(tmp_path):
+    """A FIFO as the config hung; float16 on CPU, an accelerator jax does not have and a state no host holds
+    got as far as XLA or the allocator."""
+    inprocess = "cluster.launcher=inprocess"
+    _exit_2_naming([(["train", _bad_files(tmp_path)["fifo"]], "CONFIG"),
+                    (["train", QUICKSTART, inprocess, "model.dtype=float16"], "model.dtype"),
+                    (["train", QUICKSTART, inprocess, "cluster.accelerator=gpu"], "cluster.accelerator"),
+                    (["train", QUICKSTART, inprocess, "model.num_layers=1000000"], "model.num_layers")], tmp_path)

@@ -80,6 +80,10 @@ def test_a_tokenizer_that_does_not_parse_and_a_binary_data_file_are_config_error
     (tmp_path / "program.txt").write_bytes(Path(sys.executable).read_bytes()[:20000])
     with pytest.raises(ConfigError, match=r"data.paths: .*program.txt is not text \(a NUL byte at offset \d+"):
         TextSource(tiny_config("data.source=text", f"data.paths=['{tmp_path}/*.txt']"))
+    (tmp_path / "program.txt").unlink()
+    (tmp_path / "late.txt").write_bytes(b"text " * 2**22 + b"\0")  # 20 MiB of text first (issue 41: trained on it)
+    with pytest.raises(ConfigError, match=r"data.paths: .*late.txt is not text \(a NUL byte at offset 20971520;"):
+        TextSource(tiny_config("data.source=text", f"data.paths=['{tmp_path}/*.txt']"))
 
 
 def test_a_tokenizers_json_file_tokenizes_the_text_source(tiny_config, tmp_path):

@@ -1,5 +1,6 @@
 """Will it fit? Real-size presets compiled abstractly on simulated CPU devices, and the verdict."""
 
+import dataclasses
 import json
 
 import jax
@@ -44,12 +45,15 @@ def test_verdict_says_fits_or_by_how_much_it_is_short():
     assert "cluster.device_kind" in verdict(GIB, None)
 
 
-def test_device_memory_comes_from_the_kind_the_platform_or_the_override():
-    def memory(overrides, platform, device_kind):
+def test_device_memory_comes_from_the_kind_the_platform_or_the_override(monkeypatch):
+    def memory(overrides, platform, device_kind, devices_here=8):
         config = load(None, overrides)
-        return device_memory(config, resolve_backend(config, platform, device_kind))
+        return device_memory(config, resolve_backend(config, platform, device_kind), devices_here)
 
-    assert memory([], "cpu", "cpu") == (None, None)  # CPU: no limit unless asked
+    monkeypatch.setattr(fit, "host_memory_gib", lambda: 24.0)
+    assert memory([], "cpu", "cpu") == ("cpu", 3.0)  # CPU: the host's RAM, shared by the devices it simulates
+    assert memory([], "cpu", "cpu", 2) == ("cpu", 12.0)
+    assert memory([], "gpu", "NVIDIA L4") == ("NVIDIA L4", None)  # an accelerator the table does not know
     assert memory(["cluster.device_kind=a100-80gb"], "cpu", "cpu") == ("a100-80gb", 80.0)
     assert memory([], "gpu", "NVIDIA H200") == ("NVIDIA H200", 141.0)
     assert memory(["cluster.device_memory_gb=24"], "gpu", "NVIDIA H200") == ("NVIDIA H200", 24.0)
@@ -69,9 +73,24 @@ def test_fit_line_names_state_temporaries_total_and_verdict():
            "device_memory_bytes": 80 * GIB, "fits": False, "verdict": verdict(86 * GIB, 80.0)}
     assert fit_line(fit) == ("per device: parameters + optimizer 11.0 GiB, temporaries 75.0 GiB, total 86.0 GiB "
                              "of 80 GiB (h100): does not fit, short by 6.0 GiB")
+    fit.update(device_kind="cpu", device_memory_bytes=int(2.9 * GIB), verdict=verdict(86 * GIB, 2.9))
+    assert fit_line(fit).endswith("total 86.0 GiB of 2.9 GiB (cpu: the host's RAM over its devices): does not fit, "
+                                  "short by 83.1 GiB")
     fit.update(state_bytes=3 * 2**20, device_kind=None, device_memory_bytes=None, fits=None, verdict=verdict(1, None))
     assert fit_line(fit).startswith("per device: parameters + optimizer 3.0 MiB, temporaries 75.0 GiB, total 86.0 GiB; "
                                     "no device memory limit known")
+
+
+def test_a_state_larger_than_the_device_names_the_key_of_its_largest_dimension(tiny_config):
+    largest = {"name": "blocks/mlp/up", "shape": [2, 64, 128], "logical_axes": ["layers", "embed", "mlp"]}
+    h100 = tiny_config()
+    backend = resolve_backend(h100, "gpu", "NVIDIA H100 80GB HBM3")
+    assert fit.state_problems(h100, backend, 80 * GIB, largest, 1) == []
+    [(key, message)] = fit.state_problems(h100, backend, 80 * GIB + 1, largest, 1)
+    assert key == "model.mlp_dim" and "more than the 80 GiB of NVIDIA H100 80GB HBM3" in message
+    assert fit.state_problems(h100, resolve_backend(h100, "gpu", "NVIDIA L4"), 10**15, largest, 1) == []  # unknown
+    user_model = dataclasses.replace(h100, model=dataclasses.replace(h100.model, class_="mine:Model"))
+    assert fit.state_problems(user_model, backend, 10**15, largest, 1)[0][0] == "model.args"
 
 
 def test_an_unrolled_stack_compiled_on_cpu_for_an_accelerator_carries_its_caveat(tiny_config):

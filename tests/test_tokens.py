@@ -147,3 +147,48 @@ def test_mixture_paths_resolve_against_the_working_directory(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     config = load(None, ["data.source=tokens", "data.mixture=[{paths: shards/a, weight: 1}, {paths: [/b, c], weight: 2}]"])
     assert [entry["paths"] for entry in config.data.mixture] == [[str(tmp_path / "shards/a")], ["/b", str(tmp_path / "c")]]
+
+
+def _damaged(shards, tmp_path) -> dict[str, tuple[str, str]]:
+    """Returns copies of a prepared directory, each damaged as issue 41 found them, by name: (the file the error
+    must name, what it must say)."""
+    def copy(name):
+        return shutil.copytree(shards[0], tmp_path / name)
+
+    def train_shard(directory, suffix):
+        return directory / f"{json.loads((directory / METADATA).read_text())['splits']['train']['shards'][0]['name']}{suffix}"
+
+    cases = {}
+    for name, text, says in (("garbage", "{not json", "is not JSON"), ("list", "[1, 2]", "is format 'list'")):
+        (copy(name) / METADATA).write_text(text)
+        cases[name] = (str(tmp_path / name / METADATA), says)
+    metadata = json.loads((shards[0] / METADATA).read_text())
+    (copy("no_splits") / METADATA).write_text(json.dumps({k: v for k, v in metadata.items() if k != "splits"}))
+    cases["no_splits"] = (str(tmp_path / "no_splits" / METADATA), "lists no train split of shards")
+    tokens = train_shard(copy("past_vocabulary"), ".tokens")
+    ids = np.fromfile(tokens, np.uint16)
+    ids[100] = 300  # bytes: 256 ids
+    ids.tofile(tokens)
+    cases["past_vocabulary"] = (str(tokens), "holds token id 300, outside its tokenizer's 256 ids")
+    tokens = train_shard(copy("random_bytes"), ".tokens")
+    tokens.write_bytes(np.random.default_rng(0).bytes(tokens.stat().st_size))
+    cases["random_bytes"] = (str(tokens), "outside its tokenizer's 256 ids")
+    index = train_shard(copy("truncated_index"), ".documents")
+    index.write_bytes(index.read_bytes()[:-8])
+    cases["truncated_index"] = (str(index), "not the")
+    index = train_shard(copy("shifted_index"), ".documents")
+    starts = np.fromfile(index, np.int64)
+    starts[1:-1] += 1  # the right size, but every document ends one token late
+    starts.tofile(index)
+    cases["shifted_index"] = (str(index), "does not index the documents")
+    return cases
+
+
+def test_damaged_directories_are_config_errors_naming_the_file(tiny_config, shards, tmp_path):
+    """Issue 41: metadata.json that is not JSON, a list or without splits was a traceback; ids past the
+    vocabulary or random bytes trained to NaN at step 1; a truncated .documents trained silently."""
+    for name, (file, says) in _damaged(shards, tmp_path).items():
+        with pytest.raises(ConfigError) as caught:
+            make_source(tiny_config("data.source=tokens", f"data.paths=[{tmp_path / name}]"))
+        [(key, message)] = caught.value.problems
+        assert key == "data.paths" and file in message and says in message, (name, message)

@@ -42,7 +42,7 @@ from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.config_keys import ARRAY_SOURCES
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, TEXT_PROBE_BYTES
+from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, first_nul
 from nestor.orchestrator.data.tokens import TokenSource
 from nestor.orchestrator.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
@@ -99,17 +99,15 @@ def text_files(patterns: tuple[str, ...]) -> list[Path]:
     """Returns the sorted files matched by the globs (default: the standard library's `*.py`).
 
     Raises ConfigError when nothing matches or a file is not text: a NUL byte
-    (the document separator) in its first TEXT_PROBE_BYTES.
+    (the document separator) anywhere in it (`first_nul`).
     """
     patterns = patterns or (str(Path(sysconfig.get_paths()["stdlib"]) / "*.py"),)
     files = sorted({Path(p) for pattern in patterns for p in glob.glob(pattern, recursive=True) if Path(p).is_file()})
     if not files:
         raise ConfigError([("data.paths", f"no file matches {list(patterns)}; give globs of text files")])
     for file in files:
-        with file.open("rb") as f:
-            head = f.read(TEXT_PROBE_BYTES)
-        if b"\0" in head:
-            raise ConfigError([("data.paths", f"{file} is not text (a NUL byte at offset {head.index(0)}; NUL "
+        if (offset := first_nul(file)) is not None:
+            raise ConfigError([("data.paths", f"{file} is not text (a NUL byte at offset {offset}; NUL "
                                               "separates documents); narrow the globs to text files")])
     return files
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,9 @@ SPLITS = ("train", "eval")
 # model from learning to continue one document into the next; the loss derives segment ids from it.
 DOCUMENT_SEPARATOR = 0
 VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
-TEXT_PROBE_BYTES = 8192  # as much of each file as is read to tell text from binary, like git does
+TEXT_PROBE_BYTES = 8192  # as much of each file as prepare reads to skip a binary input, like git does
+SCAN_BYTES = 2**24  # a text file is read for NUL bytes this much at a time
+SCAN_TOKENS = 2**24  # a token file is read for ids outside the vocabulary this many at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -67,21 +70,90 @@ def write_shard(directory: Path, name: str, documents: list[np.ndarray], dtype: 
 
 
 def read_metadata(directory: Path, key: str) -> dict:
-    """Returns a prepared directory's metadata; raises ConfigError naming `key` when it is not one."""
+    """Returns a prepared directory's metadata; raises ConfigError naming `key` when it is not one (no
+    metadata.json, or one that is not JSON or lacks what `nestor data prepare` writes)."""
     file = directory / METADATA
     if not file.is_file():
         why = "no such directory" if not directory.is_dir() else f"no {METADATA}"
         raise ConfigError([(key, f"{directory}: {why}; give a directory `nestor data prepare --out` finished "
                                  "(an interrupted prepare resumes when run again)")])
-    metadata = json.loads(file.read_text())
-    if metadata.get("format") != FORMAT:
-        raise ConfigError([(key, f"{file} is format {metadata.get('format')!r}, not {FORMAT!r}; prepare it again")])
+    try:
+        metadata = json.loads(file.read_text())
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError([(key, f"{file} is not JSON ({error}); prepare {directory} again")]) from None
+    found = metadata.get("format") if isinstance(metadata, dict) else type(metadata).__name__
+    if found != FORMAT:
+        raise ConfigError([(key, f"{file} is format {found!r}, not {FORMAT!r}; prepare it again")])
+    if problem := _metadata_problem(metadata):
+        raise ConfigError([(key, f"{file} {problem}; prepare {directory} again")])
     return metadata
+
+
+def _metadata_problem(metadata: dict) -> str | None:
+    """Returns what a metadata.json of FORMAT lacks of what prepare writes, or None."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    tokenizer = metadata.get("tokenizer")
+    if not isinstance(tokenizer, dict) or not all(isinstance(tokenizer.get(name), str) for name in
+                                                  ("path", "fingerprint")) or not count(tokenizer.get("vocab_size")) \
+            or not tokenizer["vocab_size"]:
+        return "has no tokenizer {path, fingerprint, vocab_size}"
+    if metadata.get("dtype") != token_dtype(tokenizer["vocab_size"]).name:
+        return (f"names token dtype {metadata.get('dtype')!r}, not {token_dtype(tokenizer['vocab_size']).name} "
+                f"of a {tokenizer['vocab_size']}-token vocabulary")
+    splits = metadata.get("splits")
+    for split in SPLITS:
+        shards = splits.get(split, {}).get("shards") if isinstance(splits, dict) and \
+            isinstance(splits.get(split), dict) else None
+        if not isinstance(shards, list) or not all(
+                isinstance(shard, dict) and isinstance(shard.get("name"), str) and
+                re.fullmatch(rf"{split}-\d{{5,}}", shard["name"]) and count(shard.get("tokens")) and
+                count(shard.get("documents")) for shard in shards):
+            return f"lists no {split} split of shards {{name: {shard_name(split, 0)}, tokens, documents}}"
+    return None
 
 
 def documents_of(directory: Path, name: str) -> np.ndarray:
     """Returns the document starts of shard `name`, int64 [documents + 1]."""
     return np.fromfile(directory / f"{name}.documents", np.int64)
+
+
+def shard_problem(directory: Path, shard: dict, dtype: np.dtype, vocab_size: int) -> str | None:
+    """Returns what is wrong with the files of a listed shard of `directory`, or None: a token file of
+    another size than the metadata's, an id outside the tokenizer's `vocab_size` (a damaged or foreign
+    file: it trained to NaN), or a documents index that does not match the tokens (each document ends in
+    DOCUMENT_SEPARATOR). Reads every token once, SCAN_TOKENS at a time."""
+    file, index = directory / f"{shard['name']}.tokens", directory / f"{shard['name']}.documents"
+    expected = shard["tokens"] * dtype.itemsize
+    if not file.is_file() or file.stat().st_size != expected:
+        return f"{file} is {'missing' if not file.is_file() else f'{file.stat().st_size} bytes, not {expected}'}"
+    if not index.is_file() or index.stat().st_size != (shard["documents"] + 1) * 8:
+        found = "missing" if not index.is_file() else f"{index.stat().st_size} bytes"
+        return f"{index} is {found}, not the {shard['documents'] + 1} int64 document starts of {METADATA}"
+    if not shard["tokens"]:
+        return None
+    tokens = np.memmap(file, dtype, mode="r")
+    largest = max(int(tokens[start:start + SCAN_TOKENS].max()) for start in range(0, len(tokens), SCAN_TOKENS))
+    if largest >= vocab_size:
+        return f"{file} holds token id {largest}, outside its tokenizer's {vocab_size} ids (a damaged or foreign file)"
+    starts = documents_of(directory, shard["name"])
+    if starts[0] != 0 or starts[-1] != len(tokens) or np.any(np.diff(starts) < 1) \
+            or np.any(tokens[starts[1:] - 1] != DOCUMENT_SEPARATOR):
+        return f"{index} does not index the documents of {file.name} (each ends in token {DOCUMENT_SEPARATOR})"
+    return None
+
+
+def first_nul(path: Path) -> int | None:
+    """Returns the offset of the first NUL byte of a file, or None: NUL never occurs in text, and token 0 is
+    the document separator. Reads the whole file, wherever its first NUL lies."""
+    offset = 0
+    with path.open("rb") as file:
+        while chunk := file.read(SCAN_BYTES):
+            if (found := chunk.find(b"\0")) >= 0:
+                return offset + found
+            offset += len(chunk)
+    return None
 
 
 class TokenStream:
@@ -99,13 +171,10 @@ class TokenStream:
             metadata = read_metadata(directory, key)
             self.dtype = np.dtype(metadata["dtype"])
             for shard in metadata["splits"][split]["shards"]:
-                file = directory / f"{shard['name']}.tokens"
-                expected = shard["tokens"] * self.dtype.itemsize
-                if not file.is_file() or file.stat().st_size != expected:
-                    found = "missing" if not file.is_file() else f"{file.stat().st_size} bytes, not {expected}"
-                    raise ConfigError([(key, f"shard {file} is {found}; prepare {directory} again")])
+                if problem := shard_problem(directory, shard, self.dtype, metadata["tokenizer"]["vocab_size"]):
+                    raise ConfigError([(key, f"shard {problem}; prepare {directory} again")])
                 if shard["tokens"]:
-                    self.files.append(file)
+                    self.files.append(directory / f"{shard['name']}.tokens")
                     sizes.append(shard["tokens"])
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
