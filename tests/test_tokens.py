@@ -10,7 +10,7 @@ import pytest
 
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data.batches import DataPipeline, make_source
-from nestor.orchestrator.data.shards import METADATA
+from nestor.orchestrator.data.shards import METADATA, TokenStream
 from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.metrics import tensorboard_tag
 from nestor.parallel.rules import resolve_rules
@@ -172,7 +172,7 @@ def _damaged(shards, tmp_path) -> dict[str, tuple[str, str]]:
     cases["past_vocabulary"] = (str(tokens), "holds token id 300, outside its tokenizer's 256 ids")
     tokens = train_shard(copy("random_bytes"), ".tokens")
     tokens.write_bytes(np.random.default_rng(0).bytes(tokens.stat().st_size))
-    cases["random_bytes"] = (str(tokens), "outside its tokenizer's 256 ids")
+    cases["random_bytes"] = (tokens.name, "does not index the documents")  # caught at open, before any read
     index = train_shard(copy("truncated_index"), ".documents")
     index.write_bytes(index.read_bytes()[:-8])
     cases["truncated_index"] = (str(index), "not the")
@@ -184,11 +184,13 @@ def _damaged(shards, tmp_path) -> dict[str, tuple[str, str]]:
     return cases
 
 
-def test_damaged_directories_are_config_errors_naming_the_file(tiny_config, shards, tmp_path):
+def test_damaged_directories_are_config_errors_naming_the_file(shards, tmp_path):
     """Issue 41: metadata.json that is not JSON, a list or without splits was a traceback; ids past the
-    vocabulary or random bytes trained to NaN at step 1; a truncated .documents trained silently."""
+    vocabulary or random bytes trained to NaN at step 1; a truncated .documents trained silently. A corpus may
+    be terabytes: opening reads the index and one token per document, and ids are checked as read."""
     for name, (file, says) in _damaged(shards, tmp_path).items():
         with pytest.raises(ConfigError) as caught:
-            make_source(tiny_config("data.source=tokens", f"data.paths=[{tmp_path / name}]"))
+            stream = TokenStream([tmp_path / name], "train", "data.paths")  # opened, checked without reading ids
+            stream.read(0, stream.num_tokens)  # ids are checked as they are read: no batch past the vocabulary
         [(key, message)] = caught.value.problems
         assert key == "data.paths" and file in message and says in message, (name, message)

@@ -37,7 +37,6 @@ DOCUMENT_SEPARATOR = 0
 VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
 TEXT_PROBE_BYTES = 8192  # as much of each file as prepare reads to skip a binary input, like git does
 SCAN_BYTES = 2**24  # a text file is read for NUL bytes this much at a time
-SCAN_TOKENS = 2**24  # a token file is read for ids outside the vocabulary this many at a time
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -119,11 +118,11 @@ def documents_of(directory: Path, name: str) -> np.ndarray:
     return np.fromfile(directory / f"{name}.documents", np.int64)
 
 
-def shard_problem(directory: Path, shard: dict, dtype: np.dtype, vocab_size: int) -> str | None:
+def shard_problem(directory: Path, shard: dict, dtype: np.dtype) -> str | None:
     """Returns what is wrong with the files of a listed shard of `directory`, or None: a token file of
-    another size than the metadata's, an id outside the tokenizer's `vocab_size` (a damaged or foreign
-    file: it trained to NaN), or a documents index that does not match the tokens (each document ends in
-    DOCUMENT_SEPARATOR). Reads every token once, SCAN_TOKENS at a time."""
+    another size than the metadata's, or a documents index that does not match the tokens (each document
+    ends in DOCUMENT_SEPARATOR). Reads the index and one token per document, not the tokens (a corpus may be
+    terabytes): ids are checked against the vocabulary as they are read (`TokenStream.read`)."""
     file, index = directory / f"{shard['name']}.tokens", directory / f"{shard['name']}.documents"
     expected = shard["tokens"] * dtype.itemsize
     if not file.is_file() or file.stat().st_size != expected:
@@ -134,9 +133,6 @@ def shard_problem(directory: Path, shard: dict, dtype: np.dtype, vocab_size: int
     if not shard["tokens"]:
         return None
     tokens = np.memmap(file, dtype, mode="r")
-    largest = max(int(tokens[start:start + SCAN_TOKENS].max()) for start in range(0, len(tokens), SCAN_TOKENS))
-    if largest >= vocab_size:
-        return f"{file} holds token id {largest}, outside its tokenizer's {vocab_size} ids (a damaged or foreign file)"
     starts = documents_of(directory, shard["name"])
     if starts[0] != 0 or starts[-1] != len(tokens) or np.any(np.diff(starts) < 1) \
             or np.any(tokens[starts[1:] - 1] != DOCUMENT_SEPARATOR):
@@ -160,21 +156,25 @@ class TokenStream:
     """The shards of one split of prepared directories as one stream of tokens, read by random access.
 
     Every shard's file is memory-mapped on first use; `read` copies out only
-    the slices asked for, and counts them (`windows_read`, `tokens_read`) so a
-    test can show that a process reads only its own rows.
+    the slices asked for, checks their ids against the shard's vocabulary, and
+    counts them (`windows_read`, `tokens_read`) so a test can show that a
+    process reads only its own rows.
     """
 
     def __init__(self, directories: list[Path], split: str, key: str):
+        self.key = key
         self.files: list[Path] = []
+        self.vocab_sizes: list[int] = []
         sizes = []
         for directory in directories:
             metadata = read_metadata(directory, key)
             self.dtype = np.dtype(metadata["dtype"])
             for shard in metadata["splits"][split]["shards"]:
-                if problem := shard_problem(directory, shard, self.dtype, metadata["tokenizer"]["vocab_size"]):
+                if problem := shard_problem(directory, shard, self.dtype):
                     raise ConfigError([(key, f"shard {problem}; prepare {directory} again")])
                 if shard["tokens"]:
                     self.files.append(directory / f"{shard['name']}.tokens")
+                    self.vocab_sizes.append(metadata["tokenizer"]["vocab_size"])
                     sizes.append(shard["tokens"])
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
@@ -191,13 +191,20 @@ class TokenStream:
         return self._maps[shard]
 
     def read(self, begin: int, end: int) -> np.ndarray:
-        """Returns tokens [begin, end) of the stream as int32 (crossing shard boundaries as needed)."""
+        """Returns tokens [begin, end) of the stream as int32 (crossing shard boundaries as needed).
+
+        Raises ConfigError naming the shard when an id lies outside its tokenizer's vocabulary (a damaged or
+        foreign file: it trained to NaN)."""
         pieces, position = [], begin
         shard = bisect.bisect_right(self.starts, begin) - 1
         while position < end:
             offset = position - int(self.starts[shard])
             stop = min(end, int(self.starts[shard + 1])) - int(self.starts[shard])
             pieces.append(self._map(shard)[offset:stop])
+            if (largest := int(pieces[-1].max())) >= self.vocab_sizes[shard]:
+                raise ConfigError([(self.key, f"{self.files[shard]} holds token id {largest}, outside its "
+                                              f"tokenizer's {self.vocab_sizes[shard]} ids (a damaged or foreign "
+                                              f"file); prepare {self.files[shard].parent} again")])
             position = int(self.starts[shard]) + stop
             shard += 1
         self.windows_read += 1
