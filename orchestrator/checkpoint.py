@@ -76,11 +76,11 @@ class _OrbaxErrorsAreOurs(logging.Filter):
     """Drops ERROR records that Orbax logs, or whose exception runs through Orbax or names its
     temporary directories (asyncio's "exception was never retrieved" of the writes a failed save
     abandoned): a failed save or restore is reported once by the Checkpointer instead, as
-    CheckpointWriteError or a quarantine warning. Also its warning that a reader's manager is read-only."""
+    CheckpointWriteError or a quarantine warning."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:  # and a reader's manager is read-only on purpose
-            return not record.getMessage().startswith("Given directory is read only")
+        if record.levelno < logging.ERROR:
+            return True
         _, exception, trace = record.exc_info or (None, None, None)
         places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
         return not any(f"{os.sep}orbax{os.sep}" in place or TEMPORARY in place for place in places)
@@ -185,16 +185,14 @@ class Checkpointer(CheckpointReader):
         _write_small_replicated_shards_whole()
         if owner:
             quarantine_incomplete(self.directory, log)
-        self.manager = self._open()
+        self.manager = self._open() if owner else None  # a reader reads one step's files (CheckpointReader.read)
 
     def _open(self) -> ocp.CheckpointManager:
         asynchronous = self.config.checkpoint.async_save
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.checkpoint.keep if self.owner else None,  # a reader deletes nothing
-            save_interval_steps=1 if self.owner else 0,
+            max_to_keep=self.config.checkpoint.keep,
             enable_async_checkpointing=asynchronous,
-            create=self.owner,
-            read_only=not self.owner,
+            create=True,
             # The callback runs on process 0 once every process's files are written, before the rename that
             # finalizes. Directories are made before `save` returns, so a read-only run.dir fails there
             # (made in the background, a failure leaves Orbax's writer threads waiting for them forever).
@@ -314,7 +312,8 @@ class Checkpointer(CheckpointReader):
         try:
             self.raise_if_failed(wait=True)
         finally:
-            self.manager.close()
+            if self.manager is not None:
+                self.manager.close()
 
 
 class CheckpointUnreadable(RunFailed):
@@ -336,23 +335,23 @@ def restore_state(config: Config, layout: StateLayout, step: int | None = None) 
     directory = checkpoint_dir(config.run.dir)
     if not finalized_steps(directory):  # a reader creates nothing: no empty checkpoints/ in a mistyped run.dir
         raise FileNotFoundError(f"no checkpoint in {shown(directory)}")
-    reader = Checkpointer(config, layout, log=lambda *_: None, owner=False)
-    try:
-        for _ in range(READ_ATTEMPTS):
-            chosen = step if step is not None else (finalized_steps(directory) or [None])[-1]
-            if chosen is None or not is_finalized(directory / str(chosen)):
-                break
-            try:
-                return chosen, reader.restore(chosen)[0]
-            except ConfigError:
-                raise
-            except Exception as error:  # noqa: BLE001 - a damaged checkpoint, or one deleted while read
-                if is_finalized(directory / str(chosen)):
-                    raise CheckpointUnreadable(f"{shown(directory / str(chosen))}: {type(error).__name__}: "
-                                               f"{str(error).strip()[:300]}") from None
-                if step is not None:
-                    break
-        raise CheckpointUnreadable(f"{shown(directory / str(chosen))} was removed while it was read (a run that "
-                                   "trains there rotates checkpoints out: checkpoint.keep); run the command again")
-    finally:
-        reader.close()
+    failure = None
+    for _ in range(READ_ATTEMPTS):  # one that fails for a step rotated out meanwhile is tried again
+        chosen = step if step is not None else (finalized_steps(directory) or [None])[-1]
+        if chosen is None or not is_finalized(directory / str(chosen)):
+            break
+        reader = None
+        try:  # Orbax's manager reads every step's metadata when it opens: one being deleted fails it too
+            reader = Checkpointer(config, layout, log=lambda *_: None, owner=False)
+            return chosen, reader.restore(chosen)[0]
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a damaged checkpoint, or one deleted while read
+            failure = f"{type(error).__name__}: {str(error).strip()[:300]}"
+        finally:
+            if reader is not None:
+                reader.close()
+    if chosen is not None and is_finalized(directory / str(chosen)):
+        raise CheckpointUnreadable(f"{shown(directory / str(chosen))}: {failure}")
+    raise CheckpointUnreadable(f"{shown(directory / str(chosen))} was removed while it was read (a run that "
+                               "trains there rotates checkpoints out: checkpoint.keep); run the command again")

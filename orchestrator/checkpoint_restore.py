@@ -16,6 +16,7 @@ all decide together (`CheckpointReader._judged`).
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -145,7 +146,8 @@ def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLa
 
 class CheckpointReader:
     """The restoring half of `orchestrator.checkpoint.Checkpointer`, which provides what it reads
-    through: `config`, `layout`, `log`, `directory`, `manager` and `_open()` (a new manager)."""
+    through: `config`, `layout`, `log`, `directory`, `manager` (None for a reader of another run's
+    checkpoints) and `_open()` (a new manager)."""
 
     config: Config
     layout: StateLayout
@@ -165,8 +167,13 @@ class CheckpointReader:
         return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
 
     def record(self, step: int) -> dict:
-        """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records)."""
-        return (self.manager.metadata(step).custom_metadata or {}).get(RECORD) or {}
+        """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records).
+
+        Read by this process alone from the step's own files, as `check` and a reader's `read` are: a
+        reader never opens Orbax's manager, which reads every step's metadata (one being rotated out
+        fails it)."""
+        metadata = json.loads((self.directory / str(step) / METADATA_FILE).read_text())
+        return (metadata.get("custom_metadata") or {}).get(RECORD) or {}
 
     def check(self, step: int) -> None:
         """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
@@ -186,8 +193,8 @@ class CheckpointReader:
         elif jax.process_index() == 0:
             self.log(f"warning: checkpoint {shown(step_dir)} has no {MANIFEST} (written by an older nestor, or a "
                      "synchronous save cut off before it); restored without checking its files")
-        _check_fits(self.manager.item_metadata(step).state, self.saved_config(step), self.config, self.layout,
-                    step_dir)
+        _check_fits(ocp.StandardCheckpointHandler().metadata(step_dir / "state"), self.saved_config(step), self.config,
+                    self.layout, step_dir)
 
     def read(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step`, the state laid out for the current mesh.
@@ -195,6 +202,11 @@ class CheckpointReader:
         Every process must call it: Orbax's restore ends at a barrier of all. A
         read that fails on this process is raised once every process passed it.
         """
+        if self.manager is None:  # a reader's: this step's items, through their handlers
+            step_dir = self.directory / str(step)
+            state = ocp.StandardCheckpointHandler().restore(step_dir / "state",
+                                                            args=ocp.args.StandardRestore(self.layout.abstract))
+            return state, ocp.JsonCheckpointHandler().restore(step_dir / "data")
         args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
         restored = _read(self.manager.restore(step, args=args))
         return restored.state, restored.data

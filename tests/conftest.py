@@ -1,7 +1,9 @@
 """Tests run on 8 simulated CPU devices; the flag must be set before jax starts."""
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # The suite compiles hundreds of small programs, and XLA:CPU spends most of a compile in LLVM: its -O0
@@ -64,7 +66,11 @@ def unrelated_ray_head(tmp_path_factory):
     from tests.test_cluster import PYTHON, start_ray_head, stop_ray_head, user_shell
 
     env = dict(user_shell(), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    head, _, gcs_address = start_ray_head(env, tmp_path_factory.mktemp("unrelated-head") / "head.log")
+    # Its own sessions directory: a Ray job's driver joins the newest cluster of /tmp/ray ("auto"), so one
+    # started there after a test's own head would take that test's submitted jobs (a short path: Ray's
+    # sockets live under it)
+    sessions = tempfile.mkdtemp(prefix="nestor-ray-", dir="/tmp")
+    head, _, gcs_address = start_ray_head(env, tmp_path_factory.mktemp("unrelated-head") / "head.log", sessions)
 
     def daemons() -> set[tuple[int, float]]:
         return {(process.pid, process.create_time()) for process in head_processes(gcs_address)
@@ -77,6 +83,7 @@ def unrelated_ray_head(tmp_path_factory):
         yield gcs_address, daemons()
     finally:
         stop_ray_head(head)
+        shutil.rmtree(sessions, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -100,7 +100,7 @@ def test_nestor_stop_lets_the_submitted_run_save_the_step_it_reached(ray_head, t
     job_id = submitted.stdout.split()[0]
     deadline = time.monotonic() + 240
     while not trained_a_step(run_dir):
-        assert time.monotonic() < deadline, nestor("status", job_id, "--address", url).stdout
+        assert time.monotonic() < deadline, nestor("logs", job_id, "--address", url).stdout[-3000:]
         time.sleep(0.2)
     assert nestor("stop", job_id, "--address", url).stdout.strip() == "stopped"
     while (state := nestor("status", job_id, "--address", url).stdout.strip()) not in ("STOPPED", "FAILED",
@@ -125,17 +125,19 @@ def head_answers(url: str) -> bool:
         return False
 
 
-def start_ray_head(env: dict, log: Path) -> tuple[subprocess.Popen, str, str]:
-    """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago, its output in `log`; returns
-    (the process, its dashboard URL, its GCS address) once the Jobs API answers, or raises AssertionError
-    with the log's end if it exits first or takes over 90 s."""
+def start_ray_head(env: dict, log: Path, temp_dir: str | None = None) -> tuple[subprocess.Popen, str, str]:
+    """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago, its output in `log` (its
+    sessions in `temp_dir`, else Ray's /tmp/ray); returns (the process, its dashboard URL, its GCS address)
+    once the Jobs API answers, or raises AssertionError with the log's end if it exits first or takes over 90 s."""
     port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
+    sessions = [f"--temp-dir={temp_dir}"] if temp_dir else []
     with log.open("w") as output:
         head = subprocess.Popen(
             [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
              # its own agent port: the default (52365) may be held by another Ray node on this machine
-             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--num-cpus=3", "--disable-usage-stats"],
+             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--num-cpus=3", "--disable-usage-stats",
+             *sessions],
             env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
     deadline = time.monotonic() + 90
