@@ -153,6 +153,11 @@ class Backend:
             notes.append("remat: offload compiled as minimal (no device memory apart from the host's)")
         return dataclasses.replace(self, **changes, substitutions=tuple(notes)) if changes else self
 
+    def widens_what_the_target_does_not(self) -> bool:
+        """Whether this compile runs 16-bit float ops in float32, with converts around each, where the target
+        runs them as they are: XLA:CPU compiling for a GPU or TPU (explain leaves those converts out)."""
+        return self.platform == "cpu" and self.target != "cpu"
+
     def for_flop_count(self) -> Backend | None:
         """Returns the backend of a program compiled only to count the target's FLOPs where the compiled one's
         count them otherwise, else None. The target's grouped GEMMs (Mosaic GPU kernels, XLA:TPU's ragged

@@ -18,7 +18,7 @@ from nestor.orchestrator.metrics import spec_text
 from nestor.orchestrator.moe_step import dropless_report
 from nestor.orchestrator.state import param_table, per_device_bytes
 from nestor.orchestrator.step import make_train_step, pipeline_schedule
-from nestor.parallel.hlo import collectives, flops_by_phase, flops_per_run
+from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
 
 
 def compile_step(job: Job):
@@ -82,6 +82,9 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         counted = compiled
     xla_flops = step_flops(counted)
     phases = flops_by_phase(counted.as_text())
+    # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
+    widened = float_normalization_flops(counted.as_text()) if job.backend.widens_what_the_target_does_not() else 0.0
+    xla_flops -= widened
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
         "backend": job.backend.report(),
@@ -106,6 +109,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "flops_per_step": xla_flops * devices,
         "grouped_matmuls_counted_as_target_runs_them": counting is not None,
         "flops_per_step_per_device": xla_flops,
+        "float32_widening_flops_left_out": widened * devices,
         "update_flops_per_step": phases["update"] * devices,
         # analytic counts of nestor's LM; a model of the user's has XLA's count alone
         "model_flops_per_step": model_flops_per_step(config) if config.model.builtin_lm else None,
@@ -177,6 +181,9 @@ def format_report(report: dict[str, Any]) -> str:
                       f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
     counted_note = ", grouped matmuls as the target's kernels run them" if report[
         "grouped_matmuls_counted_as_target_runs_them"] else ""
+    if report["float32_widening_flops_left_out"]:
+        counted_note += (f", less {report['float32_widening_flops_left_out']:.4g} in this compile's converts to and "
+                         "from float32 that the target does not run")
     lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
                   f"all devices{counted_note}), of which {report['update_flops_per_step']:.4g} update the "
                   f"state (optimizer, norms)" + (f"; model FLOPs {report['model_flops_per_step']:.4g} (analytic)"

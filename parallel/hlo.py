@@ -339,6 +339,32 @@ def flops_per_run(hlo_text: str, xla_flops: float) -> float:
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 PHASES = ("forward", "backward", "update", "unnamed")
+_NARROW_FLOATS = ("bf16", "f16")
+
+
+def _widening_or_narrowing(instruction: _Instruction, shapes: dict[str, str]) -> bool:
+    """Whether `instruction` is a convert between a 16-bit float and float32 that no jax op asked for
+    (no op name): what a compiler without 16-bit float arithmetic adds around each op to run it in float32."""
+    if instruction.op != "convert" or _OP_NAME.search(instruction.attributes):
+        return False
+    operand = _arrays(shapes.get(instruction.operands[0], ""))
+    dtypes = {_arrays(instruction.shape)[0][0], *(dtype for dtype, _ in operand[:1])}
+    return len(dtypes) == 2 and "f32" in dtypes and bool(dtypes & set(_NARROW_FLOATS))
+
+
+def float_normalization_flops(hlo_text: str) -> float:
+    """Returns the estimated FLOPs of one run (loop bodies x trip count) spent in converts between 16-bit
+    floats and float32 that the compiler added (`_widening_or_narrowing`): a compiler without 16-bit float
+    arithmetic runs those ops in float32 this way; a target with it runs them as they are."""
+    computations, entry = _computations(hlo_text)
+    if entry is None:
+        return 0.0
+    total = 0.0
+    for name, factor in _multipliers(computations, entry).items():
+        instructions = computations.get(name, ())
+        shapes = {instruction.name: instruction.shape for instruction in instructions}
+        total += factor * sum(_elements(i.shape)[0] for i in instructions if _widening_or_narrowing(i, shapes))
+    return total
 
 
 def flops_by_phase(hlo_text: str) -> dict[str, float]:

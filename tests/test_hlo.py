@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from nestor.orchestrator.explain import cost_flops
-from nestor.parallel.hlo import collectives, dot_operand_dtypes, estimated_flops, flops_per_run
+from nestor.parallel.hlo import (collectives, dot_operand_dtypes, estimated_flops, float_normalization_flops,
+                                 flops_per_run)
 
 _ELEMENT = "f32[1,2,40,128]{3,2,1,0}"
 
@@ -83,3 +84,16 @@ def test_dot_operand_dtypes_read_fused_computations_parameters():
             "  ROOT %fusion = f32[4,2]{1,0} fusion(%a, %c), kind=kCustom, calls=%fused\n"
             "}\n")
     assert sorted(dot_operand_dtypes(text)) == [("bf16", "bf16"), ("f32", "f32")]
+
+
+def test_the_converts_a_compile_adds_to_run_16_bit_floats_in_float32_are_counted_apart():
+    def step(weights, x):  # bfloat16 matmul and tanh; the cast of the weights is the program's own
+        return jnp.tanh(x @ weights.astype(jnp.bfloat16)).astype(jnp.float32).sum()
+
+    weights, x = jnp.ones((64, 32), jnp.float32), jnp.ones((16, 64), jnp.bfloat16)
+    widened = jax.jit(step).lower(weights, x).compile().as_text()
+    plain = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(weights, x.astype(jnp.float32)).compile().as_text()
+    # this CPU widens the dot's operands and the tanh's, and narrows their results: each counted once per element
+    assert float_normalization_flops(widened) >= 16 * 64 + 16 * 32
+    assert float_normalization_flops(widened) < estimated_flops(widened)
+    assert float_normalization_flops(plain) == 0  # float32 throughout: nothing to widen
