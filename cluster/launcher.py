@@ -152,7 +152,11 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     started = time.monotonic()
     import ray
 
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
     _connect(spec)
+    if in_main_thread:  # ray.init makes SIGTERM exit the process: a signal kept for the run is ours to keep
+        signal.signal(signal.SIGTERM, previous)
     on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
 
     def message(value: Any) -> None:
@@ -343,7 +347,9 @@ class _DriverSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
-        self.received = self.kept_signal()  # one that came while Ray started
+        kept = self.kept_signal()  # one that came while Ray started
+        if kept is not None and self.received is None:
+            self.received = kept
         return self
 
     def _handle(self, signum, frame) -> None:

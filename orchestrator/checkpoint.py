@@ -335,6 +335,8 @@ def restore_state(config: Config, layout: StateLayout, step: int | None = None) 
     directory = checkpoint_dir(config.run.dir)
     if not finalized_steps(directory):  # a reader creates nothing: no empty checkpoints/ in a mistyped run.dir
         raise FileNotFoundError(f"no checkpoint in {shown(directory)}")
+    if step is not None and not is_finalized(directory / str(step)):
+        raise FileNotFoundError(f"no checkpoint {step} in {shown(directory)} (it has {finalized_steps(directory)})")
     failure = None
     for _ in range(READ_ATTEMPTS):  # one that fails for a step rotated out meanwhile is tried again
         chosen = step if step is not None else (finalized_steps(directory) or [None])[-1]

@@ -201,6 +201,7 @@ class CheckpointReader:
 
         Every process must call it: Orbax's restore ends at a barrier of all. A
         read that fails on this process is raised once every process passed it.
+        A reader's (no manager) reads the step's items through their handlers, with no barrier of its own.
         """
         if self.manager is None:  # a reader's: this step's items, through their handlers
             step_dir = self.directory / str(step)

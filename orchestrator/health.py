@@ -75,13 +75,12 @@ class StateHealth:
         """Returns what a checkpoint of the state judged last keeps: its loss, norm and the run's best."""
         return {**self.last, "best": dataclasses.asdict(self.best)}
 
-    def restored_state_is_broken(self, loss: float, record: dict | None) -> bool:
+    @staticmethod
+    def restored_state_is_broken(loss: float) -> bool:
         """Whether the first loss after a restore, computed on the restored parameters before any update
-        (so no learning rate is to blame), says the checkpoint is broken: not finite, or past the factor x
-        the loss its record kept."""
-        if not np.isfinite(loss):
-            return True
-        return bool(self.factor and record and loss > self.factor * record["loss"])
+        (so no learning rate is to blame), says the checkpoint is broken: it is not finite. (A finite jump
+        may be other data: the gate judges it as any other state.)"""
+        return not np.isfinite(loss)
 
 
 def best_of(record: dict | None) -> Best | None:

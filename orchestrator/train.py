@@ -28,7 +28,7 @@ from nestor.orchestrator.optimizer import schedule_change
 from nestor.orchestrator.paths import shown
 from nestor.orchestrator.profiler import StepProfiler
 from nestor.orchestrator.progress import Console
-from nestor.orchestrator.run_lock import holding_run_dir
+from nestor.orchestrator.run_lock import claim_run_dir, holding_run_dir
 from nestor.orchestrator.runtime import check_shared_run_dir, wait_for_every_process
 from nestor.orchestrator.signals import StopSignals, no_stop_request, stopping_line
 from nestor.orchestrator.state import init_state, param_table
@@ -81,9 +81,8 @@ def _check_health(step: int, values: dict, health: StateHealth, checkpointer: Ch
     """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
     broken = None
     if restored is not None and step == first_step + 1:  # its loss is the restored parameters'
-        restored_step, record = restored
-        if health.restored_state_is_broken(float(values["loss"]), record.get("health")):
-            broken = restored_step
+        if health.restored_state_is_broken(float(values["loss"])):
+            broken = restored[0]
     for name in ("loss", "param_norm"):
         if not np.isfinite(values[name]):
             raise _diverged(f"{name} is {float(values[name])} at step {step}", checkpointer, broken)
@@ -161,6 +160,8 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     with StopSignals(stop_requested, on_signal=acknowledge) as signals:
         job = build_job(config, devices)
         run_dir = Path(config.run.dir)
+        if lock and jax.process_index() == 0:
+            claim_run_dir(run_dir)  # before anything is made in it: a file or a directory of the user's is refused
         run_dir.mkdir(parents=True, exist_ok=True)
         check_shared_run_dir(run_dir)
         with holding_run_dir(run_dir, lock, console.log):

@@ -2,7 +2,7 @@
 
 import math
 
-from nestor.orchestrator.health import MIN_LOSSES, WINDOW, Best, StateHealth, best_of
+from nestor.orchestrator.health import MIN_LOSSES, WINDOW, StateHealth, best_of
 
 
 def test_a_slow_drift_that_a_recent_median_follows_is_refused_once_past_the_factor_of_the_best():
@@ -46,9 +46,7 @@ def test_the_best_travels_with_a_checkpoint_so_a_resume_is_judged_against_it():
     assert best_of({}) is None and best_of(None) is None
 
 
-def test_a_restored_state_is_broken_when_its_first_loss_is_not_finite_or_past_the_factor_of_its_record():
-    gate = StateHealth(2.0, Best(3.0, 25.0, 6))
-    assert gate.restored_state_is_broken(math.nan, None)
-    assert gate.restored_state_is_broken(6.5, {"loss": 3.0, "param_norm": 25.0})
-    assert not gate.restored_state_is_broken(5.5, {"loss": 3.0, "param_norm": 25.0})
-    assert not gate.restored_state_is_broken(50.0, None)  # an older nestor's checkpoint: only NaN says so
+def test_a_restored_state_is_broken_only_when_its_first_loss_is_not_finite():
+    # a finite jump may be other data (a resume onto another corpus): the gate judges it as any state
+    assert StateHealth.restored_state_is_broken(math.nan) and StateHealth.restored_state_is_broken(math.inf)
+    assert not StateHealth.restored_state_is_broken(50.0)

@@ -172,3 +172,10 @@ def test_a_new_an_empty_and_an_older_nestor_run_dir_are_taken_and_marked(tmp_pat
         assert json.loads((run_dir / MARKER).read_text())["host"] == socket.gethostname()
     (older / "notes.txt").write_text("added by hand")  # once marked, the run's directory stays the run's
     claim_run_dir(older)
+
+
+def test_a_file_as_run_dir_is_one_config_error_through_the_cli(project, capsys):
+    before = _contents(project)
+    assert main(["train", "config.yaml", *BASE, "run.dir=notes.txt"]) == 2
+    assert "run.dir: notes.txt is a file, not a directory" in capsys.readouterr().err
+    assert _contents(project) == before

@@ -37,6 +37,7 @@ DOCUMENT_SEPARATOR = 0
 VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
 TEXT_PROBE_BYTES = 8192  # as much of each file as prepare reads to skip a binary input, like git does
 SCAN_BYTES = 2**24  # a text file is read for NUL bytes this much at a time
+CHECKED_DOCUMENTS = 1024  # documents of a shard whose ends are checked against its index when it is opened
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -121,8 +122,9 @@ def documents_of(directory: Path, name: str) -> np.ndarray:
 def shard_problem(directory: Path, shard: dict, dtype: np.dtype) -> str | None:
     """Returns what is wrong with the files of a listed shard of `directory`, or None: a token file of
     another size than the metadata's, or a documents index that does not match the tokens (each document
-    ends in DOCUMENT_SEPARATOR). Reads the index and one token per document, not the tokens (a corpus may be
-    terabytes): ids are checked against the vocabulary as they are read (`TokenStream.read`)."""
+    ends in DOCUMENT_SEPARATOR: the last token of CHECKED_DOCUMENTS documents spread over the shard). Reads
+    the index and those tokens, not the corpus (it may be terabytes): ids are checked against the vocabulary
+    as they are read (`TokenStream.read`)."""
     file, index = directory / f"{shard['name']}.tokens", directory / f"{shard['name']}.documents"
     expected = shard["tokens"] * dtype.itemsize
     if not file.is_file() or file.stat().st_size != expected:
@@ -134,8 +136,9 @@ def shard_problem(directory: Path, shard: dict, dtype: np.dtype) -> str | None:
         return None
     tokens = np.memmap(file, dtype, mode="r")
     starts = documents_of(directory, shard["name"])
+    ends = starts[1:][np.linspace(0, len(starts) - 2, min(len(starts) - 1, CHECKED_DOCUMENTS)).astype(np.int64)]
     if starts[0] != 0 or starts[-1] != len(tokens) or np.any(np.diff(starts) < 1) \
-            or np.any(tokens[starts[1:] - 1] != DOCUMENT_SEPARATOR):
+            or np.any(tokens[ends - 1] != DOCUMENT_SEPARATOR):
         return f"{index} does not index the documents of {file.name} (each ends in token {DOCUMENT_SEPARATOR})"
     return None
 
