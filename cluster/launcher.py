@@ -152,10 +152,10 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     started = time.monotonic()
     import ray
 
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    # ray.init makes SIGTERM exit the process: a signal kept for the run (or a handler not Python's) stays
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     _connect(spec)
-    if in_main_thread:  # ray.init makes SIGTERM exit the process: a signal kept for the run is ours to keep
+    if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
 
