@@ -27,20 +27,30 @@ def _keep(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def signals_kept_for_the_run():
-    """While active (in the main thread), a first SIGINT or SIGTERM only waits for the run to take it
-    (`kept_signal`): raised as KeyboardInterrupt wherever Python happens to be, it can be lost (inside a
-    garbage-collection callback, say) and the run would go on. A second raises Interrupted."""
+def _handling(handlers: dict[int, object]):
+    """While active, `handlers` (signal -> handler) are installed, in the main thread only (the only one
+    that may install them); the previous ones come back on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _kept.clear()
-    previous = {signum: signal.signal(signum, _keep) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def signals_kept_for_the_run():
+    """While active (in the main thread), a first SIGINT or SIGTERM only waits for the run to take it
+    (`kept_signal`): raised as KeyboardInterrupt wherever Python happens to be, it can be lost (inside a
+    garbage-collection callback, say) and the run would go on. A second raises Interrupted."""
+    _kept.clear()
+    try:
+        with _handling({signal.SIGINT: _keep, signal.SIGTERM: _keep}):
+            yield
+    finally:
         _kept.clear()
 
 
@@ -53,14 +63,6 @@ def _terminated(signum, frame) -> None:
     raise Interrupted(signum)
 
 
-@contextlib.contextmanager
 def sigterm_interrupts():
     """While active (in the main thread), SIGTERM stops the command as Ctrl-C does: Interrupted."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return _handling({signal.SIGTERM: _terminated})
