@@ -23,9 +23,22 @@ def simulate_cpu_devices(jax, devices: int) -> None:
     # A device count inherited through XLA_FLAGS (tests set 8) would override the config.
     os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
     jax.config.update("jax_platforms", "cpu")
+    one_program_at_a_time(jax)
     if devices > 0:
         jax.config.update("jax_num_cpu_devices", devices)
         size_cpu_thread_pool(devices)
+
+
+def one_program_at_a_time(jax) -> None:
+    """Makes each XLA:CPU program end before its call returns (no asynchronous dispatch); must run before
+    jax starts its backend.
+
+    With asynchronous dispatch the train loop has two steps in flight (values are read one step late),
+    and the devices of the later one start as soon as their own inputs are ready: their collectives'
+    waiters then join the earlier step's in the thread pool below, which is sized for one program's.
+    A CPU's devices share its cores, so overlapping two programs gains nothing there.
+    """
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 # Threads XLA:CPU gets per simulated device: every thread is then blocked only when each device waits in

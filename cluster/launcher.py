@@ -1,13 +1,18 @@
 """Runs a train function on `hosts` Ray workers that form one JAX program.
 
-Ray Train's `JaxTrainer` places one worker per host and restarts the group on
-a failure (`max_failures`). It joins `jax.distributed` itself only on GPU and
-TPU, so on CPU nestor does it here, through `rendezvous`: that is what lets a
-laptop run real multi-host. The train function is an argument; this module
-knows nothing of what it trains. Restarted groups call it again from the top,
-and it is the function's job to resume from its newest checkpoint. A function
-that stopped for a preemption notice (after saving) raises `Preempted` on every
-worker: the group then starts again at once, without spending `max_failures`.
+Ray Train's `JaxTrainer` places one worker per host. It joins `jax.distributed`
+itself only on GPU and TPU, so on CPU nestor does it here, through
+`rendezvous`: that is what lets a laptop run real multi-host. The train
+function is an argument; this module knows nothing of what it trains.
+
+A group that fails (a worker dies, or raises an error that `final` does not
+claim) is started again by this module, not by Ray Train, so that each restart
+is said with its cause (which process, how) and counted against
+`max_failures` failures in a row without progress (`progress()` unchanged).
+Restarted groups call the train function again from the top, and it is the
+function's job to resume from its newest checkpoint. A function that stopped
+for a preemption notice (after saving) raises `Preempted` on every worker: the
+group then starts again at once, without counting as a failure.
 
 SIGINT or SIGTERM to the driver (Ctrl-C in its terminal) is passed on: the
 workers' `stop_requested()` returns the signal, the train function saves and
@@ -94,7 +99,7 @@ class ClusterSpec:
     devices_per_host: int
     accelerator: str = "cpu"  # cpu | gpu | tpu
     address: str | None = None  # None: the ambient cluster (RAY_ADDRESS) or an embedded one
-    max_failures: int = 0
+    max_failures: int = 3  # failed groups in a row without progress before the run fails; -1: no limit
     init_timeout_s: float = 120.0
     tpu_topology: str | None = None  # e.g. "2x2x2" (v4/v5p) or "4x4" (v5e); TPU only
     tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
@@ -118,11 +123,32 @@ class Phase:
     text: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """A failed worker group started again (`launch`'s `on_restart`)."""
+
+    number: int  # restarts in this launch so far, this one included
+    in_a_row: int  # failures since progress() last changed, this one included
+    limit: int  # ClusterSpec.max_failures (-1: no limit)
+    cause: str  # which process failed and how, one line
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """How `launch` treats a failed worker group: `final(error)` says a worker's error no restart can mend
+    (raised as it is); `progress()` returns a value that changes when the run gets further (its newest
+    checkpoint), which resets the count of failures in a row; `on_restart` hears each restart."""
+
+    final: Callable[[BaseException], bool] = lambda error: False
+    progress: Callable[[], Any] = lambda: None
+    on_restart: Callable[[Restart], None] = lambda restart: None
+
+
 def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
            spec: ClusterSpec, storage_dir: str, on_message: Callable[[Any], None] = lambda message: None,
            on_stop: Callable[[int], None] = lambda signum: None,
            on_phase: Callable[[str], None] = lambda text: None,
-           kept_signal: Callable[[], int | None] = lambda: None) -> int | None:
+           kept_signal: Callable[[], int | None] = lambda: None, recovery: Recovery = Recovery()) -> int | None:
     """Runs `train_fn(argument, send, stop_requested)` on `spec.hosts` workers joined by jax.distributed;
     returns when all finish: None, or the signal the driver was stopped by. `on_phase(text)` hears each
     start-up phase as it ends (Ray up, the worker processes joined), with the seconds since `launch` began.
@@ -142,7 +168,8 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     cluster of the surrounding Ray job, else starts an embedded local cluster
     (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
     unreachable, too small for the spec (checked before any worker starts),
-    or the run fails past `spec.max_failures` restarts.
+    or the run fails more than `spec.max_failures` times in a row; a worker's
+    final error as itself.
     """
     address = spec.address or os.environ.get("RAY_ADDRESS")
     if not address or address.split("://")[-1].rpartition(":")[0] in ("127.0.0.1", "localhost"):
@@ -168,7 +195,7 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     with _DriverSignals(on_stop, kept_signal) as signals:
         try:
             check_capacity(spec, ray.nodes())
-            stopped_by = _fit(train_fn, argument, spec, storage_dir, message, signals)
+            stopped_by = _fit(train_fn, argument, spec, storage_dir, message, signals, recovery)
             signals.settled = True  # the workers have ended: a Ctrl-C now would only cut Ray's shutdown short
             return stopped_by
         finally:
@@ -297,13 +324,28 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
 
 class Mailbox:
     """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; why the group
-    ended early, "preempted" or "stopped" (`ended` says it, `take_ended` reads and clears it); and the
-    signal the driver was told to stop by (`request_stop` sets it, `stop_request` reads it)."""
+    ended early, "preempted" or "stopped" (`ended` says it, `take_ended` reads and clears it); the
+    signal the driver was told to stop by (`request_stop` sets it, `stop_request` reads it); and who
+    the group's workers are and what a worker said before it ended itself (`joined`, `last_words`;
+    `take_group` reads and clears both)."""
 
     def __init__(self):
         self.messages: list = []
         self.ended_for: str | None = None
         self.stop_signal: int | None = None
+        self.workers: dict[int, tuple[int, str]] = {}
+        self.words: dict[int, str] = {}
+
+    def joined(self, rank: int, pid: int, node: str) -> None:
+        self.workers[rank] = (pid, node)
+
+    def last_words(self, rank: int, text: str) -> None:
+        self.words[rank] = text
+
+    def take_group(self) -> dict:
+        group = {"workers": self.workers, "last_words": self.words}
+        self.workers, self.words = {}, {}
+        return group
 
     def put(self, message) -> None:
         self.messages.append(message)
@@ -373,15 +415,29 @@ class _DriverSignals:
             signal.signal(signum, handler)
 
 
-def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, signals: _DriverSignals) -> int | None:
+def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, signals: _DriverSignals,
+         recovery: Recovery) -> int | None:
     import ray
 
     board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
     mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
+    restarts, in_a_row, progress = 0, 0, recovery.progress()
     while True:
         if signals.received is not None:
             raise Interrupted(signals.received)  # a stop before this group started: none starts, nothing new to save
-        _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals)
+        failure = _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals, recovery)
+        if failure is not None:
+            if signals.received is not None:  # told to stop while the group failed: no new group
+                raise ClusterError(f"the worker group failed while stopping: {failure}")
+            now = recovery.progress()
+            in_a_row = 1 if now != progress else in_a_row + 1
+            progress = now
+            if 0 <= spec.max_failures < in_a_row:
+                raise ClusterError(f"the worker group failed {in_a_row} time(s) in a row with no progress between "
+                                   f"(cluster.max_failures={spec.max_failures}), last: {failure}")
+            restarts += 1
+            recovery.on_restart(Restart(restarts, in_a_row, spec.max_failures, failure))
+            continue
         ended = ray.get(mailbox.take_ended.remote())
         if ended == "stopped":
             return signals.received  # every worker saved the step they agreed on
@@ -390,8 +446,10 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
 
 
 def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, board, mailbox,
-               signals: _DriverSignals) -> None:
-    """Runs one Ray Train fit (the group and its restarts); returns when it ends, raises as `launch` does."""
+               signals: _DriverSignals, recovery: Recovery) -> str | None:
+    """Runs one Ray Train fit (one start of the worker group); returns None when it ends, or the cause of
+    its failure (one line) when a worker died or raised an error that `recovery.final` does not claim;
+    raises a final error as `launch` does."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
@@ -404,8 +462,9 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         _worker, train_loop_config={"fn": train_fn, "argument": argument, "spec": spec, "board": board,
                                     "mailbox": mailbox},
         scaling_config=scaling,
+        # restarts are _fit's, which says each one's cause
         run_config=RunConfig(name="ray", storage_path=str(Path(storage_dir).resolve()),
-                             failure_config=FailureConfig(max_failures=spec.max_failures)))
+                             failure_config=FailureConfig(max_failures=0)))
     outcome: list[BaseException | None] = []
 
     def fit() -> None:
@@ -427,25 +486,50 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         on_message(message)
     error = outcome[0]
     if isinstance(error, WorkerGroupError):
-        raise _worker_error(error, spec) from None
+        final = _final_error(error, recovery)
+        if final is not None:
+            raise final from None
+        return _failure_cause(error, ray.get(mailbox.take_group.remote()))
     if error is not None:  # the controller itself failed; show the root cause, not Ray's trace
         raise ClusterError(f"the run failed: {_first_line(error)}") from None
+    return None
 
 
-def _worker_error(error, spec: ClusterSpec) -> Exception:
-    """Returns the error to show for a group that failed past its restarts: the lowest rank's own error.
+def _cause(failure: BaseException) -> BaseException:
+    return getattr(failure, "cause", None) or failure  # Ray wraps the worker's exception in RayTaskError
 
-    A user error from the train function (a ClusterError, or a config error:
-    a ValueError listing `problems`) comes back as itself, so the caller can
-    report it as what it is; anything else becomes a one-line ClusterError.
-    """
+
+def _final_error(error, recovery: Recovery) -> Exception | None:
+    """Returns the error to raise for a failed group that no restart can mend, or None: the lowest rank's own
+    error when it is a user error of the train function (a ClusterError, or a config error: a ValueError
+    listing `problems`), which the caller reports as what it is, or one `recovery.final` claims (as a
+    one-line ClusterError)."""
     rank = min(error.worker_failures)
-    failure = error.worker_failures[rank]
-    cause = getattr(failure, "cause", None) or failure  # Ray wraps the worker's exception in RayTaskError
+    cause = _cause(error.worker_failures[rank])
     if isinstance(cause, ClusterError) or (isinstance(cause, ValueError) and hasattr(cause, "problems")):
         return cause
-    return ClusterError(f"rank {rank} failed after cluster.max_failures={spec.max_failures} restart(s): "
-                        f"{type(cause).__name__}: {_first_line(cause)}")
+    if recovery.final(cause):
+        return ClusterError(f"rank {rank}: {type(cause).__name__}: {_first_line(cause)}")
+    return None
+
+
+def _failure_cause(error, group: dict) -> str:
+    """Returns which processes of a failed group failed and how, one line: those that died first (Ray's
+    health check lost them), then those that raised. `group` is the Mailbox's record of the group: each
+    rank's (pid, node address) and the last words a worker sent before it ended itself."""
+    died, raised = [], []
+    for rank, failure in sorted(error.worker_failures.items()):
+        pid, node = group["workers"].get(rank, ("?", "?"))
+        who = f"process {rank} (pid {pid} on {node})"
+        cause = _cause(failure)
+        if rank in group["last_words"]:
+            died.append(f"{who} {group['last_words'][rank]}")
+        elif type(cause).__name__ == "WorkerHealthCheckFailedError":
+            died.append(f"{who} died without a Python error (a signal such as SIGKILL, the kernel's OOM killer, "
+                        "or a crash; its log is in Ray's session logs)")
+        else:
+            raised.append(f"{who} raised {type(cause).__name__}: {_first_line(cause)}")
+    return "; ".join(died + raised)
 
 
 def _first_line(error: BaseException) -> str:
@@ -473,13 +557,14 @@ def _worker(config: dict) -> None:
     import ray.train
 
     spec: ClusterSpec = config["spec"]
+    context = ray.train.get_context()
+    config["mailbox"].joined.remote(context.get_world_rank(), os.getpid(), ray.util.get_node_ip_address())
     # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if spec.accelerator == "cpu":
         import jax
 
-        context = ray.train.get_context()
         rank, world = context.get_world_rank(), context.get_world_size()
         simulate_cpu_devices(jax, spec.devices_per_host)
         host = ray.util.get_node_ip_address()

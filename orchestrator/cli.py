@@ -193,7 +193,11 @@ def _job_command(args) -> int:
         print(f"stopped the Ray head at {args.address}: {stop_head(args.address)} processes")
         return 0
     if args.command == "status":
+        from nestor.orchestrator.ray_driver import restart_lines
+
         print(jobs.status(args.address, args.job_id))
+        for line in restart_lines(jobs.logs(args.address, args.job_id)):
+            print(line)
     elif args.command == "logs":
         print(jobs.logs(args.address, args.job_id), end="")
     else:
@@ -310,7 +314,7 @@ def parser() -> argparse.ArgumentParser:
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
                                   "anywhere on the line")
         command.set_defaults(handler=handler)
-    for name, text in (("status", "print a submitted job's status"), ("logs", "print a submitted job's output"),
+    for name, text in (("status", "print a submitted job's status and its restarts"), ("logs", "print a submitted job's output"),
                        ("stop", "stop a submitted job")):
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", help="the submission id `nestor submit` printed")

@@ -269,7 +269,8 @@ class ClusterConfig:
     hosts: int = key(1, "JAX processes (one per host)", **_POSITIVE)
     devices_per_host: int = key(8, "devices each process uses; on CPU, the number simulated; -1 = all", **_DEGREE)
     accelerator: str = key("cpu", "cpu | gpu | tpu", choices=("cpu", "gpu", "tpu"))
-    max_failures: int = key(0, "worker-group restarts before the run fails; -1 = no limit", minimum=-1)
+    max_failures: int = key(3, "failed worker groups in a row with no new checkpoint between them that are "
+                            "restarted before the run fails; -1 = no limit", minimum=-1)
     init_timeout_s: float = key(120.0, "seconds to wait for every process to join jax.distributed", above=0)
     tpu_topology: str | None = key(None, "tpu: slice topology per host group, e.g. 2x2x2 (v4/v5p) or 4x4 (v5e)")
     tpu_type: str | None = key(None, "tpu: Ray accelerator type, e.g. TPU-V4, TPU-V5LITEPOD, TPU-V5P")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 
 from nestor.cluster.interrupts import Interrupted, kept_signal
-from nestor.cluster.launcher import ClusterSpec, Preempted, Stopped, launch
+from nestor.cluster.launcher import ClusterSpec, Preempted, Recovery, Restart, Stopped, launch
+from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config import Config
+from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.model_class import user_code_paths
 from nestor.orchestrator.launch_checks import check_before_launch
 from nestor.orchestrator.paths import show_relative_to, user_directory
@@ -61,14 +65,61 @@ def stopping_line(signum: int) -> str:
     return f"{signal.Signals(signum).name}: the workers stop and save at the next step they all reach{again}"
 
 
+RESTART_LINE = re.compile(r"^restart \d+: ")  # how the driver's log says each restart (`restart_lines`)
+
+
+def restart_lines(log: str) -> list[str]:
+    """Returns the lines of a driver's log that say a restart, and the run's return after each."""
+    return [line for line in log.splitlines() if RESTART_LINE.match(line) or line.startswith(_BACK)]
+
+
+_BACK = "back at step "
+
+
+class _Restarts:
+    """The driver's view of the run for restarts: the steps process 0 logged (and when each reached the
+    driver) and the newest complete checkpoint on disk; says each restart with the steps and time it
+    lost, and how long the run took to get back."""
+
+    def __init__(self, config: Config, console: Console):
+        self.config, self.console = config, console
+        self.logged: dict[int, float] = {}  # step -> time.monotonic() it reached the driver
+        self.failed_at: float | None = None  # when the newest restart was decided, until a step is logged again
+
+    def replay(self, message: tuple) -> None:
+        if message[0] == "step":
+            step, now = message[1][0]["step"], time.monotonic()
+            self.logged[step] = now
+            if self.failed_at is not None:
+                self.console.log(f"{_BACK}{step} {now - self.failed_at:.0f} s after the failure")
+                self.failed_at = None
+        replay(self.console, message)
+
+    def newest_checkpoint(self) -> int:
+        steps = finalized_steps(checkpoint_dir(self.config.run.dir))
+        return steps[-1] if steps else 0
+
+    def restart(self, restart: Restart) -> None:
+        saved, self.failed_at = self.newest_checkpoint(), time.monotonic()
+        past = [step for step in self.logged if step > saved]
+        steps = f"steps {saved + 1}-{max(past)} logged, maybe more" if past else f"any step after {saved}"
+        since = self.logged.get(saved)
+        work = f", {self.failed_at - since:.0f} s of training" if since is not None else ""
+        limit = f"at most {restart.limit}" if restart.limit >= 0 else "no limit"
+        self.console.log(f"restart {restart.number}: {restart.cause}; lost: {steps}{work}; the new worker group "
+                         f"resumes from {f'checkpoint {saved}' if saved else 'the start'} (failure "
+                         f"{restart.in_a_row} in a row with no new checkpoint; cluster.max_failures: {limit})")
+        self.logged = {step: at for step, at in self.logged.items() if step <= saved}
+
+
 def train_on_ray(config: Config, console: Console) -> int | None:
     """Trains `config` on `cluster.hosts` Ray workers, showing process 0's progress on `console`;
     returns when they finish: None, or the signal that stopped this process (the driver), once the
     workers saved the step they reached (a second signal stops them at once: KeyboardInterrupt).
 
     Raises cluster.launcher.ClusterError (unreachable cluster, too few devices,
-    a rank that never joins, failures past `cluster.max_failures`) and the
-    workers' own config errors; ConfigError when another run holds run.dir.
+    a rank that never joins, more than `cluster.max_failures` failed worker
+    groups in a row with no new checkpoint between them) and the workers' own config errors; ConfigError when another run holds run.dir.
     The lock is held here, in the driver, for the whole run: it outlives
     worker-group restarts, and a refused run never starts Ray.
     """
@@ -81,9 +132,13 @@ def train_on_ray(config: Config, console: Console) -> int | None:
         with RunDirLock(config.run.dir, console.log):
             if (signum := kept_signal()) is not None:  # before Ray starts: stop now, nothing to save
                 raise Interrupted(signum)
+            restarts = _Restarts(config, console)
+            # a run's own failure (diverged, a save that failed) would fail again the same way
+            recovery = Recovery(final=lambda error: isinstance(error, RunFailed),
+                                progress=restarts.newest_checkpoint, on_restart=restarts.restart)
             return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),
-                          storage_dir=config.run.dir, on_message=lambda message: replay(console, message),
+                          storage_dir=config.run.dir, on_message=restarts.replay,
                           on_stop=lambda signum: console.log(stopping_line(signum)), on_phase=console.log,
-                          kept_signal=kept_signal)
+                          kept_signal=kept_signal, recovery=recovery)
     finally:
         console.close()

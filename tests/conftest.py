@@ -20,11 +20,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
 
-from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import  # noqa: E402
+from nestor.cluster.cpu_devices import one_program_at_a_time, simulate_cpu_devices_before_import  # noqa: E402
 
 simulate_cpu_devices_before_import(8)
 
 import jax  # noqa: E402
+
+one_program_at_a_time(jax)
 import pytest  # noqa: E402
 
 from nestor.orchestrator import config as config_lib  # noqa: E402

@@ -333,13 +333,20 @@ def saved_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit())
 
 
+def printed_losses(output: str) -> list[tuple[int, str]]:
+    """Returns (step, loss as printed) of every step line the driver printed, repeats included."""
+    return [(int(step), loss) for step, loss in re.findall(r"^step +(\d+) +loss (\S+)", output, re.MULTILINE)]
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, tmp_path):
     """SIGTERM to one worker: every process saves the same step and a new group resumes from it (no
-    restart spent); then SIGKILL to one worker of that group: Ray Train restarts it from the newest
-    checkpoint. With another Ray cluster on the machine (`ray_head`), which Ray's state API would
-    otherwise pick, so that Ray Train removed the embedded run's placement group."""
+    failure counted); then SIGKILL to one worker of that group, under the default cluster.max_failures:
+    the driver names the process that died and the steps lost, and starts a new group from the newest
+    checkpoint, which computes the lost steps again to the same losses. With another Ray cluster on the
+    machine (`ray_head`), which Ray's state API would otherwise pick, so that Ray Train removed the
+    embedded run's placement group."""
     from nestor.orchestrator import config as config_lib
 
     # Long enough that both signals land mid-run; checkpoints every 5 steps, so that the preempted
@@ -350,7 +357,7 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     reference = config_lib.load(QUICKSTART, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
     reference_losses = run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2))).losses
     run_dir = tmp_path / "restarted"
-    with Driver(*TINY, *TWO_HOSTS, *longer, "cluster.max_failures=1", f"run.dir={run_dir}", env=child_env()) as driver:
+    with Driver(*TINY, *TWO_HOSTS, *longer, f"run.dir={run_dir}", env=child_env()) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))  # a finished step
         first_group = ray_train_workers(driver.process)
         assert len(first_group) == 2
@@ -360,17 +367,53 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
         driver.wait_until(lambda: saved_steps(run_dir)[-1] > agreed)  # the second group trains on
         second_group = ray_train_workers(driver.process)
         assert len(second_group) == 2 and not {p.pid for p in second_group} & {p.pid for p in first_group}
-        os.kill(second_group[-1].pid, signal.SIGKILL)
+        driver.wait_until(lambda: printed_losses(driver.output())[-1][0] > saved_steps(run_dir)[-1])
+        killed = second_group[-1].pid
+        os.kill(killed, signal.SIGKILL)
         driver.process.wait(timeout=600)
     output = driver.output()
     assert driver.process.returncode == 0, output[-3000:]
     assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
+    restart = re.search(r"^restart 1: process \d \(pid (\d+) on [\d.]+\) died without a Python error.*; lost: "
+                        r"steps (\d+)-(\d+) logged, maybe more.*resumes from checkpoint (\d+) \(failure 1 in a row",
+                        output, re.MULTILINE)
+    assert restart and int(restart.group(1)) == killed and "restart 2" not in output, output[-3000:]
+    first_lost, last_lost, resumed = (int(restart.group(i)) for i in (2, 3, 4))
+    assert first_lost == resumed + 1 and last_lost > resumed and f"back at step" in output, output[-3000:]
     records = metrics(run_dir)
     # A resume drops the records the interrupted group wrote past its checkpoint and logs them again.
     assert [r["step"] for r in records] == list(range(1, 61))
     resumes = [r["resumed_from"] for r in records if "resumed_from" in r]
-    assert resumes[0] == agreed and len(resumes) == 2 and resumes[1] > agreed
+    assert resumes == [agreed, resumed], (resumes, agreed, resumed)
     np.testing.assert_allclose([r["loss"] for r in records], reference_losses, rtol=1e-5)
+    # The steps the killed group ran past its checkpoint were run again by the next to the same losses.
+    printed = printed_losses(output)
+    for step in range(first_lost, last_lost + 1):
+        assert len({loss for s, loss in printed if s == step}) == 1 and [s for s, _ in printed].count(step) == 2
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_failures_past_max_failures_end_the_run_in_one_line_with_its_checkpoint_intact(tmp_path):
+    """cluster.max_failures=0 and a worker killed: no restart, exit 1, one line naming the process that
+    died, and the newest checkpoint restores (an in-process run resumes from it)."""
+    run_dir = tmp_path / "run"
+    with Driver(*TINY, *TWO_HOSTS, "train.steps=1000", "checkpoint.every=3", "cluster.max_failures=0",
+                f"run.dir={run_dir}", env=child_env()) as driver:
+        driver.wait_until(lambda: saved_steps(run_dir))
+        killed = ray_train_workers(driver.process)[-1].pid
+        os.kill(killed, signal.SIGKILL)
+        driver.process.wait(timeout=300)
+    output = driver.output()
+    assert driver.process.returncode == 1 and "restart 1" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("nestor: ")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert re.match(r"nestor: the worker group failed 1 time\(s\) in a row with no progress between "
+                    rf"\(cluster.max_failures=0\), last: process \d \(pid {killed} on ", errors[0]), errors[0]
+    newest = saved_steps(run_dir)[-1]
+    resumed = nestor("train", "configs/quickstart.yaml", *TINY, "cluster.launcher=inprocess", "mesh.data=2",
+                     "mesh.fsdp=2", "mesh.tensor=2", f"train.steps={newest + 1}", f"run.dir={run_dir}")
+    assert resumed.returncode == 0 and f"resumed from checkpoint {newest}" in resumed.stdout, resumed.stderr[-3000:]
 
 
 @pytest.mark.ray

@@ -1,9 +1,12 @@
-"""XLA:CPU's thread pool for simulated devices, in each kind of process that simulates them.
+"""XLA:CPU's thread pool for simulated devices, in each kind of process that simulates them, and its one
+program at a time.
 
 A pipeline4 x fsdp2 step aborted the suite ("Fatal Python error: Aborted", no message) when every thread
 of XLA:CPU's pool (8 threads for 8 devices on 2 cores) waited in a collective for a device that had no
 thread left to join it; `cluster.cpu_devices.size_cpu_thread_pool` gives the pool two threads per device.
 These tests read the pool's threads from /proc, so they also check that the installed XLA reads the size.
+With asynchronous dispatch two train steps were in flight, each with its waiters, and the same step still
+hung once a suite run: nestor's processes and the suite's dispatch one CPU program at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ COUNT_POOL_THREADS = textwrap.dedent("""
     from pathlib import Path
     assert float(jnp.arange(4.0).sum()) == 6.0  # the backend is up and has run a program
     names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
-    print(jax.device_count(), names.count("tf_XLAEigen"))
+    print(jax.device_count(), names.count("tf_XLAEigen"), jax.config.values["jax_cpu_enable_async_dispatch"])
 """)
 SETUPS = {
     "nestor train": "from nestor.orchestrator.config import load\nfrom nestor.orchestrator.runtime import configure_jax\n"
@@ -45,12 +48,13 @@ TWO_CORES = "import os\nos.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[
 
 def devices_and_pool_threads(setup: str, tmp_path: Path, **env: str) -> tuple[int, int]:
     """Runs `setup` in a fresh process from a user's shell, on 2 cores; returns its device count and pool
-    threads."""
+    threads (and asserts it dispatches one program at a time where jax was imported before the setup)."""
     done = subprocess.run([sys.executable, "-c", TWO_CORES + setup + "\n" + COUNT_POOL_THREADS], cwd=tmp_path,
                           text=True, capture_output=True, timeout=120,
                           env={**user_env(), "PYTHONPATH": str(ROOT), **env})
     assert done.returncode == 0, done.stderr[-3000:]
-    devices, threads = done.stdout.split()
+    devices, threads, asynchronous = done.stdout.split()
+    assert asynchronous == str("before_import" in setup), setup  # a script before jax's import cannot set it
     return int(devices), int(threads)
 
 
@@ -65,6 +69,7 @@ def test_a_larger_pool_the_user_set_is_kept_and_a_smaller_one_raised(tmp_path):
 
 
 def test_the_suites_own_process_has_the_pool_it_needs():
+    assert not jax.config.values["jax_cpu_enable_async_dispatch"]
     devices = jax.device_count()  # starts the backend, if no test has yet
     names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
     # The size the suite asked for (so not XLA's own, whatever the host's cores) and two per device.
