@@ -314,8 +314,8 @@ def parser() -> argparse.ArgumentParser:
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
                                   "anywhere on the line")
         command.set_defaults(handler=handler)
-    for name, text in (("status", "print a submitted job's status and its restarts"), ("logs", "print a submitted job's output"),
-                       ("stop", "stop a submitted job")):
+    for name, text in (("status", "print a submitted job's status and its restarts"),
+                       ("logs", "print a submitted job's output"), ("stop", "stop a submitted job")):
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", help="the submission id `nestor submit` printed")
         command.set_defaults(handler=None)

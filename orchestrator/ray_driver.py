@@ -119,7 +119,8 @@ def train_on_ray(config: Config, console: Console) -> int | None:
 
     Raises cluster.launcher.ClusterError (unreachable cluster, too few devices,
     a rank that never joins, more than `cluster.max_failures` failed worker
-    groups in a row with no new checkpoint between them) and the workers' own config errors; ConfigError when another run holds run.dir.
+    groups in a row with no new checkpoint between them) and the workers'
+    own config errors; ConfigError when another run holds run.dir.
     The lock is held here, in the driver, for the whole run: it outlives
     worker-group restarts, and a refused run never starts Ray.
     """
