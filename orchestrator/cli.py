@@ -1,4 +1,5 @@
-"""The `nestor` command: train, explain, eval, sample, logits, export, submit, status, logs, stop, data prepare."""
+"""The `nestor` command: train, explain, eval, sample, logits, export, goodput, submit, status, logs, stop, data
+prepare."""
 
 from __future__ import annotations
 
@@ -154,6 +155,20 @@ def _export(args) -> int:
     return 0
 
 
+def _goodput(args) -> int:
+    from nestor.orchestrator.goodput import FILE_NAME, read_records, report, run_goodput
+
+    path = Path(args.run_dir).expanduser() / FILE_NAME
+    attempts = run_goodput(read_records(path))
+    if not attempts:
+        what = "holds no attempt" if path.is_file() else "does not exist"
+        print(f"nestor: {shown(path)} {what}: name the run.dir of a run that trained (with this nestor or newer)",
+              file=sys.stderr)
+        return 2
+    print(report(attempts))
+    return 0
+
+
 def export_config(args):
     """Returns the config of the run in `args.run_dir` (its config.yaml), with `args.overrides` (a mesh that
     fits this machine, say) layered over it."""
@@ -305,6 +320,9 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                         help="overrides of the run's config (a mesh that fits the devices here)")
     export.set_defaults(handler=_export)
+    goodput = commands.add_parser("goodput", help="where a run's wall time went, over all its restarts")
+    goodput.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its goodput.jsonl)")
+    goodput.set_defaults(handler=_goodput)
     submit = commands.add_parser("submit", help="submit a training job to a running Ray cluster (Jobs API)")
     submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
     for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
@@ -370,7 +388,7 @@ def _main(args) -> int:
     try:
         if args.handler is None:
             return _job_command(args)
-        if args.command in ("data", "export"):
+        if args.command in ("data", "export", "goodput"):
             return args.handler(args)
         config = load(args.config, args.overrides)
         if warning := idle_warning(config):

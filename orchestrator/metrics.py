@@ -6,8 +6,9 @@ what the loop measures: step_time_s, tokens_per_s, tflops_per_device and mfu
 (only when the device's peak is known), and on the record after them the
 seconds spent compiling the step (compile_s) and blocking in a checkpoint
 save (checkpoint_s), on an evaluation's record the seconds the evaluation
-took (eval_s, never in step_time_s), and with a data mixture each source's
-realised share of the batch (data_share_<i>). metrics.jsonl keeps the flat names;
+took (eval_s, never in step_time_s), with a data mixture each source's
+realised share of the batch (data_share_<i>), and the run's goodput so far
+(goodput_<category> seconds, goodput_fraction; orchestrator.goodput). metrics.jsonl keeps the flat names;
 TensorBoard files the same numbers under groups (`tensorboard_tag`). A
 `moe_expert_load` metric [MoE layers, experts] becomes a heatmap image every
 `metrics.image_every` steps, and at the same steps `moe_expert_bias` (the
@@ -32,14 +33,14 @@ from nestor.orchestrator.moe_step import EXPERT_BIAS
 # evaluating.
 PERF_METRICS = ("step_time_s", "tokens_per_s", "rows_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
-_PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval", "data_": "data"}
+_PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval", "data_": "data", "goodput_": "goodput"}
 # Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
 _JSONL_ONLY = ("step", "resumed_from")
 
 
 def tensorboard_tag(name: str) -> str:
     """Returns the TensorBoard tag of metric `name`: `moe_aux_loss` -> `moe/aux_loss`, `eval_*` -> `eval/*`,
-    `data_share_0` -> `data/share_0`,
+    `data_share_0` -> `data/share_0`, `goodput_step` -> `goodput/step`,
     throughput numbers and the loop's times (`eval_s` too) -> `perf/<name>`, anything else (a model's new
     metric too) -> `train/<name>`."""
     if name in PERF_METRICS:

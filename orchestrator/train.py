@@ -20,6 +20,7 @@ from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.checkpoint_restore import finalized_steps
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
+from nestor.orchestrator.goodput import Goodput
 from nestor.orchestrator.health import CALMER, StateHealth, best_of
 from nestor.orchestrator.hf.load import keep_source_files
 from nestor.orchestrator.job import Job, abstract_batch, build_job
@@ -148,8 +149,10 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
     state whose loss or parameter norm blew up against the run's best
     (checkpoint.health_factor), before it is saved, leaving the last good
     checkpoint newest; CheckpointWriteError as soon as a save fails (disk
-    full, read-only run.dir).
+    full, read-only run.dir). Process 0 accounts for every second of the
+    call in run.dir/goodput.jsonl (orchestrator.goodput) and says the run's goodput at the end.
     """
+    goodput = Goodput()  # from here, every second of this attempt is charged to a goodput category
     console = console or Console()
 
     def acknowledge(signum: int, calls: int) -> None:  # before the first step, the closing line says it
@@ -164,19 +167,23 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
             claim_run_dir(run_dir)  # before anything is made in it: a file or a directory of the user's is refused
         run_dir.mkdir(parents=True, exist_ok=True)
         check_shared_run_dir(run_dir)
-        with holding_run_dir(run_dir, lock, console.log):
-            return _train(config, job, console, signals)
+        with holding_run_dir(run_dir, lock, console.log), goodput.ending_on_error():
+            result = _train(config, job, console, signals, goodput)
+            if summary := goodput.end(result.stopped_by):
+                console.log(summary)
+            return result
 
 
-def _train(config: Config, job: Job, console: Console, signals: StopSignals) -> TrainResult:
+def _train(config: Config, job: Job, console: Console, signals: StopSignals, goodput: Goodput) -> TrainResult:
     log = console.log
     lead = jax.process_index() == 0
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
     # Whatever fails, everything opened so far is closed, newest first (async saves are waited for).
     with contextlib.ExitStack() as closing:
         checkpointer = Checkpointer(config, job.layout, log)
-        closing.callback(checkpointer.close)
-        first_step, state = _start_state(config, job, checkpointer, log)
+        closing.callback(goodput.charged("checkpoint_save")(checkpointer.close))  # it waits for saves in flight
+        with goodput.charged("restore"):
+            first_step, state = _start_state(config, job, checkpointer, log)
         result = TrainResult([], state, [], first_step)
         if first_step >= config.train.steps:  # run.dir is left as it was, config.yaml included
             steps = config.train.steps
@@ -186,10 +193,12 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals) -> 
             return result
         if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
             (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        goodput.start(Path(config.run.dir), first_step, enabled=lead)
         restored = (first_step, checkpointer.record(first_step)) if first_step else None
         best = best_of(restored and restored[1].get("health"))
         health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
-        job.step_fn, compile_s = _compile(job, state, first_step, console)
+        with goodput.charged("compile"):
+            job.step_fn, compile_s = _compile(job, state, first_step, console)
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
         writer = MetricsWriter(config, throughput, enabled=lead)
         closing.callback(writer.close)
@@ -210,10 +219,11 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals) -> 
             result.losses.append(float(values["loss"]))
             if save is not None:
                 saving = time.perf_counter()
-                save(health=health.record())
+                with goodput.charged("checkpoint_save"):
+                    save(health=health.record())
                 timings["checkpoint_s"] = time.perf_counter() - saving
             if logged:
-                record = writer.write(step, values, finished_at - started, timings)
+                record = writer.write(step, values, finished_at - started, {**timings, **goodput.log(step)})
                 timings.clear()
                 result.history.append(record)
                 console.step(record)
@@ -222,7 +232,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals) -> 
         closing.callback(profiler.stop)
         started = time.perf_counter()
         result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
-                                                profiler)
+                                                profiler, goodput)
     if result.stopped_by is not None:
         everywhere = " on every process" if jax.process_count() > 1 else ""
         name = signal.Signals(result.stopped_by).name
@@ -235,8 +245,14 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals) -> 
 
 
 def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
-          flush, signals: StopSignals, profiler: StepProfiler) -> tuple[dict, int | None]:
-    """Runs the steps; returns (final state, the stop signal or None). Saves only verified states."""
+          flush, signals: StopSignals, profiler: StepProfiler, goodput: Goodput) -> tuple[dict, int | None]:
+    """Runs the steps; returns (final state, the stop signal or None). Saves only verified states. The host's
+    time making batches, in steps (dispatching them, waiting on their outputs) and evaluating is charged to
+    `goodput`'s data_wait, step and eval; a save's, to checkpoint_save (in `flush`)."""
+    def wait_for(outputs) -> None:  # waiting on a step's outputs is that step's time
+        with goodput.charged("step"):
+            jax.block_until_ready(outputs)
+
     pending: PendingStep | None = None
     last = time.perf_counter()
     for step in range(first_step, config.train.steps):
@@ -248,34 +264,38 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
             if pending is not None and pending.finished is None:  # an evaluated step's end is known already
                 pending = pending._replace(finished=ready)
             last = time.perf_counter()
-        with profiler.annotation(step + 1):
-            state, metrics = job.step_fn(state, job.data.batch(step))
+        with goodput.charged("data_wait"):
+            batch = job.data.batch(step)
+        with profiler.annotation(step + 1), goodput.charged("step"):
+            state, metrics = job.step_fn(state, batch)
         metrics = {**metrics, **job.data.metrics(step)}  # host floats: a mixture's realised shares
         if pending is not None:
-            jax.block_until_ready(pending.metrics)
+            wait_for(pending.metrics)
             flush(pending)
             last = time.perf_counter()
         evaluated = None
         if job.evaluator is not None and job.evaluator.due(step + 1):
             # An evaluation is no step's time: the step ends when its outputs are ready, and the evaluation
             # (its first compile included) is eval_s. It runs before the next step donates the state.
-            jax.block_until_ready(metrics)
+            wait_for(metrics)
             evaluated = time.perf_counter()
-            metrics = {**metrics, **jax.block_until_ready(job.evaluator(state))}
+            with goodput.charged("eval"):
+                metrics = {**metrics, **jax.block_until_ready(job.evaluator(state))}
             metrics["eval_s"] = time.perf_counter() - evaluated
         # A step ends when its outputs are ready; the last traced one before its trace is written.
         ready = profiler.after(step + 1, (state, metrics))
         pending = PendingStep(step + 1, metrics, last, ready if evaluated is None else evaluated)
         every = config.checkpoint.every
         if every and (step + 1) % every == 0:
-            jax.block_until_ready(metrics)
+            wait_for(metrics)
             flush(pending, save=functools.partial(checkpointer.save, step + 1, state, job.data.state()))
             pending, last = None, time.perf_counter()
-    jax.block_until_ready(state)
+    wait_for(state)
     final_save = functools.partial(checkpointer.save, int(state["step"]), state, job.data.state(), force=True)
     if pending is None:
         if int(state["step"]) > first_step:
-            final_save()  # saved already, unless the steps since the last save were none of checkpoint.every's
+            with goodput.charged("checkpoint_save"):
+                final_save()  # saved already, unless the steps since the last save were none of checkpoint.every's
     else:
         flush(pending, save=final_save)
     return state, signals.received

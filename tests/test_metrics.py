@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.explain import compile_step, cost_flops, explain, format_report, step_flops
 from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step, peak_tflops
+from nestor.orchestrator.goodput import RUN_CATEGORIES
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,
                                   spec_text, tensorboard_tag)
@@ -23,7 +24,7 @@ from tests.helpers import run
 
 TIMINGS = {"compile_s": [1], "checkpoint_s": [2, 4]}  # logged steps of the loop's one-off times in traced_run
 SCALARS = ("loss", "lm_loss", "lr", "grad_norm", "param_norm", "step_time_s", "tokens_per_s",
-           "tflops_per_device", "mfu")
+           "tflops_per_device", "mfu", "goodput_fraction", *(f"goodput_{name}" for name in RUN_CATEGORIES))
 MOE = ("moe.num_experts=4", "moe.every=2", "moe.top_k=2")
 
 
