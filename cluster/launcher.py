@@ -28,6 +28,7 @@ stream, without Ray's prefixes, colour codes or the collectives' chatter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -120,6 +121,23 @@ class ClusterSpec:
 class Phase:
     """A start-up phase a worker reports to the driver (`launch`'s `on_phase`), apart from the run's messages."""
 
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """A worker process of the group, as it reported itself when it started."""
+
+    pid: int
+    node_ip: str
+    node_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LastWords:
+    """What a worker says just before it ends itself (`last_words`): the cause of the group's failure."""
+
+    rank: int
     text: str
 
 
@@ -326,26 +344,23 @@ class Mailbox:
     """Messages from workers to the driver (a Ray actor): `put` appends, `take` empties; why the group
     ended early, "preempted" or "stopped" (`ended` says it, `take_ended` reads and clears it); the
     signal the driver was told to stop by (`request_stop` sets it, `stop_request` reads it); and who
-    the group's workers are and what a worker said before it ended itself (`joined`, `last_words`;
-    `take_group` reads and clears both)."""
+    the group's workers are (`joined`; `take_group` reads and clears it)."""
 
     def __init__(self):
         self.messages: list = []
         self.ended_for: str | None = None
         self.stop_signal: int | None = None
-        self.workers: dict[int, tuple[int, str]] = {}
-        self.words: dict[int, str] = {}
+        self.workers: dict[int, Worker] = {}
 
-    def joined(self, rank: int, pid: int, node: str) -> None:
-        self.workers[rank] = (pid, node)
+    def joined(self, rank: int, worker: "Worker") -> None:
+        self.workers[rank] = worker
 
-    def last_words(self, rank: int, text: str) -> None:
-        self.words[rank] = text
+    def group(self) -> dict[int, "Worker"]:
+        return dict(self.workers)
 
-    def take_group(self) -> dict:
-        group = {"workers": self.workers, "last_words": self.words}
-        self.workers, self.words = {}, {}
-        return group
+    def take_group(self) -> dict[int, "Worker"]:
+        workers, self.workers = self.workers, {}
+        return workers
 
     def put(self, message) -> None:
         self.messages.append(message)
@@ -474,6 +489,16 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         except BaseException as error:  # handed to the main thread below
             outcome.append(error)
 
+    words: dict[int, str] = {}
+
+    def deliver(message) -> None:
+        if not isinstance(message, LastWords):
+            on_message(message)
+            return
+        if not words:  # the first worker to end itself: the others may be stopped (SIGSTOP)
+            _continue_workers(ray.get(mailbox.group.remote()))
+        words[message.rank] = message.text
+
     # fit() blocks; the main thread meanwhile shows what the workers send and passes a stop on.
     runner = threading.Thread(target=fit, name="nestor-fit", daemon=True)
     runner.start()
@@ -481,15 +506,15 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         runner.join(timeout=0.2)
         signals.pass_on(mailbox)
         for message in ray.get(mailbox.take.remote()):
-            on_message(message)
+            deliver(message)
     for message in ray.get(mailbox.take.remote()):
-        on_message(message)
+        deliver(message)
     error = outcome[0]
     if isinstance(error, WorkerGroupError):
         final = _final_error(error, recovery)
         if final is not None:
             raise final from None
-        return _failure_cause(error, ray.get(mailbox.take_group.remote()))
+        return _failure_cause(error, ray.get(mailbox.take_group.remote()), words)
     if error is not None:  # the controller itself failed; show the root cause, not Ray's trace
         raise ClusterError(f"the run failed: {_first_line(error)}") from None
     return None
@@ -513,17 +538,16 @@ def _final_error(error, recovery: Recovery) -> Exception | None:
     return None
 
 
-def _failure_cause(error, group: dict) -> str:
-    """Returns which processes of a failed group failed and how, one line: those that died first (Ray's
-    health check lost them), then those that raised. `group` is the Mailbox's record of the group: each
-    rank's (pid, node address) and the last words a worker sent before it ended itself."""
+def _failure_cause(error, workers: dict[int, Worker], words: dict[int, str]) -> str:
+    """Returns which processes of a failed group failed and how, one line: those that ended themselves
+    (their last `words`) or died (Ray's health check lost them) first, then those that raised."""
     died, raised = [], []
-    for rank, failure in sorted(error.worker_failures.items()):
-        pid, node = group["workers"].get(rank, ("?", "?"))
-        who = f"process {rank} (pid {pid} on {node})"
-        cause = _cause(failure)
-        if rank in group["last_words"]:
-            died.append(f"{who} {group['last_words'][rank]}")
+    for rank in sorted(set(error.worker_failures) | set(words)):
+        worker = workers.get(rank)
+        who = f"process {rank} (pid {worker.pid} on {worker.node_ip})" if worker else f"process {rank}"
+        cause = _cause(error.worker_failures.get(rank))
+        if rank in words:
+            died.append(f"{who} {words[rank]}")
         elif type(cause).__name__ == "WorkerHealthCheckFailedError":
             died.append(f"{who} died without a Python error (a signal such as SIGKILL, the kernel's OOM killer, "
                         "or a crash; its log is in Ray's session logs)")
@@ -552,13 +576,46 @@ class _BoardClient:
         return ray.get(self.handle.state.remote(group))
 
 
+_LAST_WORDS = None  # in a Ray worker: (the mailbox, this worker's rank)
+LAST_WORDS_TIMEOUT_S = 10
+
+
+def last_words(text: str) -> None:
+    """In a Ray worker about to end itself: tells the driver why (the cause its restart line gives), and
+    has it continue the group's stopped workers (SIGCONT) so that they can end too. Elsewhere nothing."""
+    if _LAST_WORDS is None:
+        return
+    import ray
+
+    mailbox, rank = _LAST_WORDS
+    ray.get(mailbox.put.remote(LastWords(rank, text)), timeout=LAST_WORDS_TIMEOUT_S)
+
+
+def _continue_process(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def _continue_workers(workers: dict[int, Worker]) -> None:
+    """Sends SIGCONT to every worker of the group, each on its own node (a stopped one can then end)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(_continue_process)
+    ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker.node_id, soft=False))
+             .remote(worker.pid) for worker in workers.values()], timeout=60)
+
+
 def _worker(config: dict) -> None:
     """One Ray Train worker: on CPU, simulates its devices and joins jax.distributed; then trains."""
     import ray.train
 
     spec: ClusterSpec = config["spec"]
     context = ray.train.get_context()
-    config["mailbox"].joined.remote(context.get_world_rank(), os.getpid(), ray.util.get_node_ip_address())
+    global _LAST_WORDS
+    _LAST_WORDS = (config["mailbox"], context.get_world_rank())
+    config["mailbox"].joined.remote(context.get_world_rank(), Worker(
+        os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()))
     # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -44,6 +44,9 @@ class RunConfig:
     seed: int = key(0, "seeds parameters, data order and routing noise", minimum=0, maximum=2**32 - 1)
     compile_cache: str | None = key("~/.cache/nestor/xla", "persistent XLA compilation cache: a rerun or resume "
                                     "loads the step; null = off")
+    hang_timeout_s: float | None = key(None, "seconds a step, save or restore may take on any process before the "
+                                       "run stops as hung, stacks in run.dir/hangs/; null = 20 x the median step, "
+                                       "at least 600; 0 = never", minimum=0)
 
 
 BUILTIN_LM = "lm"  # model.class of nestor's own decoder LM

@@ -16,11 +16,13 @@ import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nestor.cluster.launcher import last_words
 from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.checkpoint_restore import finalized_steps
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.goodput import Goodput
+from nestor.orchestrator.hang import HangWatchdog
 from nestor.orchestrator.health import CALMER, StateHealth, best_of
 from nestor.orchestrator.hf.load import keep_source_files
 from nestor.orchestrator.job import Job, abstract_batch, build_job
@@ -30,7 +32,7 @@ from nestor.orchestrator.paths import shown
 from nestor.orchestrator.profiler import StepProfiler
 from nestor.orchestrator.progress import Console
 from nestor.orchestrator.run_lock import claim_run_dir, holding_run_dir
-from nestor.orchestrator.runtime import check_shared_run_dir, wait_for_every_process
+from nestor.orchestrator.runtime import check_shared_run_dir, every_process_says, wait_for_every_process
 from nestor.orchestrator.signals import StopSignals, no_stop_request, stopping_line
 from nestor.orchestrator.state import init_state, param_table
 
@@ -109,6 +111,16 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
     return step, state
 
 
+def _watchdog(config: Config) -> HangWatchdog:
+    """Starts this process's hang watchdog, waiting for the start state; its hang directory is named by
+    process 0's clock at this moment, the same for every process of the attempt."""
+    started = every_process_says("attempt started", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))[0]
+    watchdog = HangWatchdog(config.run.hang_timeout_s, Path(config.run.dir) / "hangs" / started,
+                            jax.process_index(), jax.process_count(), last_words=last_words)
+    watchdog.beat("the start state (a restore or a fresh init)")
+    return watchdog
+
+
 def _norm(job: Job, state: dict) -> float:
     """Returns the norm of `state`'s parameters (replicated: every process reads it)."""
     replicated = NamedSharding(job.mesh, PartitionSpec())
@@ -180,6 +192,8 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
     # Whatever fails, everything opened so far is closed, newest first (async saves are waited for).
     with contextlib.ExitStack() as closing:
+        watchdog = _watchdog(config)
+        closing.callback(watchdog.close)
         checkpointer = Checkpointer(config, job.layout, log)
         closing.callback(goodput.charged("checkpoint_save")(checkpointer.close))  # it waits for saves in flight
         with goodput.charged("restore"):
@@ -196,9 +210,11 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         goodput.start(Path(config.run.dir), first_step, enabled=lead)
         restored = (first_step, checkpointer.record(first_step)) if first_step else None
         best = best_of(restored and restored[1].get("health"))
-        health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
-        with goodput.charged("compile"):
+        with watchdog.paused():  # the norm compiles a program of its own
+            health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
+        with goodput.charged("compile"), watchdog.paused():
             job.step_fn, compile_s = _compile(job, state, first_step, console)
+        watchdog.beat(f"step {first_step + 1}")
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
         writer = MetricsWriter(config, throughput, enabled=lead)
         closing.callback(writer.close)
@@ -214,13 +230,16 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
                       or "eval_loss" in metrics)
             # Off logging steps, only what every step needs comes to the host.
             values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
+            watchdog.beat(f"step {step + 1}", step_done=True)
             finished_at = time.perf_counter() if finished is None else finished
             _check_health(step, values, health, checkpointer, restored, first_step)  # before the state goes to disk
             result.losses.append(float(values["loss"]))
             if save is not None:
                 saving = time.perf_counter()
+                watchdog.beat(f"the save of checkpoint {step}")
                 with goodput.charged("checkpoint_save"):
                     save(health=health.record())
+                watchdog.beat(f"step {step + 1}")
                 timings["checkpoint_s"] = time.perf_counter() - saving
             if logged:
                 record = writer.write(step, values, finished_at - started, {**timings, **goodput.log(step)})
@@ -232,7 +251,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         closing.callback(profiler.stop)
         started = time.perf_counter()
         result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
-                                                profiler, goodput)
+                                                profiler, goodput, watchdog)
     if result.stopped_by is not None:
         everywhere = " on every process" if jax.process_count() > 1 else ""
         name = signal.Signals(result.stopped_by).name
@@ -245,7 +264,8 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
 
 
 def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
-          flush, signals: StopSignals, profiler: StepProfiler, goodput: Goodput) -> tuple[dict, int | None]:
+          flush, signals: StopSignals, profiler: StepProfiler, goodput: Goodput,
+          watchdog: HangWatchdog) -> tuple[dict, int | None]:
     """Runs the steps; returns (final state, the stop signal or None). Saves only verified states. The host's
     time making batches, in steps (dispatching them, waiting on their outputs) and evaluating is charged to
     `goodput`'s data_wait, step and eval; a save's, to checkpoint_save (in `flush`)."""
@@ -279,7 +299,7 @@ def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: 
             # (its first compile included) is eval_s. It runs before the next step donates the state.
             wait_for(metrics)
             evaluated = time.perf_counter()
-            with goodput.charged("eval"):
+            with goodput.charged("eval"), watchdog.paused():
                 metrics = {**metrics, **jax.block_until_ready(job.evaluator(state))}
             metrics["eval_s"] = time.perf_counter() - evaluated
         # A step ends when its outputs are ready; the last traced one before its trace is written.

@@ -393,6 +393,38 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_recovers(tmp_path):
+    """SIGSTOP to one worker: its peer's step waits past run.hang_timeout_s; the peer writes its stacks and
+    says so, the driver continues the stopped worker (SIGCONT), which writes its own, and the group is
+    restarted from the newest checkpoint and finishes."""
+    run_dir = tmp_path / "run"
+    limit = 10
+    with Driver(*TINY, *TWO_HOSTS, "train.steps=40", "checkpoint.every=5", f"run.hang_timeout_s={limit}",
+                f"run.dir={run_dir}", env=child_env()) as driver:
+        driver.wait_until(lambda: saved_steps(run_dir))
+        stopped = ray_train_workers(driver.process)[-1]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        at = time.monotonic()
+        driver.wait_until(lambda: len(list(run_dir.glob("hangs/*/process-*.txt"))) == 2)
+        seconds = time.monotonic() - at
+        driver.process.wait(timeout=600)
+    output = driver.output()
+    assert driver.process.returncode == 0, output[-3000:]
+    # the limit, a poll of the peer's watchdog, the driver's SIGCONT (a Ray task) and the stopped one's poll
+    assert limit <= seconds <= limit + 20, seconds
+    hang = next(run_dir.glob("hangs/*"))
+    texts = {path.name: path.read_text() for path in hang.iterdir()}
+    assert set(texts) == {"process-0.txt", "process-1.txt"} and all("--- thread MainThread" in t for t in texts.values())
+    assert f"pid {stopped.pid} " in texts["process-1.txt"]
+    restart = re.search(r"^restart 1: process 0 \(pid \d+ on [\d.]+\) hung: waited \d+ s for step \d+ "
+                        rf"\(run.hang_timeout_s: {limit} s\); stacks in {re.escape(str(hang))}; process 1 \(pid "
+                        rf"{stopped.pid} on [\d.]+\) (hung|stopped with its hung peers)", output, re.MULTILINE)
+    assert restart, output[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_failures_past_max_failures_end_the_run_in_one_line_with_its_checkpoint_intact(tmp_path):
     """cluster.max_failures=0 and a worker killed: no restart, exit 1, one line naming the process that

@@ -1,0 +1,140 @@
+"""The hang watchdog: a step, a save or a restore that takes longer than `run.hang_timeout_s` on any process
+stops the run, with every process's Python stacks in `run.dir/hangs/<attempt>/`.
+
+A thread per process watches the time since the loop last made progress (`beat`). Past the limit, it writes
+`process-<i>.txt` (what the process waited for, since when, and the stack of every thread: the main one's
+ends in the jax call that never returned), says so (`last_words`: to the Ray driver, which then continues
+any worker stopped with SIGSTOP so that it writes its own), waits up to GRACE_S for the other processes'
+files and ends the process (`os._exit`: its main thread is stuck in a collective or a device wait). Each
+process also looks for the attempt's hang directory once a second: a process whose peers declared a hang
+writes its stacks and ends too. Under Ray the launcher then restarts the group (docs/cluster.md); in one
+process, `nestor train` exits 1 with one line naming the file. Compiles and evaluations are not watched
+(`paused`): their time grows with the model, not with the step.
+
+The limit, unless `run.hang_timeout_s` sets it: AUTO_STEPS times the median of the last steps' intervals,
+at least AUTO_FLOOR_S (the first steps after a compile, a large checkpoint's restore or save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+AUTO_STEPS = 20
+AUTO_FLOOR_S = 600.0
+GRACE_S = 15.0  # how long a hung process waits for the others' stacks before it ends
+POLL_S = 1.0
+HANG_EXIT_CODE = 1
+_INTERVALS = 20  # the step intervals the automatic limit takes the median of
+
+
+def stacks_text() -> str:
+    """Returns the stack of every thread of this process, the innermost call last."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, '?')} ({ident})\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+class HangWatchdog:
+    """Watches one process of one attempt. `beat(waiting_for)` marks progress and says what comes next;
+    `paused()` stops the clock inside a block; `close()` ends the watch. `watch=False` starts no thread
+    (`overdue` is still asked)."""
+
+    def __init__(self, timeout_s: float | None, hang_dir: Path, process_index: int, processes: int,
+                 last_words: Callable[[str], None] = lambda text: None,
+                 on_hang: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+                 clock: Callable[[], float] = time.monotonic, watch: bool = True):
+        self.timeout_s, self.hang_dir = timeout_s, Path(hang_dir)
+        self.process_index, self.processes = process_index, processes
+        self.last_words, self.on_hang, self.clock = last_words, on_hang, clock
+        self.waiting_for, self.since = "the start", clock()
+        self.intervals: deque[float] = deque(maxlen=_INTERVALS)
+        self._paused = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        if watch and timeout_s != 0:  # 0: never
+            self._thread = threading.Thread(target=self._watch, name="nestor-hang-watchdog", daemon=True)
+            self._thread.start()
+
+    def limit_s(self) -> float:
+        """The seconds one wait may take now."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        median = statistics.median(self.intervals) if self.intervals else 0.0
+        return max(AUTO_FLOOR_S, AUTO_STEPS * median)
+
+    def beat(self, waiting_for: str, step_done: bool = False) -> None:
+        """Marks progress: the loop now waits for `waiting_for` (e.g. "step 31"). `step_done`: the time
+        since the last beat was one step's, which the automatic limit learns from."""
+        with self._lock:
+            now = self.clock()
+            if step_done:
+                self.intervals.append(now - self.since)
+            self.waiting_for, self.since = waiting_for, now
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leaves the block unwatched (a compile, an evaluation); the clock starts again after it."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+                self.since = self.clock()
+
+    def overdue(self) -> str | None:
+        """Returns what this process has waited for past the limit (one line), or None."""
+        with self._lock:
+            if self._paused or self.timeout_s == 0:
+                return None
+            waited, limit = self.clock() - self.since, self.limit_s()
+            if waited <= limit:
+                return None
+            return f"waited {waited:.0f} s for {self.waiting_for} (run.hang_timeout_s: {limit:g} s)"
+
+    def _watch(self) -> None:
+        while not self._closed.wait(POLL_S):
+            if (why := self.overdue()) is not None:
+                self._stop(f"hung: {why}", first=not self.hang_dir.is_dir())
+                return
+            if self.hang_dir.is_dir():  # a peer declared a hang: this process is stuck in the same step
+                self._stop(f"stopped with its hung peers, while it waited for {self.waiting_for}", first=False)
+                return
+
+    def _stop(self, why: str, first: bool) -> None:
+        """Writes this process's stacks, says why, waits for the others' files (the first to see the hang),
+        and ends the process."""
+        path = self.write_stacks(why)
+        self.last_words(f"{why}; stacks in {path.parent}")
+        if first:
+            deadline = time.monotonic() + GRACE_S
+            while len(list(self.hang_dir.glob("process-*.txt"))) < self.processes and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread are in {path}")
+        os._exit(HANG_EXIT_CODE)
+
+    def write_stacks(self, why: str) -> Path:
+        """Writes `process-<i>.txt` in the hang directory; returns its path."""
+        self.hang_dir.mkdir(parents=True, exist_ok=True)
+        path = self.hang_dir / f"process-{self.process_index}.txt"
+        header = (f"process {self.process_index} of {self.processes}, pid {os.getpid()} on {socket.gethostname()}, "
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {why}\n\n")
+        path.write_text(header + stacks_text())
+        return path
+
+    def close(self) -> None:
+        self._closed.set()

@@ -1,0 +1,134 @@
+"""The hang watchdog (orchestrator/hang.py): its limit and clock, its stacks, and a hung run in one process.
+The Ray launcher's case (a worker stopped with SIGSTOP) is tests/test_cluster.py's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from nestor.orchestrator.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog
+from tests.conftest import ROOT
+from tests.helpers import child_env
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watchdog(tmp_path, timeout_s, clock) -> HangWatchdog:
+    return HangWatchdog(timeout_s, tmp_path / "hangs" / "attempt", 0, 1, clock=clock, watch=False)
+
+
+def test_a_wait_past_the_limit_is_overdue_and_says_what_it_waited_for(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, 30, clock)
+    dog.beat("step 7")
+    clock.now += 30
+    assert dog.overdue() is None
+    clock.now += 1
+    assert dog.overdue() == "waited 31 s for step 7 (run.hang_timeout_s: 30 s)"
+    dog.beat("step 8", step_done=True)
+    assert dog.overdue() is None
+
+
+def test_the_automatic_limit_is_a_multiple_of_the_median_step_with_a_floor(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, None, clock)
+    assert dog.limit_s() == AUTO_FLOOR_S  # no step yet: the first steps after a compile
+    for seconds in (40.0, 50.0, 45.0, 1.0):  # a step interval, each
+        clock.now += seconds
+        dog.beat("the next step", step_done=True)
+    assert dog.limit_s() == AUTO_STEPS * 42.5
+    clock.now += 1.0
+    dog.beat("the save", step_done=False)  # not a step's interval: the median stays
+    assert dog.limit_s() == AUTO_STEPS * 42.5
+    assert watchdog(tmp_path, 0, clock).overdue() is None and watchdog(tmp_path, 0, clock)._thread is None
+
+
+def test_paused_blocks_are_not_watched_and_restart_the_clock(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, 10, clock)
+    with dog.paused():
+        clock.now += 100  # a compile
+        assert dog.overdue() is None
+    assert dog.overdue() is None
+    clock.now += 11
+    assert dog.overdue() is not None
+
+
+def test_the_stacks_file_holds_every_threads_stack(tmp_path):
+    blocked = threading.Event()
+
+    def waits_for_a_peer():
+        blocked.wait()
+
+    thread = threading.Thread(target=waits_for_a_peer, name="peer-waiter", daemon=True)
+    thread.start()
+    path = watchdog(tmp_path, 10, Clock()).write_stacks("hung: waited 11 s for step 3")
+    blocked.set()
+    text = path.read_text()
+    assert path == tmp_path / "hangs" / "attempt" / "process-0.txt"
+    assert text.startswith("process 0 of 1, pid ") and "hung: waited 11 s for step 3" in text.splitlines()[0]
+    assert "--- thread peer-waiter" in text and "in waits_for_a_peer" in text
+    assert "--- thread MainThread" in text and "in test_the_stacks_file_holds_every_threads_stack" in text
+
+
+# A run whose batch of step 4 never comes: the watchdog ends it with its stacks.
+HUNG_RUN = textwrap.dedent("""
+    import sys, threading
+    from nestor.orchestrator import train as train_module
+    from nestor.orchestrator.config import load
+    from nestor.orchestrator.runtime import configure_jax
+
+    config = load(None, ["model.preset=tiny", "data.source=synthetic", "train.steps=50", "train.global_batch=8",
+                         "train.seq_len=32", "cluster.launcher=inprocess", "run.hang_timeout_s=4",
+                         "checkpoint.every=0", f"run.dir={sys.argv[1]}", "mesh.data=-1"])
+    configure_jax(config)
+    build_job = train_module.build_job
+
+    def with_a_stuck_batch(*args):
+        job = build_job(*args)
+        batch = job.data.batch
+
+        def stuck_at_step_4(step):
+            if step == 3:
+                print("stuck", flush=True)
+                threading.Event().wait()  # a read that never returns
+            return batch(step)
+
+        job.data.batch = stuck_at_step_4
+        return job
+
+    train_module.build_job = with_a_stuck_batch
+    train_module.train(config)
+""")
+
+
+def test_a_step_past_hang_timeout_ends_the_run_with_its_stacks_in_run_dir_hangs(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-c", HUNG_RUN, str(run_dir)], cwd=ROOT, env=child_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in process.stdout:  # the run's own lines, then the marker
+        if line == "stuck\n":
+            break
+    stuck = time.monotonic()
+    out, err = process.communicate(timeout=120)
+    seconds = time.monotonic() - stuck
+    assert process.returncode == 1, err[-3000:]
+    # values are read one step late: when step 4's batch is made, step 3 is the one not yet seen to end
+    line = re.search(r"nestor: process 0 hung: waited (\d+) s for step 3 \(run.hang_timeout_s: 4 s\); the stacks "
+                     r"of every thread are in (\S+)", err)
+    assert line, err[-3000:]
+    # the limit, then at most one poll of the watchdog (and a loaded machine's scheduling)
+    assert 4 <= seconds <= 4 + POLL_S + 3, seconds
+    stacks = (run_dir / "hangs").glob("*/process-0.txt")
+    path = next(stacks)
+    assert str(path) == line.group(2) and "in stuck_at_step_4" in path.read_text()
