@@ -352,13 +352,13 @@ class Mailbox:
         self.stop_signal: int | None = None
         self.workers: dict[int, Worker] = {}
 
-    def joined(self, rank: int, worker: "Worker") -> None:
+    def joined(self, rank: int, worker: Worker) -> None:
         self.workers[rank] = worker
 
-    def group(self) -> dict[int, "Worker"]:
+    def group(self) -> dict[int, Worker]:
         return dict(self.workers)
 
-    def take_group(self) -> dict[int, "Worker"]:
+    def take_group(self) -> dict[int, Worker]:
         workers, self.workers = self.workers, {}
         return workers
 
@@ -470,6 +470,7 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
     from ray.train.v2.api.exceptions import WorkerGroupError
     from ray.train.v2.jax import JaxTrainer
 
+    ray.get(mailbox.take_group.remote())  # a worker of an earlier group is none of this one's
     scaling = ScalingConfig(num_workers=spec.hosts, use_gpu=spec.accelerator == "gpu",
                             use_tpu=spec.accelerator == "tpu", resources_per_worker=spec.worker_resources(),
                             topology=spec.tpu_topology, accelerator_type=spec.tpu_type)
