@@ -130,7 +130,7 @@ def test_an_accelerator_jax_does_not_have_is_named_before_the_device_count():
 
 # Keys issue 41 saw silently accepted in a mode that never reads them: valid, so a warning, not an error.
 IDLE = [(["cluster.tpu_topology=2x2x2", "cluster.tpu_type=TPU-V4"], ["cluster.tpu_topology", "cluster.tpu_type"]),
-        (["cluster.launcher=inprocess", "cluster.max_failures=3"], ["cluster.max_failures"]),
+        (["cluster.launcher=inprocess", "cluster.max_failures=5"], ["cluster.max_failures"]),
         (["mesh.pipeline=1", "mesh.data=2", "pipeline.schedule=1f1b"], ["pipeline.microbatches", "pipeline.schedule"]),
         (["pipeline.schedule=circular", "pipeline.microbatches=1"], ["pipeline.schedule"]),  # repeats=1: gpipe
         (["moe.num_experts=0", "moe.every=0", "moe.top_k=1", "moe.router=sigmoid"], ["moe.top_k", "moe.router"]),
