@@ -101,6 +101,8 @@ class ClusterSpec:
     accelerator: str = "cpu"  # cpu | gpu | tpu
     address: str | None = None  # None: the ambient cluster (RAY_ADDRESS) or an embedded one
     max_failures: int = 3  # failed groups in a row without progress before the run fails; -1: no limit
+    min_hosts: int | None = None  # fewest workers a restarted group may start with; None: hosts
+    restart_timeout_s: float = 300.0  # how long a restart waits for room for all `hosts` workers
     init_timeout_s: float = 120.0
     tpu_topology: str | None = None  # e.g. "2x2x2" (v4/v5p) or "4x4" (v5e); TPU only
     tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
@@ -155,11 +157,16 @@ class Restart:
 class Recovery:
     """How `launch` treats a failed worker group: `final(error)` says a worker's error no restart can mend
     (raised as it is); `progress()` returns a value that changes when the run gets further (its newest
-    checkpoint), which resets the count of failures in a row; `on_restart` hears each restart."""
+    checkpoint), which resets the count of failures in a row; `on_restart` hears each restart.
+    `resize(hosts)` returns the train function's argument for a group of fewer workers than
+    `ClusterSpec.hosts` (the same run on a smaller mesh), or None where it has none; `on_resize` hears
+    each group that starts on another number of workers than the one before."""
 
     final: Callable[[BaseException], bool] = lambda error: False
     progress: Callable[[], Any] = lambda: None
     on_restart: Callable[[Restart], None] = lambda restart: None
+    resize: Callable[[int], Any] = lambda hosts: None  # the train function's argument for fewer hosts, or None
+    on_resize: Callable[[int, str], None] = lambda hosts, why: None  # a group starts on `hosts` workers
 
 
 def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
@@ -315,6 +322,14 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
                            "start one with `ray start --head` or fix the address") from None
 
 
+def room_for_workers(spec: ClusterSpec, nodes: list[dict]) -> int:
+    """Returns how many of `spec`'s workers the live nodes of `nodes` (`ray.nodes()`) hold, whole workers per
+    node (a host's devices are never split across machines)."""
+    need = spec.worker_resources()
+    return sum(int(min(node.get("Resources", {}).get(name, 0) // amount for name, amount in need.items()))
+               for node in nodes if node.get("Alive"))
+
+
 def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
     """Raises ClusterError, with the numbers, when no placement of `spec.hosts` workers fits `nodes`.
 
@@ -322,12 +337,7 @@ def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
     devices are never split across machines).
     """
     need = spec.worker_resources()
-    fits = 0
-    for node in nodes:
-        if not node.get("Alive"):
-            continue
-        have = node.get("Resources", {})
-        fits += int(min(have.get(name, 0) // amount for name, amount in need.items()))
+    fits = room_for_workers(spec, nodes)
     if fits < spec.hosts:
         totals = {name: sum(n.get("Resources", {}).get(name, 0) for n in nodes if n.get("Alive")) for name in need}
         asked = ", ".join(f"{spec.hosts} x {amount:g} {name}" for name, amount in need.items())
@@ -434,13 +444,19 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
          recovery: Recovery) -> int | None:
     import ray
 
-    board = ray.remote(num_cpus=0)(Board).remote(spec.hosts)
-    mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # On the driver's node: a lost worker node must not take the run's board and mailbox with it.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    board = ray.remote(num_cpus=0)(Board).options(scheduling_strategy=here).remote(spec.hosts)
+    mailbox = ray.remote(num_cpus=0)(Mailbox).options(scheduling_strategy=here).remote()
     restarts, in_a_row, progress = 0, 0, recovery.progress()
+    group_spec, group_argument = spec, argument
     while True:
         if signals.received is not None:
             raise Interrupted(signals.received)  # a stop before this group started: none starts, nothing new to save
-        failure = _fit_group(train_fn, argument, spec, storage_dir, on_message, board, mailbox, signals, recovery)
+        failure = _fit_group(train_fn, group_argument, group_spec, storage_dir, on_message, board, mailbox, signals,
+                             recovery)
         if failure is not None:
             if signals.received is not None:  # told to stop while the group failed: no new group
                 raise ClusterError(f"the worker group failed while stopping: {failure}")
@@ -452,12 +468,40 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
                                    f"(cluster.max_failures={spec.max_failures}), last: {failure}")
             restarts += 1
             recovery.on_restart(Restart(restarts, in_a_row, spec.max_failures, failure))
-            continue
-        ended = ray.get(mailbox.take_ended.remote())
-        if ended == "stopped":
-            return signals.received  # every worker saved the step they agreed on
-        if ended != "preempted":
-            return None  # else every worker saved the same step after a preemption: a new group resumes it
+        else:
+            ended = ray.get(mailbox.take_ended.remote())
+            if ended == "stopped":
+                return signals.received  # every worker saved the step they agreed on
+            if ended != "preempted":
+                return None  # else every worker saved the same step after a preemption: a new group resumes it
+        hosts = _hosts_for_next_group(spec, signals)
+        if hosts != group_spec.hosts:
+            group_argument = argument if hosts == spec.hosts else recovery.resize(hosts)
+            if group_argument is None:
+                raise ClusterError(f"only {hosts} of cluster.hosts={spec.hosts} hosts have room for a worker "
+                                   f"after {spec.restart_timeout_s:g} s (cluster.restart_timeout_s), and the run "
+                                   f"has no mesh on {hosts} host(s) with the same global batch")
+            recovery.on_resize(hosts, f"room for {hosts} of cluster.hosts={spec.hosts} workers"
+                               + (f" after {spec.restart_timeout_s:g} s" if hosts < spec.hosts else ""))
+            group_spec = dataclasses.replace(spec, hosts=hosts)
+
+
+def _hosts_for_next_group(spec: ClusterSpec, signals: _DriverSignals, poll_s: float = 1.0) -> int:
+    """Returns how many workers the next group starts with: `spec.hosts` once the live nodes hold them, else,
+    after `spec.restart_timeout_s`, as many as they hold if at least `spec.min_hosts` (ClusterError if not)."""
+    import ray
+
+    deadline = time.monotonic() + spec.restart_timeout_s
+    while (room := min(room_for_workers(spec, ray.nodes()), spec.hosts)) < spec.hosts:
+        if time.monotonic() >= deadline or signals.received is not None:
+            least = spec.min_hosts or spec.hosts
+            if room < least:
+                raise ClusterError(f"only {room} of cluster.hosts={spec.hosts} hosts have room for a worker after "
+                                   f"{spec.restart_timeout_s:g} s (cluster.restart_timeout_s), fewer than "
+                                   f"cluster.min_hosts={least}")
+            return room
+        time.sleep(poll_s)
+    return room
 
 
 def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, board, mailbox,

@@ -274,6 +274,10 @@ class ClusterConfig:
     accelerator: str = key("cpu", "cpu | gpu | tpu", choices=("cpu", "gpu", "tpu"))
     max_failures: int = key(3, "failed worker groups in a row with no new checkpoint between them that are "
                             "restarted before the run fails; -1 = no limit", minimum=-1)
+    min_hosts: int | None = key(None, "fewest hosts a restarted worker group may continue on (a smaller mesh, the "
+                                "same global batch); null = cluster.hosts", **_POSITIVE)
+    restart_timeout_s: float = key(300.0, "seconds a restart waits for every host before it continues on fewer "
+                                   "(cluster.min_hosts)", above=0)
     init_timeout_s: float = key(120.0, "seconds to wait for every process to join jax.distributed", above=0)
     tpu_topology: str | None = key(None, "tpu: slice topology per host group, e.g. 2x2x2 (v4/v5p) or 4x4 (v5e)")
     tpu_type: str | None = key(None, "tpu: Ray accelerator type, e.g. TPU-V4, TPU-V5LITEPOD, TPU-V5P")

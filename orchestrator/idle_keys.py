@@ -13,7 +13,7 @@ from nestor.orchestrator.degrees import mesh_degrees, total_devices
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
 
-RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.init_timeout_s", "cluster.dashboard",
+RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.min_hosts", "cluster.restart_timeout_s", "cluster.init_timeout_s", "cluster.dashboard",
                      "cluster.worker_logs")
 TPU_KEYS = ("cluster.tpu_topology", "cluster.tpu_type")
 PIPELINE_KEYS = ("pipeline.microbatches", "pipeline.schedule", "pipeline.repeats", "pipeline.stack")

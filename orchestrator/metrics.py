@@ -34,8 +34,9 @@ from nestor.orchestrator.moe_step import EXPERT_BIAS
 PERF_METRICS = ("step_time_s", "tokens_per_s", "rows_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")
 # Metrics named with these prefixes go to their own TensorBoard group, the prefix dropped.
 _PREFIX_GROUPS = {"moe_": "moe", "eval_": "eval", "data_": "data", "goodput_": "goodput"}
-# Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step).
-_JSONL_ONLY = ("step", "resumed_from")
+# Records in metrics.jsonl only: `resumed_from` marks a resume (TensorBoard shows it by the config text's step),
+# `mesh` the mesh an attempt's steps ran on, from its first record on.
+_JSONL_ONLY = ("step", "resumed_from", "mesh")
 
 
 def tensorboard_tag(name: str) -> str:
@@ -154,15 +155,17 @@ class MetricsWriter:
         self.throughput = throughput
         self.enabled = enabled
         self.resumed_from: int | None = None
+        self.mesh: str | None = None
         self.run_dir = Path(config.run.dir)
         self.jsonl = self.run_dir / "metrics.jsonl"
         self.tensorboard = None  # opened by start(), which knows where a resumed run continues
 
-    def start(self, resumed_step: int, sharding_table: str) -> None:
+    def start(self, resumed_step: int, sharding_table: str, mesh: str) -> None:
         """Drops records after `resumed_step` (a killed run logged them; the resume logs them again),
         and writes the config and sharding table as text. The first record
-        after a resume carries `resumed_from` (the checkpoint's step)."""
-        self.resumed_from = resumed_step or None
+        after a resume carries `resumed_from` (the checkpoint's step); the first of every start, `mesh` (the
+        mesh this attempt's steps run on, e.g. "data 2 x fsdp 2 x tensor 2 over 2 processes")."""
+        self.resumed_from, self.mesh = resumed_step or None, mesh
         if not self.enabled:
             return
         if self.config.metrics.tensorboard:
@@ -187,6 +190,8 @@ class MetricsWriter:
                   **{name: value.tolist() for name, value in arrays.items()}}
         if self.resumed_from is not None:
             record["resumed_from"], self.resumed_from = self.resumed_from, None
+        if self.mesh is not None:
+            record["mesh"], self.mesh = self.mesh, None
         if not self.enabled:
             return record
         with self.jsonl.open("a") as f:

@@ -23,9 +23,33 @@ def cluster_spec(config: Config) -> ClusterSpec:
     """Returns what the run asks of Ray, from the `cluster.*` keys."""
     c = config.cluster
     return ClusterSpec(hosts=c.hosts, devices_per_host=c.devices_per_host, accelerator=c.accelerator,
-                       address=c.address, max_failures=c.max_failures, init_timeout_s=c.init_timeout_s,
+                       address=c.address, max_failures=c.max_failures, min_hosts=c.min_hosts,
+                       restart_timeout_s=c.restart_timeout_s, init_timeout_s=c.init_timeout_s,
                        tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard,
                        worker_logs=c.worker_logs, user_code=user_code_paths(config) if c.address else ())
+
+
+def config_on_hosts(config: Config, hosts: int) -> Config | None:
+    """Returns `config` for `hosts` of its `cluster.hosts` with the same global batch, or None where there is
+    none: the data (else fsdp) degree across hosts (else within them, when no axis is -1) divided by
+    cluster.hosts / hosts, and train.grad_accum multiplied by it, so each device's micro-batch stays."""
+    factor, rest = divmod(config.cluster.hosts, hosts)
+    if rest or hosts < 1:
+        return None
+    updates = {"cluster.hosts": hosts, "train.grad_accum": config.train.grad_accum * factor}
+    dcn, ici = config.mesh.dcn_shape(), config.mesh.ici_shape()
+    shrunk = [f"mesh.dcn.{axis}" for axis in ("data", "fsdp") if dcn[axis] % factor == 0]
+    if not shrunk and -1 not in ici.values():
+        shrunk = [f"mesh.{axis}" for axis in ("data", "fsdp") if ici[axis] % factor == 0]
+    for key in shrunk[:1]:
+        section, _, axis = key.rpartition(".")
+        updates[key] = (dcn if section == "mesh.dcn" else ici)[axis] // factor
+    if not shrunk and -1 not in ici.values():
+        return None
+    try:
+        return config.replace(**updates)
+    except ValueError:  # a ConfigError: e.g. the global batch does not split over the smaller mesh
+        return None
 
 
 def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
@@ -134,10 +158,23 @@ def train_on_ray(config: Config, console: Console) -> int | None:
             if (signum := kept_signal()) is not None:  # before Ray starts: stop now, nothing to save
                 raise Interrupted(signum)
             restarts = _Restarts(config, console)
+            directory = str(user_directory())
+
+            def resize(hosts: int):
+                smaller = config_on_hosts(config, hosts)
+                return None if smaller is None else (smaller, directory)
+
+            def resized(hosts: int, why: str) -> None:
+                c = config_on_hosts(config, hosts)
+                console.log(f"the worker group starts on {hosts} host(s) ({why}): " + (
+                    "the configured mesh" if hosts == config.cluster.hosts else
+                    f"mesh.dcn {c.mesh.dcn_shape()}, mesh {c.mesh.ici_shape()}, train.grad_accum="
+                    f"{c.train.grad_accum}, the same global batch of {c.train.global_batch}"))
+
             # a run's own failure (diverged, a save that failed) would fail again the same way
-            recovery = Recovery(final=lambda error: isinstance(error, RunFailed),
-                                progress=restarts.newest_checkpoint, on_restart=restarts.restart)
-            return launch(train_on_worker, (config, str(user_directory())), cluster_spec(config),
+            recovery = Recovery(final=lambda error: isinstance(error, RunFailed), progress=restarts.newest_checkpoint,
+                                on_restart=restarts.restart, resize=resize, on_resize=resized)
+            return launch(train_on_worker, (config, directory), cluster_spec(config),
                           storage_dir=config.run.dir, on_message=restarts.replay,
                           on_stop=lambda signum: console.log(stopping_line(signum)), on_phase=console.log,
                           kept_signal=kept_signal, recovery=recovery)

@@ -127,6 +127,12 @@ def _norm(job: Job, state: dict) -> float:
     return float(jax.jit(optax.tree.norm, out_shardings=replicated)(state["params"]))
 
 
+def _mesh_text(job: Job) -> str:
+    """Returns the mesh as metrics.jsonl names it: its axes past 1, and the processes it spans."""
+    axes = " x ".join(f"{axis} {size}" for axis, size in job.mesh.shape.items() if size > 1) or "one device"
+    return f"{axes} over {jax.process_count()} process(es)"
+
+
 def _sharding_text(job: Job) -> str:
     return sharding_table(param_table(job.layout))
 
@@ -218,7 +224,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
         writer = MetricsWriter(config, throughput, enabled=lead)
         closing.callback(writer.close)
-        writer.start(first_step, _sharding_text(job))
+        writer.start(first_step, _sharding_text(job), _mesh_text(job))
         console.start(config.train.steps, first_step)
         closing.callback(console.close)
         timings = {"compile_s": compile_s}  # one-off times, logged with the next record

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -125,10 +126,11 @@ def head_answers(url: str) -> bool:
         return False
 
 
-def start_ray_head(env: dict, log: Path, temp_dir: str | None = None) -> tuple[subprocess.Popen, str, str]:
-    """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago, its output in `log` (its
-    sessions in `temp_dir`, else Ray's /tmp/ray); returns (the process, its dashboard URL, its GCS address)
-    once the Jobs API answers, or raises AssertionError with the log's end if it exits first or takes over 90 s."""
+def start_ray_head(env: dict, log: Path, temp_dir: str | None = None, cpus: int = 3) -> tuple[subprocess.Popen, str, str]:
+    """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago with `cpus` CPUs, its output in
+    `log` (its sessions in `temp_dir`, else Ray's /tmp/ray); returns (the process, its dashboard URL, its GCS
+    address) once the Jobs API answers, or raises AssertionError with the log's end if it exits first or takes
+    over 90 s."""
     port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
     sessions = [f"--temp-dir={temp_dir}"] if temp_dir else []
     with log.open("w") as output:
@@ -136,7 +138,7 @@ def start_ray_head(env: dict, log: Path, temp_dir: str | None = None) -> tuple[s
             [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
              # its own agent port: the default (52365) may be held by another Ray node on this machine
-             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--num-cpus=3", "--disable-usage-stats",
+             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", f"--num-cpus={cpus}", "--disable-usage-stats",
              *sessions],
             env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
@@ -148,6 +150,25 @@ def start_ray_head(env: dict, log: Path, temp_dir: str | None = None) -> tuple[s
                                  + "\n".join(log.read_text().splitlines()[-15:]))
         time.sleep(2)
     return head, url, f"127.0.0.1:{port}"
+
+
+def start_ray_node(env: dict, address: str, log: Path) -> subprocess.Popen:
+    """Starts a second Ray node on this machine (`ray start --address --block`, 1 CPU: one worker's room)
+    in the cluster at `address`; returns once the cluster counts it alive. Stop it (its raylet and its
+    workers: a lost host) with stop_ray_head."""
+    with log.open("w") as output:
+        node = subprocess.Popen(
+            [RAY, "start", f"--address={address}", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", "--disable-usage-stats"],
+            env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    return node
+
+
+def alive_cpus(env: dict, address: str) -> int:
+    """Returns the CPUs of the cluster's live nodes (a child process asks: this one never joins Ray)."""
+    script = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); print(int(ray.cluster_resources().get('CPU', 0)))"
+    done = subprocess.run([PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else -1
 
 
 def stop_ray_head(head: subprocess.Popen) -> None:
@@ -325,7 +346,7 @@ def trained_a_step(run_dir: Path) -> bool:
     return (run_dir / "metrics.jsonl").exists() and bool(metrics(run_dir))
 
 
-def ray_train_workers(driver: subprocess.Popen) -> list[psutil.Process]:
+def ray_train_workers(driver: subprocess.Popen) -> list[psutil.Process]:  # or a `ray start` node
     return [p for p in psutil.Process(driver.pid).children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
 
 
@@ -422,6 +443,74 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
                         rf"{stopped.pid} on [\d.]+\) (hung|stopped with its hung peers)", output, re.MULTILINE)
     assert restart, output[-3000:]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(1200)
+def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same_batch_until_it_returns(tmp_path):
+    """Two Ray nodes of one worker each; the second one is lost after a checkpoint: with cluster.min_hosts=1
+    the restart waits cluster.restart_timeout_s, then goes on with one worker (dcn data 1, grad_accum 2) from
+    the newest checkpoint, to the losses of a run on that mesh from that step; a node comes back and a worker
+    is killed: the next group has both hosts again."""
+    from nestor.orchestrator import config as config_lib
+
+    # two nodes on one machine: Ray calls that a laptop's multi-node cluster and wants the flag for it
+    env = dict(user_shell(), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
+    sessions = tempfile.mkdtemp(prefix="nestor-ray-", dir="/tmp")  # not /tmp/ray: another head's jobs look there
+    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
+    head, _, address = start_ray_head(env, tmp_path / "head.log", sessions, cpus=1)
+    env["RAY_AUTH_MODE"] = "token"  # a node that joins, and a client, show the head's token (Ray's token file)
+    nodes = [start_ray_node(env, address, tmp_path / "node-1.log")]
+    run_dir = tmp_path / "run"
+    longer = ["train.steps=45", "checkpoint.every=5", "data.source=synthetic"]
+    try:
+        deadline = time.monotonic() + 120
+        while alive_cpus(env, address) < 2:
+            assert time.monotonic() < deadline and nodes[0].poll() is None, (tmp_path / "node-1.log").read_text()
+            time.sleep(2)
+        with Driver(*TINY, *TWO_HOSTS, *longer, f"cluster.address={address}", "cluster.min_hosts=1",
+                    "cluster.restart_timeout_s=5", f"run.dir={run_dir}", env=child_env()) as driver:
+            driver.wait_until(lambda: saved_steps(run_dir))
+            stop_ray_head(nodes[0])  # a host lost: its raylet and its worker
+            driver.wait_until(lambda: "the worker group starts on 1 host(s)" in driver.output())
+            driver.wait_until(lambda: any(r.get("mesh", "").endswith("over 1 process(es)") for r in metrics(run_dir)))
+            nodes.append(start_ray_node(env, address, tmp_path / "node-2.log"))  # a host is back
+            while alive_cpus(env, address) < 2:
+                assert nodes[1].poll() is None, (tmp_path / "node-2.log").read_text()
+                time.sleep(2)
+            driver.wait_until(lambda: saved_steps(run_dir)[-1] > 0)
+            os.kill(ray_train_workers(head)[0].pid, signal.SIGKILL)  # the restart finds 2 hosts
+            driver.wait_until(lambda: "the worker group starts on 2 host(s)" in driver.output())
+            driver.process.wait(timeout=600)
+        output = driver.output()
+    finally:
+        for process in [*nodes, head]:
+            stop_ray_head(process)
+        shutil.rmtree(sessions, ignore_errors=True)
+    assert driver.process.returncode == 0, output[-3000:]
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 46))
+    starts = [(r["step"], r.get("resumed_from"), r["mesh"]) for r in records if "mesh" in r]
+    one = [start for start in starts if start[2].endswith("over 1 process(es)")]
+    assert len(one) == 1 and starts[-1][2].endswith("over 2 process(es)"), starts
+    shrunk_from = one[0][1]
+    grew_at = starts[starts.index(one[0]) + 1][1]  # the checkpoint the grown group resumed from
+    # The reference: this mesh up to the shrunk group's checkpoint, then one host's (4 devices, grad_accum 2).
+    reference = config_lib.load(QUICKSTART, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
+    run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2), **{"train.steps": shrunk_from}))
+    one_host = reference.replace(**{"train.steps": grew_at, "train.grad_accum": 2, "cluster.hosts": 1,
+                                    "cluster.devices_per_host": 4,
+                                    **mesh_overrides(data=1, fsdp=2, tensor=2)})
+    import jax
+
+    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.train import train
+
+    losses = train(one_host, devices=jax.devices()[:4], console=Console.silent()).losses
+    got = [r["loss"] for r in records if shrunk_from < r["step"] <= grew_at]
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    assert "restart 1: process" in output and "the worker group starts on 1 host(s) (room for 1 of " \
+        "cluster.hosts=2 workers after 5 s)" in output, output[-3000:]
 
 
 @pytest.mark.ray
@@ -585,3 +674,19 @@ def test_stop_head_ends_the_processes_of_its_address_and_no_others():
     finally:
         for process in started[theirs] + started[ours]:
             process.kill()
+
+
+def test_a_run_on_fewer_hosts_keeps_its_global_batch_and_each_devices_micro_batch():
+    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.ray_driver import config_on_hosts
+
+    config = config_lib.load(QUICKSTART, TINY + TWO_HOSTS + ["cluster.hosts=4", "mesh.dcn.data=4"])
+    half = config_on_hosts(config, 2)
+    assert (half.cluster.hosts, half.mesh.dcn.data, half.train.grad_accum, half.train.global_batch) == (2, 2, 2, 16)
+    one = config_on_hosts(config, 1)
+    assert (one.mesh.dcn.data, one.train.grad_accum, one.mesh.fsdp, one.mesh.tensor) == (1, 4, 2, 2)
+    assert config_on_hosts(config, 3) is None  # 4 hosts' mesh has no 3-host share
+    # Across hosts by fsdp, within them by data: the fsdp degree across hosts shrinks.
+    fsdp = config_lib.load(QUICKSTART, TINY + TWO_HOSTS + ["mesh.dcn.data=1", "mesh.dcn.fsdp=2", "mesh.data=2",
+                                                            "mesh.fsdp=1"])
+    assert (config_on_hosts(fsdp, 1).mesh.dcn.fsdp, config_on_hosts(fsdp, 1).train.grad_accum) == (1, 2)

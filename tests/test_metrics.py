@@ -155,7 +155,7 @@ def test_tensorboard_tags_are_grouped_and_new_metrics_get_one():
 def test_expert_load_heatmap_is_logged_every_image_every_steps(tiny_config):
     config = tiny_config("metrics.image_every=2")
     writer = MetricsWriter(config, Throughput(config, 8, "cpu"), enabled=True)
-    writer.start(0, "table")
+    writer.start(0, "table", "data 8 over 1 process(es)")
     load = np.array([[10, 0, 5, 1], [4, 4, 4, 4], [0, 0, 0, 16]], np.float32)  # [layers, experts]
     for step in (1, 2, 3, 4):
         writer.write(step, {"loss": np.float32(1.0), EXPERT_LOAD: load}, 0.5)
@@ -201,7 +201,7 @@ def test_every_tag_and_metrics_key_of_a_moe_run_is_documented(tiny_config):
     tags = tags - bias_tags | {"moe/expert_bias/layer_<L>/expert_<e>"}
     keys = {key for line in open(f"{config.run.dir}/metrics.jsonl") for key in json.loads(line)}
     resumed = MetricsWriter(config, Throughput(config, 8, "cpu"), enabled=False)  # what a resume adds, untrained
-    resumed.start(2, "")
+    resumed.start(2, "", "data 8 over 1 process(es)")
     keys |= set(resumed.write(3, {"loss": np.float32(1.0)}, 0.5))
     assert {"moe/expert_load", "perf/mfu", "moe/aux_loss"} <= tags and {"resumed_from", EXPERT_LOAD} <= keys
     docs = (ROOT / "docs/monitoring.md").read_text()
