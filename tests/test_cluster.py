@@ -690,3 +690,18 @@ def test_a_run_on_fewer_hosts_keeps_its_global_batch_and_each_devices_micro_batc
     fsdp = config_lib.load(QUICKSTART, TINY + TWO_HOSTS + ["mesh.dcn.data=1", "mesh.dcn.fsdp=2", "mesh.data=2",
                                                             "mesh.fsdp=1"])
     assert (config_on_hosts(fsdp, 1).mesh.dcn.fsdp, config_on_hosts(fsdp, 1).train.grad_accum) == (1, 2)
+
+
+def test_status_prints_a_jobs_restart_lines_under_its_status(monkeypatch, capsys):
+    from nestor.cluster import jobs
+    from nestor.orchestrator.cli import main
+
+    log = ("starting 2 worker process(es) x 4 cpu device(s) on the Ray job's cluster\n"
+           "step     5  loss 5.3399  lr 3.00e-03  grad_norm 0.956  1570 tok/s\n"
+           "restart 1: process 1 (pid 7967 on 10.0.0.2) died without a Python error (...); lost: any step after 5\n"
+           "back at step 10 31 s after the failure\n"
+           "step    10  loss 4.9000  lr 3.00e-03  grad_norm 0.800  1570 tok/s\n")
+    monkeypatch.setattr(jobs, "status", lambda address, job_id: "RUNNING")
+    monkeypatch.setattr(jobs, "logs", lambda address, job_id: log)
+    assert main(["status", "raysubmit_1", "--address", "http://127.0.0.1:8265"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["RUNNING", log.splitlines()[2], log.splitlines()[3]]
