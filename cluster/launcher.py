@@ -156,7 +156,7 @@ class Restart:
 @dataclasses.dataclass(frozen=True)
 class Recovery:
     """How `launch` treats a failed worker group: `final(error)` says a worker's error no restart can mend
-    (raised as it is); `progress()` returns a value that changes when the run gets further (its newest
+    (raised as a one-line ClusterError); `progress()` returns a value that changes when the run gets further (its newest
     checkpoint), which resets the count of failures in a row; `on_restart` hears each restart.
     `resize(hosts)` returns the train function's argument for a group of fewer workers than
     `ClusterSpec.hosts` (the same run on a smaller mesh), or None where it has none; `on_resize` hears
@@ -166,7 +166,7 @@ class Recovery:
     progress: Callable[[], Any] = lambda: None
     on_restart: Callable[[Restart], None] = lambda restart: None
     resize: Callable[[int], Any] = lambda hosts: None  # the train function's argument for fewer hosts, or None
-    on_resize: Callable[[int, str], None] = lambda hosts, why: None  # a group starts on `hosts` workers
+    on_resize: Callable[[int, str, Any], None] = lambda hosts, why, argument: None  # a group of `hosts` workers
 
 
 def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
@@ -194,7 +194,7 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
     (127.0.0.1) and stops it afterwards. Raises ClusterError when the cluster is
     unreachable, too small for the spec (checked before any worker starts),
     or the run fails more than `spec.max_failures` times in a row; a worker's
-    final error as itself.
+    config error or ClusterError as itself.
     """
     address = spec.address or os.environ.get("RAY_ADDRESS")
     if not address or address.split("://")[-1].rpartition(":")[0] in ("127.0.0.1", "localhost"):
@@ -440,6 +440,19 @@ class _DriverSignals:
             signal.signal(signum, handler)
 
 
+class FailuresInARow:
+    """Counts failed groups since the run's progress (`Recovery.progress()`) last changed."""
+
+    def __init__(self, progress: Any):
+        self.progress, self.count = progress, 0
+
+    def failed(self, progress: Any) -> int:
+        """Records a failure, the run's progress as it is now; returns the failures in a row, this one included."""
+        self.count = 1 if progress != self.progress else self.count + 1
+        self.progress = progress
+        return self.count
+
+
 def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, signals: _DriverSignals,
          recovery: Recovery) -> int | None:
     import ray
@@ -450,7 +463,7 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     board = ray.remote(num_cpus=0)(Board).options(scheduling_strategy=here).remote(spec.hosts)
     mailbox = ray.remote(num_cpus=0)(Mailbox).options(scheduling_strategy=here).remote()
-    restarts, in_a_row, progress = 0, 0, recovery.progress()
+    restarts, failures = 0, FailuresInARow(recovery.progress())
     group_spec, group_argument = spec, argument
     while True:
         if signals.received is not None:
@@ -460,12 +473,10 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
         if failure is not None:
             if signals.received is not None:  # told to stop while the group failed: no new group
                 raise ClusterError(f"the worker group failed while stopping: {failure}")
-            now = recovery.progress()
-            in_a_row = 1 if now != progress else in_a_row + 1
-            progress = now
+            in_a_row = failures.failed(recovery.progress())
             if 0 <= spec.max_failures < in_a_row:
-                raise ClusterError(f"the worker group failed {in_a_row} time(s) in a row with no progress between "
-                                   f"(cluster.max_failures={spec.max_failures}), last: {failure}")
+                raise ClusterError(f"the worker group failed {in_a_row} time(s) in a row with no new checkpoint "
+                                   f"between them (cluster.max_failures={spec.max_failures}), last: {failure}")
             restarts += 1
             recovery.on_restart(Restart(restarts, in_a_row, spec.max_failures, failure))
         else:
@@ -474,16 +485,28 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
                 return signals.received  # every worker saved the step they agreed on
             if ended != "preempted":
                 return None  # else every worker saved the same step after a preemption: a new group resumes it
-        hosts = _hosts_for_next_group(spec, signals)
-        if hosts != group_spec.hosts:
-            group_argument = argument if hosts == spec.hosts else recovery.resize(hosts)
-            if group_argument is None:
-                raise ClusterError(f"only {hosts} of cluster.hosts={spec.hosts} hosts have room for a worker "
-                                   f"after {spec.restart_timeout_s:g} s (cluster.restart_timeout_s), and the run "
-                                   f"has no mesh on {hosts} host(s) with the same global batch")
-            recovery.on_resize(hosts, f"room for {hosts} of cluster.hosts={spec.hosts} workers"
-                               + (f" after {spec.restart_timeout_s:g} s" if hosts < spec.hosts else ""))
+        room = _hosts_for_next_group(spec, signals)
+        if signals.received is not None:
+            raise Interrupted(signals.received)  # told to stop while waiting for hosts: no group starts
+        if room != group_spec.hosts:
+            group_argument, hosts = _argument_on(room, spec, argument, recovery)
+            recovery.on_resize(hosts, f"room for {room} of cluster.hosts={spec.hosts} workers"
+                               + (f" after {spec.restart_timeout_s:g} s" if room < spec.hosts else ""),
+                               group_argument)
             group_spec = dataclasses.replace(spec, hosts=hosts)
+
+
+def _argument_on(room: int, spec: ClusterSpec, argument, recovery: Recovery) -> tuple[Any, int]:
+    """Returns the train function's argument and the number of workers for a group with room for `room`:
+    all of them, else the most, down to `spec.min_hosts`, that the run has a mesh for; ClusterError if none."""
+    if room >= spec.hosts:
+        return argument, spec.hosts
+    for hosts in range(room, (spec.min_hosts or spec.hosts) - 1, -1):
+        if (smaller := recovery.resize(hosts)) is not None:
+            return smaller, hosts
+    raise ClusterError(f"only {room} of cluster.hosts={spec.hosts} hosts have room for a worker after "
+                       f"{spec.restart_timeout_s:g} s (cluster.restart_timeout_s), and the run has no mesh with the "
+                       f"same global batch on {room} host(s) or fewer down to cluster.min_hosts={spec.min_hosts}")
 
 
 def _hosts_for_next_group(spec: ClusterSpec, signals: _DriverSignals, poll_s: float = 1.0) -> int:
@@ -493,12 +516,14 @@ def _hosts_for_next_group(spec: ClusterSpec, signals: _DriverSignals, poll_s: fl
 
     deadline = time.monotonic() + spec.restart_timeout_s
     while (room := min(room_for_workers(spec, ray.nodes()), spec.hosts)) < spec.hosts:
-        if time.monotonic() >= deadline or signals.received is not None:
-            least = spec.min_hosts or spec.hosts
-            if room < least:
+        if signals.received is not None:
+            return room
+        if time.monotonic() >= deadline:
+            if room < (spec.min_hosts or spec.hosts):
+                least = (f"cluster.min_hosts={spec.min_hosts}" if spec.min_hosts
+                         else "every host: cluster.min_hosts is unset")
                 raise ClusterError(f"only {room} of cluster.hosts={spec.hosts} hosts have room for a worker after "
-                                   f"{spec.restart_timeout_s:g} s (cluster.restart_timeout_s), fewer than "
-                                   f"cluster.min_hosts={least}")
+                                   f"{spec.restart_timeout_s:g} s (cluster.restart_timeout_s); the run needs {least}")
             return room
         time.sleep(poll_s)
     return room
@@ -522,9 +547,11 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         _worker, train_loop_config={"fn": train_fn, "argument": argument, "spec": spec, "board": board,
                                     "mailbox": mailbox},
         scaling_config=scaling,
-        # restarts are _fit's, which says each one's cause
+        # restarts are _fit's, which says each one's cause: none of Ray Train's own (a worker lost to a
+        # preempted node, a group that could not start are retried without end by its defaults)
         run_config=RunConfig(name="ray", storage_path=str(Path(storage_dir).resolve()),
-                             failure_config=FailureConfig(max_failures=0)))
+                             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0,
+                                                          controller_failure_limit=0)))
     outcome: list[BaseException | None] = []
 
     def fit() -> None:
@@ -556,12 +583,12 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
         deliver(message)
     error = outcome[0]
     if isinstance(error, WorkerGroupError):
-        final = _final_error(error, recovery)
+        final = _final_error(error, recovery, words)
         if final is not None:
             raise final from None
         return _failure_cause(error, ray.get(mailbox.take_group.remote()), words)
-    if error is not None:  # the controller itself failed; show the root cause, not Ray's trace
-        raise ClusterError(f"the run failed: {_first_line(error)}") from None
+    if error is not None:  # the controller failed (a group that could not start): a failure like any other
+        return f"the worker group could not run: {_first_line(getattr(error, 'controller_failure', None) or error)}"
     return None
 
 
@@ -569,11 +596,18 @@ def _cause(failure: BaseException) -> BaseException:
     return getattr(failure, "cause", None) or failure  # Ray wraps the worker's exception in RayTaskError
 
 
-def _final_error(error, recovery: Recovery) -> Exception | None:
+def _died(failure: BaseException | None) -> bool:
+    """Whether a worker's failure is its process's death (Ray's health check lost it), not an error it raised."""
+    return type(_cause(failure)).__name__ in ("WorkerHealthCheckFailedError", "ActorDiedError")
+
+
+def _final_error(error, recovery: Recovery, words: dict[int, str]) -> Exception | None:
     """Returns the error to raise for a failed group that no restart can mend, or None: the lowest rank's own
     error when it is a user error of the train function (a ClusterError, or a config error: a ValueError
-    listing `problems`), which the caller reports as what it is, or one `recovery.final` claims (as a
-    one-line ClusterError)."""
+    listing `problems`), returned as it is, or one `recovery.final` claims (as a one-line ClusterError).
+    None whenever a worker died or ended itself (`words`): the others' errors then follow from that."""
+    if words or any(_died(failure) for failure in error.worker_failures.values()):
+        return None
     rank = min(error.worker_failures)
     cause = _cause(error.worker_failures[rank])
     if isinstance(cause, ClusterError) or (isinstance(cause, ValueError) and hasattr(cause, "problems")):
@@ -593,7 +627,7 @@ def _failure_cause(error, workers: dict[int, Worker], words: dict[int, str]) -> 
         cause = _cause(error.worker_failures.get(rank))
         if rank in words:
             died.append(f"{who} {words[rank]}")
-        elif type(cause).__name__ == "WorkerHealthCheckFailedError":
+        elif _died(cause):
             died.append(f"{who} died without a Python error (a signal such as SIGKILL, the kernel's OOM killer, "
                         "or a crash; its log is in Ray's session logs)")
         else:
@@ -642,13 +676,17 @@ def _continue_process(pid: int) -> None:
 
 
 def _continue_workers(workers: dict[int, Worker]) -> None:
-    """Sends SIGCONT to every worker of the group, each on its own node (a stopped one can then end)."""
+    """Sends SIGCONT to every worker of the group on a live node, each from a task on its own node (a stopped
+    one can then end); waits for none of them: a lost node's task would never run."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
     task = ray.remote(num_cpus=0)(_continue_process)
-    ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker.node_id, soft=False))
-             .remote(worker.pid) for worker in workers.values()], timeout=60)
+    for worker in workers.values():
+        if worker.node_id in alive:
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker.node_id, soft=False)).remote(
+                worker.pid)
 
 
 def _worker(config: dict) -> None:

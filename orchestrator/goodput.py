@@ -3,10 +3,10 @@
 An attempt is one call of `train()` (one process lifetime, or one start of a
 Ray worker group). Its clock starts as `train()` starts, and `Goodput` charges
 each second of it, as the host thread spends it, to one of ATTEMPT_CATEGORIES:
-`restore` (building the start state from a checkpoint), `compile`, `data_wait`
+`restore` (building the start state: a checkpoint's restore, or a fresh state's init), `compile`, `data_wait`
 (making the step's batch), `step` (dispatching steps and waiting on their
 outputs), `checkpoint_save` (blocking in saves), `eval` (evaluations), and
-`idle` (the rest: start-up, a fresh state's init, logging). Steps are
+`idle` (the rest: start-up, logging). Steps are
 dispatched ahead of the host, so a category is the host's time, not the
 device's: whatever the host does while a step runs is the host's category.
 

@@ -61,6 +61,7 @@ class HangWatchdog:
         self.waiting_for, self.since = "the start", clock()
         self.intervals: deque[float] = deque(maxlen=_INTERVALS)
         self._paused = 0
+        self._stopping = False
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,15 +118,26 @@ class HangWatchdog:
 
     def _stop(self, why: str, first: bool) -> None:
         """Writes this process's stacks, says why, waits for the others' files (the first to see the hang),
-        and ends the process."""
-        path = self.write_stacks(why)
-        self.last_words(f"{why}; stacks in {path.parent}")
-        if first:
-            deadline = time.monotonic() + GRACE_S
-            while len(list(self.hang_dir.glob("process-*.txt"))) < self.processes and time.monotonic() < deadline:
-                time.sleep(0.2)
-        self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread are in {path}")
-        os._exit(HANG_EXIT_CODE)
+        and ends the process, whatever of that fails (a full disk, a driver that does not answer); not once
+        `close` was called (the attempt ended as the hang was seen)."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._stopping = True
+        where = "could not be written"
+        try:
+            path = self.write_stacks(why)
+            where = f"are in {path}"
+            self.last_words(f"{why}; stacks in {path.parent}")
+            if first:
+                deadline = time.monotonic() + GRACE_S
+                while len(list(self.hang_dir.glob("process-*.txt"))) < self.processes and time.monotonic() < deadline:
+                    time.sleep(0.2)
+        except Exception as error:  # the process ends all the same: it is stuck
+            why = f"{why} ({type(error).__name__}: {error})"
+        finally:
+            self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread {where}")
+            os._exit(HANG_EXIT_CODE)
 
     def write_stacks(self, why: str) -> Path:
         """Writes `process-<i>.txt` in the hang directory; returns its path."""
@@ -137,4 +149,9 @@ class HangWatchdog:
         return path
 
     def close(self) -> None:
-        self._closed.set()
+        """Ends the watch; a hang already being declared goes on (the process ends)."""
+        with self._lock:
+            self._closed.set()
+            stopping = self._stopping
+        if stopping:
+            threading.Event().wait()  # the watchdog's os._exit comes

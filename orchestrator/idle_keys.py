@@ -13,8 +13,8 @@ from nestor.orchestrator.degrees import mesh_degrees, total_devices
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
 
-RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.min_hosts", "cluster.restart_timeout_s", "cluster.init_timeout_s", "cluster.dashboard",
-                     "cluster.worker_logs")
+RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.min_hosts", "cluster.restart_timeout_s",
+                     "cluster.init_timeout_s", "cluster.dashboard", "cluster.worker_logs")
 TPU_KEYS = ("cluster.tpu_topology", "cluster.tpu_type")
 PIPELINE_KEYS = ("pipeline.microbatches", "pipeline.schedule", "pipeline.repeats", "pipeline.stack")
 MOE_LAYOUT_KEYS = ("moe.num_experts", "moe.every")  # 0 and 0 make a dense model

@@ -31,20 +31,26 @@ def cluster_spec(config: Config) -> ClusterSpec:
 
 def config_on_hosts(config: Config, hosts: int) -> Config | None:
     """Returns `config` for `hosts` of its `cluster.hosts` with the same global batch, or None where there is
-    none: the data (else fsdp) degree across hosts (else within them, when no axis is -1) divided by
-    cluster.hosts / hosts, and train.grad_accum multiplied by it, so each device's micro-batch stays."""
+    none: the data (else fsdp) degree across hosts (else within them, or a data or fsdp degree of -1 that
+    takes what is left) divided by cluster.hosts / hosts, and train.grad_accum multiplied by it, so each
+    device's micro-batch stays. A TPU slice spans its hosts: there, only whole slices (dcn) go."""
     factor, rest = divmod(config.cluster.hosts, hosts)
     if rest or hosts < 1:
         return None
     updates = {"cluster.hosts": hosts, "train.grad_accum": config.train.grad_accum * factor}
     dcn, ici = config.mesh.dcn_shape(), config.mesh.ici_shape()
-    shrunk = [f"mesh.dcn.{axis}" for axis in ("data", "fsdp") if dcn[axis] % factor == 0]
-    if not shrunk and -1 not in ici.values():
-        shrunk = [f"mesh.{axis}" for axis in ("data", "fsdp") if ici[axis] % factor == 0]
-    for key in shrunk[:1]:
-        section, _, axis = key.rpartition(".")
-        updates[key] = (dcn if section == "mesh.dcn" else ici)[axis] // factor
-    if not shrunk and -1 not in ici.values():
+    across = [axis for axis in ("data", "fsdp") if dcn[axis] % factor == 0]
+    within = [axis for axis in ("data", "fsdp") if ici[axis] != -1 and ici[axis] % factor == 0]
+    if across:
+        updates[f"mesh.dcn.{across[0]}"] = dcn[across[0]] // factor
+    elif config.cluster.accelerator == "tpu":
+        return None
+    elif -1 in ici.values():  # the -1 axis takes what is left: it must be a batch axis
+        if [axis for axis, size in ici.items() if size == -1][0] not in ("data", "fsdp"):
+            return None
+    elif within:
+        updates[f"mesh.{within[0]}"] = ici[within[0]] // factor
+    else:
         return None
     try:
         return config.replace(**updates)
@@ -90,14 +96,13 @@ def stopping_line(signum: int) -> str:
 
 
 RESTART_LINE = re.compile(r"^restart \d+: ")  # how the driver's log says each restart (`restart_lines`)
+_BACK = "back at step "  # and the run's return after it
 
 
 def restart_lines(log: str) -> list[str]:
     """Returns the lines of a driver's log that say a restart, and the run's return after each."""
     return [line for line in log.splitlines() if RESTART_LINE.match(line) or line.startswith(_BACK)]
 
-
-_BACK = "back at step "
 
 
 class _Restarts:
@@ -109,19 +114,24 @@ class _Restarts:
         self.config, self.console = config, console
         self.logged: dict[int, float] = {}  # step -> time.monotonic() it reached the driver
         self.failed_at: float | None = None  # when the newest restart was decided, until a step is logged again
+        self.saved = 0  # the newest step process 0 logged a save of
 
     def replay(self, message: tuple) -> None:
         if message[0] == "step":
             step, now = message[1][0]["step"], time.monotonic()
             self.logged[step] = now
+            if "checkpoint_s" in message[1][0]:
+                self.saved = step
             if self.failed_at is not None:
                 self.console.log(f"{_BACK}{step} {now - self.failed_at:.0f} s after the failure")
                 self.failed_at = None
         replay(self.console, message)
 
     def newest_checkpoint(self) -> int:
+        """The newest complete checkpoint in run.dir, else (a driver that does not see the workers' run.dir)
+        the newest step process 0 logged a save of."""
         steps = finalized_steps(checkpoint_dir(self.config.run.dir))
-        return steps[-1] if steps else 0
+        return steps[-1] if steps else self.saved
 
     def restart(self, restart: Restart) -> None:
         saved, self.failed_at = self.newest_checkpoint(), time.monotonic()
@@ -164,8 +174,8 @@ def train_on_ray(config: Config, console: Console) -> int | None:
                 smaller = config_on_hosts(config, hosts)
                 return None if smaller is None else (smaller, directory)
 
-            def resized(hosts: int, why: str) -> None:
-                c = config_on_hosts(config, hosts)
+            def resized(hosts: int, why: str, argument) -> None:
+                c = argument[0]
                 console.log(f"the worker group starts on {hosts} host(s) ({why}): " + (
                     "the configured mesh" if hosts == config.cluster.hosts else
                     f"mesh.dcn {c.mesh.dcn_shape()}, mesh {c.mesh.ici_shape()}, train.grad_accum="

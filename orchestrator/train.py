@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import signal
 import time
 from pathlib import Path
@@ -93,8 +94,10 @@ def _check_health(step: int, values: dict, health: StateHealth, checkpointer: Ch
         raise _diverged(f"the state of step {step} blew up: {unhealthy}", checkpointer, broken)
 
 
-def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> tuple[int, dict]:
-    """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state (step 0)."""
+def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log,
+                 watchdog: HangWatchdog) -> tuple[int, dict]:
+    """Returns (step, state) to start from: the newest checkpoint that restores, else a fresh state (step 0;
+    its init compiles, unwatched)."""
     if kept := finalized_steps(checkpointer.directory):
         log(f"restoring checkpoint {kept[-1]} from {shown(checkpointer.directory)}")
     resumed = checkpointer.restore_latest()
@@ -102,7 +105,8 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
         if config.model.init_from:
             log(f"starting from the weights of {shown(config.model.init_from)}")
             keep_source_files(config)
-        return 0, init_state(config, job.layout)
+        with watchdog.paused():
+            return 0, init_state(config, job.layout)
     step, state, data_state = resumed
     job.data.restore(data_state, log)
     log(f"resumed from checkpoint {step} in {shown(checkpointer.directory)}")
@@ -113,9 +117,13 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log) -> t
 
 def _watchdog(config: Config) -> HangWatchdog:
     """Starts this process's hang watchdog, waiting for the start state; its hang directory is named by
-    process 0's clock at this moment, the same for every process of the attempt."""
-    started = every_process_says("attempt started", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))[0]
-    watchdog = HangWatchdog(config.run.hang_timeout_s, Path(config.run.dir) / "hangs" / started,
+    process 0's clock at this moment (a name no earlier attempt took), the same for every process."""
+    hangs, name = Path(config.run.dir) / "hangs", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    suffixes = (f"{name}-{n}" for n in itertools.count(2))
+    while (hangs / name).exists():  # an earlier attempt's (a clock set back): peers would take it for this one's
+        name = next(suffixes)
+    started = every_process_says("attempt started", name)[0]
+    watchdog = HangWatchdog(config.run.hang_timeout_s, hangs / started,
                             jax.process_index(), jax.process_count(), last_words=last_words)
     watchdog.beat("the start state (a restore or a fresh init)")
     return watchdog
@@ -203,7 +211,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         checkpointer = Checkpointer(config, job.layout, log)
         closing.callback(goodput.charged("checkpoint_save")(checkpointer.close))  # it waits for saves in flight
         with goodput.charged("restore"):
-            first_step, state = _start_state(config, job, checkpointer, log)
+            first_step, state = _start_state(config, job, checkpointer, log, watchdog)
         result = TrainResult([], state, [], first_step)
         if first_step >= config.train.steps:  # run.dir is left as it was, config.yaml included
             steps = config.train.steps
@@ -258,6 +266,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         started = time.perf_counter()
         result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
                                                 profiler, goodput, watchdog)
+        watchdog.beat("the last saves to finish")  # closing waits for them
     if result.stopped_by is not None:
         everywhere = " on every process" if jax.process_count() > 1 else ""
         name = signal.Signals(result.stopped_by).name

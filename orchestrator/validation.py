@@ -250,6 +250,9 @@ def _mesh_problems(config: Config, known_axes=DEFAULT_RULES) -> list[tuple[str, 
     if len(fills) > 1:
         problems.append((f"mesh.{fills[1]}", f"only one mesh axis may be -1; found {', '.join('mesh.' + a for a in fills)}"))
     problems += unknown_rule_problems(mesh.rules, known_axes)
+    if (config.cluster.min_hosts or 0) > config.cluster.hosts:
+        problems.append(("cluster.min_hosts", f"{config.cluster.min_hosts} is more than cluster.hosts="
+                                              f"{config.cluster.hosts}; at most that many hosts run"))
     devices = total_devices(config)
     if devices is not None and not problems:
         dcn = math.prod(mesh.dcn_shape().values())

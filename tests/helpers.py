@@ -106,16 +106,16 @@ _TWO_PROCESSES = textwrap.dedent("""
     sys.stdout = open(sys.argv[4], "w")  # Python's prints alone: Gloo's C++ writes to fd 1 mid-line
     import jax
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_num_cpu_devices", int(sys.argv[5]))
     coordinator, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
     from pathlib import Path
 """)
 
 
-def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
-    """Runs `body` in two jax.distributed CPU processes (`rank`, `run_dir` = run_dirs[rank] and `Path`
-    defined) from this checkout; asserts both exit 0 and returns the last line each printed from Python
+def last_lines_of_two_processes(body: str, run_dirs: list[Path], devices: int = 2) -> list[str]:
+    """Runs `body` in two jax.distributed CPU processes of `devices` devices each (`rank`, `run_dir` =
+    run_dirs[rank] and `Path` defined) from this checkout; asserts both exit 0 and returns the last line each printed from Python
     (its prints go to a file of their own: Gloo's C++ "[Gloo] Rank N is connected" lines, written to
     the same stdout from another buffer, once split a printed line in two)."""
     from nestor.cluster.rendezvous import free_port
@@ -125,7 +125,7 @@ def last_lines_of_two_processes(body: str, run_dirs: list[Path]) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="nestor-printed-") as folder:
         printed = [Path(folder) / str(rank) for rank in range(len(run_dirs))]
         processes = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(rank), str(path),
-                                       str(printed[rank])], env=child_env(),
+                                       str(printed[rank]), str(devices)], env=child_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for rank, path in enumerate(run_dirs)]
         errors = [process.communicate(timeout=200)[1] for process in processes]
