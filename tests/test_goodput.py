@@ -129,7 +129,9 @@ def test_a_run_in_process_charges_its_whole_wall_time_and_logs_it(tiny_config):
     assert [r["event"] for r in records] == ["start", "log", "log", "log", "log", "end"]
     assert end["ended"] == "completed" and end["step"] == 4
     assert sum(end["seconds"].values()) == pytest.approx(end["elapsed_s"], abs=1e-3)
-    assert sum(end["seconds"].values()) == pytest.approx(wall, rel=0.02)
+    # train() also releases run.dir's lock and its signal handlers after the end record: up to 0.1 s on a
+    # loaded 2-core host (0.06 s in a CI run), beyond 2% of this short run
+    assert sum(end["seconds"].values()) == pytest.approx(wall, abs=0.02 * wall + 0.1)
     assert all(end["seconds"][name] > 0 for name in ("step", "compile", "data_wait", "checkpoint_save", "restore"))
     [attempt] = run_goodput(records)
     assert lines[-1] == summary_line([attempt]) and attempt.seconds["lost"] == attempt.seconds["recovery"] == 0
