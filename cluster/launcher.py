@@ -489,11 +489,11 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
         if signals.received is not None:
             raise Interrupted(signals.received)  # told to stop while waiting for hosts: no group starts
         if room != group_spec.hosts:
-            group_argument, hosts = _argument_on(room, spec, argument, recovery)
-            recovery.on_resize(hosts, f"room for {room} of cluster.hosts={spec.hosts} workers"
-                               + (f" after {spec.restart_timeout_s:g} s" if room < spec.hosts else ""),
-                               group_argument)
-            group_spec = dataclasses.replace(spec, hosts=hosts)
+            resized, hosts = _argument_on(room, spec, argument, recovery)
+            if hosts != group_spec.hosts:  # else the group runs on the mesh it had
+                recovery.on_resize(hosts, f"room for {room} of cluster.hosts={spec.hosts} workers"
+                                   + (f" after {spec.restart_timeout_s:g} s" if room < spec.hosts else ""), resized)
+                group_spec, group_argument = dataclasses.replace(spec, hosts=hosts), resized
 
 
 def _argument_on(room: int, spec: ClusterSpec, argument, recovery: Recovery) -> tuple[Any, int]:

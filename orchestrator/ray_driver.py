@@ -104,26 +104,25 @@ def restart_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if RESTART_LINE.match(line) or line.startswith(_BACK)]
 
 
-
 class _Restarts:
-    """The driver's view of the run for restarts: the steps process 0 logged (and when each reached the
-    driver) and the newest complete checkpoint on disk; says each restart with the steps and time it
-    lost, and how long the run took to get back."""
+    """The driver's view of the run for restarts: the newest step process 0 logged, the steps it logged a save
+    of (and when each reached the driver), and the newest complete checkpoint on disk; says each restart
+    with the steps and time it lost, and how long the run took to get back."""
 
     def __init__(self, config: Config, console: Console):
         self.config, self.console = config, console
-        self.logged: dict[int, float] = {}  # step -> time.monotonic() it reached the driver
+        self.last_logged = 0
+        self.saves: dict[int, float] = {}  # step -> time.monotonic() its record (a save's) reached the driver
         self.failed_at: float | None = None  # when the newest restart was decided, until a step is logged again
-        self.saved = 0  # the newest step process 0 logged a save of
 
     def replay(self, message: tuple) -> None:
         if message[0] == "step":
-            step, now = message[1][0]["step"], time.monotonic()
-            self.logged[step] = now
-            if "checkpoint_s" in message[1][0]:
-                self.saved = step
+            record, now = message[1][0], time.monotonic()
+            self.last_logged = record["step"]
+            if "checkpoint_s" in record:
+                self.saves[record["step"]] = now
             if self.failed_at is not None:
-                self.console.log(f"{_BACK}{step} {now - self.failed_at:.0f} s after the failure")
+                self.console.log(f"{_BACK}{record['step']} {now - self.failed_at:.0f} s after the failure")
                 self.failed_at = None
         replay(self.console, message)
 
@@ -131,19 +130,20 @@ class _Restarts:
         """The newest complete checkpoint in run.dir, else (a driver that does not see the workers' run.dir)
         the newest step process 0 logged a save of."""
         steps = finalized_steps(checkpoint_dir(self.config.run.dir))
-        return steps[-1] if steps else self.saved
+        return steps[-1] if steps else max(self.saves, default=0)
 
     def restart(self, restart: Restart) -> None:
         saved, self.failed_at = self.newest_checkpoint(), time.monotonic()
-        past = [step for step in self.logged if step > saved]
-        steps = f"steps {saved + 1}-{max(past)} logged, maybe more" if past else f"any step after {saved}"
-        since = self.logged.get(saved)
+        steps = (f"steps {saved + 1}-{self.last_logged} logged, maybe more" if self.last_logged > saved
+                 else f"any step after {saved}")
+        since = self.saves.get(saved)
         work = f", {self.failed_at - since:.0f} s of training" if since is not None else ""
         limit = f"at most {restart.limit}" if restart.limit >= 0 else "no limit"
         self.console.log(f"restart {restart.number}: {restart.cause}; lost: {steps}{work}; the new worker group "
                          f"resumes from {f'checkpoint {saved}' if saved else 'the start'} (failure "
                          f"{restart.in_a_row} in a row with no new checkpoint; cluster.max_failures: {limit})")
-        self.logged = {step: at for step, at in self.logged.items() if step <= saved}
+        self.last_logged = saved
+        self.saves = {step: at for step, at in self.saves.items() if step <= saved}
 
 
 def train_on_ray(config: Config, console: Console) -> int | None:
