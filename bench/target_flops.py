@@ -2,7 +2,7 @@
 same active parameters, compiled on this CPU (nothing runs).
 
 The model (the issue's comparison): the tiny preset with 4 layers, embed 128, a dropless MoE layer in every
-layer (top-2, experts 256 wide) against a dense model 512 wide, 16 sequences of 128 tokens, bfloat16, for
+layer (top-2, experts 256 wide) against a dense model 512 wide, 16 sequences of 128 tokens (`--global-batch`), bfloat16, for
 `cluster.device_kind` (default h100). Per expert count and mesh: the step's FLOPs against the dense step's,
 the same without the state update (optimizer, norms: `update_flops_per_step`), and the update's share of
 the MoE step; then the ratio and the share again with `optimizer.shard_update=true` (ZeRO stage 1) for both
@@ -10,6 +10,7 @@ models.
 
     python -m bench.target_flops                         # E = 8, 32, 128 on data8 and fsdp8, for an H100
     python -m bench.target_flops --experts 32 --meshes data8 --device-kind tpu-v5p
+    python -m bench.target_flops --experts 128 --global-batch 64   # 1,024 tokens per device
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 MESHES = {"data8": ("mesh.data=8",), "fsdp8": ("mesh.fsdp=8",), "expert8": ("mesh.expert=8",)}
-MODEL = ("model.preset=tiny", "model.embed_dim=128", "model.num_layers=4", "train.global_batch=16",
+MODEL = ("model.preset=tiny", "model.embed_dim=128", "model.num_layers=4",
          "train.seq_len=128", "cluster.devices_per_host=8", "model.dtype=bfloat16", "run.compile_cache=null",
          "run.dir=/tmp/nestor-bench-target-flops")
 
@@ -40,18 +41,19 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--meshes", nargs="+", default=["data8", "fsdp8"], choices=list(MESHES))
     parser.add_argument("--device-kind", default="h100", help="cluster.device_kind: the target explain counts for")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences of 128 tokens per step")
     args = parser.parse_args()
     from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
 
     simulate_cpu_devices_before_import(8)
-    target = f"cluster.device_kind={args.device_kind}"
+    target = (f"cluster.device_kind={args.device_kind}", f"train.global_batch={args.global_batch}")
     print("| mesh | experts | MoE / dense FLOPs | without the state update | update share of the MoE step "
           "| shard_update: MoE / dense FLOPs | shard_update: update share |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mesh in args.meshes:
-        dense = [figures(*MESHES[mesh], target, "model.mlp_dim=512", shard) for shard in SHARD_UPDATE]
+        dense = [figures(*MESHES[mesh], *target, "model.mlp_dim=512", shard) for shard in SHARD_UPDATE]
         for experts in args.experts:
-            moe = [figures(*MESHES[mesh], target, f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",
+            moe = [figures(*MESHES[mesh], *target, f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",
                            "moe.expert_mlp_dim=256", "moe.capacity_factor=0", shard) for shard in SHARD_UPDATE]
             (total, update), (dense_total, dense_update) = moe[0], dense[0]
             (sharded_total, sharded_update), (sharded_dense, _) = moe[1], dense[1]

@@ -16,7 +16,9 @@ asked for, so every shape is static, and a reduce-scatter over the expert
 axes sums each token's outputs from every expert device and returns them to
 the token's device. An expert's hidden dimension may be split too (over the
 mesh axes of `mlp`): its partial sums join the same reduction. Weights enter
-whole along the embedding (fsdp gathers them as for any layer).
+as they are stored and are gathered along the embedding inside (fsdp), so
+their gradient leaves by a reduce-scatter, as a dense layer's does, not by an
+all-reduce of every expert's whole gradient.
 
 "ragged all-to-all", where XLA implements `jax.lax.ragged_all_to_all`:
 each device sorts its tokens' assignments by expert and sends each expert
@@ -32,6 +34,7 @@ all its rows here), the same rows as the all-gather exchange's buffer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -59,6 +62,7 @@ class ExpertLayout:
     batch: str    # tokens' leading dimension
     expert: str   # the expert dimension of the expert weights
     hidden: str   # the hidden (mlp) dimension of the expert weights
+    embed: str    # the embedding dimension of the expert weights
 
 
 def exchange_name(kind: str, mesh: Mesh, rules: Rules, layout: ExpertLayout) -> str:
@@ -82,22 +86,53 @@ def worst_case_rows(tokens_per_device: int, top_k: int, mesh: Mesh, rules: Rules
     return tokens_per_device * math.prod(mesh.shape[a] for a in expert_axes) * top_k
 
 
-def _shard_map_specs(rules: Rules, layout: ExpertLayout) -> tuple[tuple, tuple[str, ...], tuple[str, ...]]:
-    """Returns (in_specs of (tokens, experts, gates, gate, up, down), the expert axes, the hidden axes)."""
+def _shard_map_specs(mesh: Mesh, rules: Rules,
+                     layout: ExpertLayout) -> tuple[tuple, tuple[str, ...], tuple[str, ...], Callable]:
+    """Returns (in_specs of (tokens, experts, gates, gate, up, down), the expert axes, the hidden axes,
+    whole(gate, up, down, dtype) -> the weights gathered along the embedding inside the shard_map)."""
     token_spec = partition_spec((layout.batch, None), rules)
-    in_weight = partition_spec((layout.expert, None, layout.hidden), rules)  # gate, up [experts, embed, mlp]
-    out_weight = partition_spec((layout.expert, layout.hidden, None), rules)  # down [experts, mlp, embed]
+    in_weight = partition_spec((layout.expert, layout.embed, layout.hidden), rules)  # gate, up [experts, embed, mlp]
+    out_weight = partition_spec((layout.expert, layout.hidden, layout.embed), rules)  # down [experts, mlp, embed]
     specs = (token_spec, token_spec, token_spec, in_weight, in_weight, out_weight)
-    return specs, _axes(in_weight[0]), _axes(in_weight[2])
+    embed_axes = tuple(axis for axis in _axes(in_weight[1]) if mesh.shape[axis] > 1)
+
+    def whole(gate, up, down, dtype):
+        if not embed_axes:
+            return gate, up, down
+        return (_gathered(gate, embed_axes, 1, dtype), _gathered(up, embed_axes, 1, dtype),
+                _gathered(down, embed_axes, 2, dtype))
+
+    return specs, _axes(in_weight[0]), _axes(in_weight[2]), whole
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gathered(shard: jax.Array, axes: tuple[str, ...], axis: int, dtype) -> jax.Array:
+    """Returns the weight whose slice along `axis` this device stores, gathered over `axes` in `dtype` (the
+    compute dtype: each device casts only its slice, and half the bytes travel); its gradient comes back
+    to the slices by a reduce-scatter in the stored dtype, so gradients are summed in float32 as a dense
+    layer's are. Inside a shard_map."""
+    return jax.lax.all_gather(shard.astype(dtype), axes, axis=axis, tiled=True)
+
+
+def _gathered_forward(shard, axes, axis, dtype):
+    return _gathered(shard, axes, axis, dtype), jnp.zeros((), shard.dtype)
+
+
+def _gathered_backward(axes, axis, dtype, stored_like, gradient):
+    return (jax.lax.psum_scatter(gradient.astype(stored_like.dtype), axes, scatter_dimension=axis, tiled=True),)
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
     """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
     -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis (`shard_map_here`)."""
-    specs, expert_axes, hidden_axes = _shard_map_specs(rules, layout)
+    specs, expert_axes, hidden_axes, whole = _shard_map_specs(mesh, rules, layout)
 
     def exchange(local_experts, tokens, experts, gates, weights):
         def on_device(tokens, experts, gates, gate, up, down):
+            gate, up, down = whole(gate, up, down, tokens.dtype)
             first_expert = 0
             if expert_axes:
                 tokens, experts, gates = (jax.lax.all_gather(x, expert_axes, axis=0, tiled=True)
@@ -147,11 +182,12 @@ def ragged_all_to_all_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -
     """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
     -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis, moving
     only routed rows with `jax.lax.ragged_all_to_all` (where XLA implements it)."""
-    specs, expert_axes, hidden_axes = _shard_map_specs(rules, layout)
+    specs, expert_axes, hidden_axes, whole = _shard_map_specs(mesh, rules, layout)
     devices = math.prod(mesh.shape[a] for a in expert_axes)
 
     def exchange(local_experts, tokens, experts, gates, weights):
         def on_device(tokens, experts, gates, gate, up, down):
+            gate, up, down = whole(gate, up, down, tokens.dtype)
             num_tokens, top_k = experts.shape
             local = gate.shape[0]
             assignments = experts.reshape(-1)  # [T x k] global expert; routed nowhere: experts x devices

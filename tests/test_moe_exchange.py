@@ -16,6 +16,7 @@ from nestor.orchestrator.job import build_job
 from nestor.orchestrator.state import init_state
 from nestor.orchestrator.step import make_grad_fn
 from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL, receive_plan, send_plan
+from nestor.parallel.hlo import collective_lines
 from tests.helpers import mesh_overrides
 from tests.test_moe import MOE
 
@@ -166,3 +167,25 @@ def test_ragged_all_to_all_forced_on_cpu_is_a_config_error_naming_the_key(tiny_c
     # explain on CPU for an H100 names the H100's exchange and compiles the one XLA:CPU has
     for_h100 = build_job(tiny_config(*MOE, "cluster.device_kind=h100"), with_data=False).backend
     assert (for_h100.exchange, for_h100.compiled_here().exchange) == (RAGGED_ALL_TO_ALL, ALL_GATHER)
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "ragged_all_to_all"])
+def test_expert_weights_are_gathered_in_bfloat16_and_their_gradients_reduce_scattered_in_float32(
+        tiny_config, monkeypatch, exchange):
+    # fsdp4 x expert2: each device stores an eighth of the expert weights [4 experts, 64 embed, 128 mlp]
+    config = tiny_config(*DROPLESS, "model.remat=none", "model.dtype=bfloat16").replace(
+        **mesh_overrides(fsdp=4, expert=2))
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    grad_fn, job = grad_fn_with(config, exchange)
+    params = jax.eval_shape(lambda: init_state(job.config, job.layout)["params"])
+    lowered = grad_fn.lower(params, {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)})
+    text = lowered.compile().as_text()
+    # as handed to XLA (XLA:CPU then gathers 16-bit floats as float32)
+    gathered = [line for line in collective_lines(lowered.as_text(dialect="hlo"), "all-gather")
+                if "bf16[2,64,128]" in line or "bf16[2,128,64]" in line]
+    scattered = [line for line in collective_lines(text, "reduce-scatter") if "f32[2,16,128]" in line
+                 or "f32[2,128,16]" in line]
+    # gate, up and down: each device's two experts gathered along the embedding in bfloat16, and their
+    # gradients summed back to the slices in float32; no all-reduce of a whole expert weight's gradient
+    assert len(gathered) >= 3 and len(scattered) >= 3, (gathered, scattered)
+    assert not [line for line in collective_lines(text, "all-reduce") if "[2,64,128]" in line or "[4,64,128]" in line]
