@@ -22,7 +22,9 @@ import functools
 import re
 from typing import TYPE_CHECKING, Any
 
-from nestor.backend import remat
+import jax
+
+from nestor.backend import fp8, remat
 from nestor.backend.mosaic_gpu import grouped_matmul_op, kernel_problem
 from nestor.backend.xla_cpu import ops_from_float32_sums
 from nestor.models import ops as model_ops
@@ -92,8 +94,12 @@ def is_hopper(device_kind: str | None, compute_capability: str | None = None) ->
     """True for an NVIDIA Hopper GPU: compute capability 9.x when known, else a Hopper name in `device_kind`."""
     if compute_capability:
         return str(compute_capability).split(".")[0] == "9"
-    words = set(re.split(r"[\s_-]+", (device_kind or "").lower()))
-    return any(word in words for word in _HOPPER_WORDS)
+    return bool(_words(device_kind) & set(_HOPPER_WORDS))
+
+
+def _words(device_kind: str | None) -> set[str]:
+    """Returns the lower-case words of a device kind ("NVIDIA H100 80GB HBM3": nvidia, h100, 80gb, hbm3)."""
+    return set(re.split(r"[\s_-]+", (device_kind or "").lower()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +117,7 @@ class Backend:
     grouped_matmul: str    # mosaic_gpu.IMPLEMENTATIONS
     exchange: str          # ALL_GATHER | RAGGED_ALL_TO_ALL
     pipeline_loop: PipelineLoop
+    matmul_precision: str = "bfloat16"  # bfloat16 | fp8 (backend.fp8)
     substitutions: tuple[str, ...] = ()  # what `compiled_here` changed, for reports
 
     def ops(self) -> model_ops.Ops:
@@ -125,7 +132,15 @@ class Backend:
         counting = {COUNTED_AS_GROUPED_GEMM: grouped_gemm_flops,
                     COUNTED_WHERE_KERNELS_TILE: grouped_gemm_flops_where_kernels_tile, "none": model_ops.ragged_dot}
         grouped = counting.get(self.grouped_matmul) or grouped_matmul_op(self.grouped_matmul)
-        return dataclasses.replace(base, attention=attention, grouped_matmul=grouped, names=names)
+        chosen = dataclasses.replace(base, attention=attention, grouped_matmul=grouped, names=names)
+        if self.matmul_precision != "fp8":
+            return chosen
+        in_fp8 = fp8.ops_in_fp8(chosen)
+        if self.grouped_matmul in (COUNTED_AS_GROUPED_GEMM, COUNTED_WHERE_KERNELS_TILE):
+            # a program compiled to count FLOPs keeps its counting grouped matmul (float8 multiplies as many)
+            return dataclasses.replace(in_fp8, grouped_matmul=grouped,
+                                       names=dict(in_fp8.names, grouped_matmul=names["grouped_matmul"]))
+        return in_fp8
 
     def remat_policy(self) -> Any:
         """Returns the `jax.checkpoint` policy of the stacked units (None: keep everything)."""
@@ -214,11 +229,16 @@ def _attention(config: Config, target: str) -> str:
 
 def _grouped_matmul(config: Config, target: str, hopper: bool) -> str:
     """Returns the grouped matmuls of dropless layers: for `auto`, the Mosaic GPU kernels where each device's
-    expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16, else ragged_dot. Raises
-    BackendError when mosaic_gpu is asked for off a Hopper GPU or in float32."""
+    expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16, else ragged_dot (float8 in
+    fp8). Raises BackendError when mosaic_gpu is asked for off a Hopper GPU, in float32 or in fp8."""
     choice, dtype = config.moe.grouped_matmul, config.model.dtype
     if config.model.builtin_lm and not config.dropless_moe:
         return "none"  # no grouped matmul runs (a model of the user's may hold dropless layers of its own)
+    if config.model.matmul_precision == "fp8":
+        if choice == "mosaic_gpu":
+            raise BackendError("moe.grouped_matmul", "the Mosaic GPU kernels multiply bfloat16 or float16; with "
+                               "model.matmul_precision=fp8 use auto or xla (float8 jax.lax.ragged_dot)")
+        return "xla"
     kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
     if choice == "mosaic_gpu" and not kernels_run:
         raise BackendError("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
@@ -240,6 +260,34 @@ def _exchange(config: Config, target: str) -> str:
     return EXCHANGE_CHOICES[choice]
 
 
+# NVIDIA GPUs with float8 tensor cores (compute capability 8.9+): Ada, Hopper, Blackwell device kinds
+_FP8_GPU_WORDS = (*_HOPPER_WORDS, "l4", "l40", "l40s", "ada", "b100", "b200", "gb200", "b300", "gb300")
+
+
+def _matmul_precision(config: Config, target: str, device_kind: str | None, capability: str | None) -> str:
+    """Returns `model.matmul_precision`. Raises BackendError for fp8 on a TPU (not built for it), on a GPU whose compute capability (or, unknown, whose device kind) is below 8.9, or
+    with a jax that lacks ragged_dot_general (the float8 grouped matmul's weight gradient)."""
+    choice = config.model.matmul_precision
+    if choice != "fp8":
+        return choice
+    if target == "tpu":
+        raise BackendError("model.matmul_precision", "fp8 is built for NVIDIA GPUs of compute capability 8.9+ (and "
+                           "emulated on CPU), not TPUs; use bfloat16")
+    if target == "gpu":
+        if capability:
+            major, _, minor = str(capability).partition(".")
+            able = (int(major), int(minor or 0)) >= (8, 9)
+        else:
+            able = device_kind is None or bool(_words(device_kind) & set(_FP8_GPU_WORDS))
+        if not able:
+            raise BackendError("model.matmul_precision", f"fp8 needs float8 tensor cores (compute capability 8.9+: "
+                               f"Ada, Hopper, Blackwell); {device_kind or 'this GPU'} has none; use bfloat16")
+    if not hasattr(jax.lax, "ragged_dot_general"):
+        raise BackendError("model.matmul_precision", f"fp8 needs jax.lax.ragged_dot_general, which jax "
+                           f"{jax.__version__} lacks; use bfloat16 or a newer jax")
+    return choice
+
+
 def resolve_backend(config: Config, platform: str, device_kind: str | None = None,
                     compute_capability: str | None = None) -> Backend:
     """Returns the backend of `config` for the devices present (jax `platform`, their `device_kind` and
@@ -258,7 +306,7 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
                    remat_names=tuple(config.model.remat_names), attention=_attention(config, target),
                    float32_sums=target == "cpu" and config.model.dtype == "bfloat16",
                    grouped_matmul=_grouped_matmul(config, target, hopper), exchange=_exchange(config, target),
-                   pipeline_loop=loop)
+                   pipeline_loop=loop, matmul_precision=_matmul_precision(config, target, kind, capability))
 
 
 def backend_of_devices(config: Config, devices) -> Backend:

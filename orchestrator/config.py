@@ -78,6 +78,10 @@ class ModelConfig:
     init_std: float = key(0.02, "stddev of the normal initialiser", above=0)
     dtype: str = key("float32", "activations and matmuls: float32 | bfloat16 | float16 (GPUs only); params stay "
                      "float32", choices=("float32", "bfloat16", "float16"))
+    matmul_precision: str = key("bfloat16", "weight matmuls (attention projections, MLP, experts): bfloat16 (in "
+                                "model.dtype) | fp8 (float8 e4m3 forward, e5m2 gradients, current per-tensor "
+                                "scaling; model.dtype bfloat16; GPUs of compute capability 8.9+, emulated on CPU)",
+                                choices=("bfloat16", "fp8"))
     attention: str = key("auto", "jax.nn.dot_product_attention: auto (cudnn on GPU in bf16/fp16, else xla; bf16 on "
                          "CPU from float32 sums) | xla | cudnn", choices=ATTENTION_CHOICES)
     remat: str = key("auto", "per stacked unit, scanned or pipelined: auto (the backend's for the target: dots on "

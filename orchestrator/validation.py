@@ -70,6 +70,9 @@ def validate(config: Config) -> Config:
     if m.attention == "cudnn" and m.dtype == "float32":
         problems.append(("model.attention", "cudnn flash attention needs model.dtype bfloat16 or float16; "
                                             "use auto or xla for float32"))
+    if m.matmul_precision == "fp8" and m.dtype != "bfloat16":
+        problems.append(("model.matmul_precision", f"fp8 runs with model.dtype bfloat16 (the dtype of everything "
+                                                   f"that is not a weight matmul), not {m.dtype}"))
     if m.dtype == "float16" and config.cluster.accelerator == "cpu":  # configure_jax compiles it on XLA:CPU
         problems.append(("model.dtype", "float16 needs a GPU (cluster.accelerator=gpu): XLA:CPU, which compiles "
                                         "for cluster.accelerator=cpu (explain's too), has no float16 matmul "

@@ -1,0 +1,124 @@
+"""Float8 weight matmuls (`model.matmul_precision=fp8`), behind models.ops' einsum and grouped matmul.
+
+Each weight matmul multiplies float8 operands and sums in float32: activations
+and weights in e4m3 forward, the output's gradient in e5m2 backward (more
+range, less precision), as in Micikevicius et al., "FP8 Formats for Deep
+Learning" (arXiv 2209.05433). Scaling is per tensor and current: each operand is
+divided by amax / (the format's largest value) as the matmul runs, so the
+largest element maps to the format's largest. torchao (torchtitan's float8)
+made current ("tensorwise dynamic") scaling its default and removed delayed
+scaling: its amax history costs train state, a warm-up and a checkpointed
+state to restore, and the reduction it saves is fused on the GPU. Nothing is
+kept between steps, so resuming and resharding are those of a bfloat16 run.
+
+Only the weight matmuls the model routes through models.ops at its compute
+dtype run in float8: attention's softmax and its two products, the logits (a
+float32 `out_dtype`), norms and the router stay as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from nestor.models import ops, remat_names
+
+FORWARD = jnp.float8_e4m3fn  # activations and weights
+GRADIENT = jnp.float8_e5m2   # the output's gradient
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Returns (x / scale in `dtype`, scale): scale is a float32 scalar, amax(|x|) / dtype's largest value
+    (1 for an all-zero x), so x ~ quantized * scale."""
+    largest = jnp.array(jnp.finfo(dtype).max, jnp.float32)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / largest, jnp.array(1, jnp.float32))
+    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype), scale
+
+
+def ops_in_fp8(base: ops.Ops) -> ops.Ops:
+    """Returns `base` with its weight matmuls (einsum at the compute dtype, grouped matmul) in float8;
+    an einsum asked for another output dtype (the float32 logits) keeps `base`'s."""
+    names = dict(base.names, einsum=f"float8 e4m3/e5m2 einsum, current per-tensor scaling (else {base.names['einsum']})",
+                 grouped_matmul="float8 e4m3/e5m2 jax.lax.ragged_dot, current per-tensor scaling")
+    return dataclasses.replace(base, einsum=functools.partial(einsum, base.einsum), grouped_matmul=grouped_matmul,
+                               names=names)
+
+
+def einsum(higher: ops.Einsum, equation: str, x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
+    """Returns `equation` ("x,weight->out", models.ops.operand_indices) of x by weight in float8, in x's dtype;
+    with an `out_dtype` other than x's, `higher`'s einsum."""
+    if out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
+        return higher(equation, x, weight, out_dtype)
+    ops.operand_indices(equation)
+    return _einsum(equation, x, weight)
+
+
+def _scaled(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    return (jnp.einsum(equation, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum(equation: str, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return _einsum_forward(equation, x, weight)[0]
+
+
+def _einsum_forward(equation, x, weight):
+    (x8, x_scale), (w8, w_scale) = quantize(x, FORWARD), quantize(weight, FORWARD)
+    out = _scaled(equation, x8, w8, x_scale * w_scale, x.dtype)
+    # `dots` keeps the output as it keeps every matmul's (jax's dots_saveable does not see a custom rule's dot);
+    # the backward pass reads the float8 operands, half a bfloat16 copy's bytes
+    return checkpoint_name(out, remat_names.MATMUL_SUMS), (x8, x_scale, w8, w_scale, jnp.zeros((), x.dtype),
+                                                           jnp.zeros((), weight.dtype))
+
+
+def _einsum_backward(equation, saved, gradient):
+    x8, x_scale, w8, w_scale, x_like, w_like = saved
+    x_indices, weight_indices, out = ops.operand_indices(equation)
+    g8, g_scale = quantize(gradient, GRADIENT)
+    x_gradient = _scaled(f"{out},{weight_indices}->{x_indices}", g8, w8, g_scale * w_scale, x_like.dtype)
+    weight_gradient = _scaled(f"{x_indices},{out}->{weight_indices}", x8, g8, x_scale * g_scale, w_like.dtype)
+    return x_gradient, weight_gradient
+
+
+_einsum.defvjp(_einsum_forward, _einsum_backward)
+
+
+def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Returns jax.lax.ragged_dot(rows [M, K], weights [G, K, N], group_sizes [G]) from float8 operands, in
+    rows' dtype (models.ops.GroupedMatmul): rows past the groups are 0."""
+    return _grouped(rows, weights, group_sizes)
+
+
+@jax.custom_vjp
+def _grouped(rows, weights, group_sizes):
+    return _grouped_forward(rows, weights, group_sizes)[0]
+
+
+def _grouped_forward(rows, weights, group_sizes):
+    (r8, r_scale), (w8, w_scale) = quantize(rows, FORWARD), quantize(weights, FORWARD)
+    out = jax.lax.ragged_dot(r8, w8, group_sizes, preferred_element_type=jnp.float32) * (r_scale * w_scale)
+    saved = (r8, r_scale, w8, w_scale, group_sizes, jnp.zeros((), rows.dtype), jnp.zeros((), weights.dtype))
+    return checkpoint_name(out.astype(rows.dtype), remat_names.MATMUL_SUMS), saved
+
+
+# the weights' gradient: per group, its rows' transpose times their gradient (rows ragged, no group dimension)
+_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                                     lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _grouped_backward(saved, gradient):
+    r8, r_scale, w8, w_scale, group_sizes, rows_like, weights_like = saved
+    g8, g_scale = quantize(gradient, GRADIENT)
+    rows_gradient = jax.lax.ragged_dot(g8, jnp.swapaxes(w8, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+    weights_gradient = jax.lax.ragged_dot_general(r8, g8, group_sizes, _WEIGHT_GRADIENT,
+                                                  preferred_element_type=jnp.float32)
+    return ((rows_gradient * (g_scale * w_scale)).astype(rows_like.dtype),
+            (weights_gradient * (r_scale * g_scale)).astype(weights_like.dtype), None)
+
+
+_grouped.defvjp(_grouped_forward, _grouped_backward)
