@@ -33,10 +33,9 @@ def one_program_at_a_time(jax) -> None:
     """Makes each XLA:CPU program end before its call returns (no asynchronous dispatch); must run before
     jax starts its backend.
 
-    With asynchronous dispatch the train loop has two steps in flight (values are read one step late),
-    and the devices of the later one start as soon as their own inputs are ready: their collectives'
-    waiters then join the earlier step's in the thread pool below, which is sized for one program's.
-    A CPU's devices share its cores, so overlapping two programs gains nothing there.
+    With asynchronous dispatch the train loop keeps two steps in flight, and the waiters of both programs'
+    collectives share the one thread pool below, sized for one program's. A CPU's devices share its
+    cores, so overlapping two programs gains nothing there.
     """
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
