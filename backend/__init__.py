@@ -135,12 +135,9 @@ class Backend:
         chosen = dataclasses.replace(base, attention=attention, grouped_matmul=grouped, names=names)
         if self.matmul_precision != "fp8":
             return chosen
-        in_fp8 = fp8.ops_in_fp8(chosen)
-        if self.grouped_matmul in (COUNTED_AS_GROUPED_GEMM, COUNTED_WHERE_KERNELS_TILE):
-            # a program compiled to count FLOPs keeps its counting grouped matmul (float8 multiplies as many)
-            return dataclasses.replace(in_fp8, grouped_matmul=grouped,
-                                       names=dict(in_fp8.names, grouped_matmul=names["grouped_matmul"]))
-        return in_fp8
+        # a program compiled to count FLOPs keeps its counting grouped matmul (float8 multiplies as many), and
+        # a model without dropless layers runs none
+        return fp8.ops_in_fp8(chosen, grouped=self.grouped_matmul == "xla")
 
     def remat_policy(self) -> Any:
         """Returns the `jax.checkpoint` policy of the stacked units (None: keep everything)."""

@@ -40,13 +40,15 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype), scale
 
 
-def ops_in_fp8(base: ops.Ops) -> ops.Ops:
-    """Returns `base` with its weight matmuls (einsum at the compute dtype, grouped matmul) in float8;
-    an einsum asked for another output dtype (the float32 logits) keeps `base`'s."""
-    names = dict(base.names, einsum=f"float8 e4m3/e5m2 einsum, current per-tensor scaling (else {base.names['einsum']})",
-                 grouped_matmul="float8 e4m3/e5m2 jax.lax.ragged_dot, current per-tensor scaling")
-    return dataclasses.replace(base, einsum=functools.partial(einsum, base.einsum), grouped_matmul=grouped_matmul,
-                               names=names)
+def ops_in_fp8(base: ops.Ops, grouped: bool = True) -> ops.Ops:
+    """Returns `base` with its weight matmuls in float8: the einsum at the compute dtype (one asked for
+    another output dtype, the float32 logits, keeps `base`'s), and with `grouped` the grouped matmul."""
+    names = dict(base.names, einsum=f"float8 e4m3/e5m2 einsum, current per-tensor scaling (else {base.names['einsum']})")
+    in_fp8 = dataclasses.replace(base, einsum=functools.partial(einsum, base.einsum), names=names)
+    if not grouped:
+        return in_fp8
+    return dataclasses.replace(in_fp8, grouped_matmul=grouped_matmul, names=dict(
+        names, grouped_matmul="float8 e4m3/e5m2 jax.lax.ragged_dot, current per-tensor scaling"))
 
 
 def einsum(higher: ops.Einsum, equation: str, x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
@@ -72,8 +74,9 @@ def _einsum_forward(equation, x, weight):
     out = _scaled(equation, x8, w8, x_scale * w_scale, x.dtype)
     # `dots` keeps the output as it keeps every matmul's (jax's dots_saveable does not see a custom rule's dot);
     # the backward pass reads the float8 operands, half a bfloat16 copy's bytes
-    return checkpoint_name(out, remat_names.MATMUL_SUMS), (x8, x_scale, w8, w_scale, jnp.zeros((), x.dtype),
-                                                           jnp.zeros((), weight.dtype))
+    # the empty arrays carry the operands' dtypes to the backward pass
+    return checkpoint_name(out, remat_names.MATMUL_SUMS), (x8, x_scale, w8, w_scale, jnp.zeros((0,), x.dtype),
+                                                           jnp.zeros((0,), weight.dtype))
 
 
 def _einsum_backward(equation, saved, gradient):
@@ -102,7 +105,7 @@ def _grouped(rows, weights, group_sizes):
 def _grouped_forward(rows, weights, group_sizes):
     (r8, r_scale), (w8, w_scale) = quantize(rows, FORWARD), quantize(weights, FORWARD)
     out = jax.lax.ragged_dot(r8, w8, group_sizes, preferred_element_type=jnp.float32) * (r_scale * w_scale)
-    saved = (r8, r_scale, w8, w_scale, group_sizes, jnp.zeros((), rows.dtype), jnp.zeros((), weights.dtype))
+    saved = (r8, r_scale, w8, w_scale, group_sizes, jnp.zeros((0,), rows.dtype), jnp.zeros((0,), weights.dtype))
     return checkpoint_name(out.astype(rows.dtype), remat_names.MATMUL_SUMS), saved
 
 

@@ -115,7 +115,7 @@ def _gathered(shard: jax.Array, axes: tuple[str, ...], axis: int, dtype) -> jax.
 
 
 def _gathered_forward(shard, axes, axis, dtype):
-    return _gathered(shard, axes, axis, dtype), jnp.zeros((), shard.dtype)
+    return _gathered(shard, axes, axis, dtype), jnp.zeros((0,), shard.dtype)  # carries the stored dtype
 
 
 def _gathered_backward(axes, axis, dtype, stored_like, gradient):
