@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config import Config, speed_key_sources
 from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from nestor.orchestrator.job import Job, abstract_batch, build_job, devices_here
 from nestor.orchestrator.memory_fit import GIB, fit_report
@@ -88,6 +88,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
         "backend": job.backend.report(),
+        "speed_settings": [{"key": key, "value": value, "from": where} for key, value, where in speed_key_sources(config)],
         "remat": job.backend.remat,
         "params": params,
         "param_count": sum(math.prod(row["shape"]) for row in params),
@@ -156,11 +157,18 @@ def backend_lines(backend: dict[str, Any]) -> list[str]:
     return lines + [f"  compiled here: {note}" for note in backend["substitutions"]]
 
 
+def _yaml_value(value: Any) -> str:
+    """Returns a setting's value as a YAML override writes it (false, not False)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def format_report(report: dict[str, Any]) -> str:
     """Returns the human-readable form of an explain report."""
     mesh = report["mesh"]
     lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
-             f"({mesh['devices']} {mesh['platform']} devices)", "", *backend_lines(report["backend"]), "",
+             f"({mesh['devices']} {mesh['platform']} devices)", "", *backend_lines(report["backend"]),
+             "settings that decide speed, not results: " + "; ".join(
+                 f"{s['key']}={_yaml_value(s['value'])} ({s['from']})" for s in report["speed_settings"]), "",
              f"parameters: {report['param_count']:,}"]
     lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [
         (row["name"], str(tuple(row["shape"])), str(tuple(row["logical_axes"])), spec_text(row["spec"]),

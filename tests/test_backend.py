@@ -99,3 +99,15 @@ def test_explain_for_an_h100_counts_grouped_matmuls_as_its_kernels_and_the_state
     model_work = [report["flops_per_step"] - report["update_flops_per_step"] for report in (moe, dense)]
     assert model_work[0] / model_work[1] <= 1.10  # measured 1.046
     assert moe["update_flops_per_step"] > 2 * dense["update_flops_per_step"]  # 4x the parameters
+
+
+def test_explain_says_where_each_setting_that_decides_speed_came_from(tiny_config):
+    from nestor.orchestrator.config import load, speed_key_sources
+
+    sources = {key: (value, where) for key, value, where in speed_key_sources(
+        load(None, ["model.preset=1b", "model.remat=full", "cluster.devices_per_host=8"]))}
+    assert sources["model.scan_layers"] == (False, "preset 1b")  # measured faster on an H100 (the preset says so)
+    assert sources["model.remat"] == ("full", "the run") and sources["model.attention"] == ("auto", "default")
+    assert load(None, ["model.preset=1b", "model.scan_layers=true"]).model.scan_layers  # the run's key wins
+    text = format_report(explain(tiny_config("cluster.device_kind=h100")))
+    assert "settings that decide speed, not results: model.scan_layers=true (default); model.remat=auto (default)" in text
