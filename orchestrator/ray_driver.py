@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 
 from nestor.cluster.interrupts import Interrupted, kept_signal
@@ -17,6 +16,7 @@ from nestor.orchestrator.launch_checks import check_before_launch
 from nestor.orchestrator.paths import show_relative_to, user_directory
 from nestor.orchestrator.progress import Console, ForwardingConsole, replay
 from nestor.orchestrator.run_lock import RunDirLock
+from nestor.orchestrator.signals import stopping_line
 
 
 def cluster_spec(config: Config) -> ClusterSpec:
@@ -86,13 +86,6 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
         raise Stopped(f"signal {result.stopped_by}")
     console.log(f"preempted: the worker group starts again from step {int(result.state['step'])}")
     raise Preempted(f"signal {result.stopped_by}")
-
-
-def stopping_line(signum: int) -> str:
-    """What the driver says when a signal reaches it; the hint of a second Ctrl-C only for a Ctrl-C (a
-    submitted job's driver gets `nestor stop`'s SIGTERM, and its log has no keyboard)."""
-    again = " (press Ctrl-C again to stop them now, without a save)" if signum == signal.SIGINT else ""
-    return f"{signal.Signals(signum).name}: the workers stop and save at the next step they all reach{again}"
 
 
 RESTART_LINE = re.compile(r"^restart \d+: ")  # how the driver's log says each restart (`restart_lines`)
@@ -186,7 +179,7 @@ def train_on_ray(config: Config, console: Console) -> int | None:
                                 on_restart=restarts.restart, resize=resize, on_resize=resized)
             return launch(train_on_worker, (config, directory), cluster_spec(config),
                           storage_dir=config.run.dir, on_message=restarts.replay,
-                          on_stop=lambda signum: console.log(stopping_line(signum)), on_phase=console.log,
+                          on_stop=lambda signum: console.log(stopping_line(signum, workers=True)), on_phase=console.log,
                           kept_signal=kept_signal, recovery=recovery)
     finally:
         console.close()

@@ -83,8 +83,12 @@ class StopSignals:
             signal.signal(signum, handler)
 
 
-def stopping_line(signum: int) -> str:
-    """What a run in this process says when a signal reaches it: it saves at the next step; the hint of a
-    second Ctrl-C for a Ctrl-C only."""
-    again = " (press Ctrl-C again to stop now, without a save)" if signum == signal.SIGINT else ""
-    return f"{signal.Signals(signum).name}: stopping and saving at the next step{again}"
+def stopping_line(signum: int, workers: bool = False) -> str:
+    """What a run says when a signal reaches it: it saves at the next step (`workers`: the Ray driver's, for
+    the worker group); the hint of a second Ctrl-C for a Ctrl-C only (a submitted job's driver gets `nestor
+    stop`'s SIGTERM, and its log has no keyboard)."""
+    what = "the workers stop and save at the next step they all reach" if workers else \
+        "stopping and saving at the next step"
+    again = f" (press Ctrl-C again to stop{' them' if workers else ''} now, without a save)" \
+        if signum == signal.SIGINT else ""
+    return f"{signal.Signals(signum).name}: {what}{again}"
