@@ -126,16 +126,26 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def config_differences(current: dict, saved_config: dict, keys, step_dir: Path,
+                       advice: str = "") -> list[tuple[str, str]]:
+    """Returns a problem for each (section, key) of `keys` that the checkpoint in `step_dir` was written with
+    (its `saved_config`) and whose value in `current` (Config.to_dict()) differs, each ending in `advice`."""
+    return [(f"{section}.{key}", f"is {current[section].get(key)!r} but {shown(step_dir)} was written with "
+                                 f"{saved_config[section][key]!r}{advice}")
+            for section, key in keys
+            if key in saved_config.get(section, {}) and current[section].get(key) != saved_config[section][key]]
+
+
 def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
     """Raises ConfigError when the checkpoint's arrays (paths and shapes) are not the
     current config's, naming the config keys that differ from the checkpoint's."""
     saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
     if saved == wanted:
         return
-    current, written = config.to_dict(), shown(step_dir)
-    problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {written} was written with {value!r}")
-                for section in ("model", "moe") for key, value in saved_config.get(section, {}).items()
-                if key != "preset" and current[section].get(key) != value]
+    written = shown(step_dir)
+    problems = config_differences(config.to_dict(), saved_config, [
+        (section, key) for section in ("model", "moe") for key in saved_config.get(section, {}) if key != "preset"],
+        step_dir)
     differing = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
     differences = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
     problems.append(("run.dir", f"{written} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
+from nestor.orchestrator.checkpoint_restore import checkpoint_dir, config_differences, finalized_steps
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.batches import text_files
 from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
 from nestor.orchestrator.model_class import resolve_user_code
-from nestor.orchestrator.paths import shown
 
 # nestor LM's keys that shape the train state a checkpoint holds (the workers compare the arrays themselves)
 SHAPING = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -61,10 +60,7 @@ def checkpoint_misfit(config: Config) -> None:
     if _moe_on(saved.get("moe", {})) or _moe_on(current["moe"]):
         both = _moe_on(saved.get("moe", {})) and _moe_on(current["moe"])
         keys += [("moe", key) for key in (MOE_SHAPING if both else ("num_experts", "every"))]
-    problems = [(f"{section}.{key}", f"is {current[section].get(key)!r} but {shown(step_dir)} was written with "
-                                     f"{saved[section][key]!r}; use the checkpoint's value or a new run.dir")
-                for section, key in keys
-                if key in saved.get(section, {}) and current[section].get(key) != saved[section][key]]
+    problems = config_differences(current, saved, keys, step_dir, "; use the checkpoint's value or a new run.dir")
     if problems:
         raise ConfigError(problems)
 

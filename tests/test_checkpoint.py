@@ -19,6 +19,7 @@ from jax._src.dispatch import BACKEND_COMPILE_EVENT  # the name jax.monitoring r
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.checkpoint import Checkpointer, MIN_REPLICA_SLICE_BYTES, checkpoint_dir, restore_state
 from nestor.orchestrator.job import build_job
+from nestor.orchestrator.launch_checks import checkpoint_misfit
 from nestor.orchestrator.progress import Console
 from nestor.orchestrator.signals import StopSignals
 from nestor.orchestrator.state import init_state
@@ -340,6 +341,10 @@ def test_checkpoint_with_other_experts_is_a_config_error_naming_them(tmp_path):
     assert "run.dir" in str(error.value) and "(2, 4," in str(error.value)  # names a saved expert array's shape
     assert (checkpoint_dir(more_experts.run.dir) / "2").is_dir()  # left where it was
     assert not (tmp_path / "torn_checkpoints").exists()
+    # the Ray launcher's check in the user's process, before any worker starts, names the same key
+    with pytest.raises(config_lib.ConfigError, match="moe.num_experts: is 8 but .* was written with 4; use the "
+                                                    "checkpoint's value or a new run.dir"):
+        checkpoint_misfit(more_experts)
 
 
 def test_resume_may_change_settings_that_shape_no_array(tmp_path):
