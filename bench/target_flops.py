@@ -11,6 +11,7 @@ models.
     python -m bench.target_flops                         # E = 8, 32, 128 on data8 and fsdp8, for an H100
     python -m bench.target_flops --experts 32 --meshes data8 --device-kind tpu-v5p
     python -m bench.target_flops --experts 128 --global-batch 64   # 1,024 tokens per device
+    python -m bench.target_flops --experts 128 --meshes fsdp8 --breakdown 12   # what the MoE step adds, by op
 """
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ def figures(*overrides: str) -> tuple[float, float]:
     return report["flops_per_step"], report["update_flops_per_step"]
 
 
+def flops_by_op(*overrides: str) -> dict[tuple[str, str, str], float]:
+    """Returns the FLOPs `nestor explain` counts for the overrides by (phase, HLO op, jax op), less this
+    compile's float32 widening (parallel.hlo.flops_by_op)."""
+    from nestor.orchestrator.config import load
+    from nestor.orchestrator.explain import counted_step
+    from nestor.orchestrator.job import build_job
+    from nestor.parallel.hlo import flops_by_op as by_op
+
+    job = build_job(load(None, [*MODEL, *overrides]), with_data=False)
+    return by_op(counted_step(job).as_text(), without_widening=job.backend.widens_what_the_target_does_not())
+
+
+def print_breakdown(moe: dict, dense: dict, rows: int) -> None:
+    """Prints the `rows` largest differences MoE - dense, each over the dense step's FLOPs."""
+    total = sum(dense.values())
+    excess = {key: (moe.get(key, 0.0) - dense.get(key, 0.0)) / total for key in set(moe) | set(dense)}
+    print("| phase | HLO op | jax op | (MoE - dense) / dense step |")
+    print("| --- | --- | --- | ---: |")
+    for (phase, op, jax_op), share in sorted(excess.items(), key=lambda item: -abs(item[1]))[:rows]:
+        print(f"| {phase} | {op} | {jax_op or '-'} | {share:+.4f} |")
+
+
 SHARD_UPDATE = ("optimizer.shard_update=false", "optimizer.shard_update=true")
 
 
@@ -42,19 +65,30 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["data8", "fsdp8"], choices=list(MESHES))
     parser.add_argument("--device-kind", default="h100", help="cluster.device_kind: the target explain counts for")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences of 128 tokens per step")
+    parser.add_argument("--breakdown", type=int, default=0, metavar="ROWS",
+                        help="instead of the table: per mesh and expert count, the ROWS largest differences by op "
+                             "(replicated update)")
     args = parser.parse_args()
     from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
 
     simulate_cpu_devices_before_import(8)
     target = (f"cluster.device_kind={args.device_kind}", f"train.global_batch={args.global_batch}")
+    moe_keys = lambda experts: (f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",  # noqa: E731
+                                "moe.expert_mlp_dim=256", "moe.capacity_factor=0")
+    if args.breakdown:
+        for mesh in args.meshes:
+            dense = flops_by_op(*MESHES[mesh], *target, "model.mlp_dim=512")
+            for experts in args.experts:
+                print(f"\n{mesh}, {experts} experts:")
+                print_breakdown(flops_by_op(*MESHES[mesh], *target, *moe_keys(experts)), dense, args.breakdown)
+        return
     print("| mesh | experts | MoE / dense FLOPs | without the state update | update share of the MoE step "
           "| shard_update: MoE / dense FLOPs | shard_update: update share |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mesh in args.meshes:
         dense = [figures(*MESHES[mesh], *target, "model.mlp_dim=512", shard) for shard in SHARD_UPDATE]
         for experts in args.experts:
-            moe = [figures(*MESHES[mesh], *target, f"moe.num_experts={experts}", "moe.every=1", "moe.top_k=2",
-                           "moe.expert_mlp_dim=256", "moe.capacity_factor=0", shard) for shard in SHARD_UPDATE]
+            moe = [figures(*MESHES[mesh], *target, *moe_keys(experts), shard) for shard in SHARD_UPDATE]
             (total, update), (dense_total, dense_update) = moe[0], dense[0]
             (sharded_total, sharded_update), (sharded_dense, _) = moe[1], dense[1]
             print(f"| {mesh} | {experts} | {total / dense_total:.3f} "

@@ -373,20 +373,32 @@ def flops_by_phase(hlo_text: str) -> dict[str, float]:
     each instruction: `backward` under `transpose(` (the gradient and its reductions), `forward` under
     `jvp(` (the loss), `update` for the rest of jax's (what a train step does with the gradient: the
     optimizer, the update's application, norms), `unnamed` for what XLA added without an op name."""
-    computations, entry = _computations(hlo_text)
     phases = dict.fromkeys(PHASES, 0.0)
+    for (phase, _, _), flops in flops_by_op(hlo_text).items():
+        phases[phase] += flops
+    return phases
+
+
+def flops_by_op(hlo_text: str, *, without_widening: bool = False) -> dict[tuple[str, str, str], float]:
+    """Returns the estimated FLOPs of one run (loop bodies x trip count) by (phase as `flops_by_phase`
+    names it, HLO op, the jax op that made it: the last part of its op name, "" when unnamed); with
+    `without_widening`, less the converts `float_normalization_flops` counts."""
+    computations, entry = _computations(hlo_text)
     if entry is None:
-        return phases
-    counter = _FlopCounter(computations)
+        return {}
+    counter, totals = _FlopCounter(computations), {}
     for name, factor in _multipliers(computations, entry).items():
         instructions = computations.get(name, ())
         shapes = {instruction.name: instruction.shape for instruction in instructions}
         for instruction in instructions:
             flops = counter._instruction(instruction, shapes)
-            if flops:
-                named = _OP_NAME.search(instruction.attributes)
-                op_name = named.group(1) if named else None
-                phase = ("unnamed" if op_name is None else "backward" if "transpose(" in op_name
-                         else "forward" if "jvp(" in op_name else "update")
-                phases[phase] += factor * flops
-    return phases
+            if not flops or (without_widening and _widening_or_narrowing(instruction, shapes)):
+                continue
+            named = _OP_NAME.search(instruction.attributes)
+            op_name = named.group(1) if named else None
+            phase = ("unnamed" if op_name is None else "backward" if "transpose(" in op_name
+                     else "forward" if "jvp(" in op_name else "update")
+            jax_op = re.sub(r"\[.*?\]", "", op_name.rsplit("/", 1)[-1]) if op_name else ""
+            key = (phase, instruction.op, jax_op)
+            totals[key] = totals.get(key, 0.0) + factor * flops
+    return totals
