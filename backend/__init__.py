@@ -22,8 +22,6 @@ import functools
 import re
 from typing import TYPE_CHECKING, Any
 
-import jax
-
 from nestor.backend import fp8, remat
 from nestor.backend.mosaic_gpu import grouped_matmul_op, kernel_problem
 from nestor.backend.xla_cpu import ops_from_float32_sums
@@ -135,8 +133,7 @@ class Backend:
         chosen = dataclasses.replace(base, attention=attention, grouped_matmul=grouped, names=names)
         if self.matmul_precision != "fp8":
             return chosen
-        # a program compiled to count FLOPs keeps its counting grouped matmul (float8 multiplies as many), and
-        # a model without dropless layers runs none
+        # grouped matmuls in float8 where jax.lax.ragged_dot runs them; the Mosaic GPU kernels stay bfloat16
         return fp8.ops_in_fp8(chosen, grouped=self.grouped_matmul == "xla")
 
     def remat_policy(self) -> Any:
@@ -226,16 +223,12 @@ def _attention(config: Config, target: str) -> str:
 
 def _grouped_matmul(config: Config, target: str, hopper: bool) -> str:
     """Returns the grouped matmuls of dropless layers: for `auto`, the Mosaic GPU kernels where each device's
-    expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16, else ragged_dot (float8 in
-    fp8). Raises BackendError when mosaic_gpu is asked for off a Hopper GPU, in float32 or in fp8."""
+    expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16 (with fp8 too: the kernels
+    stay bfloat16, XLA:GPU's ragged_dot being far slower), else ragged_dot. Raises BackendError when
+    mosaic_gpu is asked for off a Hopper GPU or in float32."""
     choice, dtype = config.moe.grouped_matmul, config.model.dtype
     if config.model.builtin_lm and not config.dropless_moe:
         return "none"  # no grouped matmul runs (a model of the user's may hold dropless layers of its own)
-    if config.model.matmul_precision == "fp8":
-        if choice == "mosaic_gpu":
-            raise BackendError("moe.grouped_matmul", "the Mosaic GPU kernels multiply bfloat16 or float16; with "
-                               "model.matmul_precision=fp8 use auto or xla (float8 jax.lax.ragged_dot)")
-        return "xla"
     kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
     if choice == "mosaic_gpu" and not kernels_run:
         raise BackendError("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
@@ -258,12 +251,13 @@ def _exchange(config: Config, target: str) -> str:
 
 
 # NVIDIA GPUs with float8 tensor cores (compute capability 8.9+): Ada, Hopper, Blackwell device kinds
-_FP8_GPU_WORDS = (*_HOPPER_WORDS, "l4", "l40", "l40s", "ada", "b100", "b200", "gb200", "b300", "gb300")
+_FP8_GPU_WORDS = (*_HOPPER_WORDS, "l4", "l40", "l40s", "ada", "4090", "4080", "b100", "b200", "gb200", "b300",
+                  "gb300", "blackwell", "5090", "5080")
 
 
 def _matmul_precision(config: Config, target: str, device_kind: str | None, capability: str | None) -> str:
-    """Returns `model.matmul_precision`. Raises BackendError for fp8 on a TPU (not built for it), on a GPU whose compute capability (or, unknown, whose device kind) is below 8.9, or
-    with a jax that lacks ragged_dot_general (the float8 grouped matmul's weight gradient)."""
+    """Returns `model.matmul_precision`. Raises BackendError for fp8 on a TPU (not built for it), or on a GPU
+    whose compute capability (or, unknown, whose device kind) is not NVIDIA's 8.9 or above."""
     choice = config.model.matmul_precision
     if choice != "fp8":
         return choice
@@ -271,17 +265,14 @@ def _matmul_precision(config: Config, target: str, device_kind: str | None, capa
         raise BackendError("model.matmul_precision", "fp8 is built for NVIDIA GPUs of compute capability 8.9+ (and "
                            "emulated on CPU), not TPUs; use bfloat16")
     if target == "gpu":
-        if capability:
-            major, _, minor = str(capability).partition(".")
-            able = (int(major), int(minor or 0)) >= (8, 9)
+        if capability:  # NVIDIA's "9.0"; ROCm reports a gfx name, and its float8 formats are others
+            version = re.fullmatch(r"(\d+)(?:\.(\d+))?", str(capability))
+            able = bool(version) and (int(version[1]), int(version[2] or 0)) >= (8, 9)
         else:
             able = device_kind is None or bool(_words(device_kind) & set(_FP8_GPU_WORDS))
         if not able:
             raise BackendError("model.matmul_precision", f"fp8 needs float8 tensor cores (compute capability 8.9+: "
                                f"Ada, Hopper, Blackwell); {device_kind or 'this GPU'} has none; use bfloat16")
-    if not hasattr(jax.lax, "ragged_dot_general"):
-        raise BackendError("model.matmul_precision", f"fp8 needs jax.lax.ragged_dot_general, which jax "
-                           f"{jax.__version__} lacks; use bfloat16 or a newer jax")
     return choice
 
 

@@ -7,9 +7,11 @@ Learning" (arXiv 2209.05433). Scaling is per tensor and current: each operand is
 divided by amax / (the format's largest value) as the matmul runs, so the
 largest element maps to the format's largest. torchao (torchtitan's float8)
 made current ("tensorwise dynamic") scaling its default and removed delayed
-scaling: its amax history costs train state, a warm-up and a checkpointed
-state to restore, and the reduction it saves is fused on the GPU. Nothing is
-kept between steps, so resuming and resharding are those of a bfloat16 run.
+scaling, whose amax history costs train state, a warm-up and a checkpointed
+state to restore. Nothing is kept between steps, so resuming and resharding
+are those of a bfloat16 run. An einsum's amax is the whole tensor's (on a mesh,
+a scalar all-reduce before each matmul); a grouped matmul runs inside the expert
+exchange's shard_map, so there each device scales the rows and experts it holds.
 
 Only the weight matmuls the model routes through models.ops at its compute
 dtype run in float8: attention's softmax and its two products, the logits (a
@@ -72,9 +74,8 @@ def _einsum(equation: str, x: jax.Array, weight: jax.Array) -> jax.Array:
 def _einsum_forward(equation, x, weight):
     (x8, x_scale), (w8, w_scale) = quantize(x, FORWARD), quantize(weight, FORWARD)
     out = _scaled(equation, x8, w8, x_scale * w_scale, x.dtype)
-    # `dots` keeps the output as it keeps every matmul's (jax's dots_saveable does not see a custom rule's dot);
-    # the backward pass reads the float8 operands, half a bfloat16 copy's bytes
-    # the empty arrays carry the operands' dtypes to the backward pass
+    # tagged for the remat policies that keep matmul outputs by name; the empty arrays carry the operands'
+    # dtypes to the backward pass
     return checkpoint_name(out, remat_names.MATMUL_SUMS), (x8, x_scale, w8, w_scale, jnp.zeros((0,), x.dtype),
                                                            jnp.zeros((0,), weight.dtype))
 

@@ -394,15 +394,16 @@ def preset_sections(preset: Any) -> dict:
     return {"model": keys} if moe is None else {"model": keys, "moe": moe}
 
 
-# the keys that decide how fast a step runs on its target, not what it computes (nestor explain says where each
-# value came from); `auto` values are the backend's to resolve
+# the keys chosen for a step's speed on its target (nestor explain says where each value came from; fp8 also
+# rounds differently); `auto` values are the backend's to resolve
 SPEED_KEYS = ("model.scan_layers", "model.remat", "model.attention", "model.matmul_precision", "moe.grouped_matmul",
               "moe.exchange")
 
 
 def speed_key_sources(config: Config) -> list[tuple[str, Any, str]]:
     """Returns (dotted key, value, where it came from) for each of SPEED_KEYS: `preset NAME` when the model
-    preset sets that value, `default` when it is base.yaml's, else `the run` (its YAML or overrides)."""
+    preset sets that value, `the run` (its YAML or overrides) when the preset sets another or the value is not
+    base.yaml's, else `default`."""
     plain = config.to_dict()
     defaults = {path: default for path, _, default, _ in key_table()}
     preset = preset_sections(config.model.preset) if config.model.preset else {}
@@ -410,10 +411,11 @@ def speed_key_sources(config: Config) -> list[tuple[str, Any, str]]:
     for path in SPEED_KEYS:
         section, name = path.split(".")
         value = plain[section][name]
-        if preset.get(section, {}).get(name, _UNSET) == value:
+        preset_value = preset.get(section, {}).get(name, _UNSET)
+        if preset_value == value:
             where = f"preset {config.model.preset}"
         else:
-            where = "default" if defaults[path] == value else "the run"
+            where = "default" if defaults[path] == value and preset_value is _UNSET else "the run"
         sources.append((path, value, where))
     return sources
 

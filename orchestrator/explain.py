@@ -173,7 +173,7 @@ def format_report(report: dict[str, Any]) -> str:
     mesh = report["mesh"]
     lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
              f"({mesh['devices']} {mesh['platform']} devices)", "", *backend_lines(report["backend"]),
-             "settings that decide speed, not results: " + "; ".join(
+             "settings chosen for speed: " + "; ".join(
                  f"{s['key']}={_yaml_value(s['value'])} ({s['from']})" for s in report["speed_settings"]), "",
              f"parameters: {report['param_count']:,}"]
     lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [

@@ -105,7 +105,8 @@ def verdict(total_bytes: int, capacity_gib: float | None) -> str:
 # (measured in docs/benchmarks.md, "Unrolled layer stacks").
 UNROLLED_ON_CPU = ("model.scan_layers=false compiled by XLA:CPU for an accelerator: these figures do not apply "
                    "there. XLA:CPU's schedule of an unrolled stack keeps every unit's activations whatever "
-                   "model.remat; XLA:GPU's does not (docs/benchmarks.md, \"Unrolled layer stacks\")")
+                   "model.remat; XLA:GPU's does not (docs/benchmarks.md, \"Unrolled layer stacks\"); "
+                   "model.scan_layers=true gives an estimate")
 
 
 def unrolled_caveat(config: Config, backend: Backend, pipeline_stages: int = 1) -> str | None:

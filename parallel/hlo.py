@@ -340,12 +340,12 @@ def flops_per_run(hlo_text: str, xla_flops: float) -> float:
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 PHASES = ("forward", "backward", "update", "unnamed")
-_NARROW_FLOATS = ("bf16", "f16")
+_NARROW_FLOATS = ("bf16", "f16", "f8e4m3fn", "f8e5m2")
 
 
 def _widening_or_narrowing(instruction: _Instruction, shapes: dict[str, str]) -> bool:
-    """Whether `instruction` is a convert between a 16-bit float and float32 that no jax op asked for
-    (no op name): what a compiler without 16-bit float arithmetic adds around each op to run it in float32."""
+    """Whether `instruction` is a convert between a 16- or 8-bit float and float32 that no jax op asked for
+    (no op name): what a compiler without that arithmetic adds around each op to run it in float32."""
     if instruction.op != "convert" or _OP_NAME.search(instruction.attributes):
         return False
     operand = _arrays(shapes.get(instruction.operands[0], ""))

@@ -108,6 +108,7 @@ def test_explain_says_where_each_setting_that_decides_speed_came_from(tiny_confi
         load(None, ["model.preset=1b", "model.remat=full", "cluster.devices_per_host=8"]))}
     assert sources["model.scan_layers"] == (False, "preset 1b")  # measured faster on an H100 (the preset says so)
     assert sources["model.remat"] == ("full", "the run") and sources["model.attention"] == ("auto", "default")
-    assert load(None, ["model.preset=1b", "model.scan_layers=true"]).model.scan_layers  # the run's key wins
+    overridden = load(None, ["model.preset=1b", "model.scan_layers=true", "cluster.devices_per_host=8"])
+    assert speed_key_sources(overridden)[0] == ("model.scan_layers", True, "the run")  # over the preset's
     text = format_report(explain(tiny_config("cluster.device_kind=h100")))
-    assert "settings that decide speed, not results: model.scan_layers=true (default); model.remat=auto (default)" in text
+    assert "settings chosen for speed: model.scan_layers=true (default); model.remat=auto (default)" in text

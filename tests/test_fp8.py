@@ -122,7 +122,8 @@ def test_float8_run_resumes_bit_exactly_and_onto_another_mesh(saved_fp8, tmp_pat
     if target == "same_mesh":
         assert result.losses == reference.losses[2:]
     else:
-        # another mesh sums in another order, in bfloat16 activations: agreement to bfloat16's reduction noise
+        # another mesh sums in another order, and each device of the expert exchange scales its own rows and
+        # experts (backend/fp8.py): agreement to float8 and bfloat16 rounding, not bit-exact
         np.testing.assert_allclose(result.losses, reference.losses[2:], rtol=1e-4)
 
 
@@ -130,20 +131,30 @@ def test_float8_run_resumes_bit_exactly_and_onto_another_mesh(saved_fp8, tmp_pat
     ([FP8, "cluster.device_kind=tpu-v5p"], "cpu", None, None, "not TPUs"),
     ([FP8, "cluster.device_kind=a100"], "cpu", None, None, "a100 has none"),
     ([FP8], "gpu", "NVIDIA A100-SXM4-80GB", "8.0", "compute capability 8.9+"),
-    ([FP8, *DROPLESS, "moe.grouped_matmul=mosaic_gpu", "model.embed_dim=128"], "gpu", "NVIDIA H100 80GB HBM3", "9.0", "Mosaic GPU"),
+    ([FP8], "gpu", "AMD Instinct MI300X", "gfx942", "compute capability 8.9+"),
 ])
 def test_fp8_where_it_cannot_run_is_an_error_naming_the_key(overrides, platform, device_kind, capability, words):
     with pytest.raises(BackendError, match=words) as error:
         resolve_backend(load(*overrides), platform, device_kind, capability)
-    assert error.value.key in ("model.matmul_precision", "moe.grouped_matmul")
+    assert error.value.key == "model.matmul_precision"
 
 
 @pytest.mark.parametrize("platform, device_kind, capability", [
     ("gpu", "NVIDIA H100 80GB HBM3", "9.0"), ("gpu", "NVIDIA L4", None), ("cpu", None, None)])
 def test_fp8_runs_on_float8_gpus_and_emulated_on_cpu(platform, device_kind, capability):
     backend = resolve_backend(load(FP8, *DROPLESS), platform, device_kind, capability)
-    assert backend.matmul_precision == "fp8" and backend.grouped_matmul == "xla"
-    assert backend.report()["matmuls"].startswith("float8")
+    assert backend.matmul_precision == "fp8" and backend.report()["matmuls"].startswith("float8")
+    assert backend.report()["grouped_matmul"].startswith("float8") == (backend.grouped_matmul == "xla")
+
+
+def test_with_fp8_the_hopper_grouped_matmul_kernels_stay_bfloat16_and_ragged_dot_runs_float8():
+    hopper = ("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+    kernels = resolve_backend(load(FP8, *DROPLESS, "model.embed_dim=128"), *hopper)
+    assert kernels.grouped_matmul == "mosaic_gpu_or_xla"  # XLA:GPU's ragged_dot is far slower (docs/benchmarks.md)
+    assert kernels.report()["grouped_matmul"].startswith("Mosaic GPU kernels")
+    assert kernels.report()["matmuls"].startswith("float8")
+    ragged = resolve_backend(load(FP8, *DROPLESS, "moe.grouped_matmul=xla"), *hopper)
+    assert ragged.report()["grouped_matmul"].startswith("float8")
 
 
 def test_fp8_outside_bfloat16_is_a_config_error_when_the_config_loads():
