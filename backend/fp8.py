@@ -59,34 +59,37 @@ def einsum(higher: ops.Einsum, equation: str, x: jax.Array, weight: jax.Array, o
     if out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
         return higher(equation, x, weight, out_dtype)
     ops.operand_indices(equation)
-    return _einsum(equation, x, weight)
+    return _einsum(equation, x.dtype, weight.dtype, x, weight)
 
 
-def _scaled(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    return (jnp.einsum(equation, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
+def _rescaled(product: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """Returns a float8 product's float32 sums times its operands' scales, in `dtype`."""
+    return (product * scale).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum(equation: str, x: jax.Array, weight: jax.Array) -> jax.Array:
-    return _einsum_forward(equation, x, weight)[0]
+def _product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 
-def _einsum_forward(equation, x, weight):
+# the operands' dtypes are static arguments: the gradients come back in them
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _einsum(equation: str, x_dtype, weight_dtype, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return _einsum_forward(equation, x_dtype, weight_dtype, x, weight)[0]
+
+
+def _einsum_forward(equation, x_dtype, weight_dtype, x, weight):
     (x8, x_scale), (w8, w_scale) = quantize(x, FORWARD), quantize(weight, FORWARD)
-    out = _scaled(equation, x8, w8, x_scale * w_scale, x.dtype)
-    # tagged for the remat policies that keep matmul outputs by name; the empty arrays carry the operands'
-    # dtypes to the backward pass
-    return checkpoint_name(out, remat_names.MATMUL_SUMS), (x8, x_scale, w8, w_scale, jnp.zeros((0,), x.dtype),
-                                                           jnp.zeros((0,), weight.dtype))
+    out = _rescaled(_product(equation, x8, w8), x_scale * w_scale, x_dtype)
+    # tagged for the remat policies that keep matmul outputs by name
+    return checkpoint_name(out, remat_names.MATMUL_SUMS), (x8, x_scale, w8, w_scale)
 
 
-def _einsum_backward(equation, saved, gradient):
-    x8, x_scale, w8, w_scale, x_like, w_like = saved
+def _einsum_backward(equation, x_dtype, weight_dtype, saved, gradient):
+    x8, x_scale, w8, w_scale = saved
     x_indices, weight_indices, out = ops.operand_indices(equation)
     g8, g_scale = quantize(gradient, GRADIENT)
-    x_gradient = _scaled(f"{out},{weight_indices}->{x_indices}", g8, w8, g_scale * w_scale, x_like.dtype)
-    weight_gradient = _scaled(f"{x_indices},{out}->{weight_indices}", x8, g8, x_scale * g_scale, w_like.dtype)
-    return x_gradient, weight_gradient
+    return (_rescaled(_product(f"{out},{weight_indices}->{x_indices}", g8, w8), g_scale * w_scale, x_dtype),
+            _rescaled(_product(f"{x_indices},{out}->{weight_indices}", x8, g8), x_scale * g_scale, weight_dtype))
 
 
 _einsum.defvjp(_einsum_forward, _einsum_backward)
@@ -95,19 +98,19 @@ _einsum.defvjp(_einsum_forward, _einsum_backward)
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Returns jax.lax.ragged_dot(rows [M, K], weights [G, K, N], group_sizes [G]) from float8 operands, in
     rows' dtype (models.ops.GroupedMatmul): rows past the groups are 0."""
-    return _grouped(rows, weights, group_sizes)
+    return _grouped(rows.dtype, weights.dtype, rows, weights, group_sizes)
 
 
-@jax.custom_vjp
-def _grouped(rows, weights, group_sizes):
-    return _grouped_forward(rows, weights, group_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped(rows_dtype, weights_dtype, rows, weights, group_sizes):
+    return _grouped_forward(rows_dtype, weights_dtype, rows, weights, group_sizes)[0]
 
 
-def _grouped_forward(rows, weights, group_sizes):
+def _grouped_forward(rows_dtype, weights_dtype, rows, weights, group_sizes):
     (r8, r_scale), (w8, w_scale) = quantize(rows, FORWARD), quantize(weights, FORWARD)
-    out = jax.lax.ragged_dot(r8, w8, group_sizes, preferred_element_type=jnp.float32) * (r_scale * w_scale)
-    saved = (r8, r_scale, w8, w_scale, group_sizes, jnp.zeros((0,), rows.dtype), jnp.zeros((0,), weights.dtype))
-    return checkpoint_name(out.astype(rows.dtype), remat_names.MATMUL_SUMS), saved
+    out = _rescaled(jax.lax.ragged_dot(r8, w8, group_sizes, preferred_element_type=jnp.float32), r_scale * w_scale,
+                    rows_dtype)
+    return checkpoint_name(out, remat_names.MATMUL_SUMS), (r8, r_scale, w8, w_scale, group_sizes)
 
 
 # the weights' gradient: per group, its rows' transpose times their gradient (rows ragged, no group dimension)
@@ -115,14 +118,14 @@ _WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,
                                                      lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-def _grouped_backward(saved, gradient):
-    r8, r_scale, w8, w_scale, group_sizes, rows_like, weights_like = saved
+def _grouped_backward(rows_dtype, weights_dtype, saved, gradient):
+    r8, r_scale, w8, w_scale, group_sizes = saved
     g8, g_scale = quantize(gradient, GRADIENT)
     rows_gradient = jax.lax.ragged_dot(g8, jnp.swapaxes(w8, 1, 2), group_sizes, preferred_element_type=jnp.float32)
     weights_gradient = jax.lax.ragged_dot_general(r8, g8, group_sizes, _WEIGHT_GRADIENT,
                                                   preferred_element_type=jnp.float32)
-    return ((rows_gradient * (g_scale * w_scale)).astype(rows_like.dtype),
-            (weights_gradient * (r_scale * g_scale)).astype(weights_like.dtype), None)
+    return (_rescaled(rows_gradient, g_scale * w_scale, rows_dtype),
+            _rescaled(weights_gradient, r_scale * g_scale, weights_dtype), None)
 
 
 _grouped.defvjp(_grouped_forward, _grouped_backward)

@@ -99,27 +99,27 @@ def _shard_map_specs(mesh: Mesh, rules: Rules,
     def whole(gate, up, down, dtype):
         if not embed_axes:
             return gate, up, down
-        return (_gathered(gate, embed_axes, 1, dtype), _gathered(up, embed_axes, 1, dtype),
-                _gathered(down, embed_axes, 2, dtype))
+        return (_gathered(gate, embed_axes, 1, dtype, gate.dtype), _gathered(up, embed_axes, 1, dtype, up.dtype),
+                _gathered(down, embed_axes, 2, dtype, down.dtype))
 
     return specs, _axes(in_weight[0]), _axes(in_weight[2]), whole
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gathered(shard: jax.Array, axes: tuple[str, ...], axis: int, dtype) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gathered(shard: jax.Array, axes: tuple[str, ...], axis: int, dtype, stored_dtype) -> jax.Array:
     """Returns the weight whose slice along `axis` this device stores, gathered over `axes` in `dtype` (the
     compute dtype: each device casts only its slice, and half the bytes travel); its gradient comes back
-    to the slices by a reduce-scatter in the stored dtype, so gradients are summed in float32 as a dense
+    to the slices by a reduce-scatter in `stored_dtype` (the shard's), so gradients are summed in float32 as a dense
     layer's are. Inside a shard_map."""
     return jax.lax.all_gather(shard.astype(dtype), axes, axis=axis, tiled=True)
 
 
-def _gathered_forward(shard, axes, axis, dtype):
-    return _gathered(shard, axes, axis, dtype), jnp.zeros((0,), shard.dtype)  # carries the stored dtype
+def _gathered_forward(shard, axes, axis, dtype, stored_dtype):
+    return _gathered(shard, axes, axis, dtype, stored_dtype), None
 
 
-def _gathered_backward(axes, axis, dtype, stored_like, gradient):
-    return (jax.lax.psum_scatter(gradient.astype(stored_like.dtype), axes, scatter_dimension=axis, tiled=True),)
+def _gathered_backward(axes, axis, dtype, stored_dtype, _, gradient):
+    return (jax.lax.psum_scatter(gradient.astype(stored_dtype), axes, scatter_dimension=axis, tiled=True),)
 
 
 _gathered.defvjp(_gathered_forward, _gathered_backward)
