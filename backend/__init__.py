@@ -116,6 +116,8 @@ class Backend:
     exchange: str          # ALL_GATHER | RAGGED_ALL_TO_ALL
     pipeline_loop: PipelineLoop
     matmul_precision: str = "bfloat16"  # bfloat16 | fp8 (backend.fp8)
+    context_attention: str = "all_gather"  # parallel.context.STRATEGIES, where mesh.context splits rows
+    context_balance: bool = True  # parallel.context.SequenceLayout.balanced
     substitutions: tuple[str, ...] = ()  # what `compiled_here` changed, for reports
 
     def ops(self) -> model_ops.Ops:
@@ -210,10 +212,13 @@ def _remat(config: Config, target: str) -> str:
 def _attention(config: Config, target: str) -> str:
     """Returns the attention of `model.attention` for `target`: `auto` is cuDNN flash attention on GPUs in
     bfloat16 or float16; bfloat16 on CPU computes it from float32 sums; else jax's xla implementation.
-    Raises BackendError for cudnn off a GPU."""
+    Raises BackendError for cudnn off a GPU or with rows split by mesh.context."""
     choice, dtype = config.model.attention, config.model.dtype
     if choice == "cudnn" and target != "gpu":
         raise BackendError("model.attention", f"cudnn needs a GPU, the run is meant for {target}; use auto or xla")
+    if choice == "cudnn" and config.mesh.context * config.mesh.dcn.context > 1:
+        raise BackendError("model.attention", "cudnn does not run attention over a row split by mesh.context (the "
+                           "context attention computes its blocks itself, model.context_attention); use auto or xla")
     if target == "cpu" and dtype == "bfloat16":
         return "float32 sums"
     if choice == "auto":
@@ -294,7 +299,8 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
                    remat_names=tuple(config.model.remat_names), attention=_attention(config, target),
                    float32_sums=target == "cpu" and config.model.dtype == "bfloat16",
                    grouped_matmul=_grouped_matmul(config, target, hopper), exchange=_exchange(config, target),
-                   pipeline_loop=loop, matmul_precision=_matmul_precision(config, target, kind, capability))
+                   pipeline_loop=loop, matmul_precision=_matmul_precision(config, target, kind, capability),
+                   context_attention=config.model.context_attention, context_balance=config.model.context_balance)
 
 
 def backend_of_devices(config: Config, devices) -> Backend:

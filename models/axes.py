@@ -5,6 +5,12 @@ Activations are pinned at block boundaries with `constrain(x, names)`, which
 calls whatever constrainer the training job installed with
 `activation_sharding(...)` (identity by default), so this package never sees
 a mesh.
+
+A row's places need not hold the sequence in order: context parallelism
+(parallel.context) lays each device's share out as an early and a late chunk.
+A model reads the installed `sequence_layout()`: it `arrange`s its per-place
+inputs and targets with it and takes RoPE positions and the causal order from
+its `positions` (the natural order when nothing is installed).
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import numpy as np
 
 # parameter dimensions
 VOCAB = "vocab"
@@ -36,8 +45,35 @@ ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
 ACT_EXPERT = "act_expert"
 ACT_GROUP = "act_group"
+GROUPS = "groups"  # MoE routing groups [groups, tokens per group, ...] cut from rows [batch, length, ...]
 
 Constrainer = Callable[..., object]
+
+
+class SequenceLayout(Protocol):
+    """Where a row's positions sit: `arrange(x, axis)` reorders places, `positions(length)` names each one's."""
+
+    def arrange(self, x, axis: int = 1): ...
+
+    def positions(self, length: int) -> np.ndarray: ...
+
+
+class NaturalOrder:
+    """Every place holds its own position."""
+
+    def arrange(self, x, axis: int = 1):
+        return x
+
+    def positions(self, length: int) -> np.ndarray:
+        return np.arange(length, dtype=np.int32)
+
+
+_layout: contextvars.ContextVar[SequenceLayout] = contextvars.ContextVar("sequence_layout", default=NaturalOrder())
+
+
+def sequence_layout() -> SequenceLayout:
+    """Returns the installed layout of a row's positions (natural order by default)."""
+    return _layout.get()
 
 _constrainer: contextvars.ContextVar[Constrainer | None] = contextvars.ContextVar("constrainer", default=None)
 
@@ -49,10 +85,12 @@ def constrain(x, logical_axes: tuple[str | None, ...]):
 
 
 @contextlib.contextmanager
-def activation_sharding(constrainer: Constrainer | None) -> Iterator[None]:
-    """Installs `constrainer(x, logical_axes) -> x` for the models traced inside the block."""
-    token = _constrainer.set(constrainer)
+def activation_sharding(constrainer: Constrainer | None, layout: SequenceLayout | None = None) -> Iterator[None]:
+    """Installs `constrainer(x, logical_axes) -> x` and the sequence `layout` (default: natural order) for the
+    models traced inside the block."""
+    tokens = _constrainer.set(constrainer), _layout.set(layout or NaturalOrder())
     try:
         yield
     finally:
-        _constrainer.reset(token)
+        _constrainer.reset(tokens[0])
+        _layout.reset(tokens[1])

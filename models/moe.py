@@ -375,7 +375,7 @@ def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
     slots with one all-to-all over `expert`, as in GShard; pinning only the
     experts' layout lets it gather every token onto every expert device instead.
     """
-    routing_layout = (None, axes.BATCH, None, axes.ACT_EMBED)
+    routing_layout = (None, axes.GROUPS, None, axes.ACT_EMBED)
     expert_layout = (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_EMBED)
     source, target = (routing_layout, expert_layout) if to_experts else (expert_layout, routing_layout)
     return constrain(constrain(slots, source), target)
@@ -510,8 +510,9 @@ class MoEFeedForward(nnx.Module):
         tokens_per_group = self.moe.group_size or length
         groups = batch * length // tokens_per_group
 
-        # groups stay on the batch devices (expert included) until dispatch
-        grouped = constrain(x.reshape(groups, tokens_per_group, dim), (axes.BATCH, None, axes.ACT_EMBED))
+        # groups stay on the batch devices (expert included) and a row's context devices until dispatch
+        group_axes = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED) if groups == batch else (axes.GROUPS, None, axes.ACT_EMBED)
+        grouped = constrain(x.reshape(groups, tokens_per_group, dim), group_axes)
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
         key = routing_key if train else None
         if self.moe.dropless:
@@ -521,7 +522,7 @@ class MoEFeedForward(nnx.Module):
             capacity = expert_capacity(tokens_per_group, self.moe.num_experts, self.moe.top_k, factor)
             dispatch = self.einsum_dispatch if self.moe.dispatch == "einsum" else self.sort_dispatch
             output, stats = dispatch(grouped, logits, capacity, key)
-        output = constrain(output, (axes.BATCH, None, axes.ACT_EMBED)).reshape(batch, length, dim)
+        output = constrain(output, group_axes).reshape(batch, length, dim)
         if self.shared_experts is not None:
             output = output + self.shared_experts(x, train=train)[0]
         return output, stats

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from nestor.models import remat_names
@@ -29,6 +30,9 @@ from nestor.models import remat_names
 Einsum = Callable[..., jax.Array]
 # attention(query [b, t, heads, k], key [b, t, kv_heads, k], value, mask None | [b or 1, 1, t, t]) -> [b, t, heads, k]
 Attention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, bool], jax.Array]
+# context_attention(query, key, value, segment_ids [b, t] | None, positions [t]) -> [b, t, heads, k]: causal
+# attention within segments over rows whose places are split between devices (parallel.context)
+ContextAttention = Callable[..., jax.Array]
 Swiglu = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> silu(gate) * up
 # grouped_matmul(rows [M, K] sorted by group, weights [G, K, N], group_sizes [G]) -> [M, N], rows past the groups 0
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -134,6 +138,7 @@ class Ops:
     attention: Attention = dot_product_attention
     swiglu: Swiglu = plain_swiglu
     grouped_matmul: GroupedMatmul = ragged_dot
+    context_attention: ContextAttention | None = None  # installed where a row's places span devices
     names: dict = dataclasses.field(default_factory=lambda: {
         "einsum": "jnp.einsum", "attention": "jax.nn.dot_product_attention (xla)",
         "swiglu": "silu(gate) * up", "grouped_matmul": "jax.lax.ragged_dot"})
@@ -161,10 +166,26 @@ def einsum(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype 
 
 
 def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None, *,
-              causal: bool = True) -> jax.Array:
+              causal: bool = True, segment_ids: jax.Array | None = None,
+              positions: np.ndarray | None = None) -> jax.Array:
     """Returns the installed attention [batch, length, heads, head_dim] (see `Attention`): causal, or every
-    query seeing every key (`causal=False`), within `mask`."""
-    return _ops.get().attention(query, key, value, mask, causal)
+    query seeing every key (`causal=False`), within `mask`; with `segment_ids` [batch, length] no query sees a
+    key of another segment. `positions` [length] (default 0, 1, ...) give each place's position in the
+    sequence (models.axes.sequence_layout), which the causal order follows. Causal self-attention without a
+    `mask` runs as the installed context attention where one is (rows split between devices)."""
+    installed = _ops.get()
+    length = query.shape[1]
+    if positions is None:
+        positions = np.arange(length, dtype=np.int32)
+    if installed.context_attention is not None and causal and mask is None:
+        return installed.context_attention(query, key, value, segment_ids, positions)
+    if segment_ids is not None:
+        documents = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, t, t]
+        mask = documents if mask is None else mask & documents
+    if causal and not np.array_equal(positions, np.arange(length)):
+        order = jnp.asarray(positions[:, None] >= positions[None, :])[None, None]
+        mask, causal = (order if mask is None else mask & order), False
+    return installed.attention(query, key, value, mask, causal)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

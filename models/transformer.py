@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -120,13 +121,14 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return jnp.where(medium, smoothed, scaled)
 
 
-def rotary(x: jax.Array, theta: float, offset: int | jax.Array = 0, scaling: RopeScaling | None = None) -> jax.Array:
+def rotary(x: jax.Array, theta: float, offset: int | jax.Array = 0, scaling: RopeScaling | None = None,
+           positions: np.ndarray | None = None) -> jax.Array:
     """Returns x [batch, length, heads, head_dim] rotated by position (RoPE, arXiv 2104.09864, in the
-    "rotate half" form that pairs dimension i with i + head_dim / 2); the first of the `length` positions
-    is `offset` (a decoding step's place in the sequence)."""
+    "rotate half" form that pairs dimension i with i + head_dim / 2): place p at `positions[p]` (default p)
+    plus `offset` (a decoding step's place in the sequence)."""
     length, head_dim = x.shape[1], x.shape[-1]
     inverse_freq = rope_frequencies(head_dim, theta, scaling)
-    positions = jnp.arange(length, dtype=jnp.float32) + offset
+    positions = jnp.asarray(np.arange(length) if positions is None else positions, jnp.float32) + offset
     angles = positions[:, None] * inverse_freq[None, :]  # [length, head_dim/2]
     sin = jnp.sin(angles)[None, :, None, :]
     cos = jnp.cos(angles)[None, :, None, :]
@@ -144,11 +146,6 @@ class KVCache(NamedTuple):
 
 # One layer's cache is laid out like the keys it holds: batch over the data axes, heads over tensor.
 CACHE_LAYER_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None)
-
-
-def document_mask(segment_ids: jax.Array) -> jax.Array:
-    """Returns the boolean mask [batch, 1, length, length]: query t may see key s of the same segment."""
-    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 class Attention(nnx.Module):
@@ -177,9 +174,10 @@ class Attention(nnx.Module):
             self.key_norm = RMSNorm(k, cfg.norm_eps)
         self.cfg = cfg
 
-    def project(self, x: jax.Array, offset: int | jax.Array = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project(self, x: jax.Array, offset: int | jax.Array = 0,
+                positions: np.ndarray | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns (queries [b, t, heads, k], keys [b, t, kv_heads, k], values) of `x` [b, t, embed], queries
-        and keys rotated as positions offset, offset + 1, ..."""
+        and keys rotated as their `positions` [t] (default 0, 1, ...) plus `offset`."""
         cfg = self.cfg
         dtype = cfg.compute_dtype
         einsum = ops.einsum
@@ -194,9 +192,9 @@ class Attention(nnx.Module):
         v = checkpoint_name(v, remat_names.VALUE_PROJ)
         if cfg.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
-        q = constrain(rotary(q, cfg.rope_theta, offset, cfg.rope_scaling),
+        q = constrain(rotary(q, cfg.rope_theta, offset, cfg.rope_scaling, positions),
                       (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
-        k = constrain(rotary(k, cfg.rope_theta, offset, cfg.rope_scaling),
+        k = constrain(rotary(k, cfg.rope_theta, offset, cfg.rope_scaling, positions),
                       (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         v = constrain(v, (axes.BATCH, axes.LENGTH, axes.ACT_KV_HEADS, None))
         return q, k, v
@@ -212,10 +210,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """Returns the attention output [batch, length, embed]; with `segment_ids` [batch, length]
-        no token attends to a token of another segment."""
-        q, k, v = self.project(x)
-        mask = None if segment_ids is None else document_mask(segment_ids)
-        context = ops.attention(q, k, v, mask)
+        no token attends to a token of another segment. The places of a row hold the positions of the
+        installed sequence layout (models.axes)."""
+        positions = axes.sequence_layout().positions(x.shape[1])
+        q, k, v = self.project(x, positions=positions)
+        context = ops.attention(q, k, v, segment_ids=segment_ids, positions=positions)
         return self.output(context)
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array],
@@ -349,7 +348,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, train: bool = True,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
-        """Returns (logits float32 [batch, length, vocab], per-unit stats stacked [units, ...]).
+        """Returns (logits float32 [batch, length, vocab], per-unit stats stacked [units, ...]) of `tokens` whose
+        places are in the installed sequence layout's order (models.axes; `places` arranges a batch).
 
         The first dense layers of an MoE model (`moe.first_dense_layers`) run
         as the stack "dense" before the units run as the stack "blocks", each
@@ -367,26 +367,35 @@ class Transformer(nnx.Module):
         """The task contract (models.task): batch {"tokens" int32 [b, t + 1], optionally "segment_ids"
         [b, t]} -> (next-token cross-entropy, in training plus the MoE layers' weighted aux and z losses;
         metrics)."""
-        tokens = batch["tokens"]
+        inputs, targets, segment_ids = self.places(batch)
         train = task.training()
-        logits, stats = self(tokens[:, :-1], segment_ids=batch.get("segment_ids"), train=train,
-                             routing_key=task.step_key())
-        loss = next_token_loss(logits, tokens[:, 1:])
+        logits, stats = self(inputs, segment_ids=segment_ids, train=train, routing_key=task.step_key())
+        loss = next_token_loss(logits, targets)
         moe_loss, moe_metrics = moe_losses(stats, self.cfg.moe)
         return (loss + moe_loss if train else loss), {"lm_loss": loss, **moe_metrics}
 
     def pipeline_input(self, batch: task.Batch) -> jax.Array:
         """The pipeline split (models.task): the blocks' input for a batch, as `loss` computes it."""
-        return self.stack_input(batch["tokens"][:, :-1], segment_ids=batch.get("segment_ids"))
+        inputs, _, segment_ids = self.places(batch)
+        return self.stack_input(inputs, segment_ids=segment_ids)
 
     def pipeline_output(self, x: jax.Array, batch: task.Batch) -> tuple[jax.Array, task.Metrics]:
         """The pipeline split (models.task): the next-token loss of the blocks' output `x`."""
-        loss = next_token_loss(self.logits(x), batch["tokens"][:, 1:])
+        loss = next_token_loss(self.logits(x), self.places(batch)[1])
         return loss, {"lm_loss": loss}
 
     def pipeline_rows(self, batch: task.Batch) -> jax.Array | None:
         """The pipeline split (models.task): the segment ids every block reads."""
-        return batch.get("segment_ids")
+        return self.places(batch)[2]
+
+    @staticmethod
+    def places(batch: task.Batch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Returns (inputs, targets, segment ids or None) of `batch`, each [b, t], the row's places in the
+        order of the installed sequence layout (models.axes)."""
+        layout = axes.sequence_layout()
+        tokens, segment_ids = batch["tokens"], batch.get("segment_ids")
+        return (layout.arrange(tokens[:, :-1]), layout.arrange(tokens[:, 1:]),
+                None if segment_ids is None else layout.arrange(segment_ids))
 
     def pipeline_stats_loss(self, stats: Stats) -> tuple[jax.Array, task.Metrics]:
         """The pipeline split (models.task): the MoE layers' weighted losses and metrics."""

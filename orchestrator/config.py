@@ -89,6 +89,12 @@ class ModelConfig:
                      choices=REMAT_CHOICES)
     remat_names: tuple[str, ...] = key((), "minimal/offload: activations to keep (models/remat_names.py); empty = "
                                        "the policy's default set", choices=remat_names.ALL)
+    context_attention: str = key("all_gather", "attention over a row split by mesh.context: all_gather (keys and "
+                                 "values gathered per layer) | ring (passed around the ring by collective permutes, "
+                                 "each block computed while the next arrives)", choices=("all_gather", "ring"))
+    context_balance: bool = key(True, "mesh.context: each device holds an early and a late chunk of a row, so the "
+                                "causal mask gives every device the same attention work; false = contiguous "
+                                "chunks (train.seq_len divides by 2 x mesh.context either way)")
     scan_layers: bool = key(True, "train and evaluate the layer stack as a lax.scan (compile time independent of "
                             "depth); false unrolls it (faster on GPU, other temporaries, compile time grows with "
                             "depth); a pipeline's stages and generation keep their loops")
@@ -165,6 +171,7 @@ class DcnConfig:
     pipeline: int = key(1, "pipeline stages across slices", **_POSITIVE)
     data: int = key(1, "data-parallel replicas across slices", **_POSITIVE)
     fsdp: int = key(1, "fully-sharded data parallelism across slices", **_POSITIVE)
+    context: int = key(1, "context parallelism across slices", **_POSITIVE)
     expert: int = key(1, "expert parallelism across slices", **_POSITIVE)
     tensor: int = key(1, "tensor parallelism across slices", **_POSITIVE)
 
@@ -174,6 +181,7 @@ class MeshConfig:
     pipeline: int = key(1, "pipeline stages", **_DEGREE)
     data: int = key(-1, "data-parallel replicas", **_DEGREE)
     fsdp: int = key(1, "fully-sharded data parallelism: parameters split, gathered per layer", **_DEGREE)
+    context: int = key(1, "context parallelism: a sequence's positions split (model.context_attention)", **_DEGREE)
     expert: int = key(1, "expert parallelism: MoE experts split over it (it also splits the batch)", **_DEGREE)
     tensor: int = key(1, "tensor parallelism: heads and MLP width split, innermost", **_DEGREE)
     dcn: DcnConfig = DcnConfig()

@@ -45,9 +45,9 @@ def mesh_degrees(config: Config, devices: int | None = None) -> dict[str, int]:
 
 def moe_tokens_per_device(config: Config, degrees: dict[str, int]) -> int:
     """Returns the tokens an MoE layer sees per device at a time: one micro-batch (gradient accumulation,
-    pipeline) split over the devices of the `batch` rule."""
+    pipeline) split over the devices of the `groups` rule (the batch's and a row's context devices)."""
     t = config.train
-    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["batch"])
+    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["groups"])
     microbatches = t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
     return t.global_batch // microbatches * t.seq_len // batch_shards
 

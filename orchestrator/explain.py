@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from nestor.orchestrator.config import Config, speed_key_sources
+from nestor.orchestrator.context_step import context_report
 from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from nestor.orchestrator.job import Job, abstract_batch, build_job, devices_here
 from nestor.orchestrator.memory_fit import GIB, fit_report
@@ -113,6 +114,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
+        "context": context_report(config, job.backend, job.mesh, job.rules),
         "flops_per_step": xla_flops * devices,
         "grouped_matmuls_counted_as_target_runs_them": counted is not compiled,
         "flops_per_step_per_device": xla_flops,
@@ -193,6 +195,12 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"dropless MoE: exchange {d['exchange']}, grouped matmuls {d['grouped_matmul']}, "
                       f"worst-case buffer {d['buffer_rows']:,} rows, "
                       f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
+    if (c := report["context"]) is not None:
+        pairs = c["pairs_per_device"]
+        lines += ["", f"context: rows split over {c['devices']} devices ({c['layout']}, "
+                      f"{c['positions_per_device']:,} positions each), attention {c['attention']}: "
+                      f"{_fmt_bytes(c['exchange_bytes_per_layer'])} of keys and values received per device per "
+                      f"layer (forward), (query, key) chunk pairs per device {min(pairs)}-{max(pairs)}"]
     counted_note = ", grouped matmuls as the target's kernels run them" if report[
         "grouped_matmuls_counted_as_target_runs_them"] else ""
     if report["float32_widening_flops_left_out"]:

@@ -19,7 +19,7 @@ from nestor.parallel.rules import Rules
 
 EXPERT_BIAS = "moe_expert_bias"
 # the logical names of a dropless MoE layer's tokens and expert weights (models.moe)
-EXPERT_LAYOUT = ExpertLayout(batch=axes.BATCH, expert=axes.EXPERT, hidden=axes.MLP, embed=axes.EMBED)
+EXPERT_LAYOUT = ExpertLayout(batch=axes.GROUPS, expert=axes.EXPERT, hidden=axes.MLP, embed=axes.EMBED)
 
 Metrics = dict[str, jax.Array]
 

@@ -27,6 +27,7 @@ from nestor.models.moe import EXPERT_LOAD, expert_parallelism
 from nestor.models.stack import RematPolicy, StackRunner, scan_layers, unrolled_layers
 from nestor.models.transformer import STACK
 from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.context_step import sequence_layout, with_context_attention
 from nestor.orchestrator.data.batches import Field, batch_fields, shardings
 from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.moe_step import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
@@ -54,15 +55,17 @@ def backend_for(config: Config, mesh: Mesh) -> Backend:
 
 def model_context(backend: Backend, mesh: Mesh, rules: Rules) -> Callable[[], contextlib.AbstractContextManager]:
     """Returns context() -> a block in which the model traces as the run compiles it: activations laid out
-    by `rules` on `mesh`, and `backend`'s ops and expert exchange as compiled on the mesh's devices."""
+    by `rules` on `mesh` (rows in the context layout where mesh.context splits them), and `backend`'s ops,
+    context attention and expert exchange as compiled on the mesh's devices."""
     compiled = backend.compiled_here()
     constrainer = activation_constrainer(mesh, rules)
     exchange = dropless_exchange(compiled, mesh, rules)
-    model_ops = compiled.ops()
+    layout = sequence_layout(compiled, mesh, rules)
+    model_ops = with_context_attention(compiled.ops(), compiled, mesh, rules, layout)
 
     @contextlib.contextmanager
     def context():
-        with activation_sharding(constrainer), expert_parallelism(exchange), ops.installed(model_ops):
+        with activation_sharding(constrainer, layout), expert_parallelism(exchange), ops.installed(model_ops):
             yield
 
     return context

@@ -21,7 +21,7 @@ from nestor.orchestrator.degrees import (REPEATED_SCHEDULES, mesh_axes_key, mesh
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.memory_fit import DEVICE_MEMORY_GIB, table_entry
 from nestor.orchestrator.products import evaluation_problems, product_problems
-from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, unknown_rule_problems
+from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, split_degree, unknown_rule_problems
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -89,6 +89,7 @@ def validate(config: Config) -> Config:
     if not problems:
         problems += _divisibility_problems(config)
         problems += _pipeline_problems(config)
+        problems += _context_problems(config, _known_degrees(config))
     if problems:
         raise ConfigError(problems)
     return config
@@ -136,6 +137,7 @@ def _user_model_validated(config: Config) -> Config:
     if not problems and not (total_devices(config) is None and -1 in config.mesh.ici_shape().values()):
         degrees = mesh_degrees(config)
         problems += _pipeline_problems(config, builtin_lm=False)
+        problems += _context_problems(config, degrees)
         t = config.train
         shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("batch") or ())
         if t.global_batch % t.grad_accum or (t.global_batch // t.grad_accum) % shards:
@@ -325,6 +327,29 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
     if moe.group_size and tokens_per_device % moe.group_size:
         problems.append(("moe.group_size", f"{moe.group_size} does not divide the {tokens_per_device} tokens per "
                                            "device of a micro-batch; use a divisor of it or 0 (one group per sequence)"))
+    return problems
+
+
+def _context_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
+    """Where mesh.context splits rows: the sequence into 2 x context chunks, and MoE routing groups that hold
+    the same tokens on every mesh (whole rows when dropless, else whole pieces of a chunk)."""
+    if degrees is None:
+        return []
+    context = split_degree("length", resolve_rules(config.mesh.rules), degrees)
+    t, moe = config.train, config.moe
+    if context == 1:
+        return []
+    problems = []
+    if t.seq_len % (2 * context):
+        problems.append(("train.seq_len", f"{t.seq_len} does not split into 2 x {context} chunks (each context "
+                                          f"device holds two); use a multiple of {2 * context}"))
+        return problems
+    chunk = t.seq_len // (2 * context)
+    if moe.num_experts and moe.every and (chunk % moe.group_size if moe.group_size else not config.dropless_moe):
+        problems.append(("moe.group_size", f"{moe.group_size or t.seq_len} tokens per routing group: with rows "
+                                           f"split by mesh.context={context}, a group is a divisor of the "
+                                           f"{chunk}-token chunk a device holds (or, dropless, 0: one per row), so "
+                                           f"that every mesh routes the same groups; use a divisor of {chunk}"))
     return problems
 
 

@@ -1,4 +1,4 @@
-"""Mesh config -> `jax.sharding.Mesh` over pipeline, data, fsdp, expert, tensor.
+"""Mesh config -> `jax.sharding.Mesh` over pipeline, data, fsdp, context, expert, tensor.
 
 Axes are ordered outermost to innermost so that tensor parallelism, which
 communicates every layer, lands on neighbouring devices, and the dcn degrees
@@ -92,7 +92,7 @@ def _device_grid(ici: dict[str, int], dcn: dict[str, int], devices: Sequence[jax
 
 def build_mesh(ici: Mapping[str, int], dcn: Mapping[str, int] | None = None,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Returns a Mesh with axes (pipeline, data, fsdp, expert, tensor), all AxisType.Auto.
+    """Returns a Mesh with axes (pipeline, data, fsdp, context, expert, tensor), all AxisType.Auto.
 
     `ici` holds per-slice degrees (one may be -1), `dcn` the across-slice
     degrees (default all 1). `devices` defaults to every device of every

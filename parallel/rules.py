@@ -10,13 +10,14 @@ splits the batch of activations instead).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+MESH_AXES = ("pipeline", "data", "fsdp", "context", "expert", "tensor")
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -35,14 +36,15 @@ DEFAULT_RULES: Rules = {
     "expert": ("expert",),
     # activations
     "batch": ("data", "fsdp", "expert"),
-    "length": (),
+    "length": ("context",),  # a row's places (parallel.context lays them out)
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
     "act_expert": ("expert",),
-    "act_group": ("data", "fsdp"),
+    "act_group": ("data", "fsdp", "context"),
+    "groups": ("data", "fsdp", "expert", "context"),  # MoE routing groups: a row's tokens cut into groups
     "stage": ("pipeline",),
 }
 
@@ -104,6 +106,11 @@ def partition_spec(logical_axes: tuple[str | None, ...], rules: Rules) -> Partit
         used.update(axes)
         entries.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*entries)
+
+
+def split_degree(logical_name: str, rules: Rules, degrees: Mapping[str, int]) -> int:
+    """Returns how many ways a dimension named `logical_name` is split on a mesh of `degrees` (axis -> size)."""
+    return math.prod(degrees[axis] for axis in rules.get(logical_name, ()))
 
 
 def is_logical_axes(node: Any) -> bool:

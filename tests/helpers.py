@@ -31,7 +31,7 @@ TESTED_MESHES = {
     "tensor4_data2": dict(tensor=4, data=2),
 }
 
-ONE_DEVICE = {"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.pipeline": 1,
+ONE_DEVICE = {"mesh.data": 1, "mesh.fsdp": 1, "mesh.context": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.pipeline": 1,
               "cluster.devices_per_host": 1}
 
 
@@ -45,7 +45,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def mesh_overrides(**degrees: int) -> dict:
     """Returns dotted overrides for a mesh given as e.g. data=2, fsdp=2, tensor=2 (others 1)."""
-    dotted = {f"mesh.{axis}": 1 for axis in ("data", "fsdp", "tensor", "expert", "pipeline")}
+    dotted = {f"mesh.{axis}": 1 for axis in ("data", "fsdp", "context", "tensor", "expert", "pipeline")}
     dotted.update({f"mesh.{axis}": size for axis, size in degrees.items()})
     return dotted
 

@@ -62,7 +62,7 @@ def test_explain_json_reports_the_contract_keys(tiny_config):
     report = explain(tiny_config("model.remat=none").replace(**mesh_overrides(data=2, fsdp=2, tensor=2)))
     for key in ("mesh", "params", "memory_per_device_bytes", "collectives", "flops_per_step"):
         assert key in report
-    assert report["mesh"]["shape"] == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert report["mesh"]["shape"] == {"pipeline": 1, "data": 2, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers weights
     # XLA counts the masked half of causal attention: the executed count has it, the model count not.
     assert report["flops_per_step"] / report["executed_flops_per_step"] == pytest.approx(1.0, abs=0.10)

@@ -14,7 +14,7 @@ ONES = {axis: 1 for axis in MESH_AXES}
 
 def test_fill_axis_takes_the_remaining_devices_and_axes_are_auto():
     mesh = build_mesh(ONES | {"data": -1, "tensor": 2})
-    assert dict(mesh.shape) == {"pipeline": 1, "data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 4, "fsdp": 1, "context": 1, "expert": 1, "tensor": 2}
     assert mesh.axis_names == MESH_AXES
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
@@ -55,7 +55,7 @@ def test_dcn_axis_spans_processes_as_the_outer_factor():
     devices = [FakeDevice(i, i // 4) for i in range(8)]
     grid = _device_grid(ONES | {"data": 2, "tensor": 2}, ONES | {"data": 2}, devices)
     processes = np.vectorize(lambda d: d.process_index)(grid).reshape(4, 2)
-    assert grid.shape == (1, 4, 1, 1, 2)
+    assert grid.shape == (1, 4, 1, 1, 1, 2)
     # The first half of the data axis lives on process 0, the second on process 1.
     assert processes.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
 

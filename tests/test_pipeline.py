@@ -228,7 +228,7 @@ LOOPS = {"plain": BUFFERED, "skip": PipelineLoop("skip", skipping_stages, buffer
 @pytest.mark.parametrize("options", LOOPS)
 @pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2), (4, 2)])
 def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats, options):
-    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
                              loop=LOOPS[options])
     layers, x = 8, jax.random.normal(jax.random.key(0), (16, 8))
@@ -265,7 +265,7 @@ def _row_layer(w, x, rows):
 @pytest.mark.parametrize("options", ["plain", "both"])
 @pytest.mark.parametrize("stages,repeats", [(2, 1), (2, 2)])
 def test_each_stage_reads_the_row_inputs_of_its_own_micro_batch(stages, repeats, options):
-    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(stages, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
                              loop=LOOPS[options])
     x = jax.random.normal(jax.random.key(0), (16, 8))
@@ -287,7 +287,7 @@ POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
 def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats, skip_bubbles, capsys):
     from jax.ad_checkpoint import print_saved_residuals  # the public form of jax's residual listing
 
-    mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
+    mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(2, microbatches=4, repeats=repeats), mesh, DEFAULT_RULES, ("batch", None),
                              POLICIES[remat], LOOPS["skip" if skip_bubbles else "plain"])
     w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))  # activations [micro-batch 4, 32] never end in (32, 32)
@@ -309,7 +309,7 @@ def test_backward_pass_keeps_no_copy_of_the_weights_per_iteration(remat, repeats
 def test_skip_bubbles_puts_every_layer_product_in_a_branch_that_a_bubble_skips(stages, repeats):
     # Compiled forward and backward: with skipping_stages every matmul of the layers, forward and backward, sits in
     # one branch of a conditional whose other branch (the bubble's) has none; without it there is no conditional.
-    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
     w, x = jnp.ones((8, 32, 32)), jnp.ones((16, 32))
     dots = {}
     for skip in (False, True):
@@ -328,7 +328,7 @@ def test_skip_bubbles_puts_every_layer_product_in_a_branch_that_a_bubble_skips(s
 @pytest.mark.parametrize("stream", [False, True])
 def test_streamed_gpipe_loop_carries_no_microbatch_buffer(stream):
     # GPipe streamed: the micro-batches are the loop's xs and the outputs its ys; the carry is the stages' state.
-    mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "expert": 1, "tensor": 1})
+    mesh = build_mesh({"pipeline": 2, "data": 4, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
     runner = pipeline_runner(Schedule(2, microbatches=4), mesh, DEFAULT_RULES, ("batch", None),
                              loop=LOOPS["stream" if stream else "plain"])
     w, x = jnp.ones((4, 8)), jnp.ones((16, 8))  # micro-batches [4, 4, 8]; the stages' state [2, 4, 8]
@@ -357,7 +357,7 @@ def _toy_stats_loss(stats):
     (4, 8, 1, "none", False), (4, 2, 1, "full", False), (4, 4, 2, "full", False),
     (4, 8, 1, "none", True), (4, 2, 1, "full", True)])
 def test_1f1b_gradients_equal_autodiff_of_the_microbatched_loss(stages, microbatches, repeats, remat, zero_bubble):
-    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "expert": 1, "tensor": 1})
+    mesh = build_mesh({"pipeline": stages, "data": 8 // stages, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1})
     schedule = Schedule(stages, microbatches, repeats, one_f_one_b=True, zero_bubble=zero_bubble)
     value_and_grad = one_f_one_b(schedule, mesh, DEFAULT_RULES, ("batch", None), POLICIES[remat])
     inputs = {"x": jax.random.normal(jax.random.key(0), (16, 8)), "targets": jax.random.normal(jax.random.key(2), (16, 8))}

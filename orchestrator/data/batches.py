@@ -197,9 +197,10 @@ def token_fields(config: Config, document_mask: bool) -> dict[str, Field]:
     """Returns the fields of a language model's batch: "tokens" [global_batch, seq_len + 1], and with
     `document_mask` the inputs' "segment_ids" [global_batch, seq_len]."""
     rows, width = config.train.global_batch, config.train.seq_len + 1
-    fields = {"tokens": Field((rows, width), np.dtype(np.int32), (axes.BATCH, axes.LENGTH))}
+    # whole rows on every context device (int32 ids: the model arranges its places and lays them out)
+    fields = {"tokens": Field((rows, width), np.dtype(np.int32), (axes.BATCH, None))}
     if document_mask:
-        fields["segment_ids"] = Field((rows, width - 1), np.dtype(np.int32), (axes.BATCH, axes.LENGTH))
+        fields["segment_ids"] = Field((rows, width - 1), np.dtype(np.int32), (axes.BATCH, None))
     return fields
 
 

@@ -16,6 +16,7 @@ from nestor.models import axes, stack, task
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
 from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.context_step import whole_rows
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
@@ -84,11 +85,12 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     if top_k > config.model.vocab_size:
         raise ConfigError([("--top-k", f"{top_k} is more than model.vocab_size={config.model.vocab_size}")])
     restored = restore_newest(config, devices)
-    rows = batch_rows(restored.mesh, restored.rules)
+    rules = whole_rows(restored.rules)
+    rows = batch_rows(restored.mesh, rules)
     prompts = jax.device_put(np.tile(np.asarray(ids, np.int32), (rows, 1)),
-                             NamedSharding(restored.mesh, partition_spec((axes.BATCH, axes.LENGTH), restored.rules)))
+                             NamedSharding(restored.mesh, partition_spec((axes.BATCH, axes.LENGTH), rules)))
     model_ops = backend_for(config, restored.mesh).compiled_here().ops()
-    generate = make_generate(sampling_graphdef(config), restored.mesh, restored.rules, model_ops, max_tokens,
+    generate = make_generate(sampling_graphdef(config), restored.mesh, rules, model_ops, max_tokens,
                              temperature, top_k)
     tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed),
                                    expert_bias=restored.state.get("expert_bias")))[0]
@@ -134,7 +136,7 @@ def logits_of(config: Config, tokens: np.ndarray, devices: list[jax.Device] | No
     if tokens.min() < 0 or tokens.max() >= vocab:
         raise ConfigError([("--tokens", f"ids {tokens.min()}..{tokens.max()} are outside model.vocab_size={vocab}")])
     mesh = make_mesh(config, devices)
-    rules = resolve_rules(config.mesh.rules)
+    rules = whole_rows(resolve_rules(config.mesh.rules))  # prompts of any length
     layout, params, bias, source = _parameters(config, mesh, rules)
     backend = backend_for(config, mesh)
     context, runners = model_context(backend, mesh, rules), stack_runners(config, mesh, rules, backend)
