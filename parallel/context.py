@@ -40,6 +40,7 @@ ALL_GATHER = "all_gather"
 RING = "ring"
 STRATEGIES = (ALL_GATHER, RING)
 _MASKED = -1e30  # a score no query sees (finite: a row with nothing visible yet stays free of NaNs)
+QUERY_BLOCK = 1024  # queries per block of a (query chunk, key chunk) pair: its scores are [b, block, heads, chunk]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +170,35 @@ def _on_device(strategy: str, names: tuple[str, ...], layout: SequenceLayout, ch
     return on_device
 
 
-@jax.checkpoint  # the backward pass recomputes a pair's scores rather than keep them (flash attention's trade)
 def _attend_chunk(state, queries, query_chunk, query_segments, keys, values, key_chunk, key_segments):
     """Returns the online-softmax sums (output [b, c, g, r, k], running max, total [b, c, g, r]) of one query
-    chunk after it attends to one key/value chunk: causal by position, within segments."""
+    chunk of c places after it attends to one key/value chunk: causal by position, within segments. The
+    queries go in blocks of at most QUERY_BLOCK, so a pair's scores never exceed [b, block, g, r, c]."""
+    batch, chunk = queries.shape[:2]
+    block = math.gcd(chunk, QUERY_BLOCK)
+    blocks = chunk // block
+
+    def in_blocks(x):  # [b, c, ...] -> [blocks, b, block, ...]
+        return jnp.moveaxis(x.reshape(batch, blocks, block, *x.shape[2:]), 1, 0)
+
+    def attend_block(inputs):
+        index, block_state, block_queries, block_segments = inputs
+        first = query_chunk * chunk + index * block  # the block's first position
+        return _attend_block(block_state, block_queries, first, block_segments, keys, values,
+                             key_chunk * chunk, key_segments)
+
+    outputs = jax.lax.map(attend_block, (jnp.arange(blocks), jax.tree.map(in_blocks, state), in_blocks(queries),
+                                         in_blocks(query_segments)))
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, chunk, *x.shape[3:]), outputs)
+
+
+@jax.checkpoint  # the backward pass recomputes a block's scores rather than keep them (flash attention's trade)
+def _attend_block(state, queries, first_query, query_segments, keys, values, first_key, key_segments):
+    """Returns the online-softmax sums of a block of queries at positions first_query, ... after it attends
+    to keys at positions first_key, ...: causal by position, within segments."""
     out, running_max, total = state
-    chunk = queries.shape[1]
     scores = jnp.einsum("bqgrd,bkgd->bqgrk", queries, keys, preferred_element_type=jnp.float32)
-    places = jnp.arange(chunk)
-    causal = (query_chunk * chunk + places)[:, None] >= (key_chunk * chunk + places)[None, :]  # [q, k]
+    causal = (first_query + jnp.arange(queries.shape[1]))[:, None] >= (first_key + jnp.arange(keys.shape[1]))[None, :]
     visible = causal[None, :, None, None, :] & (query_segments[:, :, None] == key_segments[:, None, :]
                                                 )[:, :, None, None, :]
     scores = jnp.where(visible, scores, _MASKED)

@@ -140,7 +140,8 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
     Bytes are the per-device result size of each collective (for an async
     `-start` tuple, its last element, the received buffer). Kinds absent from
-    the module are reported with zeros.
+    the module are reported with zeros; a collective within groups of one
+    device, which moves nothing, is left out.
     """
     computations, entry = _computations(hlo_text)
     result = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVE_KINDS}
@@ -149,13 +150,18 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     for name, factor in _multipliers(computations, entry).items():
         for instruction in computations.get(name, ()):
             kind = _collective_kind(instruction)
-            if kind is None:
+            if kind is None or _SINGLETON_GROUPS.search(instruction.attributes):
                 continue
             sizes = _array_bytes(instruction.shape)
             size = sizes[-1] if instruction.op.endswith("-start") and sizes else sum(sizes)
             result[kind]["count"] += factor
             result[kind]["bytes"] += factor * size
     return result
+
+
+# replica groups of one device each ({{0},{1},...} or the iota form [n,1]<=[n]): the collective moves nothing (a
+# shard_map's transpose sums a cotangent over the size-1 mesh axes its specs leave out)
+_SINGLETON_GROUPS = re.compile(r"replica_groups=(\{\{\d+\}(,\{\d+\})*\}|\[\d+,1\]<=)")
 
 
 def _collective_kind(instruction: _Instruction) -> str | None:

@@ -44,15 +44,17 @@ def test_eval_losses_match_across_a_resume_and_meshes_and_training_ignores_them(
     assert eval_losses(resumed) == {4: eval_losses(whole)[4]}
     assert eval_losses(whole)[4] < eval_losses(whole)[2]
 
-    # the newest checkpoint (step 4) on another mesh: the same eval loss, from one compiled eval step
-    config = tiny_config(*data, *EVAL_ON, f"run.dir={tmp_path / 'whole'}").replace(
-        **mesh_overrides(data=2, fsdp=2, tensor=2), **{"cluster.devices_per_host": 8})
-    restored = restore_newest(config)
-    evaluator = Evaluator(config, restored.layout, restored.mesh, restored.rules)
-    first, second = (evaluator(restored.state) for _ in range(2))
-    assert restored.step == 4 and float(first["eval_loss"]) == float(second["eval_loss"])
-    np.testing.assert_allclose(float(first["eval_loss"]), eval_losses(whole)[4], rtol=1e-5)
-    assert evaluator.step_fn._cache_size() == 1
+    # the newest checkpoint (step 4) on other meshes, rows split by context too: the same eval loss, from one
+    # compiled eval step
+    for mesh in (dict(data=2, fsdp=2, tensor=2), dict(context=2, data=2, tensor=2)):
+        config = tiny_config(*data, *EVAL_ON, f"run.dir={tmp_path / 'whole'}").replace(
+            **mesh_overrides(**mesh), **{"cluster.devices_per_host": 8})
+        restored = restore_newest(config)
+        evaluator = Evaluator(config, restored.layout, restored.mesh, restored.rules)
+        first, second = (evaluator(restored.state) for _ in range(2))
+        assert restored.step == 4 and float(first["eval_loss"]) == float(second["eval_loss"])
+        np.testing.assert_allclose(float(first["eval_loss"]), eval_losses(whole)[4], rtol=1e-5)
+        assert evaluator.step_fn._cache_size() == 1
     logged = json.loads((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["eval_perplexity"] == pytest.approx(np.exp(logged["eval_loss"]), rel=1e-6)
 

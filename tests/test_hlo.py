@@ -22,6 +22,13 @@ def test_tuple_collectives_of_any_width_are_counted_with_all_their_bytes():
         assert collectives(_module(operands))["all-to-all"] == {"count": 1, "bytes": operands * 2 * 40 * 128 * 4}
 
 
+@pytest.mark.parametrize("groups, counted", [("{{0},{1},{2},{3}}", 0), ("[4,1]<=[4]", 0), ("{{0,1},{2,3}}", 1),
+                                              ("[2,2]<=[4]", 1)])
+def test_a_collective_within_groups_of_one_device_moves_nothing_and_is_not_counted(groups, counted):
+    module = f"ENTRY %main () -> f32[] {{\n  %a = f32[8]{{0}} all-reduce(%p), replica_groups={groups}, to_apply=%add\n}}\n"
+    assert collectives(module)["all-reduce"] == {"count": counted, "bytes": counted * 32}
+
+
 def _nested_scans(unroll: bool):
     """Returns a jitted f(x [8, 32], w [32, 32]): 3 outer x 4 inner iterations of tanh(x @ w), then a sum."""
 

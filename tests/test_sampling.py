@@ -92,5 +92,7 @@ def test_nestor_sample_prints_the_prompt_and_its_greedy_continuation_on_any_mesh
                "data.source=text", "--prompt", "def ", "--max-tokens", "3"]
     assert main(command) == 0  # this process's 8 devices: data8, 8 identical rows
     assert capsys.readouterr().out == expected + "\n" and expected.startswith("def ")
+    assert main([*command, "mesh.context=2", "mesh.data=4"]) == 0  # a mesh that splits training rows
+    assert capsys.readouterr().out == expected + "\n"
     assert main([*command, "--top-k", "300"]) == 2
     assert "--top-k: 300 is more than model.vocab_size=256" in capsys.readouterr().err
