@@ -293,8 +293,11 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
     capability = compute_capability if platform == "gpu" and not config.cluster.device_kind else None
     hopper = target == "gpu" and is_hopper(kind, capability)
     # Simulated CPU devices share the host's processors: a pipeline stage's skipped bubble gives its time to the
-    # busy stages. An accelerator per stage would idle either way, and keeps the plain loop.
-    loop = PER_STAGE_SKIPPING if target == "cpu" else BUFFERED
+    # busy stages. An accelerator per stage would idle either way, and keeps the plain loop. XLA:CPU's
+    # collective-permute meets every device of the program, so the ring's permutes inside a stage that the
+    # others skip would wait for them forever: with the ring, every stage runs every iteration.
+    ring = config.mesh.context * config.mesh.dcn.context != 1 and config.model.context_attention == "ring"
+    loop = PER_STAGE_SKIPPING if target == "cpu" and not ring else BUFFERED
     return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(config, target),
                    remat_names=tuple(config.model.remat_names), attention=_attention(config, target),
                    float32_sums=target == "cpu" and config.model.dtype == "bfloat16",

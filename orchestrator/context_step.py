@@ -53,7 +53,7 @@ def context_report(config: Config, backend: Backend, mesh: Mesh, rules: Rules) -
     batch_shards, kv_shards = (split_degree(name, rules, degrees) for name in (axes.BATCH, axes.ACT_KV_HEADS))
     microbatches = config.train.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
     rows = config.train.global_batch // microbatches // batch_shards
-    received = exchange_bytes(backend.context_attention, layout, rows, length, m.num_kv_heads // kv_shards,
+    received = exchange_bytes(layout, rows, length, m.num_kv_heads // kv_shards,
                               m.head_dim, np.dtype(m.dtype).itemsize)
     return {"devices": layout.context, "attention": backend.context_attention,
             "layout": "balanced" if layout.balanced else "contiguous",

@@ -210,12 +210,11 @@ def _attend_block(state, queries, first_query, query_segments, keys, values, fir
     return out * correction[..., None] + context, new_max, total * correction + probabilities.sum(axis=-1)
 
 
-def exchange_bytes(strategy: str, layout: SequenceLayout, batch_per_device: int, length: int, kv_heads: int,
-                   head_dim: int, itemsize: int) -> int:
+def exchange_bytes(layout: SequenceLayout, batch_per_device: int, length: int, kv_heads: int, head_dim: int,
+                   itemsize: int) -> int:
     """Returns the bytes one device receives per attention layer in the forward pass: the other C - 1 devices'
     keys, values ([rows, L / C, kv heads on this device, k] each) and int32 segment ids (the same for both
     strategies: the all-gather brings them at once, the ring one device's worth per step)."""
-    del strategy
     per_device = length // layout.context
     held = batch_per_device * per_device * (2 * kv_heads * head_dim * itemsize + 4)
     return (layout.context - 1) * held
