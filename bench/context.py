@@ -26,10 +26,10 @@ import statistics
 import sys
 
 from bench.pipeline import Stepper
-from bench.report import write_section
+from bench.report import provenance, write_section
 
 MODEL = ["model.preset=tiny", "model.embed_dim=128", "model.mlp_dim=512", "model.num_heads=4",
-         "model.num_kv_heads=2", "model.head_dim=32", "train.seq_len=4096", "train.global_batch=8",
+         "model.num_kv_heads=2", "model.head_dim=32", "train.seq_len=2048", "train.global_batch=8",
          "data.source=synthetic"]
 BASE = MODEL + ["run.dir=/tmp/nestor-bench-context", "cluster.devices_per_host=8", "mesh.fsdp=1", "mesh.tensor=1",
                 "mesh.expert=1", "mesh.pipeline=1", "run.compile_cache=null"]
@@ -84,8 +84,8 @@ def format_row(row: dict) -> str:
 def write_markdown(rows: list[dict], steps: int) -> None:
     """Writes the table, the setup and the command to the context section of docs/benchmarks.md."""
     lines = ["## Context parallelism (rows split over `mesh.context`)", "",
-             f"Command: `{COMMAND} --steps {steps}` (8 simulated CPU devices of a 2-core host; {steps} interleaved "
-             "rounds after a warm-up, medians).", "", f"Model: {' '.join(MODEL)} (float32, remat full on CPU).",
+             f"Command: `{COMMAND} --steps {steps}` ({provenance()}; 8 simulated CPU devices of a 2-core host; "
+             f"{steps} interleaved rounds after a warm-up, medians).", "", f"Model: {' '.join(MODEL)} (float32, remat full on CPU).",
              "", HEADER, *map(format_row, rows), "",
              "Simulated CPU devices share the host's cores: the ratio is total work and per-collective overhead, "
              "not the overlap of a ring step's transfer with its compute, nor the cost of imbalance (an idle "

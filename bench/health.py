@@ -13,10 +13,8 @@ table with its date and commit into docs/benchmarks.md.
 
 from __future__ import annotations
 
-import datetime
 import json
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -96,12 +94,11 @@ def main() -> None:
     factors = " | ".join(f"first past {f:g} (loss / norm)" for f in FACTORS)
     table = "\n".join([f"| run | steps | loss | max loss / best | max norm / best's | {factors} |",
                        "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in FACTORS) + " |", *rows])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(table)
-    from bench.report import write_section
+    from bench.report import provenance, write_section
 
-    write_section("health", f"`python -m bench.health` ({datetime.date.today()}, commit {commit}, 8 CPU devices; "
-                            "a dash: never past):\n\n" f"{table}")
+    write_section("health", f"`python -m bench.health` ({provenance()}, 8 CPU devices; a dash: never past):\n\n"
+                            f"{table}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import subprocess
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -18,3 +20,10 @@ def write_section(name: str, text: str, path: Path = BENCHMARKS) -> None:
     else:
         current = current.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(current)
+
+
+def provenance() -> str:
+    """Returns "<today>, commit <short hash>": when and on what a benchmark measured."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=BENCHMARKS.parent).stdout.strip()
+    return f"{datetime.date.today()}, commit {commit}"
