@@ -24,7 +24,7 @@ Rules = dict[str, tuple[str, ...]]
 DEFAULT_RULES: Rules = {
     # parameters
     "vocab": ("tensor",),
-    "embed": ("fsdp", "context"),  # context devices share a row, so they also split its weights (as fsdp)
+    "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
