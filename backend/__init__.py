@@ -209,14 +209,14 @@ def _remat(config: Config, target: str) -> str:
     return name
 
 
-def _attention(config: Config, target: str) -> str:
+def _attention(config: Config, target: str, context_devices: int) -> str:
     """Returns the attention of `model.attention` for `target`: `auto` is cuDNN flash attention on GPUs in
     bfloat16 or float16; bfloat16 on CPU computes it from float32 sums; else jax's xla implementation.
     Raises BackendError for cudnn off a GPU or with rows split by mesh.context."""
     choice, dtype = config.model.attention, config.model.dtype
     if choice == "cudnn" and target != "gpu":
         raise BackendError("model.attention", f"cudnn needs a GPU, the run is meant for {target}; use auto or xla")
-    if choice == "cudnn" and config.mesh.context * config.mesh.dcn.context > 1:
+    if choice == "cudnn" and context_devices > 1:
         raise BackendError("model.attention", "cudnn does not run attention over a row split by mesh.context (the "
                            "context attention computes its blocks itself, model.context_attention); use auto or xla")
     if target == "cpu" and dtype == "bfloat16":
@@ -282,9 +282,10 @@ def _matmul_precision(config: Config, target: str, device_kind: str | None, capa
 
 
 def resolve_backend(config: Config, platform: str, device_kind: str | None = None,
-                    compute_capability: str | None = None) -> Backend:
+                    compute_capability: str | None = None, context_devices: int = 1) -> Backend:
     """Returns the backend of `config` for the devices present (jax `platform`, their `device_kind` and
-    `compute_capability` when GPUs), its choices made for the run's target (`target_of`). Raises
+    `compute_capability` when GPUs) on a mesh that splits rows over `context_devices`, its choices made for
+    the run's target (`target_of`). Raises
     BackendError when the config asks for something the target cannot run."""
     platform = platform_family(platform)
     target = target_of(config, platform)
@@ -296,18 +297,20 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
     # busy stages. An accelerator per stage would idle either way, and keeps the plain loop. XLA:CPU's
     # collective-permute meets every device of the program, so the ring's permutes inside a stage that the
     # others skip would wait for them forever: with the ring, every stage runs every iteration.
-    ring = config.mesh.context * config.mesh.dcn.context != 1 and config.model.context_attention == "ring"
+    ring = context_devices > 1 and config.model.context_attention == "ring"
     loop = PER_STAGE_SKIPPING if target == "cpu" and not ring else BUFFERED
     return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(config, target),
-                   remat_names=tuple(config.model.remat_names), attention=_attention(config, target),
+                   remat_names=tuple(config.model.remat_names), attention=_attention(config, target, context_devices),
                    float32_sums=target == "cpu" and config.model.dtype == "bfloat16",
                    grouped_matmul=_grouped_matmul(config, target, hopper), exchange=_exchange(config, target),
                    pipeline_loop=loop, matmul_precision=_matmul_precision(config, target, kind, capability),
                    context_attention=config.model.context_attention, context_balance=config.model.context_balance)
 
 
-def backend_of_devices(config: Config, devices) -> Backend:
+def backend_of_devices(config: Config, devices, context_devices: int = 1) -> Backend:
     """Returns `resolve_backend` for the jax `devices` a run compiles on (their platform, device kind and,
-    for GPUs, compute capability). Raises BackendError as resolve_backend does."""
+    for GPUs, compute capability), rows split over `context_devices`. Raises BackendError as resolve_backend
+    does."""
     device = devices[0]
-    return resolve_backend(config, device.platform, device.device_kind, getattr(device, "compute_capability", None))
+    return resolve_backend(config, device.platform, device.device_kind, getattr(device, "compute_capability", None),
+                           context_devices)

@@ -85,14 +85,15 @@ def write_markdown(rows: list[dict], steps: int) -> None:
     """Writes the table, the setup and the command to the context section of docs/benchmarks.md."""
     lines = ["## Context parallelism (rows split over `mesh.context`)", "",
              f"Command: `{COMMAND} --steps {steps}` ({provenance()}; 8 simulated CPU devices of a 2-core host; "
-             f"{steps} interleaved rounds after a warm-up, medians).", "", f"Model: {' '.join(MODEL)} (float32, remat full on CPU).",
-             "", HEADER, *map(format_row, rows), "",
+             f"{steps} interleaved rounds after a warm-up, medians).", "",
+             f"Model: {' '.join(MODEL)} (float32, remat full on CPU).", "", HEADER, *map(format_row, rows), "",
              "Simulated CPU devices share the host's cores: the ratio is total work and per-collective overhead, "
              "not the overlap of a ring step's transfer with its compute, nor the cost of imbalance (an idle "
-             "device's time goes to the busy ones; the balance is read from the compiled program instead, "
-             "tests/test_context.py). Whole rows run jax.nn.dot_product_attention, which computes every score "
-             "and masks the later half; split rows skip the key chunks after each query chunk. No GPU was lent "
-             "for this measurement; a single GPU cannot run the ring (it needs C > 1 devices), so the "
+             "device's time goes to the busy ones; tests/test_context.py counts it instead: each device's chunk "
+             "pairs times one pair's FLOPs in XLA's cost analysis, and the compiled program shown to skip the "
+             "pairs the causal mask hides). Whole rows run jax.nn.dot_product_attention, which computes every "
+             "score and masks the later half; split rows skip the key chunks after each query chunk. No GPU was "
+             "lent for this measurement; a single GPU cannot run the ring (it needs C > 1 devices), so the "
              "accelerator numbers wait for a multi-GPU host."]
     write_section("context", "\n".join(lines))
 

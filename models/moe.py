@@ -511,7 +511,8 @@ class MoEFeedForward(nnx.Module):
         groups = batch * length // tokens_per_group
 
         # groups stay on the batch devices (expert included) and a row's context devices until dispatch
-        group_axes = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED) if groups == batch else (axes.GROUPS, None, axes.ACT_EMBED)
+        whole_rows = groups == batch
+        group_axes = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED) if whole_rows else (axes.GROUPS, None, axes.ACT_EMBED)
         grouped = constrain(x.reshape(groups, tokens_per_group, dim), group_axes)
         logits = jnp.einsum("gsm,me->gse", grouped.astype(jnp.float32), self.router[...])
         key = routing_key if train else None

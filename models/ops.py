@@ -171,14 +171,16 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
     """Returns the installed attention [batch, length, heads, head_dim] (see `Attention`): causal, or every
     query seeing every key (`causal=False`), within `mask`; with `segment_ids` [batch, length] no query sees a
     key of another segment. `positions` [length] (default 0, 1, ...) give each place's position in the
-    sequence (models.axes.sequence_layout), which the causal order follows. Causal self-attention without a
-    `mask` runs as the installed context attention where one is (rows split between devices)."""
+    sequence (models.axes.sequence_layout), which the causal order follows. Causal self-attention given its
+    `positions` and no `mask` runs as the installed context attention where one is (rows split between
+    devices); its context is tagged `remat_names.ATTENTION_CONTEXT`."""
     installed = _ops.get()
+    if installed.context_attention is not None and causal and mask is None and positions is not None:
+        context = installed.context_attention(query, key, value, segment_ids, positions)
+        return checkpoint_name(context, remat_names.ATTENTION_CONTEXT)
     length = query.shape[1]
     if positions is None:
         positions = np.arange(length, dtype=np.int32)
-    if installed.context_attention is not None and causal and mask is None:
-        return installed.context_attention(query, key, value, segment_ids, positions)
     if segment_ids is not None:
         documents = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, t, t]
         mask = documents if mask is None else mask & documents

@@ -28,6 +28,7 @@ from nestor.orchestrator.hf.config import sections
 from nestor.orchestrator.tokenizer import BYTES
 from nestor.orchestrator.validation import validate
 from nestor.orchestrator.yaml_files import override_value, read_yaml
+from nestor.parallel.context import STRATEGIES as CONTEXT_STRATEGIES
 from nestor.parallel.rules import MESH_AXES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -91,7 +92,7 @@ class ModelConfig:
                                        "the policy's default set", choices=remat_names.ALL)
     context_attention: str = key("all_gather", "attention over a row split by mesh.context: all_gather (keys and "
                                  "values gathered per layer) | ring (passed around the ring by collective permutes, "
-                                 "each block computed while the next arrives)", choices=("all_gather", "ring"))
+                                 "each block computed while the next arrives)", choices=CONTEXT_STRATEGIES)
     context_balance: bool = key(True, "mesh.context: each device holds an early and a late chunk of a row, so the "
                                 "causal mask gives every device the same attention work; false = contiguous "
                                 "chunks (train.seq_len divides by 2 x mesh.context either way)")

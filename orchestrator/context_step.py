@@ -26,9 +26,11 @@ def sequence_layout(backend: Backend, mesh: Mesh, rules: Rules) -> SequenceLayou
 
 
 def whole_rows(rules: Rules) -> Rules:
-    """Returns `rules` with a row's places whole on every context device: for decoding and the logits of
-    prompts of any length, where the context devices compute as replicas."""
-    return {**rules, axes.LENGTH: ()}
+    """Returns `rules` without the mesh axes that split a row's places, wherever they appear (places, MoE
+    groups): for decoding and the logits of prompts of any length, where the context devices compute as
+    replicas."""
+    split = set(rules.get(axes.LENGTH, ()))
+    return {name: tuple(axis for axis in mesh_axes if axis not in split) for name, mesh_axes in rules.items()}
 
 
 def with_context_attention(ops: model_ops.Ops, backend: Backend, mesh: Mesh, rules: Rules,

@@ -27,15 +27,16 @@ from nestor.models.moe import EXPERT_LOAD, expert_parallelism
 from nestor.models.stack import RematPolicy, StackRunner, scan_layers, unrolled_layers
 from nestor.models.transformer import STACK
 from nestor.orchestrator.config import Config, ConfigError
-from nestor.orchestrator.context_step import sequence_layout, with_context_attention
+from nestor.orchestrator.context_step import ATTENTION_AXES, sequence_layout, with_context_attention
 from nestor.orchestrator.data.batches import Field, batch_fields, shardings
 from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.moe_step import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
 from nestor.orchestrator.optimizer import learning_rate
 from nestor.orchestrator.state import StateLayout
+from nestor.parallel.context import context_degree
 from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from nestor.parallel.pipeline_1f1b import one_f_one_b
-from nestor.parallel.rules import Rules, activation_constrainer
+from nestor.parallel.rules import Rules, activation_constrainer, resolve_rules
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
 Metrics = dict[str, jax.Array]
@@ -48,7 +49,8 @@ def backend_for(config: Config, mesh: Mesh) -> Backend:
     """Returns the backend (nestor.backend) of `config` on `mesh`'s devices: what the run's target runs.
     Raises ConfigError for a choice the target cannot run."""
     try:
-        return backend_of_devices(config, mesh.devices.flat)
+        return backend_of_devices(config, mesh.devices.flat,
+                                  context_degree(mesh, resolve_rules(config.mesh.rules), ATTENTION_AXES))
     except BackendError as error:
         raise ConfigError([(error.key, error.message)]) from None
 

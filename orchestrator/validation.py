@@ -137,7 +137,6 @@ def _user_model_validated(config: Config) -> Config:
     if not problems and not (total_devices(config) is None and -1 in config.mesh.ici_shape().values()):
         degrees = mesh_degrees(config)
         problems += _pipeline_problems(config, builtin_lm=False)
-        problems += _context_problems(config, degrees)
         t = config.train
         shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("batch") or ())
         if t.global_batch % t.grad_accum or (t.global_batch // t.grad_accum) % shards:
@@ -331,8 +330,9 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
 
 
 def _context_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
-    """Where mesh.context splits rows: the sequence into 2 x context chunks, and MoE routing groups that hold
-    the same tokens on every mesh (whole rows when dropless, else whole pieces of a chunk)."""
+    """Where mesh.context splits the rows of nestor's LM: the sequence into 2 x context chunks, and MoE routing
+    that takes the same tokens together on every mesh (groups of whole rows when dropless, else whole pieces
+    of a chunk; no draws by place)."""
     if degrees is None:
         return []
     context = split_degree("length", resolve_rules(config.mesh.rules), degrees)
@@ -345,7 +345,13 @@ def _context_problems(config: Config, degrees: dict[str, int] | None) -> list[tu
                                           f"device holds two); use a multiple of {2 * context}"))
         return problems
     chunk = t.seq_len // (2 * context)
-    if moe.num_experts and moe.every and (chunk % moe.group_size if moe.group_size else not config.dropless_moe):
+    if not (moe.num_experts and moe.every):
+        return problems
+    if moe.second_expert_policy == "random":
+        problems.append(("moe.second_expert_policy", f"random draws by a token's place in the row, and with rows "
+                                                     f"split by mesh.context={context} the places hold other "
+                                                     "positions than on other meshes; use all"))
+    if chunk % moe.group_size if moe.group_size else not config.dropless_moe:
         problems.append(("moe.group_size", f"{moe.group_size or t.seq_len} tokens per routing group: with rows "
                                            f"split by mesh.context={context}, a group is a divisor of the "
                                            f"{chunk}-token chunk a device holds (or, dropless, 0: one per row), so "

@@ -74,10 +74,15 @@ class SequenceLayout:
         return self.arrange(np.arange(length, dtype=np.int32)[None])[0]
 
     def visible_pairs(self, device: int) -> int:
-        """Returns how many (query chunk, key chunk) pairs device `device` computes: those whose key chunk
-        does not come after the query chunk."""
-        return sum(int(k <= q) for q in self.device_chunks(device)
+        """Returns how many (query chunk, key chunk) pairs device `device` computes (`computes`)."""
+        return sum(int(computes(q, k)) for q in self.device_chunks(device)
                    for other in range(self.context) for k in self.device_chunks(other))
+
+
+def computes(query_chunk, key_chunk):
+    """Whether a (query chunk, key chunk) pair is computed: where the key chunk does not come after the query
+    chunk (the causal mask hides every other pair whole). Ints, or traced int32 scalars."""
+    return key_chunk <= query_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +146,10 @@ def _on_device(strategy: str, names: tuple[str, ...], layout: SequenceLayout, ch
                        jnp.zeros(shape, jnp.float32)) for _ in range(2))
         gathered = jax.lax.all_gather(pair, names) if strategy == ALL_GATHER else None  # [C, ...] each
 
-        def step(carry, offset):
-            sums, held = carry
-            source = (device - offset) % count  # whose key/value chunks this step reads
-            if strategy == RING:
-                # sent before the compute below, which does not need it: the permute can overlap it
-                following = jax.lax.ppermute(held, names, [(i, (i + 1) % count) for i in range(count)])
-            else:
-                held = following = jax.tree.map(lambda part: part[source], gathered)
+        def attend(sums, held, offset):  # this device's queries against the chunks of the device `offset` before
+            source = (device - offset) % count
+            if gathered is not None:
+                held = jax.tree.map(lambda part: part[source], gathered)
             keys, values, key_segments = held
             key_chunks = layout.device_chunks(source)
             updated = []
@@ -157,12 +158,22 @@ def _on_device(strategy: str, names: tuple[str, ...], layout: SequenceLayout, ch
                 for k in range(2):
                     operands = (queries[:, q], query_chunks[q], query_segments[:, q],
                                 keys[:, k], values[:, k], key_chunks[k], key_segments[:, k])
-                    state = jax.lax.cond(key_chunks[k] <= query_chunks[q], _attend_chunk, lambda s, *_: s,
-                                         state, *operands)
+                    state = jax.lax.cond(computes(query_chunks[q], key_chunks[k]), _attend_chunk,
+                                         lambda s, *_: s, state, *operands)
                 updated.append(state)
-            return (tuple(updated), following), None
+            return tuple(updated)
 
-        (sums, _), _ = jax.lax.scan(step, (start, pair), jnp.arange(count))
+        def ring_step(carry, offset):
+            sums, held = carry
+            # sent before the compute below, which does not need it: the permute can overlap it
+            following = jax.lax.ppermute(held, names, [(i, (i + 1) % count) for i in range(count)])
+            return (attend(sums, held, offset), following), None
+
+        if strategy == RING:  # C - 1 steps that pass the chunks on, then the last without a send
+            (sums, held), _ = jax.lax.scan(ring_step, (start, pair), jnp.arange(count - 1))
+            sums = attend(sums, held, count - 1)
+        else:
+            sums, _ = jax.lax.scan(lambda sums, offset: (attend(sums, pair, offset), None), start, jnp.arange(count))
         outputs = [jnp.where(total[..., None] > 0, out / jnp.maximum(total, 1e-30)[..., None], 0.0)
                    for out, _, total in sums]
         return jnp.stack(outputs, axis=1).reshape(query.shape).astype(query.dtype)
@@ -175,7 +186,7 @@ def _attend_chunk(state, queries, query_chunk, query_segments, keys, values, key
     chunk of c places after it attends to one key/value chunk: causal by position, within segments. The
     queries go in blocks of at most QUERY_BLOCK, so a pair's scores never exceed [b, block, g, r, c]."""
     batch, chunk = queries.shape[:2]
-    block = math.gcd(chunk, QUERY_BLOCK)
+    block = max(size for size in range(1, min(chunk, QUERY_BLOCK) + 1) if chunk % size == 0)
     blocks = chunk // block
 
     def in_blocks(x):  # [b, c, ...] -> [blocks, b, block, ...]
@@ -214,7 +225,7 @@ def exchange_bytes(layout: SequenceLayout, batch_per_device: int, length: int, k
                    itemsize: int) -> int:
     """Returns the bytes one device receives per attention layer in the forward pass: the other C - 1 devices'
     keys, values ([rows, L / C, kv heads on this device, k] each) and int32 segment ids (the same for both
-    strategies: the all-gather brings them at once, the ring one device's worth per step)."""
+    strategies: the all-gather brings them at once, the ring one device's worth in each of C - 1 steps)."""
     per_device = length // layout.context
     held = batch_per_device * per_device * (2 * kv_heads * head_dim * itemsize + 4)
     return (layout.context - 1) * held

@@ -32,11 +32,12 @@ from tests.helpers import (ONE_DEVICE, assert_same_training, last_lines_of_two_p
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf"
 NAMES = ("llama3", "mixtral", "qwen3")
-MESHES = {  # one device; tensor and fsdp; pipeline (and expert for the MoE model)
+MESHES = {  # one device; tensor and fsdp; pipeline (and expert for the MoE model); context
     "one device": ["cluster.devices_per_host=1"],
     "fsdp2 x tensor2 x data2": ["mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2"],
     "pipeline2 x tensor2 x data2": ["mesh.pipeline=2", "mesh.tensor=2", "mesh.data=2", "pipeline.microbatches=2"],
     "pipeline2 x expert2 x tensor2": ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "pipeline.microbatches=2"],
+    "context2 x expert2 x data2": ["mesh.context=2", "mesh.expert=2", "mesh.data=2"],  # training rows split
 }
 CASES = [(name, mesh) for name in NAMES for mesh in MESHES
          if mesh != ("pipeline2 x tensor2 x data2" if name == "mixtral" else "pipeline2 x expert2 x tensor2")]
