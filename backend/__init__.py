@@ -295,10 +295,10 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
     hopper = target == "gpu" and is_hopper(kind, capability)
     # Simulated CPU devices share the host's processors: a pipeline stage's skipped bubble gives its time to the
     # busy stages. An accelerator per stage would idle either way, and keeps the plain loop. XLA:CPU's
-    # collective-permute meets every device of the program, so the ring's permutes inside a stage that the
-    # others skip would wait for them forever: with the ring, every stage runs every iteration.
-    ring = context_devices > 1 and config.model.context_attention == "ring"
-    loop = PER_STAGE_SKIPPING if target == "cpu" and not ring else BUFFERED
+    # collective-permute meets every device of the program, so a permute inside a stage that the others skip
+    # waits for them forever: with rows split over context (the ring's permutes, and those the partitioner
+    # places to move MoE groups between context devices) every stage runs every iteration.
+    loop = PER_STAGE_SKIPPING if target == "cpu" and context_devices == 1 else BUFFERED
     return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(config, target),
                    remat_names=tuple(config.model.remat_names), attention=_attention(config, target, context_devices),
                    float32_sums=target == "cpu" and config.model.dtype == "bfloat16",

@@ -250,30 +250,41 @@ def test_grad_accumulation_with_split_rows_matches_one_big_batch(reference, stra
     assert_same_training(run_fresh(config), one_device)
 
 
-MOE = ("model.num_layers=4", "moe.num_experts=4", "moe.every=2", "moe.capacity_factor=0")
+MOE = ("model.num_layers=4", "moe.num_experts=4", "moe.every=2")
+ROUTING = {"dropless": ("moe.capacity_factor=0",), "capacity": ("moe.group_size=8",)}  # chunks of 8 on context 2
 
 
 @pytest.fixture(scope="module")
 def moe_reference(reference):
     make, _ = reference
-    return run_fresh(make(*MOE).replace(**ONE_DEVICE))
+    runs = {}
+
+    def one_device(routing: str):
+        if routing not in runs:
+            runs[routing] = run_fresh(make(*MOE, *ROUTING[routing]).replace(**ONE_DEVICE))
+        return runs[routing]
+
+    return one_device
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, schedule", [("all_gather", "1f1b"), ("ring", "1f1b"), ("ring", "gpipe")])
-def test_pipelined_dropless_moe_with_split_rows_matches_one_device(reference, moe_reference, strategy, schedule):
+@pytest.mark.parametrize("strategy, schedule, routing", [
+    ("all_gather", "1f1b", "dropless"), ("ring", "1f1b", "dropless"), ("all_gather", "gpipe", "capacity")])
+def test_pipelined_moe_with_split_rows_matches_one_device(reference, moe_reference, strategy, schedule, routing):
     make, _ = reference
-    config = make(*MOE, f"model.context_attention={strategy}", f"pipeline.schedule={schedule}",
+    config = make(*MOE, *ROUTING[routing], f"model.context_attention={strategy}", f"pipeline.schedule={schedule}",
                   "pipeline.microbatches=4").replace(**mesh_overrides(context=2, pipeline=2, expert=2))
-    assert_same_training(run_fresh(config), moe_reference)
+    assert_same_training(run_fresh(config), moe_reference(routing))
 
 
-def test_on_cpu_a_ring_keeps_every_pipeline_stage_in_one_program(tiny_config):
+def test_on_cpu_split_rows_keep_every_pipeline_stage_in_one_program(tiny_config):
     # XLA:CPU's collective-permute meets every device: a stage skipping its bubble would leave the others waiting
-    loops = {strategy: backend_for(config, make_mesh(config)).pipeline_loop for strategy in STRATEGIES
-             for config in [tiny_config("mesh.context=2", "mesh.pipeline=2", "mesh.data=2",
+    loops = {(context, strategy): backend_for(config, make_mesh(config)).pipeline_loop
+             for context in (1, 2) for strategy in STRATEGIES
+             for config in [tiny_config(f"mesh.context={context}", "mesh.pipeline=2", f"mesh.data={4 // context}",
                                         f"model.context_attention={strategy}")]}
-    assert loops["all_gather"] is PER_STAGE_SKIPPING and loops["ring"] is BUFFERED
+    assert loops == {(1, "all_gather"): PER_STAGE_SKIPPING, (1, "ring"): PER_STAGE_SKIPPING,
+                     (2, "all_gather"): BUFFERED, (2, "ring"): BUFFERED}
 
 
 LONG = ("model.preset=tiny", "train.seq_len=4096", "train.global_batch=1", "model.remat=full", "data.source=synthetic",
