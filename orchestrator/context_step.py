@@ -12,6 +12,7 @@ from nestor.backend import Backend
 from nestor.models import axes
 from nestor.models import ops as model_ops
 from nestor.orchestrator.config import Config
+from nestor.orchestrator.degrees import microbatch_rows
 from nestor.parallel.context import AttentionAxes, SequenceLayout, context_attention, context_degree, exchange_bytes
 from nestor.parallel.rules import Rules, split_degree
 
@@ -53,8 +54,7 @@ def context_report(config: Config, backend: Backend, mesh: Mesh, rules: Rules) -
     m, length = config.model, config.train.seq_len
     degrees = dict(mesh.shape)
     batch_shards, kv_shards = (split_degree(name, rules, degrees) for name in (axes.BATCH, axes.ACT_KV_HEADS))
-    microbatches = config.train.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
-    rows = config.train.global_batch // microbatches // batch_shards
+    rows = microbatch_rows(config, degrees) // batch_shards
     received = exchange_bytes(layout, rows, length, m.num_kv_heads // kv_shards,
                               m.head_dim, np.dtype(m.dtype).itemsize)
     return {"devices": layout.context, "attention": backend.context_attention,

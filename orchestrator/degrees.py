@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from nestor.orchestrator.errors import ConfigError
 from nestor.parallel.pipeline import Schedule
-from nestor.parallel.rules import MESH_AXES, resolve_rules
+from nestor.parallel.rules import MESH_AXES, resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -43,13 +43,18 @@ def mesh_degrees(config: Config, devices: int | None = None) -> dict[str, int]:
     return {axis: ici[axis] * dcn[axis] for axis in MESH_AXES}
 
 
-def moe_tokens_per_device(config: Config, degrees: dict[str, int]) -> int:
-    """Returns the tokens an MoE layer sees per device at a time: one micro-batch (gradient accumulation,
-    pipeline) split over the devices of the `groups` rule (the batch's and a row's context devices)."""
+def microbatch_rows(config: Config, degrees: dict[str, int]) -> int:
+    """Returns the rows of one micro-batch, what a layer sees at a time: the global batch split by gradient
+    accumulation and, with more than one stage, by the pipeline's micro-batches."""
     t = config.train
-    batch_shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules)["groups"])
-    microbatches = t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1)
-    return t.global_batch // microbatches * t.seq_len // batch_shards
+    return t.global_batch // (t.grad_accum * (config.pipeline.microbatches if degrees["pipeline"] > 1 else 1))
+
+
+def moe_tokens_per_device(config: Config, degrees: dict[str, int]) -> int:
+    """Returns the tokens an MoE layer sees per device at a time: one micro-batch split over the devices of
+    the `groups` rule (the batch's and a row's context devices)."""
+    groups_shards = split_degree("groups", resolve_rules(config.mesh.rules), degrees)
+    return microbatch_rows(config, degrees) * config.train.seq_len // groups_shards
 
 
 REPEATED_SCHEDULES = ("circular", "interleaved_1f1b")  # the pipeline.schedule values that read pipeline.repeats

@@ -15,7 +15,7 @@ from nestor.models.moe import MoELayerConfig
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.degrees import moe_tokens_per_device
 from nestor.parallel.experts import ExpertLayout, exchange_name, expert_exchange, worst_case_rows
-from nestor.parallel.rules import Rules
+from nestor.parallel.rules import Rules, split_degree
 
 EXPERT_BIAS = "moe_expert_bias"
 # the logical names of a dropless MoE layer's tokens and expert weights (models.moe)
@@ -61,7 +61,7 @@ def dropless_report(config: Config, backend: Backend, mesh: Mesh, rules: Rules) 
         return None
     degrees = dict(mesh.shape)
     rows = worst_case_rows(moe_tokens_per_device(config, degrees), moe.top_k, mesh, rules, EXPERT_LAYOUT)
-    mlp_shards = int(np.prod([degrees[a] for a in rules.get(axes.MLP, ())]))
+    mlp_shards = split_degree(axes.MLP, rules, degrees)
     width = (moe.expert_mlp_dim or config.model.mlp_dim) // mlp_shards
     row_bytes = (2 * config.model.embed_dim + 3 * width) * np.dtype(config.model.dtype).itemsize
     matmuls = backend.grouped_matmul

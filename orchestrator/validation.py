@@ -138,7 +138,7 @@ def _user_model_validated(config: Config) -> Config:
         degrees = mesh_degrees(config)
         problems += _pipeline_problems(config, builtin_lm=False)
         t = config.train
-        shards = math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("batch") or ())
+        shards = split_degree("batch", resolve_rules(config.mesh.rules), degrees)
         if t.global_batch % t.grad_accum or (t.global_batch // t.grad_accum) % shards:
             problems.append(("train.global_batch", f"{t.global_batch} rows do not split into train.grad_accum="
                                                    f"{t.grad_accum} micro-batches of a multiple of the {shards} "
@@ -308,7 +308,7 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
         factor = getattr(moe, key)
         if expert_capacity(tokens_per_group, moe.num_experts, moe.top_k, factor) < 1:
             problems.append((f"moe.{key}", f"{factor:g} gives experts no capacity (under one token per group); raise it"))
-    mlp_shards = 1 if degrees is None else math.prod(degrees[a] for a in resolve_rules(config.mesh.rules).get("mlp") or ())
+    mlp_shards = 1 if degrees is None else split_degree("mlp", resolve_rules(config.mesh.rules), degrees)
     width = (moe.expert_mlp_dim or m.mlp_dim) // mlp_shards
     if moe.grouped_matmul == "mosaic_gpu" and config.dropless_moe and not tiles(m.embed_dim, width):
         problems.append(("moe.grouped_matmul", f"mosaic_gpu needs model.embed_dim ({m.embed_dim}) and each device's "

@@ -16,8 +16,9 @@ against every device's two key/value chunks:
   context axis once per layer (grouped-query attention: only the kv heads
   travel); their gradient returns by a reduce-scatter.
 - ring (Ring Attention, arXiv 2310.01889): the key/value chunks travel
-  around the ring by collective permutes, C steps, the next step's pair sent
-  before this step's is computed so the transfer can hide behind it.
+  around the ring by collective permutes, C steps of which the first C - 1
+  send the pair on before computing with it, so the transfer can hide behind
+  the compute.
 A (query chunk, key chunk) pair is computed only where the key chunk does not
 come after the query chunk; the diagonal pairs are masked causally. Segment
 ids travel with the keys, so no token attends across a document separator.
