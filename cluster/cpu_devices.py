@@ -40,14 +40,15 @@ def one_program_at_a_time(jax) -> None:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-# Threads XLA:CPU gets per simulated device: every thread is then blocked only when each device waits in
-# two collectives at once on average, as the pipeline step's eighth device did (a loop's collective-permute
-# and an all-gather beside the loop).
-THREADS_PER_DEVICE = 2
+# Threads XLA:CPU gets per simulated device. A device starts the collectives that do not depend on each other
+# in an order of its own (a race), and each waits on its thread: the pool fills only when the devices wait in
+# 8 collectives at once on average. With 2 per device, a pipeline4 x fsdp2 1F1B step still hung about once
+# in three suite runs; 8 cost nothing measurable (a waiting thread takes no CPU).
+THREADS_PER_DEVICE = 8
 
 
 def size_cpu_thread_pool(devices: int) -> None:
-    """Gives XLA:CPU two threads per simulated device (PJRT_NPROC), a larger PJRT_NPROC already set kept;
+    """Gives XLA:CPU THREADS_PER_DEVICE threads per simulated device (PJRT_NPROC), a larger PJRT_NPROC already set kept;
     call it before jax's backend starts.
 
     XLA:CPU runs each device's independent thunks on one shared pool of max(cores, devices) threads,
@@ -62,8 +63,8 @@ def size_cpu_thread_pool(devices: int) -> None:
 
 
 def cpu_pool_threads(devices: int) -> str:
-    """Returns PJRT_NPROC for `devices` simulated devices: the cores this process may use, two threads per
-    device, or the size this environment already asks for, whichever is largest."""
+    """Returns PJRT_NPROC for `devices` simulated devices: the cores this process may use, THREADS_PER_DEVICE
+    per device, or the size this environment already asks for, whichever is largest."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     already = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC", "")  # XLA reads them in this order
     return str(max(cores, THREADS_PER_DEVICE * devices, int(already) if already.isdigit() else 0))

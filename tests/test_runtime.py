@@ -3,7 +3,8 @@ program at a time.
 
 A pipeline4 x fsdp2 step aborted the suite ("Fatal Python error: Aborted", no message) when every thread
 of XLA:CPU's pool (8 threads for 8 devices on 2 cores) waited in a collective for a device that had no
-thread left to join it; `cluster.cpu_devices.size_cpu_thread_pool` gives the pool two threads per device.
+thread left to join it; `cluster.cpu_devices.size_cpu_thread_pool` gives the pool THREADS_PER_DEVICE
+threads per device.
 These tests read the pool's threads from /proc, so they also check that the installed XLA reads the size.
 With asynchronous dispatch two train steps were in flight, each with its waiters, and the same step still
 hung once a suite run: nestor's processes and the suite's dispatch one CPU program at a time.
@@ -42,7 +43,7 @@ SETUPS = {
 
 
 # The child runs on 2 cores, as on this project's machines: XLA's own pool there (max(cores, devices)
-# threads) is 8 for 8 devices, so a pool of 16 shows nestor sized it, whatever the host's cores.
+# threads) is 8 for 8 devices, so a pool of THREADS_PER_DEVICE x 8 shows nestor sized it, whatever the host's cores.
 TWO_CORES = "import os\nos.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])\n"
 
 
@@ -59,12 +60,13 @@ def devices_and_pool_threads(setup: str, tmp_path: Path, **env: str) -> tuple[in
 
 
 @pytest.mark.parametrize("process", list(SETUPS))
-def test_every_process_that_simulates_devices_gives_the_pool_two_threads_per_device(process, tmp_path):
+def test_every_process_that_simulates_devices_gives_the_pool_its_threads_per_device(process, tmp_path):
     assert devices_and_pool_threads(SETUPS[process], tmp_path) == (8, THREADS_PER_DEVICE * 8)
 
 
 def test_a_larger_pool_the_user_set_is_kept_and_a_smaller_one_raised(tmp_path):
-    assert devices_and_pool_threads(SETUPS["nestor train"], tmp_path, PJRT_NPROC="24") == (8, 24)
+    larger = THREADS_PER_DEVICE * 8 + 8
+    assert devices_and_pool_threads(SETUPS["nestor train"], tmp_path, PJRT_NPROC=str(larger)) == (8, larger)
     assert devices_and_pool_threads(SETUPS["nestor train"], tmp_path, PJRT_NPROC="11") == (8, THREADS_PER_DEVICE * 8)
 
 
@@ -72,5 +74,5 @@ def test_the_suites_own_process_has_the_pool_it_needs():
     assert not jax.config.values["jax_cpu_enable_async_dispatch"]
     devices = jax.device_count()  # starts the backend, if no test has yet
     names = [path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm")]
-    # The size the suite asked for (so not XLA's own, whatever the host's cores) and two per device.
+    # The size the suite asked for (so not XLA's own, whatever the host's cores) and THREADS_PER_DEVICE per device.
     assert names.count("tf_XLAEigen") == int(os.environ["PJRT_NPROC"]) >= THREADS_PER_DEVICE * devices
