@@ -40,10 +40,9 @@ def one_program_at_a_time(jax) -> None:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-# Threads XLA:CPU gets per simulated device. A device starts the collectives that do not depend on each other
-# in an order of its own (a race), and each waits on its thread: the pool fills only when the devices wait in
-# 8 collectives at once on average. With 2 per device, a pipeline4 x fsdp2 1F1B step still hung about once
-# in three suite runs; 8 cost nothing measurable (a waiting thread takes no CPU).
+# Threads XLA:CPU gets per simulated device. A device starts its independent collectives in an order of its
+# own (a race), each waiting on a thread, so the pool fills only when the devices wait in this many at once
+# on average (what 2 per device still allowed: docs/cluster.md).
 THREADS_PER_DEVICE = 8
 
 
