@@ -30,9 +30,10 @@ one_program_at_a_time(jax)
 import pytest  # noqa: E402
 
 from nestor.orchestrator import config as config_lib  # noqa: E402
-# The suite's order, and how it is shared between pytest-xdist workers (hooks of this conftest).
+# The suite's order, how it is shared between pytest-xdist workers, and a crashed worker's test run once more
+# (hooks of this conftest).
 from tests.xdist_groups import (pytest_collection_modifyitems, pytest_runtest_setup,  # noqa: E402,F401
-                                 pytest_xdist_make_scheduler)
+                                 pytest_terminal_summary, pytest_xdist_make_scheduler)
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -42,8 +43,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # meshes moved one embedding entry of 16,384 by 1.3e-4 in 5 steps (param tolerance 1e-4); at 1e-6 the
 # largest difference in that run was 2e-6.
 COMPARABLE_ADAM = "optimizer.eps=1e-6"
+# A tiny step takes well under a second: a run stuck for 2 minutes has hung, and its watchdog ends the worker
+# then (tests/xdist_groups.py runs its test once more) rather than after the 600 s floor of the automatic limit.
+TINY_HANG_LIMIT = "run.hang_timeout_s=120"
 TINY = ("model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
-        COMPARABLE_ADAM)
+        COMPARABLE_ADAM, TINY_HANG_LIMIT)
 
 
 @pytest.fixture

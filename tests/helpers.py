@@ -79,6 +79,17 @@ def relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+def ended(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Returns (stdout, stderr) of `process` once it has ended; one still running after `timeout` seconds is
+    killed (a long run left behind would load the machine for the rest of the suite) and TimeoutExpired raised."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+
+
 def run(config: Config) -> TrainResult:
     """Trains quietly in config.run.dir (resuming from a checkpoint there); returns the result."""
     return train(config, console=Console.silent())

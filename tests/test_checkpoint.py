@@ -25,7 +25,7 @@ from nestor.orchestrator.signals import StopSignals
 from nestor.orchestrator.state import init_state
 from nestor.orchestrator.train import TrainingDiverged, train
 from tests.conftest import ROOT
-from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
+from tests.helpers import child_env, ended, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
         "cluster.devices_per_host=8", "metrics.tensorboard=false", "cluster.launcher=inprocess"]
@@ -78,7 +78,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, source):
     assert max(done) == 6, f"the run finished before the kill ({done}); the test needs a slower step"
 
     second = cli(run_dir, *overrides)
-    out, err = second.communicate(timeout=240)
+    out, err = ended(second, 240)
     assert second.returncode == 0, err[-3000:]
     assert "resumed from checkpoint 6" in out
 
@@ -201,7 +201,7 @@ def test_nan_loss_stops_with_error_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(TrainingDiverged, match="no checkpoint is kept, so running again starts from step 0"):
         run(load(tmp_path / "unsaved", *overrides, "checkpoint.every=0"))
     process = cli(tmp_path / "cli", *overrides)
-    _, err = process.communicate(timeout=150)
+    _, err = ended(process, 150)
     assert process.returncode == 1
     assert "training diverged" in err and ("is nan" in err or "is inf" in err)
 
@@ -218,7 +218,7 @@ def test_sigterm_saves_the_current_step_before_exit(tmp_path):
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=120)
+    out, err = ended(process, 120)
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "SIGTERM: stopping and saving at the next step\n" in out  # said as it came, not only at the end
     saved = [int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit()]
@@ -318,12 +318,12 @@ def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
         assert first.poll() is None, first.communicate()[1][-3000:]
         time.sleep(0.05)
     second = cli(run_dir, "train.steps=100000", "cluster.launcher=ray")  # the default launcher: its driver
-    _, err = second.communicate(timeout=120)
+    _, err = ended(second, 120)
     assert second.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert "nestor.lock" in err and f"pid {first.pid} on host {socket.gethostname()}" in err, err
     assert first.poll() is None  # still training
     first.send_signal(signal.SIGTERM)
-    _, err = first.communicate(timeout=120)
+    _, err = ended(first, 120)
     assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))  # one run's steps, each once
@@ -385,7 +385,7 @@ def _stopped_at(run_dir: Path, delay: float, signum: int) -> tuple[int, str]:
     process = cli(run_dir, *SIGNALLED)
     time.sleep(delay)
     process.send_signal(signum)
-    out, err = process.communicate(timeout=120)
+    out, err = ended(process, 120)
     return process.returncode, out + err
 
 
@@ -400,7 +400,7 @@ def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_l
             compiled = time.monotonic() - started
             reference.send_signal(signal.SIGINT)
             break
-    _, err = reference.communicate(timeout=120)
+    _, err = ended(reference, 120)
     assert reference.returncode == 128 + signal.SIGINT and compiled, err[-3000:]
     stop_lines = re.compile(r"^(nestor: interrupted|stopped by SIGINT)", re.M)
     before_the_first_step = 0

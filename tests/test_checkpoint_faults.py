@@ -21,7 +21,7 @@ from nestor.orchestrator.cli import main, where_results_are
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.progress import Console
 from nestor.orchestrator.train import TrainingDiverged, train
-from tests.helpers import run
+from tests.helpers import ended, run
 from tests.test_checkpoint import BASE, cli, load
 
 SAVED = ("train.steps=6", "checkpoint.every=2", "optimizer.decay_steps=8")
@@ -348,7 +348,7 @@ def test_kill_at_any_moment_of_an_async_save_resumes_from_the_newest_complete_ch
     driver.write_text(KILLER.format(moment=moment))
     run_dir = tmp_path / "run"
     killed = cli(run_dir, *SAVED, entry=(str(driver),))
-    _, err = killed.communicate(timeout=300)
+    _, err = ended(killed, 300)
     assert killed.returncode == -signal.SIGKILL, err[-3000:]
 
     resumed = run(load(run_dir, *SAVED))
@@ -361,7 +361,7 @@ def test_kill_at_any_moment_of_an_async_save_resumes_from_the_newest_complete_ch
 
 
 def assert_stopped_in_one_line(process: subprocess.Popen, run_dir: Path, cause: str, code: int) -> None:
-    _, err = process.communicate(timeout=300)
+    _, err = ended(process, 300)
     lines = [line for line in err.splitlines() if line.strip()]
     assert process.returncode == code and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith("nestor: ") and str(run_dir) in err and cause in err, err

@@ -21,7 +21,7 @@ from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, l
 from nestor.orchestrator.idle_keys import idle_keys, idle_warning
 from nestor.orchestrator.job import build_job, select_devices
 from tests.conftest import ROOT
-from tests.helpers import child_env
+from tests.helpers import child_env, ended
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
@@ -244,7 +244,7 @@ def _exit_2_naming(runs: list[tuple[list[str], str]], cwd: Path) -> None:
     processes = [(subprocess.Popen([*_console_script(), *args], cwd=cwd, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE), key) for args, key in runs]
     for process, key in processes:
-        _, stderr = process.communicate(timeout=100)
+        _, stderr = ended(process, 100)
         assert process.returncode == 2, stderr[-2000:]
         assert f"  {key}: " in stderr and "Traceback" not in stderr, stderr[-2000:]
         problem = stderr.strip().splitlines()[-2:]  # "invalid config:" and the one problem, after any jax warning

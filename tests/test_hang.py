@@ -12,7 +12,7 @@ import time
 
 from nestor.orchestrator.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog
 from tests.conftest import ROOT
-from tests.helpers import child_env
+from tests.helpers import child_env, ended
 
 
 class Clock:
@@ -120,7 +120,7 @@ def test_a_step_past_hang_timeout_ends_the_run_with_its_stacks_in_run_dir_hangs(
         if line == "stuck\n":
             break
     stuck = time.monotonic()
-    out, err = process.communicate(timeout=120)
+    out, err = ended(process, 120)
     seconds = time.monotonic() - stuck
     assert process.returncode == 1, err[-3000:]
     # values are read one step late: when step 4's batch is made, step 3 is the one not yet seen to end

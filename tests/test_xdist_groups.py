@@ -4,8 +4,10 @@ the Ray files go to one worker, before anything else it runs; the other files ar
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,8 @@ def small_suite(directory: Path, files: dict[str, str]) -> Path:
     directory.mkdir()
     (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    ray: starts a local Ray cluster\n")
     (directory / "conftest.py").write_text("from tests.xdist_groups import pytest_collection_modifyitems, "
-                                           "pytest_runtest_setup, pytest_xdist_make_scheduler  # noqa\n")
+                                           "pytest_runtest_setup, pytest_terminal_summary, "
+                                           "pytest_xdist_make_scheduler  # noqa\n")
     for name, tests in files.items():
         (directory / name).write_text(TESTS.format(tests=tests))
     return directory
@@ -81,24 +84,39 @@ def test_a_ray_test_outside_the_ray_files_fails_before_it_runs(tmp_path, workers
     assert sorted(line.split()[0] for line in notes.read_text().splitlines()) == ["test_a.py", "test_b.py"]
 
 
-def test_a_worker_that_crashes_mid_file_fails_its_test_and_the_rest_still_run(tmp_path):
-    # Each worker is handed two of the four files at once, then told to shut down; the crash comes in the
-    # second file of one worker, after a file it finished and before two more tests (the hang this guards
-    # against: xdist re-queued the finished file too, and the replacement worker, handed it, waited forever).
+def test_a_test_that_crashes_its_worker_twice_fails_once_run_again_passes_and_the_rest_still_run(tmp_path):
+    # Each worker is handed two of the five files at once, then told to shut down; the crashes come in the second
+    # file of a worker, after a file it finished and before more tests (the hang this guards against: xdist
+    # re-queued the finished file too, and the replacement worker, handed it, waited forever).
     plain = "\n".join(PLAIN.format(i=i) for i in range(2))
     crash = PLAIN.format(i=0) + "\ndef test_crash():\n    note()\n    os.abort()\n\n" + \
         "\n".join(PLAIN.format(i=i) for i in (2, 3))
+    # Its first run ends the worker, its second passes (the marker file says which run it is).
+    once = PLAIN.format(i=0) + textwrap.dedent("""
+        def test_crash_once():
+            note()
+            marker = os.environ["NOTES"] + ".crashed"
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.abort()
+        """) + "\n" + PLAIN.format(i=2)
     suite = small_suite(tmp_path / "suite", {"test_a.py": plain, "test_b.py": plain, "test_c.py": crash,
-                                             "test_d.py": plain})
+                                             "test_d.py": plain, "test_e.py": once})
     notes = tmp_path / "notes"
     done = run_pytest(suite, notes, "-n", "2", "-rA")  # the helper's timeout: the run must end
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     outcomes = [line.split(" - ")[0].split() for line in done.stdout.splitlines()
                 if line.startswith(("PASSED ", "FAILED ", "ERROR "))]
     passed = [f"{file}::test_{i}" for file in ("test_a.py", "test_b.py", "test_d.py") for i in (0, 1)] + \
-        [f"test_c.py::test_{i}" for i in (0, 2, 3)]
+        [f"test_c.py::test_{i}" for i in (0, 2, 3)] + ["test_e.py::test_0", "test_e.py::test_crash_once",
+                                                         "test_e.py::test_2"]
     expected = [["FAILED", "test_c.py::test_crash"]] + [["PASSED", test] for test in passed]
     assert sorted(outcomes) == sorted(expected), done.stdout[-3000:]
     assert "crashed while running 'test_c.py::test_crash'" in done.stdout, done.stdout[-3000:]
-    ran = sorted(line.split()[0] for line in notes.read_text().splitlines())  # each test once, the crash too
-    assert ran == ["test_a.py"] * 2 + ["test_b.py"] * 2 + ["test_c.py"] * 4 + ["test_d.py"] * 2, ran
+    for test in ("test_c.py::test_crash", "test_e.py::test_crash_once"):
+        assert re.search(rf"{test} ended worker gw\d: it runs once more on another", done.stdout), done.stdout[-3000:]
+    summary = done.stdout.split("tests that ended their worker")[1]
+    assert "test_c.py::test_crash: 2 time(s)" in summary and "test_e.py::test_crash_once: 1 time(s)" in summary
+    ran = sorted(line.split()[0] for line in notes.read_text().splitlines())  # the crashing tests twice
+    assert ran == ["test_a.py"] * 2 + ["test_b.py"] * 2 + ["test_c.py"] * 5 + ["test_d.py"] * 2 + \
+        ["test_e.py"] * 4, ran

@@ -6,6 +6,10 @@ the files whose tests start Ray clusters all go to one worker, first (they take 
 machine's Ray daemons before and after, so they must never run beside each other.
 xdist's own `--dist loadgroup` cannot do this under pytest 9.2 (it renames `item._nodeid`, which pytest
 no longer reads).
+
+A test whose worker dies (an in-process run's hang watchdog ends a process stuck in XLA:CPU, docs/cluster.md)
+runs once more on the replacement worker; a second death fails it. Each rerun is said when it happens and
+again at the end of the run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import pytest
 
 # The files whose tests start Ray clusters (the `ray` mark).
 RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py", "test_user_model_ray.py")
+# How many times a test may end its worker before it is reported failed.
+RERUNS_AFTER_A_CRASH = 1
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,8 +53,9 @@ def pytest_xdist_make_scheduler(config, log):
             super().schedule()
 
         def remove_node(self, node) -> str | None:
-            """Hands a crashed worker's unfinished tests to the others, less the one it crashed in (reported by
-            xdist as failed); returns that one.
+            """Hands a crashed worker's unfinished tests to the others; returns the test it crashed in when that
+            test has now crashed more than RERUNS_AFTER_A_CRASH times (xdist reports it failed), else None (it
+            runs again, first of what is left of its file).
 
             xdist's LoadScopeScheduling re-queues every unit the dead worker had, finished ones too, and its
             crashed test as still to run: a worker handed a finished unit is sent no test, so never asks for
@@ -60,12 +67,35 @@ def pytest_xdist_make_scheduler(config, log):
             if not pending:
                 return None
             scope, crashitem = pending[0]  # a worker runs its tests in the order it was sent them
-            workload[scope][crashitem] = True
+            crashes = self.config.stash.setdefault(CRASHES, {})
+            crashes[crashitem] = crashes.get(crashitem, 0) + 1
+            failed = crashes[crashitem] > RERUNS_AFTER_A_CRASH
+            workload[scope][crashitem] = failed
             self.workqueue.update((scope, unit) for scope, unit in workload.items() if not all(unit.values()))
             # A worker whose collection has not come yet gets its work from schedule() when it comes.
             for other in self.assigned_work:
                 if other in self.registered_collections:
                     self._reschedule(other)
-            return crashitem
+            if not failed:
+                _say(self.config, f"{crashitem} ended worker {node.gateway.id}: it runs once more on another")
+            return crashitem if failed else None
 
     return RayFilesTogether(config, log)
+
+
+CRASHES = pytest.StashKey[dict]()  # test id -> how many workers it ended
+
+
+def _say(config, line: str) -> None:
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Lists the tests that ended a worker, with how many times (a rerun that passed is still listed)."""
+    crashes = config.stash.get(CRASHES, {})
+    if crashes:
+        terminalreporter.section("tests that ended their worker")
+        for nodeid, times in crashes.items():
+            terminalreporter.write_line(f"{nodeid}: {times} time(s)")
