@@ -86,8 +86,8 @@ def ended(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
         return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.communicate()
-        raise
+        out, err = process.communicate(timeout=30)  # what it printed, for the failure
+        raise subprocess.TimeoutExpired(process.args, timeout, out, err) from None
 
 
 def run(config: Config) -> TrainResult:

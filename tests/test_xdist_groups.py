@@ -120,3 +120,14 @@ def test_a_test_that_crashes_its_worker_twice_fails_once_run_again_passes_and_th
     ran = sorted(line.split()[0] for line in notes.read_text().splitlines())  # the crashing tests twice
     assert ran == ["test_a.py"] * 2 + ["test_b.py"] * 2 + ["test_c.py"] * 5 + ["test_d.py"] * 2 + \
         ["test_e.py"] * 4, ran
+
+
+def test_a_crash_when_xdist_starts_no_more_workers_fails_its_test(tmp_path):
+    # With --max-worker-restart=0 the first death ends the run: a test left to run once more would never run,
+    # and the run would pass without it.
+    once = PLAIN.format(i=0) + "\ndef test_crash():\n    note()\n    os.abort()\n\n" + PLAIN.format(i=2)
+    suite = small_suite(tmp_path / "suite", {"test_a.py": once, "test_b.py": PLAIN.format(i=0)})
+    done = run_pytest(suite, tmp_path / "notes", "-n", "2", "--max-worker-restart=0", "-rA")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "FAILED test_a.py::test_crash" in done.stdout, done.stdout[-3000:]
+    assert "runs once more" not in done.stdout and "test_a.py::test_crash: 1 time(s)" in done.stdout

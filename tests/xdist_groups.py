@@ -69,7 +69,7 @@ def pytest_xdist_make_scheduler(config, log):
             scope, crashitem = pending[0]  # a worker runs its tests in the order it was sent them
             crashes = self.config.stash.setdefault(CRASHES, {})
             crashes[crashitem] = crashes.get(crashitem, 0) + 1
-            failed = crashes[crashitem] > RERUNS_AFTER_A_CRASH
+            failed = crashes[crashitem] > RERUNS_AFTER_A_CRASH or not _replaced(self.config)
             workload[scope][crashitem] = failed
             self.workqueue.update((scope, unit) for scope, unit in workload.items() if not all(unit.values()))
             # A worker whose collection has not come yet gets its work from schedule() when it comes.
@@ -84,6 +84,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 CRASHES = pytest.StashKey[dict]()  # test id -> how many workers it ended
+
+
+def _replaced(config) -> bool:
+    """Whether xdist starts a worker in place of the one that just died: not once `--max-worker-restart`
+    workers have died (it then ends the run, and a test left to rerun would never run)."""
+    session = config.pluginmanager.get_plugin("dsession")
+    deaths, limit = getattr(session, "_failed_nodes_count", None), getattr(session, "_max_worker_restart", None)
+    return deaths is not None and (limit is None or deaths + 1 <= limit)  # xdist counts this death after us
 
 
 def _say(config, line: str) -> None:
