@@ -27,6 +27,7 @@ def note():
 '''
 PLAIN = "def test_{i}():\n    note()\n"
 RAY = "@pytest.mark.ray\ndef test_ray_{i}():\n    note()\n"
+CRASH = "def test_crash():\n    note()\n    os.abort()\n"  # ends its worker each time it runs
 
 
 def small_suite(directory: Path, files: dict[str, str]) -> Path:
@@ -89,8 +90,7 @@ def test_a_test_that_crashes_its_worker_twice_fails_once_run_again_passes_and_th
     # file of a worker, after a file it finished and before more tests (the hang this guards against: xdist
     # re-queued the finished file too, and the replacement worker, handed it, waited forever).
     plain = "\n".join(PLAIN.format(i=i) for i in range(2))
-    crash = PLAIN.format(i=0) + "\ndef test_crash():\n    note()\n    os.abort()\n\n" + \
-        "\n".join(PLAIN.format(i=i) for i in (2, 3))
+    crash = PLAIN.format(i=0) + "\n" + CRASH + "\n" + "\n".join(PLAIN.format(i=i) for i in (2, 3))
     # Its first run ends the worker, its second passes (the marker file says which run it is).
     once = PLAIN.format(i=0) + textwrap.dedent("""
         def test_crash_once():
@@ -125,8 +125,8 @@ def test_a_test_that_crashes_its_worker_twice_fails_once_run_again_passes_and_th
 def test_a_crash_when_xdist_starts_no_more_workers_fails_its_test(tmp_path):
     # With --max-worker-restart=0 the first death ends the run: a test left to run once more would never run,
     # and the run would pass without it.
-    once = PLAIN.format(i=0) + "\ndef test_crash():\n    note()\n    os.abort()\n\n" + PLAIN.format(i=2)
-    suite = small_suite(tmp_path / "suite", {"test_a.py": once, "test_b.py": PLAIN.format(i=0)})
+    crash = PLAIN.format(i=0) + "\n" + CRASH + "\n" + PLAIN.format(i=2)
+    suite = small_suite(tmp_path / "suite", {"test_a.py": crash, "test_b.py": PLAIN.format(i=0)})
     done = run_pytest(suite, tmp_path / "notes", "-n", "2", "--max-worker-restart=0", "-rA")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "FAILED test_a.py::test_crash" in done.stdout, done.stdout[-3000:]
