@@ -1,9 +1,10 @@
 """The hang watchdog: a step, a save or a restore that takes longer than `run.hang_timeout_s` on any process
-stops the run, with every process's Python stacks in `run.dir/hangs/<attempt>/`.
+stops the run, with every process's Python and native stacks in `run.dir/hangs/<attempt>/`.
 
 A thread per process watches the time since the loop last made progress (`beat`). Past the limit, it writes
 `process-<i>.txt` (what the process waited for, since when, and the stack of every thread: the main one's
-ends in the jax call that never returned), says so (`last_words`: to the Ray driver, which then continues
+ends in the jax call that never returned), then `native-<i>.txt` (`native_stacks_text`: where XLA's own
+threads wait, which no Python stack shows), says so (`last_words`: to the Ray driver, which then continues
 any worker stopped with SIGSTOP so that it writes its own), waits up to GRACE_S for the other processes'
 files and ends the process (`os._exit`: its main thread is stuck in a collective or a device wait). Each
 process also looks for the attempt's hang directory once a second: a process whose peers declared a hang
@@ -18,10 +19,14 @@ at least AUTO_FLOOR_S (the first steps after a compile, a large checkpoint's res
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -31,7 +36,8 @@ from typing import Callable
 
 AUTO_STEPS = 20
 AUTO_FLOOR_S = 600.0
-GRACE_S = 15.0  # how long a hung process waits for the others' stacks before it ends
+NATIVE_TIMEOUT_S = 60.0  # the most one native dump (py-spy, gdb) may take
+GRACE_S = 15.0 + 2 * NATIVE_TIMEOUT_S  # how long a hung process waits for the others' stacks before it ends
 POLL_S = 1.0
 HANG_EXIT_CODE = 1
 _INTERVALS = 20  # the step intervals the automatic limit takes the median of
@@ -43,6 +49,51 @@ def stacks_text() -> str:
     parts = []
     for ident, frame in sys._current_frames().items():
         parts.append(f"--- thread {names.get(ident, '?')} ({ident})\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+def _tool(name: str) -> str | None:
+    """Returns the path of command `name`: on PATH, or beside this Python (a virtual environment's bin/,
+    which a user's PATH may not hold)."""
+    beside = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(beside) if beside.is_file() else None)
+
+
+def _allow_children_to_trace() -> None:
+    """Lets a child process attach to this one, where Linux's Yama (ptrace_scope 1) allows only a parent to
+    attach to its descendants."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
+
+
+def native_stacks_text(pid: int | None = None, timeout_s: float = NATIVE_TIMEOUT_S) -> str:
+    """Returns the native stacks of every thread of process `pid` (this one by default): `py-spy dump
+    --native` (Python threads, their C and C++ frames under the Python ones) and gdb's backtrace of every
+    thread (XLA's pool threads, where a collective waits, run no Python), each where installed; else a line
+    saying that neither was found. Never raises: a tool that fails or takes over `timeout_s` is named."""
+    pid = os.getpid() if pid is None else pid
+    commands = {"py-spy": ["dump", "--native", "--pid", str(pid)],
+                "gdb": ["--batch", "--nx", "-p", str(pid), "-ex", "set pagination off", "-ex", "thread apply all bt"]}
+    found = {name: path for name in commands if (path := _tool(name)) is not None}
+    if not found:
+        return ("neither py-spy nor gdb was found, so no native stacks: install py-spy (pip install py-spy) "
+                "or gdb to have them with the next hang\n")
+    if pid == os.getpid():
+        _allow_children_to_trace()
+    # A tool that stops this process also stops the thread reading its output and timing it: it writes to a
+    # file (a full pipe would block it for good), and `timeout`, a process it does not stop, ends it.
+    limit = ["timeout", "--signal=KILL", f"{timeout_s:g}"] if shutil.which("timeout") else []
+    parts = []
+    for name, path in found.items():
+        with tempfile.TemporaryFile("w+") as output:
+            try:
+                done = subprocess.run([*limit, path, *commands[name]], stdout=output, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, timeout=timeout_s + 5)
+                output.seek(0)
+                text = output.read() + (f"\n({name} exited {done.returncode})\n" if done.returncode else "")
+            except (OSError, subprocess.TimeoutExpired) as error:
+                text = f"{name} failed: {type(error).__name__}: {error}\n"
+        parts.append(f"=== {name} ({path})\n{text}")
     return "\n".join(parts)
 
 
@@ -128,10 +179,13 @@ class HangWatchdog:
         try:
             path = self.write_stacks(why)
             where = f"are in {path}"
+            native = self.write_native_stacks()
+            where = f"are in {path} and {native.name}"
             self.last_words(f"{why}; stacks in {path.parent}")
             if first:
                 deadline = time.monotonic() + GRACE_S
-                while len(list(self.hang_dir.glob("process-*.txt"))) < self.processes and time.monotonic() < deadline:
+                while (len(list(self.hang_dir.glob("native-*.txt"))) < self.processes
+                       and time.monotonic() < deadline):
                     time.sleep(0.2)
         except Exception as error:  # the process ends all the same: it is stuck
             why = f"{why} ({type(error).__name__}: {error})"
@@ -146,6 +200,13 @@ class HangWatchdog:
         header = (f"process {self.process_index} of {self.processes}, pid {os.getpid()} on {socket.gethostname()}, "
                   f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {why}\n\n")
         path.write_text(header + stacks_text())
+        return path
+
+    def write_native_stacks(self) -> Path:
+        """Writes `native-<i>.txt` in the hang directory (`native_stacks_text`); returns its path."""
+        path = self.hang_dir / f"native-{self.process_index}.txt"
+        path.write_text(f"process {self.process_index} of {self.processes}, pid {os.getpid()} on "
+                        f"{socket.gethostname()}\n\n{native_stacks_text()}")
         return path
 
     def close(self) -> None:

@@ -78,6 +78,7 @@ def two_documents(first_seed: int) -> jax.Array:
     return jnp.concatenate([first, jnp.full((2, 1), DOCUMENT_SEPARATOR), second], axis=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS)
 @pytest.mark.parametrize("masked", [True, False], ids=["masked", "unmasked"])
 def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(masked, config):
@@ -109,6 +110,7 @@ def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision(tiny_config):
     assert attention("bfloat16", "cpu", "cluster.device_kind=h100") == "cudnn"  # explain for an H100
 
 
+@pytest.mark.slow
 def test_the_reported_attention_is_the_function_the_model_calls(tiny_config, monkeypatch):
     calls = []
 
@@ -161,6 +163,7 @@ def short_documents(tmp_path):
     return str(tmp_path / "*.txt")
 
 
+@pytest.mark.slow
 def test_pipelined_stages_mask_the_documents_of_their_own_micro_batch(tiny_config, short_documents):
     config = tiny_config("data.source=text", f"data.paths=[{short_documents}]", "pipeline.microbatches=4")
     reference = run_fresh(config.replace(**ONE_DEVICE))

@@ -60,6 +60,7 @@ def test_a_choice_the_target_cannot_run_names_its_key(tiny_config):
     assert error.value.key == "model.attention"
 
 
+@pytest.mark.slow
 def test_explain_for_an_h100_on_this_cpu_names_what_the_h100_runs(tiny_config):
     config = tiny_config("moe.num_experts=4", "moe.every=1", "moe.capacity_factor=0", "model.dtype=bfloat16",
                          "model.embed_dim=128", "moe.expert_mlp_dim=256", "cluster.device_kind=h100",
@@ -83,6 +84,7 @@ def test_the_repository_root_maps_every_room_into_one_package():
     assert Path(nestor.backend.__file__).parent == ROOT / "backend"
 
 
+@pytest.mark.slow
 def test_explain_for_an_h100_counts_grouped_matmuls_as_its_kernels_and_the_state_update_apart(tiny_config):
     # The comparison: data8, 4 layers, embed 128, E=32 experts 256 wide, top-2, against the dense model
     # of the same active parameters (mlp 512). XLA:CPU's ragged_dot multiplies every row by every expert (25x
@@ -101,6 +103,7 @@ def test_explain_for_an_h100_counts_grouped_matmuls_as_its_kernels_and_the_state
     assert moe["update_flops_per_step"] > 2 * dense["update_flops_per_step"]  # 4x the parameters
 
 
+@pytest.mark.slow
 def test_explain_says_where_each_setting_that_decides_speed_came_from(tiny_config):
     from nestor.orchestrator.config import load, speed_key_sources
 

@@ -165,6 +165,7 @@ def test_saving_small_replicated_arrays_compiles_nothing_and_restores_them_exact
         np.testing.assert_array_equal(np.asarray(saved), np.asarray(back))
 
 
+@pytest.mark.slow
 def test_torn_checkpoints_are_skipped_and_kept_aside(tmp_path):
     config = load(tmp_path / "run", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=2")
     run(config)
@@ -191,6 +192,7 @@ def test_torn_checkpoints_are_skipped_and_kept_aside(tmp_path):
     assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [4, 6]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_nan_loss_stops_with_error_and_keeps_last_good_checkpoint(tmp_path):
     # Finite is the only test here: step 1 is saved although its parameters blew up (see test_checkpoint_faults).
@@ -210,6 +212,7 @@ def test_nan_loss_stops_with_error_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_saves_the_current_step_before_exit(tmp_path):
     run_dir = tmp_path / "run"
@@ -246,6 +249,7 @@ def _files(run_dir: Path) -> dict[str, tuple[int, int]]:
             for p in run_dir.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untouched(tmp_path):
     run(load(tmp_path / "run", "train.steps=2"))
     before, config_yaml = _files(tmp_path / "run"), (tmp_path / "run" / "config.yaml").read_text()
@@ -310,6 +314,7 @@ def test_restores_that_fail_on_one_process_only_move_the_checkpoint_aside_on_all
     moved = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "torn_checkpoints").iterdir())
     assert moved == ["2", "3"]
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
     run_dir = tmp_path / "run"
@@ -332,6 +337,7 @@ def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_first(tmp_path):
     assert not (run_dir / "nestor.lock").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_with_other_experts_is_a_config_error_naming_them(tmp_path):
     moe = ("moe.num_experts=4", "moe.every=2")
     run(load(tmp_path / "run", "train.steps=2", *moe))
@@ -347,6 +353,7 @@ def test_checkpoint_with_other_experts_is_a_config_error_naming_them(tmp_path):
         checkpoint_misfit(more_experts)
 
 
+@pytest.mark.slow
 def test_resume_may_change_settings_that_shape_no_array(tmp_path):
     run(load(tmp_path / "run", "train.steps=2"))
     changed = load(tmp_path / "run", "train.steps=4", "optimizer.clip_norm=0", "model.dtype=bfloat16",
@@ -355,6 +362,7 @@ def test_resume_may_change_settings_that_shape_no_array(tmp_path):
     assert result.first_step == 2 and len(result.losses) == 2 and np.isfinite(result.losses).all()
 
 
+@pytest.mark.slow
 def test_resume_to_more_steps_within_decay_steps_is_bit_exact(tmp_path):
     reference = run(load(tmp_path / "reference", "train.steps=8", "optimizer.decay_steps=8"))
     first = run(load(tmp_path / "run", "train.steps=4", "optimizer.decay_steps=8"))
@@ -365,6 +373,7 @@ def test_resume_to_more_steps_within_decay_steps_is_bit_exact(tmp_path):
     assert not any("schedule" in line for line in lines)  # the schedule is the checkpoint's
 
 
+@pytest.mark.slow
 def test_resume_that_moves_the_end_of_the_lr_schedule_says_so_in_one_line(tmp_path):
     run(load(tmp_path / "run", "train.steps=2"))
     lines = []
@@ -389,6 +398,7 @@ def _stopped_at(run_dir: Path, delay: float, signum: int) -> tuple[int, str]:
     return process.returncode, out + err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_line(tmp_path):
     # Once the interpreter has started the CLI (0.5 s leaves it time), up to the first step: loading the config,
@@ -404,7 +414,8 @@ def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_l
     assert reference.returncode == 128 + signal.SIGINT and compiled, err[-3000:]
     stop_lines = re.compile(r"^(nestor: interrupted|stopped by SIGINT)", re.M)
     before_the_first_step = 0
-    for index, delay in enumerate(np.linspace(0.5, 0.85 * compiled, 20)):
+    # 10 moments spread from the interpreter's start to late in the compile, each a process of its own
+    for index, delay in enumerate(np.linspace(0.5, 0.85 * compiled, 10)):
         code, printed = _stopped_at(tmp_path / f"run{index}", float(delay), signal.SIGINT)
         assert code == 128 + signal.SIGINT and "Traceback" not in printed, (delay, printed[-3000:])
         assert len(stop_lines.findall(printed)) == 1, (delay, printed[-3000:])
@@ -412,7 +423,7 @@ def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_l
         saved = list((tmp_path / f"run{index}").glob("checkpoints/*"))
         assert bool(saved) == trained, (delay, printed[-3000:])  # nothing trained is saved; nothing trained lost
         before_the_first_step += not trained
-    assert before_the_first_step >= 10
+    assert before_the_first_step >= 5
     code, printed = _stopped_at(tmp_path / "terminated", 0.8 * compiled, signal.SIGTERM)
     assert code == 128 + signal.SIGTERM and "Traceback" not in printed, printed[-3000:]
     assert len(re.findall(r"^(nestor: terminated \(SIGTERM\)|stopped by SIGTERM)", printed, re.M)) == 1, printed

@@ -54,6 +54,7 @@ def restore_latest(run_dir: Path, layout) -> tuple[int, list[str]]:
     return step, warnings
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_previous_one_restored(saved, tmp_path):
     layout = build_job(load(saved[0], *SAVED)).layout
     largest, second = array_files(checkpoint_dir(saved[0]) / "6")[:2]
@@ -142,6 +143,7 @@ def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_
     assert recorded == manifest.records(step_dir, [step_dir / name for name in written])
 
 
+@pytest.mark.slow
 def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_losses(saved, tmp_path, monkeypatch):
     truncated = copy_of(saved, tmp_path, "truncated")
     file = array_files(checkpoint_dir(truncated) / "6")[0]
@@ -160,6 +162,7 @@ def test_a_truncated_array_file_resumes_from_the_previous_checkpoint_with_its_lo
     assert result.losses == run(load(direct, "train.steps=8", *SAVED[1:])).losses
 
 
+@pytest.mark.slow
 def test_a_blown_up_finite_state_stops_the_run_unsaved_and_a_lower_lr_resumes(saved, tmp_path):
     run_dir = copy_of(saved, tmp_path, "blown")
     with pytest.raises(TrainingDiverged) as stopped:
@@ -180,6 +183,7 @@ def test_a_blown_up_finite_state_stops_the_run_unsaved_and_a_lower_lr_resumes(sa
     assert sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir())[-1] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lr, kept", [("0.3", 6), ("0.05", 12)])
 def test_a_blow_up_on_resume_stops_and_keeps_a_checkpoint_that_passes_the_gate(saved, tmp_path, lr, kept):
     # The run: resumed with a learning rate far too high, keeping one checkpoint, saving every step. At
@@ -374,6 +378,7 @@ def assert_checkpoints_intact(run_dir: Path, layout) -> None:
     assert step == 6 and warnings == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_full_disk_stops_the_run_at_its_failed_save_in_one_line(saved, tmp_path):
     run_dir = copy_of(saved, tmp_path, "full")
@@ -397,6 +402,7 @@ def read_only(path: Path) -> tuple[str, ...]:
     return prefix
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_read_only_run_dir_stops_the_run_in_one_line(saved, tmp_path):
     run_dir = copy_of(saved, tmp_path, "read_only")
@@ -408,6 +414,7 @@ def test_a_read_only_run_dir_stops_the_run_in_one_line(saved, tmp_path):
     assert_checkpoints_intact(run_dir, build_job(load(run_dir, *SAVED)).layout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_readers_beside_a_run_that_rotates_every_step_never_fail_it_and_never_move_a_file(tmp_path, monkeypatch):
     # `nestor eval` beside a run with checkpoint.keep=1 moved the checkpoint being rotated out into

@@ -15,6 +15,7 @@ def nestor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_explain_json_on_quickstart_mesh():
     result = nestor("explain", "configs/quickstart.yaml", "--json")

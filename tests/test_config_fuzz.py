@@ -261,6 +261,7 @@ def test_the_console_script_exits_2_naming_the_key_without_a_traceback(tmp_path)
                     (["train", files["directory"]], "CONFIG")], tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_console_script_exits_2_for_issue_41s_tracebacks_and_hangs(tmp_path):
     """A FIFO as the config hung; float16 on CPU, an accelerator jax does not have and a state no host holds

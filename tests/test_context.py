@@ -63,6 +63,7 @@ def test_a_skipped_chunk_pair_is_exactly_one_the_causal_mask_hides_entirely(bala
                     assert visible == (key_chunk <= query_chunk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "contiguous"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_context_attention_and_its_gradients_equal_one_devices_within_documents(strategy, balanced, monkeypatch):
@@ -99,6 +100,7 @@ def test_positions_not_of_the_installed_layout_are_refused():
         attention(q, q, q, None, np.arange(32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "contiguous"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_pair_the_causal_mask_hides_is_never_computed(strategy, balanced):
@@ -291,6 +293,7 @@ LONG = ("model.preset=tiny", "train.seq_len=4096", "train.global_batch=1", "mode
         "mesh.data=1", "run.compile_cache=null")
 
 
+@pytest.mark.slow
 def test_temporaries_per_device_fall_as_one_over_the_context_degree_and_explain_says_how_rows_split():
     temporaries = {}
     for degree in (1, 2, 4, 8):

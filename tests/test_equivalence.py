@@ -17,6 +17,7 @@ def reference(tmp_path_factory):
     return make, run_fresh(make().replace(**ONE_DEVICE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", TESTED_MESHES, ids=list(TESTED_MESHES))
 def test_losses_and_params_match_one_device(reference, mesh, tmp_path):
     make, one_device = reference

@@ -97,6 +97,7 @@ def test_eval_data_smaller_than_one_batch_or_missing_is_a_config_error_naming_th
         restore_newest(tiny_config(*ONE_DEVICE_OVERRIDES))
 
 
+@pytest.mark.slow
 def test_eval_after_the_quickstart_names_keys_to_paste_and_readers_leave_a_missing_run_dir_missing(
         tmp_path, monkeypatch, capsys):
     import re

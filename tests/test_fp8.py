@@ -110,6 +110,7 @@ def saved_fp8(tmp_path_factory):
     return run_dir, run(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["same_mesh", "fsdp4_expert2"])
 def test_float8_run_resumes_bit_exactly_and_onto_another_mesh(saved_fp8, tmp_path, target):
     saved_dir, reference = saved_fp8

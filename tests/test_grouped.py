@@ -82,6 +82,7 @@ def test_kernel_path_equals_ragged_dot_in_value_and_gradient_with_rows_past_the_
     np.testing.assert_array_equal(got[1][1], 0.0)  # nor does the empty group's weight
 
 
+@pytest.mark.slow
 def test_dropless_experts_on_the_kernel_path_equal_ragged_dot_in_bfloat16(fake_kernels):
     tokens, experts = random((12, TILE), 3, jnp.bfloat16), jax.random.randint(jax.random.key(4), (12, 2), 0, 8)
     gates = jax.nn.softmax(random((12, 2), 5)).astype(jnp.bfloat16)

@@ -10,7 +10,9 @@ import textwrap
 import threading
 import time
 
-from nestor.orchestrator.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog
+import pytest
+
+from nestor.orchestrator.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog, native_stacks_text
 from tests.conftest import ROOT
 from tests.helpers import child_env, ended
 
@@ -81,6 +83,24 @@ def test_the_stacks_file_holds_every_threads_stack(tmp_path):
     assert "--- thread MainThread" in text and "in test_the_stacks_file_holds_every_threads_stack" in text
 
 
+def test_native_stacks_show_the_c_frames_under_a_waiting_thread_and_name_a_missing_tool(tmp_path, monkeypatch):
+    blocked = threading.Event()
+    thread = threading.Thread(target=lambda: blocked.wait(), name="native-waiter", daemon=True)
+    thread.start()
+    try:
+        text = native_stacks_text()  # py-spy is a test dependency
+    finally:
+        blocked.set()
+    assert text.startswith("=== py-spy ")
+    py_spy = text.split("=== gdb ")[0]
+    # the waiting thread's Python frame and the C call it waits in, under it
+    assert re.search(r'Thread \d+ \(\w+\): "native-waiter"\n(?:.*\n)*?\s+.*\((?:libc|libpython)', py_spy), py_spy
+    assert "test_native_stacks_show_the_c_frames" in py_spy
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # no py-spy beside it
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert native_stacks_text().startswith("neither py-spy nor gdb was found")
+
+
 # A run whose batch of step 4 never comes: the watchdog ends it with its stacks.
 HUNG_RUN = textwrap.dedent("""
     import sys, threading
@@ -112,6 +132,7 @@ HUNG_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_step_past_hang_timeout_ends_the_run_with_its_stacks_in_run_dir_hangs(tmp_path):
     run_dir = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-c", HUNG_RUN, str(run_dir)], cwd=ROOT, env=child_env(),
@@ -120,15 +141,19 @@ def test_a_step_past_hang_timeout_ends_the_run_with_its_stacks_in_run_dir_hangs(
         if line == "stuck\n":
             break
     stuck = time.monotonic()
-    out, err = ended(process, 120)
+    while not list((run_dir / "hangs").glob("*/process-0.txt")) and time.monotonic() - stuck < 60:
+        time.sleep(0.1)
     seconds = time.monotonic() - stuck
+    out, err = ended(process, 300)
     assert process.returncode == 1, err[-3000:]
     # values are read one step late: when step 4's batch is made, step 3 is the one not yet seen to end
     line = re.search(r"nestor: process 0 hung: waited (\d+) s for step 3 \(run.hang_timeout_s: 4 s\); the stacks "
-                     r"of every thread are in (\S+)", err)
+                     r"of every thread are in (\S+) and native-0.txt", err)
     assert line, err[-3000:]
     # the limit, then at most one poll of the watchdog (and a loaded machine's scheduling)
     assert 4 <= seconds <= 4 + POLL_S + 3, seconds
     stacks = (run_dir / "hangs").glob("*/process-0.txt")
     path = next(stacks)
     assert str(path) == line.group(2) and "in stuck_at_step_4" in path.read_text()
+    native = (path.parent / "native-0.txt").read_text()  # the same wait, its C frames with it
+    assert native.startswith("process 0 of 1, pid ") and "=== py-spy" in native and "stuck_at_step_4" in native

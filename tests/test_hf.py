@@ -55,6 +55,7 @@ def next_token_loss(logits: np.ndarray, ids: np.ndarray) -> float:
     return float(np.mean(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,mesh", CASES)
 def test_logits_and_loss_equal_transformers(name, mesh, tmp_path):
     want = reference(name)
@@ -66,6 +67,7 @@ def test_logits_and_loss_equal_transformers(name, mesh, tmp_path):
     assert abs(next_token_loss(logits, want["input_ids"]) - float(want["loss"])) < 1e-5
 
 
+@pytest.mark.slow
 def test_mixtral_routes_every_token_to_the_reference_experts(tmp_path):
     want = reference("mixtral")
     config = fixture_config(FIXTURES / "mixtral", tmp_path, "cluster.devices_per_host=1")
@@ -138,6 +140,7 @@ def test_import_then_export_round_trips_every_tensor_and_config_field(name, mesh
     assert_same_checkpoint(tmp_path / "out", FIXTURES / name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture,keys", [
     ("Qwen3ForCausalLM", ["model.qk_norm=true"]),
     ("Qwen2ForCausalLM", ["model.qkv_bias=true"]),
@@ -273,6 +276,7 @@ FINE_TUNE = ("train.steps=4", "train.global_batch=8", "train.seq_len=32", "optim
              COMPARABLE_ADAM, "optimizer.lr=1e-3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,mesh", [("qwen3", dict(data=2, fsdp=2, tensor=2)),
                                        ("mixtral", dict(pipeline=2, expert=2, tensor=2))])
 def test_fine_tuning_a_checkpoint_on_a_mesh_matches_one_device(name, mesh, tmp_path):
@@ -283,6 +287,7 @@ def test_fine_tuning_a_checkpoint_on_a_mesh_matches_one_device(name, mesh, tmp_p
     assert_same_training(run_fresh(config.replace(**mesh_overrides(**mesh))), one_device)
 
 
+@pytest.mark.slow
 def test_the_features_imports_need_train_alike_on_a_sharded_mesh(tiny_config):
     """Query/key/value and output biases, per-head q/k norms, llama3 RoPE scaling and MoE gates kept as the
     router's probabilities, trained on tensor x fsdp x data and pipeline x expert x tensor as on one device."""

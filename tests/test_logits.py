@@ -45,6 +45,7 @@ def test_float32_gradients_equal_autodiff_of_the_plain_einsum():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, tolerance", [(jnp.bfloat16, 0.01), (jnp.float16, 1e-3)])
 def test_low_precision_gradients_are_as_close_to_float32_as_autodiffs(dtype, tolerance):
     # A real batch and vocabulary give softmax terms below float16's smallest number: it keeps float32 matmuls.

@@ -219,6 +219,7 @@ def _model_gradients(dtype: str, float32_matmul_outputs: bool) -> list:
         return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_are_as_close_to_float32_as_the_plain_einsums():
     """Measured on jax 0.10.2: relative errors 0.4-0.8% for both, equal to 3 digits (XLA:CPU computes a plain
     bfloat16 dot from float32 sums too)."""
@@ -257,6 +258,7 @@ def _attention_loss(attend, mask):
 _jax_attention = functools.partial(ops.dot_product_attention, implementation="xla")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("masks", MASKS)
 def test_attention_from_float32_sums_equals_jax_dot_product_attention_in_float32(masks, causal):

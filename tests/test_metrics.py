@@ -84,6 +84,7 @@ def test_profile_plugin_lists_a_trace_of_exactly_the_requested_steps(traced_run)
 TRACER_SECONDS = 1.0  # a stand-in tracer's start and stop each take this long
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [("profile.start_step=2",), ("profile.start_step=1",),
                                        ("checkpoint.every=1", "profile.start_step=3")],
                          ids=["mid_run", "first_step", "after_a_checkpoint"])
@@ -103,6 +104,7 @@ def test_traced_steps_are_timed_without_the_trace_starting_or_being_written(tmp_
 EVALUATOR_SECONDS = 2.0  # a stand-in evaluation takes at least this long; a tiny step about 0.05 s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [(), ("profile.start_step=3", "profile.steps=1")],
                          ids=["untraced", "trace_after_the_evaluation"])
 def test_an_evaluation_is_timed_as_eval_s_and_never_as_a_step(tmp_path, monkeypatch, overrides):
@@ -190,6 +192,7 @@ def test_expert_load_heatmap_colours_cells_by_load_with_axes_and_colour_bar():
     assert rendered.dtype == np.uint8 and np.array_equal(rendered, pixels)
 
 
+@pytest.mark.slow
 def test_every_tag_and_metrics_key_of_a_moe_run_is_documented(tiny_config):
     config = tiny_config("train.steps=2", "metrics.peak_tflops=1.0", "metrics.image_every=1", *MOE,
                          "moe.bias_update_rate=0.001")
@@ -208,6 +211,7 @@ def test_every_tag_and_metrics_key_of_a_moe_run_is_documented(tiny_config):
     assert sorted(name for name in tags | keys if f"`{name}`" not in docs) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [(), (*MOE, "moe.dispatch=einsum"), (*MOE, "moe.dispatch=sort")],
                          ids=["dense", "moe_einsum", "moe_sort"])
 def test_analytic_flops_match_xla_cost_analysis(tiny_config, model):
@@ -238,6 +242,7 @@ STEPS = {  # loops: layer scan; accumulation > layer scan; accumulation > pipeli
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", STEPS.values(), ids=STEPS.keys())
 def test_one_compile_flops_match_xla_on_the_unrolled_step(tiny_config, monkeypatch, overrides):
     # The two are different programs: unrolled, XLA keeps more elementwise work (the pipeline's
@@ -267,6 +272,7 @@ def moe_explained(tmp_path_factory):
     return report, len(compiles)
 
 
+@pytest.mark.slow
 def test_explain_compiles_the_train_step_once(moe_explained):
     _, compiles = moe_explained
     assert compiles == 1
@@ -312,6 +318,7 @@ def test_mfu_is_flops_over_peak_and_absent_on_cpu(tiny_config):
     assert measured["mfu"] == pytest.approx(per_device / 67.0)  # tiny_config is float32
 
 
+@pytest.mark.slow
 def test_mfu_bench_rows_are_model_flops_over_measured_time_and_peak(tmp_path):
     from bench import mfu
 

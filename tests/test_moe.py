@@ -61,6 +61,7 @@ def tokens(batch=2, length=8, dim=16):
     return jax.random.normal(jax.random.key(7), (batch, length, dim), jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_output_equals_per_token_reference_when_nothing_drops(top_k):
     layer = moe_layer(top_k, capacity_factor=EXPERTS / top_k)  # capacity = tokens per group
@@ -75,6 +76,7 @@ FINE_GRAINED = {"sigmoid_top2_shared1": ("sigmoid", 2, 1), "softmax_top8_shared2
                 "sigmoid_top8": ("sigmoid", 8, 0), "sigmoid_top1": ("sigmoid", 1, 0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["sort", "einsum"])
 @pytest.mark.parametrize("case", FINE_GRAINED, ids=list(FINE_GRAINED))
 def test_fine_grained_shared_and_sigmoid_experts_equal_per_token_reference(case, dispatch):
@@ -294,6 +296,7 @@ def compiled_text(config) -> str:
     return compile_step(build_job(config)).as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["sort", "einsum"])
 def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd, dispatch):
     # without remat, which would run the forward's all-to-alls again in the backward pass
@@ -308,6 +311,7 @@ def test_tokens_move_by_all_to_all_and_are_never_gathered(tiny_config, capfd, di
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, experts", [(dict(expert=2, tensor=2, data=2), ()), (dict(expert=2, fsdp=2, tensor=2), ()),
                                            (dict(expert=2, tensor=2, data=2), DEEPSEEK_STYLE)],
                          ids=["expert2_tensor2_data2", "expert2_fsdp2_tensor2", "expert2_tensor2_data2_shared_sigmoid"])

@@ -81,6 +81,7 @@ def test_bias_update_balances_a_router_biased_to_one_expert():
     assert float(bias["selection_bias"][...][0]) < -0.1  # expert 0 is held back
 
 
+@pytest.mark.slow
 def test_bias_moves_outside_the_optimizer_and_survives_a_checkpoint_exactly(tiny_config):
     config = tiny_config("moe.num_experts=4", "moe.every=2", "moe.bias_update_rate=0.01", "moe.aux_loss_weight=0",
                          "train.steps=3", "checkpoint.every=3", "metrics.image_every=1", "mesh.data=1",

@@ -65,6 +65,7 @@ def test_sort_and_einsum_dispatch_make_the_same_slot_decisions(case):
         assert float(routing.stats["moe_tokens_per_expert"].sum()) < top_k * 3 * 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_sort_dispatch_output_stats_and_grads_equal_einsum(case):
     top_k, factor, random_second = CASES[case]

@@ -30,6 +30,7 @@ def layer_with(top_k: int, capacity_factor: float, router: str = "softmax", shar
     return moe_feed_forward(cfg, nnx.Rngs(params=3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k, random_second", [(1, False), (2, False), (2, True), (8, False)],
                          ids=["top1", "top2", "top2_random", "top8"])
 def test_dropless_equals_the_capacity_path_when_nothing_drops(top_k, random_second):
@@ -69,6 +70,7 @@ def test_experts_outside_the_given_range_contribute_nothing():
     assert np.all(np.asarray(halves[0])[[5]] == 0.0)  # token 5's experts (6, 4) are both on the second half
 
 
+@pytest.mark.slow
 def test_explain_reports_the_exchange_and_its_worst_case_buffer(tiny_config, capfd):
     config = tiny_config(*MOE, "moe.capacity_factor=0").replace(**mesh_overrides(expert=4, data=2))
     job = build_job(config, with_data=False)

@@ -169,6 +169,7 @@ def test_ragged_all_to_all_forced_on_cpu_is_a_config_error_naming_the_key(tiny_c
     assert (for_h100.exchange, for_h100.compiled_here().exchange) == (RAGGED_ALL_TO_ALL, ALL_GATHER)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", ["all_gather", "ragged_all_to_all"])
 def test_expert_weights_are_gathered_in_bfloat16_and_their_gradients_reduce_scattered_in_float32(
         tiny_config, monkeypatch, exchange):

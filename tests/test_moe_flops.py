@@ -20,6 +20,7 @@ def test_routing_dispatch_and_combine_cost_at_most_a_tenth_of_the_expert_ffns(di
     assert shares[8] < shares[128]  # the router matmul grows with the expert count
 
 
+@pytest.mark.slow
 def test_a_dropless_step_costs_at_most_1_1_times_a_dense_model_with_the_same_active_parameters(tiny_config):
     one_device = ("cluster.devices_per_host=1", "mesh.data=1", "train.seq_len=128")
     # 8 experts of half the dense width, top-2 in every layer: each token's active FFN is the dense one

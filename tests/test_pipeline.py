@@ -53,6 +53,7 @@ def one_device_runs():
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PIPELINED, ids=list(PIPELINED))
 def test_pipelined_training_matches_one_device_without_involuntary_remat(name, tiny_config, one_device_runs, capfd):
     degrees, overrides = PIPELINED[name]
@@ -96,6 +97,7 @@ def test_pipelined_step_moves_activations_by_collective_permute_and_never_gather
     _assert_no_all_gather_of_the_stack(job, hlo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["cpu", "cluster.device_kind=h100"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_full_remat_recovers_layer_inputs_without_a_second_stage_forward(schedule, target, tiny_config):
@@ -131,6 +133,7 @@ def _state_after(job, state, steps):
     return state
 
 
+@pytest.mark.slow
 def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same_loss(tiny_config):
     flat = build_job(tiny_config().replace(**mesh_overrides(data=4, tensor=2)))
     piped = build_job(tiny_config("pipeline.microbatches=4").replace(**mesh_overrides(pipeline=2, data=4)))
@@ -144,6 +147,7 @@ def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoint_written_under_gpipe_on_two_stages_resumes_under_1f1b_on_four(tiny_config):
     import shutil
 
@@ -202,6 +206,7 @@ EXPLAINED = {  # schedule overrides -> ticks, bubble fraction, in flight per sta
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", EXPLAINED)
 def test_explain_reports_ticks_bubble_in_flight_and_temporaries(schedule, tiny_config):
     overrides, ticks, bubble, in_flight, line = EXPLAINED[schedule]
@@ -225,6 +230,7 @@ LOOPS = {"plain": BUFFERED, "skip": PipelineLoop("skip", skipping_stages, buffer
          "stream": PipelineLoop("stream", vmapped_stages, streamed_loop), "both": PER_STAGE_SKIPPING}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", LOOPS)
 @pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2), (4, 2)])
 def test_runner_matches_a_scan_and_averages_stats_over_microbatches(stages, repeats, options):
@@ -353,6 +359,7 @@ def _toy_stats_loss(stats):
     return 0.5 * jnp.sum(stats["mean"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages,microbatches,repeats,remat,zero_bubble", [
     (4, 8, 1, "none", False), (4, 2, 1, "full", False), (4, 4, 2, "full", False),
     (4, 8, 1, "none", True), (4, 2, 1, "full", True)])
@@ -432,6 +439,7 @@ def compiled_by_schedule(tmp_path_factory):
     return compiled
 
 
+@pytest.mark.slow
 def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(compiled_by_schedule):
     temp = {key: compiled.memory_analysis().temp_size_in_bytes for key, (_, compiled) in compiled_by_schedule.items()}
     assert temp["1f1b", 32] <= 1.25 * temp["1f1b", 4]
@@ -439,12 +447,14 @@ def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipe_grows(compiled_b
     assert temp["1f1b", 32] < temp["gpipe", 32]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
 def test_interleaved_and_zero_bubble_temporaries_stay_flat_in_microbatches(schedule, compiled_by_schedule):
     temp = {key: compiled.memory_analysis().temp_size_in_bytes for key, (_, compiled) in compiled_by_schedule.items()}
     assert temp[schedule, 32] <= 1.25 * temp[schedule, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
 def test_1f1b_permutes_both_ways_along_the_pipeline_and_never_gathers_the_stack(schedule, compiled_by_schedule):
     job, compiled = compiled_by_schedule[schedule, 4]

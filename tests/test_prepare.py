@@ -63,6 +63,7 @@ def split_documents(out, split: str) -> list[np.ndarray]:
     return found
 
 
+@pytest.mark.slow
 def test_jsonl_and_parquet_round_trip_through_the_tokenizer(corpus, tmp_path):
     metadata = prepare(sources(corpus), options(corpus, tmp_path / "out", workers=2), log=lambda line: None)
     _, documents, tokenizer = corpus
@@ -179,6 +180,7 @@ def test_binary_inputs_are_skipped_and_listed_and_a_late_nul_is_an_error(tmp_pat
     assert "src/late.txt is not text: a NUL byte at offset 10000" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_training_and_sampling_on_prepared_shards_use_their_tokenizer(corpus, tmp_path, monkeypatch, capsys):
     """Shards prepared with a word-level tokenizer: no data.tokenizer key, and the run's config.yaml, its
     vocabulary and `nestor sample` take that tokenizer; naming another is refused."""

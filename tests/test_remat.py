@@ -57,6 +57,7 @@ def without_remat(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack, policy", CASES, ids=[f"{stack}-{policy}" for stack, policy in CASES])
 def test_every_policy_trains_to_the_same_losses_as_no_remat(without_remat, stack, policy):
     make, reference = without_remat(stack)
@@ -81,6 +82,7 @@ def temporaries(config) -> tuple[int, float]:
     return compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - started
 
 
+@pytest.mark.slow
 def test_full_remat_at_least_halves_temporaries_of_125m_on_fsdp8(tiny_config):
     # Compile only (nothing allocated): about 12 s per compile on 2 cores. Measured: none 1,250,360,768 B,
     # full 498,031,688 B per device (0.40x).
@@ -179,6 +181,7 @@ UNROLLED = {"dense_fsdp4_tensor2": (dict(fsdp=4, tensor=2), ()),
                                                                       "moe.first_dense_layers=2"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", UNROLLED)
 def test_unrolled_stack_compiles_no_loop_where_the_scan_has_one(tiny_config, stack):
     # model.scan_layers=false writes the units (and an MoE model's first dense layers) out: no while loop, so

@@ -59,6 +59,7 @@ def devices_and_pool_threads(setup: str, tmp_path: Path, **env: str) -> tuple[in
     return int(devices), int(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process", list(SETUPS))
 def test_every_process_that_simulates_devices_gives_the_pool_its_threads_per_device(process, tmp_path):
     assert devices_and_pool_threads(SETUPS[process], tmp_path) == (8, THREADS_PER_DEVICE * 8)

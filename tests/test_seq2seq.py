@@ -22,6 +22,7 @@ def m4_config(*overrides: str, **dotted):
     return config_lib.load(ROOT / "configs" / "gshard-m4.yaml", [*SMALL, *overrides]).replace(**dotted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, overrides", [
     (dict(expert=2, data=2, tensor=2), ()),
     (dict(expert=2, data=2, tensor=2), ("model.args.group_size=6",)),

@@ -42,6 +42,7 @@ def test_a_parameter_no_dimension_of_which_the_replicas_divide_keeps_its_layout(
     assert update_sharding(NamedSharding(mesh, PartitionSpec()), (4, 3), ("data", "fsdp")).spec == PartitionSpec("data", None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=2, fsdp=2, expert=2)],
                          ids=["data2_fsdp2_tensor2", "data2_fsdp2_expert2"])
 def test_shard_update_compiles_without_involuntary_rematerialization(tiny_config, mesh, capfd):
@@ -51,6 +52,7 @@ def test_shard_update_compiles_without_involuntary_rematerialization(tiny_config
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_shard_update_trains_as_every_replica_updating_all(tiny_config):
     config = tiny_config().replace(**DATA4_FSDP2)
     reference = run_fresh(config)

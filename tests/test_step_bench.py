@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from bench.step import MESHES, bench_config, compiled_programs, make_bare_step, programs_table
 from nestor.orchestrator.job import build_job
@@ -11,6 +12,7 @@ SMALL = ("model.embed_dim=64", "model.mlp_dim=128", "model.num_heads=4", "model.
          "model.head_dim=16", "model.vocab_size=256", "model.dtype=float32", "train.seq_len=32")
 
 
+@pytest.mark.slow
 def test_bare_step_matches_nestor_step_on_the_pipeline_mesh():
     config = bench_config(MESHES["pipeline2 x fsdp2 x tensor2"], *SMALL)
     job = build_job(config)
@@ -26,6 +28,7 @@ def test_bare_step_matches_nestor_step_on_the_pipeline_mesh():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_nestors_step_compiles_to_the_bare_steps_work_with_no_more_copies_and_transposes():
     """XLA's accounting of both compiled steps (nothing run). At this small size nestor's metrics weigh
     more than at the bench's: measured FLOPs 1.0025-1.0026x, bytes accessed 1.045-1.053x (jax 0.10.2).

@@ -128,6 +128,7 @@ def one_device(user_dir):
 PIPELINED = ("pipeline.microbatches=4",)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,overrides", [
     (dict(data=2, fsdp=2, tensor=2), ()), (dict(fsdp=4, tensor=2), ()), (dict(data=8), ()),
     (dict(pipeline=2, data=2, tensor=2), PIPELINED),
@@ -214,6 +215,7 @@ def write_sequences(directory: Path) -> None:
     np.savez(directory / "train.npz", x=x, y=np.argmax(x.mean(axis=1) @ rng.normal(size=(16, 4)), -1).astype(np.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing,mesh", [
     ("{num_experts: 4, top_k: 2, capacity_factor: 1.25, second_expert_policy: random, group_size: 4}",
      dict(expert=2, data=2, tensor=2)),

@@ -10,14 +10,17 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from nestor.cluster.launcher import USER_CODE_ENV
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.cli import parse
 from tests.conftest import ROOT
 from tests.doc_blocks import run_block, user_env
-from tests.helpers import ended, last_lines_of_two_processes
+from tests.helpers import child_env, ended, last_lines_of_two_processes
+from tests.test_user_model import write_user_directory
 
 NESTOR = str(Path(sys.executable).parent / "nestor")  # the console script the README's first line installs
 # The README's quickstart from step 5 to 15 at most this times its loss at step 5. Its schedule does not
@@ -150,6 +153,7 @@ SHARED_RUN_DIR_CHECK = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_wheel_install_reads_base_yaml_and_the_presets(tmp_path):
     # `pip install .` without -e, as docs/cluster.md's image and the cluster manifests install nestor:
@@ -264,3 +268,42 @@ def test_an_unrelated_ray_head_outlives_every_ray_test_and_doc_block(unrelated_r
     address, daemons = unrelated_ray_head
     assert len(daemons) == 2  # its GCS server and raylet, as they were when it started
     assert daemons <= {(process.pid, process.create_time()) for process in head_processes(address)}
+
+
+# Bring your own model under the default launcher: `nestor train` in the user's directory starts an embedded
+# Ray cluster whose workers import the user's module from there.
+@pytest.mark.ray
+@pytest.mark.timeout(1200)
+def test_nestor_train_runs_a_users_model_under_ray_and_resumes(tmp_path):
+    """`nestor train my.yaml` in the user's directory under the default launcher (an embedded Ray cluster,
+    2 processes of 4 devices), then again for more steps on another mesh (a resume that reshards; the
+    quickstart's resume on its own mesh is tests/test_user_path.py's): equal to one run in one process;
+    `nestor explain my.yaml` prints the parameters' layout."""
+    directory = write_user_directory(tmp_path / "project")
+    env = child_env()
+    env.pop(USER_CODE_ENV, None)
+
+    def nestor(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(Path(sys.executable).parent / "nestor"), "train", "my.yaml", *args],
+                              cwd=directory, env=env, capture_output=True, text=True, timeout=900)
+
+    hosts = ("cluster.hosts=2", "cluster.devices_per_host=4")
+    first = nestor(*hosts, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resharded = nestor(*hosts, "mesh.fsdp=4", "mesh.tensor=2")  # steps 4..6 on another mesh
+    assert resharded.returncode == 0 and "resumed from checkpoint 3" in resharded.stdout + resharded.stderr, (
+        resharded.stderr[-3000:])
+    reference = nestor("cluster.launcher=inprocess", "cluster.devices_per_host=8", "run.dir=runs/reference")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    def losses(run_dir: str) -> list[float]:
+        return [json.loads(line)["loss"] for line in (directory / run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("runs/mlp")) == 6
+    np.testing.assert_allclose(losses("runs/mlp"), losses("runs/reference"), rtol=1e-5)
+    explained = subprocess.run([str(Path(sys.executable).parent / "nestor"), "explain", "my.yaml", "mesh.fsdp=4",
+                                "mesh.tensor=2", "cluster.devices_per_host=8"], cwd=directory, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert explained.returncode == 0, explained.stderr[-3000:]
+    assert re.search(r"blocks/blocks/up\s+\(2, 32, 64\)\s+\('layers', 'embed', 'mlp'\)\s+\('pipeline', 'fsdp', "
+                     r"'tensor'\)", explained.stdout), explained.stdout

@@ -26,6 +26,7 @@ def one_device():
     return run_fresh(vit_config(**ONE_DEVICE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, overrides", [
     (dict(pipeline=2, data=4), ("pipeline.schedule=1f1b",)),
     (dict(fsdp=2, tensor=2, data=2), ()),

@@ -28,15 +28,18 @@ def note():
 PLAIN = "def test_{i}():\n    note()\n"
 RAY = "@pytest.mark.ray\ndef test_ray_{i}():\n    note()\n"
 CRASH = "def test_crash():\n    note()\n    os.abort()\n"  # ends its worker each time it runs
+SLOW = "@pytest.mark.slow\ndef test_slow_{i}():\n    note()\n"
+MULTIPROCESS = "@pytest.mark.multiprocess\ndef test_processes_{i}():\n    note()\n"
 
 
 def small_suite(directory: Path, files: dict[str, str]) -> Path:
     """Writes a suite whose conftest takes the hooks of tests/xdist_groups.py; returns its directory."""
     directory.mkdir()
-    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    ray: starts a local Ray cluster\n")
-    (directory / "conftest.py").write_text("from tests.xdist_groups import pytest_collection_modifyitems, "
-                                           "pytest_runtest_setup, pytest_terminal_summary, "
-                                           "pytest_xdist_make_scheduler  # noqa\n")
+    (directory / "pytest.ini").write_text("[pytest]\nmarkers =\n    ray: starts a local Ray cluster\n"
+                                          "    slow: slow\n    multiprocess: several processes\n")
+    (directory / "conftest.py").write_text("from tests.xdist_groups import fast_tier_files, "
+                                           "pytest_collection_modifyitems, pytest_runtest_setup, "
+                                           "pytest_terminal_summary, pytest_xdist_make_scheduler  # noqa\n")
     for name, tests in files.items():
         (directory / name).write_text(TESTS.format(tests=tests))
     return directory
@@ -122,6 +125,7 @@ def test_a_test_that_crashes_its_worker_twice_fails_once_run_again_passes_and_th
         ["test_e.py"] * 4, ran
 
 
+@pytest.mark.slow
 def test_a_crash_when_xdist_starts_no_more_workers_fails_its_test(tmp_path):
     # With --max-worker-restart=0 the first death ends the run: a test left to run once more would never run,
     # and the run would pass without it.
@@ -131,3 +135,24 @@ def test_a_crash_when_xdist_starts_no_more_workers_fails_its_test(tmp_path):
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "FAILED test_a.py::test_crash" in done.stdout, done.stdout[-3000:]
     assert "runs once more" not in done.stdout and "test_a.py::test_crash: 1 time(s)" in done.stdout
+
+
+def test_the_fast_tier_leaves_out_slow_ray_and_multiprocess_tests_and_knows_each_files_share(tmp_path):
+    # A test of the small suite notes which of its files have a fast test, as the collection hook saw them.
+    files = textwrap.dedent("""
+        def test_files(request):
+            from conftest import fast_tier_files
+            with open(os.environ["NOTES"] + ".files", "w") as out:
+                for path, fast in sorted(fast_tier_files(request.config).items()):
+                    out.write(f"{path.name} {fast}\\n")
+        """)
+    suite = small_suite(tmp_path / "suite", {"test_a.py": PLAIN.format(i=0) + "\n" + SLOW.format(i=1),
+                                             "test_b.py": SLOW.format(i=0) + "\n" + MULTIPROCESS.format(i=1),
+                                             "test_cluster.py": RAY.format(i=0), "test_files.py": files})
+    notes = tmp_path / "notes"
+    done = run_pytest(suite, notes, "-m", "not slow", "-rA")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(line.split()[0] for line in notes.read_text().splitlines()) == ["test_a.py"]
+    assert re.search(r"\b2 passed, 4 deselected\b", done.stdout), done.stdout[-3000:]
+    shares = dict(line.split() for line in Path(f"{notes}.files").read_text().splitlines())
+    assert shares == {"test_a.py": "True", "test_b.py": "False", "test_cluster.py": "False", "test_files.py": "True"}

@@ -18,15 +18,39 @@ from pathlib import Path
 
 import pytest
 
+# The fast tier, the loop a developer runs after every change (README): `pytest -m "not slow"`. A test that
+# starts Ray or several JAX processes is slow whatever its own marks say.
+FAST_TIER = "not slow"
+SLOW_WHATEVER_ELSE = ("ray", "multiprocess")
 # The files whose tests start Ray clusters (the `ray` mark).
-RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py", "test_user_model_ray.py")
+RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
 # How many times a test may end its worker before it is reported failed.
 RERUNS_AFTER_A_CRASH = 1
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks added here count
 def pytest_collection_modifyitems(config, items):
-    """Runs the Ray files first, each file's tests in their order."""
+    """Runs the Ray files first, each file's tests in their order; marks `slow` every test of
+    SLOW_WHATEVER_ELSE; keeps the collection's files, each with whether it has a test in the fast tier
+    (`fast_tier_files`)."""
     items.sort(key=lambda item: item.path.name not in RAY_FILES)  # a stable sort
+    fast: dict[Path, bool] = {}
+    # a file whose tests were named one by one (`file.py::test`) was not collected whole: it is not judged
+    named = {Path(arg.split("::")[0]).name for arg in config.args if "::" in arg}
+    for item in items:
+        if not item.get_closest_marker("slow") and any(item.get_closest_marker(m) for m in SLOW_WHATEVER_ELSE):
+            item.add_marker("slow")
+        if item.path.name not in named:
+            fast[item.path] = fast.get(item.path, False) or not item.get_closest_marker("slow")
+    config.stash[FAST_FILES] = fast
+
+
+FAST_FILES = pytest.StashKey[dict]()  # test file -> whether it has a test in the fast tier
+
+
+def fast_tier_files(config) -> dict[Path, bool]:
+    """Returns every test file collected whole -> whether one of its tests is in the fast tier."""
+    return config.stash.get(FAST_FILES, {})
 
 
 def pytest_runtest_setup(item):
