@@ -3,10 +3,10 @@ stops the run, with every process's Python and native stacks in `run.dir/hangs/<
 
 A thread per process watches the time since the loop last made progress (`beat`). Past the limit, it writes
 `process-<i>.txt` (what the process waited for, since when, and the stack of every thread: the main one's
-ends in the jax call that never returned), then `native-<i>.txt` (`native_stacks_text`: where XLA's own
-threads wait, which no Python stack shows), says so (`last_words`: to the Ray driver, which then continues
-any worker stopped with SIGSTOP so that it writes its own), waits up to GRACE_S for the other processes'
-files and ends the process (`os._exit`: its main thread is stuck in a collective or a device wait). Each
+ends in the jax call that never returned), says so (`last_words`: to the Ray driver, which then continues
+any worker stopped with SIGSTOP so that it writes its own), writes `native-<i>.txt` (`native_stacks_text`:
+where XLA's own threads wait, which no Python stack shows), waits up to GRACE_S for the other processes'
+native files and ends the process (`os._exit`: its main thread is stuck in a collective or a device wait). Each
 process also looks for the attempt's hang directory once a second: a process whose peers declared a hang
 writes its stacks and ends too. Under Ray the launcher then restarts the group (docs/cluster.md); in one
 process, `nestor train` exits 1 with one line naming the file. Compiles and evaluations are not watched
@@ -179,9 +179,8 @@ class HangWatchdog:
         try:
             path = self.write_stacks(why)
             where = f"are in {path}"
-            native = self.write_native_stacks()
-            where = f"are in {path} and {native.name}"
-            self.last_words(f"{why}; stacks in {path.parent}")
+            self.last_words(f"{why}; stacks in {path.parent}")  # before the native ones: a stopped peer is continued
+            where = f"are in {path} and {self.write_native_stacks().name}"
             if first:
                 deadline = time.monotonic() + GRACE_S
                 while (len(list(self.hang_dir.glob("native-*.txt"))) < self.processes
