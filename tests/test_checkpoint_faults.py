@@ -420,8 +420,8 @@ def test_readers_beside_a_run_that_rotates_every_step_never_fail_it_and_never_mo
     # `nestor eval` beside a run with checkpoint.keep=1 moved the checkpoint being rotated out into
     # torn_checkpoints/ (the run then died: "checkpoint 73 could not be written (ENOENT)") and crashed itself.
     run_dir = tmp_path / "run"
-    trainer = cli(run_dir, "train.steps=200", "checkpoint.every=1", "checkpoint.keep=1", "train.log_every=50")
-    config = load(run_dir, "train.steps=200")
+    trainer = cli(run_dir, "train.steps=80", "checkpoint.every=1", "checkpoint.keep=1", "train.log_every=20")
+    config = load(run_dir, "train.steps=80")
     layout = build_job(config).layout
     read, gone = [], 0
     while trainer.poll() is None:
@@ -442,7 +442,7 @@ def test_readers_beside_a_run_that_rotates_every_step_never_fail_it_and_never_mo
     # a step outlives a read or not, as the machine's load has it: some reads are whole, none is torn
     assert len(read) >= 5 and read == sorted(read), (read, gone)
     assert "torn_checkpoints" not in {p.name for p in run_dir.iterdir()}
-    assert [p.name for p in checkpoint_dir(run_dir).iterdir()] == ["200"]
+    assert [p.name for p in checkpoint_dir(run_dir).iterdir()] == ["80"]
     monkeypatch.chdir(tmp_path)  # and `nestor eval` itself on the finished run: nothing in run.dir changes
     before = {str(p): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     assert main(["eval", str(run_dir.parent / "run.yaml"), *BASE, f"run.dir={run_dir}", "eval.steps=1",
