@@ -14,19 +14,23 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
+from nestor.orchestrator.hang import GRACE_S
 
 CASE = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
         "optimizer.warmup_steps=2", "optimizer.eps=1e-6", "data.source=synthetic", "checkpoint.every=0",
         "mesh.pipeline=4", "mesh.fsdp=2", "mesh.data=1", "mesh.tensor=1", "mesh.expert=1", "mesh.context=1",
         "pipeline.microbatches=8", "pipeline.schedule=1f1b", "run.compile_cache=null"]
+STUCK_MARGIN_S = 300.0  # past a hang's limit and the watchdog's grace: longer than any compile of this case
 # The suite's compile flags (tests/conftest.py): the hang was seen with them.
 SUITE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_collective_call_terminate_timeout_seconds=900 "
                "--xla_cpu_collective_timeout_seconds=900")
@@ -74,7 +78,20 @@ def stress(runs: int, hogs: int, hang_s: float, out: Path, extra: list[str]) -> 
                        "--hang-s", str(hang_s), "--out", str(out), *extra]
             process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True,
                                        cwd=Path(__file__).resolve().parent.parent)
-            for line in process.stdout:
+            lines: queue.Queue = queue.Queue()
+            reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)
+            reader.start()
+            last = time.monotonic()
+            while reader.is_alive() or not lines.empty():  # until the child's output ends
+                try:
+                    line = lines.get(timeout=1.0)
+                except queue.Empty:  # a run stuck where the watchdog does not look (its compile) is ended here
+                    if time.monotonic() - last > hang_s + GRACE_S + STUCK_MARGIN_S:
+                        process.kill()
+                        raise SystemExit(f"run {done + 1} made no progress in {time.monotonic() - last:.0f} s and "
+                                         "its watchdog did not end it: killed")
+                    continue
+                last = time.monotonic()
                 if line.startswith("ok "):
                     done += 1
                     print(f"run {done}/{runs}: {line.split()[1]} s ({hangs} hang(s) so far)", flush=True)

@@ -85,14 +85,18 @@ def native_stacks_text(pid: int | None = None, timeout_s: float = NATIVE_TIMEOUT
     limit = ["timeout", "--signal=KILL", f"{timeout_s:g}"] if shutil.which("timeout") else []
     parts = []
     for name, path in found.items():
-        with tempfile.TemporaryFile("w+") as output:
-            try:
+        try:
+            with tempfile.TemporaryFile("w+", errors="replace") as output:
                 done = subprocess.run([*limit, path, *commands[name]], stdout=output, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, timeout=timeout_s + 5)
                 output.seek(0)
-                text = output.read() + (f"\n({name} exited {done.returncode})\n" if done.returncode else "")
-            except (OSError, subprocess.TimeoutExpired) as error:
-                text = f"{name} failed: {type(error).__name__}: {error}\n"
+                text = output.read()
+            if limit and done.returncode in (124, -9, 128 + 9):  # `timeout` ended it
+                text += f"\n({name} timed out after {timeout_s:g} s)\n"
+            elif done.returncode:
+                text += f"\n({name} exited {done.returncode})\n"
+        except Exception as error:  # a full disk, a tool that hangs without `timeout`: named, never raised
+            text = f"{name} failed: {type(error).__name__}: {error}\n"
         parts.append(f"=== {name} ({path})\n{text}")
     return "\n".join(parts)
 
@@ -179,7 +183,8 @@ class HangWatchdog:
         try:
             path = self.write_stacks(why)
             where = f"are in {path}"
-            self.last_words(f"{why}; stacks in {path.parent}")  # before the native ones: a stopped peer is continued
+            with contextlib.suppress(Exception):  # a driver that does not answer keeps no native stacks from disk
+                self.last_words(f"{why}; stacks in {path.parent}")  # before the native ones: a stopped peer goes on
             where = f"are in {path} and {self.write_native_stacks().name}"
             if first:
                 deadline = time.monotonic() + GRACE_S

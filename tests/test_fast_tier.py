@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.xdist_groups import FAST_TIER, fast_tier_files
 
@@ -40,9 +42,11 @@ def test_every_test_file_has_a_test_in_the_fast_tier(request):
                              f"runs in seconds, unmarked: {only_slow}")
 
 
-def test_every_room_of_the_code_has_a_test_in_the_fast_tier():
+def test_every_room_of_the_code_has_a_test_file_in_the_fast_tier(request):
     every_room = rooms()
     assert {"nestor.backend", "nestor.orchestrator.data", "nestor.orchestrator.hf"} <= every_room
-    fast_files = [path for path in sorted((ROOT / "tests").glob("test_*.py"))]
-    covered = set().union(*(rooms_imported(path, every_room) for path in fast_files))
-    assert covered == every_room, f"no fast test imports {sorted(every_room - covered)}"
+    files = fast_tier_files(request.config)
+    if not {path.name for path in files} >= {path.name for path in (ROOT / "tests").glob("test_*.py")}:
+        pytest.skip("judged only when the whole tests/ folder is collected")
+    covered = set().union(*(rooms_imported(path, every_room) for path, fast in files.items() if fast))
+    assert covered == every_room, f"no test file with a fast test imports {sorted(every_room - covered)}"

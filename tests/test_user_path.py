@@ -276,9 +276,9 @@ def test_an_unrelated_ray_head_outlives_every_ray_test_and_doc_block(unrelated_r
 @pytest.mark.timeout(1200)
 def test_nestor_train_runs_a_users_model_under_ray_and_resumes(tmp_path):
     """`nestor train my.yaml` in the user's directory under the default launcher (an embedded Ray cluster,
-    2 processes of 4 devices), then again for more steps on another mesh (a resume that reshards; the
-    quickstart's resume on its own mesh is tests/test_user_path.py's): equal to one run in one process;
-    `nestor explain my.yaml` prints the parameters' layout."""
+    2 processes of 4 devices), then again for more steps on another mesh (a resume that reshards; a resume
+    on the same mesh under Ray is test_quickstart_twice_resumes_in_the_users_run_dir_bit_for_bit's): equal to
+    one run in one process; `nestor explain my.yaml` prints the parameters' layout."""
     directory = write_user_directory(tmp_path / "project")
     env = child_env()
     env.pop(USER_CODE_ENV, None)

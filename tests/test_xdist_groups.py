@@ -156,3 +156,8 @@ def test_the_fast_tier_leaves_out_slow_ray_and_multiprocess_tests_and_knows_each
     assert re.search(r"\b2 passed, 4 deselected\b", done.stdout), done.stdout[-3000:]
     shares = dict(line.split() for line in Path(f"{notes}.files").read_text().splitlines())
     assert shares == {"test_a.py": "True", "test_b.py": "False", "test_cluster.py": "False", "test_files.py": "True"}
+    # a file whose tests were named one by one was not collected whole: it is not judged
+    done = run_pytest(suite, notes, "test_b.py::test_slow_0", "test_files.py", "test_a.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shares = dict(line.split() for line in Path(f"{notes}.files").read_text().splitlines())
+    assert shares == {"test_a.py": "True", "test_files.py": "True"}

@@ -28,6 +28,9 @@ RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
 RERUNS_AFTER_A_CRASH = 1
 
 
+FAST_FILES = pytest.StashKey[dict]()  # test file -> whether it has a test in the fast tier
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks added here count
 def pytest_collection_modifyitems(config, items):
     """Runs the Ray files first, each file's tests in their order; marks `slow` every test of
@@ -44,8 +47,6 @@ def pytest_collection_modifyitems(config, items):
             fast[item.path] = fast.get(item.path, False) or not item.get_closest_marker("slow")
     config.stash[FAST_FILES] = fast
 
-
-FAST_FILES = pytest.StashKey[dict]()  # test file -> whether it has a test in the fast tier
 
 
 def fast_tier_files(config) -> dict[Path, bool]:
