@@ -81,8 +81,10 @@ def native_stacks_text(pid: int | None = None, timeout_s: float = NATIVE_TIMEOUT
     if pid == os.getpid():
         _allow_children_to_trace()
     # A tool that stops this process also stops the thread reading its output and timing it: it writes to a
-    # file (a full pipe would block it for good), and `timeout`, a process it does not stop, ends it.
-    limit = ["timeout", "--signal=KILL", f"{timeout_s:g}"] if shutil.which("timeout") else []
+    # file (a full pipe would block it for good), and `timeout`, a process it does not stop, ends it; a shell
+    # then continues the process, which a tool killed while attached can leave stopped.
+    limit = (["sh", "-c", f'timeout --signal=KILL "$0" "$@"; status=$?; kill -CONT {pid}; exit $status',
+              f"{timeout_s:g}"] if shutil.which("timeout") and shutil.which("sh") else [])
     parts = []
     for name, path in found.items():
         try:
