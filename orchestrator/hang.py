@@ -167,14 +167,14 @@ class HangWatchdog:
     def _watch(self) -> None:
         while not self._closed.wait(POLL_S):
             if (why := self.overdue()) is not None:
-                self._stop(f"hung: {why}", first=not self.hang_dir.is_dir())
+                self._stop(f"hung: {why}")
                 return
             if self.hang_dir.is_dir():  # a peer declared a hang: this process is stuck in the same step
-                self._stop(f"stopped with its hung peers, while it waited for {self.waiting_for}", first=False)
+                self._stop(f"stopped with its hung peers, while it waited for {self.waiting_for}")
                 return
 
-    def _stop(self, why: str, first: bool) -> None:
-        """Writes this process's stacks, says why, waits for the others' files (the first to see the hang),
+    def _stop(self, why: str) -> None:
+        """Writes this process's stacks, says why, waits for the others' native files,
         and ends the process, whatever of that fails (a full disk, a driver that does not answer); not once
         `close` was called (the attempt ended as the hang was seen)."""
         with self._lock:
@@ -188,11 +188,11 @@ class HangWatchdog:
             with contextlib.suppress(Exception):  # a driver that does not answer keeps no native stacks from disk
                 self.last_words(f"{why}; stacks in {path.parent}")  # before the native ones: a stopped peer goes on
             where = f"are in {path} and {self.write_native_stacks().name}"
-            if first:
-                deadline = time.monotonic() + GRACE_S
-                while (len(list(self.hang_dir.glob("native-*.txt"))) < self.processes
-                       and time.monotonic() < deadline):
-                    time.sleep(0.2)
+            # Every process waits for the others' native files: one that ended first would have the group
+            # ended, a peer still dumping with it.
+            deadline = time.monotonic() + GRACE_S
+            while len(list(self.hang_dir.glob("native-*.txt"))) < self.processes and time.monotonic() < deadline:
+                time.sleep(0.2)
         except Exception as error:  # the process ends all the same: it is stuck
             why = f"{why} ({type(error).__name__}: {error})"
         finally:

@@ -446,19 +446,16 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     assert limit <= seconds <= limit + 20, seconds
     hang = next(run_dir.glob("hangs/*"))
     texts = {path.name: path.read_text() for path in hang.iterdir()}
-    assert {"process-0.txt", "process-1.txt"} <= set(texts) <= {"process-0.txt", "process-1.txt", "native-0.txt",
-                                                               "native-1.txt"}
+    assert set(texts) == {"process-0.txt", "process-1.txt", "native-0.txt", "native-1.txt"}
     assert all("--- thread MainThread" in texts[f"process-{i}.txt"] for i in (0, 1))
-    assert sum(f"pid {stopped.pid} on" in texts[f"process-{i}.txt"] for i in (0, 1)) == 1  # the stopped one's own
-    # The native stacks of the peer that found the hang: py-spy's (a test dependency) holds the training thread,
-    # its Python frames over the C and C++ ones it waits in. (The continued worker's own native file is not
-    # always written before the group is ended: docs/cluster.md.)
-    natives = [texts[name] for name in ("native-0.txt", "native-1.txt") if name in texts
-               and f"pid {stopped.pid} on" not in texts[name]]
-    assert len(natives) == 1, sorted(texts)
-    py_spy = natives[0].split("=== py-spy ")[1].split("=== gdb ")[0]
-    training = next(block for block in py_spy.split("\nThread ") if "(orchestrator/train.py:" in block)
-    assert re.search(r"\((?:libc|libpython|jaxlib/)[^)]*\)", training), training
+    # the native stacks of each: py-spy's (a test dependency) holds the training thread, its Python frames over
+    # the C and C++ ones it waits in
+    for i in (0, 1):
+        py_spy = texts[f"native-{i}.txt"].split("=== py-spy ")[1].split("=== gdb ")[0]
+        training = next(block for block in py_spy.split("\nThread ") if "(orchestrator/train.py:" in block)
+        assert re.search(r"\((?:libc|libpython|jaxlib/)[^)]*\)", training), training
+    for name in ("process", "native"):  # the stopped one wrote its own
+        assert sum(f"pid {stopped.pid} on" in texts[f"{name}-{i}.txt"] for i in (0, 1)) == 1
     # Both named in the restart line (in rank order: either may be the stopped one), with their stacks' place.
     said = (r"process (\d) \(pid (\d+) on [\d.]+\) (?:hung: waited \d+ s for step \d+ \(run.hang_timeout_s: "
             rf"{limit} s\)|stopped with its hung peers[^;]*); stacks in {re.escape(str(hang))}")
