@@ -66,41 +66,61 @@ def _allow_children_to_trace() -> None:
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
 
 
+# py-spy's --native dump fails now and then when a thread moves while it reads it ("Failed to merge native and
+# python frames"): it is tried this many times, then the Python frames alone are dumped.
+NATIVE_TRIES = 3
+
+
 def native_stacks_text(pid: int | None = None, timeout_s: float = NATIVE_TIMEOUT_S) -> str:
     """Returns the native stacks of every thread of process `pid` (this one by default): `py-spy dump
-    --native` (Python threads, their C and C++ frames under the Python ones) and gdb's backtrace of every
-    thread (XLA's pool threads, where a collective waits, run no Python), each where installed; else a line
-    saying that neither was found. Never raises: a tool that fails or takes over `timeout_s` is named."""
+    --native` (Python threads, their C and C++ frames under the Python ones; after NATIVE_TRIES failures,
+    the Python frames alone) and gdb's backtrace of every thread (XLA's pool threads, where a collective
+    waits, run no Python), each where installed; else a line saying that neither was found. Never raises:
+    a tool that fails or takes over `timeout_s` is named."""
     pid = os.getpid() if pid is None else pid
-    commands = {"py-spy": ["dump", "--native", "--pid", str(pid)],
-                "gdb": ["--batch", "--nx", "-p", str(pid), "-ex", "set pagination off", "-ex", "thread apply all bt"]}
-    found = {name: path for name in commands if (path := _tool(name)) is not None}
+    tries = {"py-spy": [["dump", "--native", "--pid", str(pid)]] * NATIVE_TRIES + [["dump", "--pid", str(pid)]],
+             "gdb": [["--batch", "--nx", "-p", str(pid), "-ex", "set pagination off", "-ex", "thread apply all bt"]]}
+    found = {name: path for name in tries if (path := _tool(name)) is not None}
     if not found:
         return ("neither py-spy nor gdb was found, so no native stacks: install py-spy (pip install py-spy) "
                 "or gdb to have them with the next hang\n")
     if pid == os.getpid():
         _allow_children_to_trace()
+    parts = []
+    for name, path in found.items():
+        text, deadline = "", time.monotonic() + timeout_s  # a tool's tries share its limit
+        for arguments in tries[name]:
+            output, failed = _dump(pid, [path, *arguments], deadline - time.monotonic())
+            text += output
+            if failed is None:
+                break
+            text += f"\n({name}{' --native' if '--native' in arguments else ''} {failed})\n"
+            if deadline - time.monotonic() < 1:
+                break
+        parts.append(f"=== {name} ({path})\n{text}")
+    return "\n".join(parts)
+
+
+def _dump(pid: int, command: list[str], timeout_s: float) -> tuple[str, str | None]:
+    """Runs a dump command against `pid`; returns (its output, None) or (its output, how it failed)."""
     # A tool that stops this process also stops the thread reading its output and timing it: it writes to a
     # file (a full pipe would block it for good), and `timeout`, a process it does not stop, ends it; a shell
     # then continues the process, which a tool killed while attached can leave stopped.
     limit = (["sh", "-c", f'timeout --signal=KILL "$0" "$@"; status=$?; kill -CONT {pid}; exit $status',
               f"{timeout_s:g}"] if shutil.which("timeout") and shutil.which("sh") else [])
-    parts = []
-    for name, path in found.items():
-        try:
-            with tempfile.TemporaryFile("w+", errors="replace") as output:
-                done = subprocess.run([*limit, path, *commands[name]], stdout=output, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, timeout=timeout_s + 5)
-                output.seek(0)
-                text = output.read()
-            if limit and done.returncode in (124, -9, 128 + 9):  # `timeout` ended it
-                text += f"\n({name} timed out after {timeout_s:g} s)\n"
-            elif done.returncode:
-                text += f"\n({name} exited {done.returncode})\n"
-        except Exception as error:  # a full disk, a tool that hangs without `timeout`: named, never raised
-            text = f"{name} failed: {type(error).__name__}: {error}\n"
-        parts.append(f"=== {name} ({path})\n{text}")
-    return "\n".join(parts)
+    if timeout_s < 1:
+        return "", "not run: no time left"
+    try:
+        with tempfile.TemporaryFile("w+", errors="replace") as output:
+            done = subprocess.run([*limit, *command], stdout=output, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, timeout=timeout_s + 5)
+            output.seek(0)
+            text = output.read()
+    except Exception as error:  # a full disk, a tool that hangs without `timeout`: named, never raised
+        return "", f"failed: {type(error).__name__}: {error}"
+    if limit and done.returncode == 128 + 9:  # `timeout --signal=KILL` ended it
+        return text, f"timed out after {timeout_s:.0f} s"
+    return text, (f"exited {done.returncode}" if done.returncode else None)
 
 
 class HangWatchdog:

@@ -24,6 +24,7 @@ import yaml
 
 from nestor.cluster.launcher import ClusterSpec, check_capacity
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
+from nestor.orchestrator.hang import NATIVE_TRIES
 from tests.conftest import ROOT
 from tests.doc_blocks import SESSION_SETTINGS
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
@@ -410,7 +411,7 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
                         output, re.MULTILINE)
     assert restart and int(restart.group(1)) == killed and "restart 2" not in output, output[-3000:]
     first_lost, last_lost, resumed = (int(restart.group(i)) for i in (2, 3, 4))
-    assert first_lost == resumed + 1 and last_lost > resumed and f"back at step" in output, output[-3000:]
+    assert first_lost == resumed + 1 and last_lost > resumed and "back at step" in output, output[-3000:]
     records = metrics(run_dir)
     # A resume drops the records the interrupted group wrote past its checkpoint and logs them again.
     assert [r["step"] for r in records] == list(range(1, 61))
@@ -449,11 +450,12 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     assert set(texts) == {"process-0.txt", "process-1.txt", "native-0.txt", "native-1.txt"}
     assert all("--- thread MainThread" in texts[f"process-{i}.txt"] for i in (0, 1))
     # the native stacks of each: py-spy's (a test dependency) holds the training thread, its Python frames over
-    # the C and C++ ones it waits in
+    # the C and C++ ones it waits in (Python's alone where every --native try failed, each failure named)
     for i in (0, 1):
         py_spy = texts[f"native-{i}.txt"].split("=== py-spy ")[1].split("=== gdb ")[0]
         training = next(block for block in py_spy.split("\nThread ") if "(orchestrator/train.py:" in block)
-        assert re.search(r"\((?:libc|libpython|jaxlib/)[^)]*\)", training), training
+        if py_spy.count("(py-spy --native ") < NATIVE_TRIES:
+            assert re.search(r"\((?:libc|libpython|jaxlib/)[^)]*\)", training), training
     for name in ("process", "native"):  # the stopped one wrote its own
         assert sum(f"pid {stopped.pid} on" in texts[f"{name}-{i}.txt"] for i in (0, 1)) == 1
     # Both named in the restart line (in rank order: either may be the stopped one), with their stacks' place.

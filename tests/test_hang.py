@@ -107,6 +107,25 @@ def test_native_stacks_show_the_c_frames_under_a_waiting_thread_and_name_a_missi
     assert native_stacks_text().startswith("neither py-spy nor gdb was found")
 
 
+def test_a_native_dump_that_fails_is_tried_again_then_the_python_frames_alone_are_dumped(tmp_path, monkeypatch):
+    """py-spy's --native dump fails now and then ("Failed to merge native and python frames", seen in a
+    loaded suite): each failure is named, and after NATIVE_TRIES the plain dump still shows the threads;
+    a tool past its limit is named as timed out."""
+    fake = tmp_path / "py-spy"
+    fake.write_text('#!/bin/sh\ncase "$*" in *--native*) echo "Error: Failed to merge native and python frames"; '
+                    'exit 1;; esac\necho \'Thread 7 (idle): "MainThread"\'\n')
+    slow = tmp_path / "gdb"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    for tool in (fake, slow):
+        tool.chmod(0o755)
+    monkeypatch.setattr(hang, "_tool", lambda name: str(tmp_path / name))
+    text = native_stacks_text(timeout_s=3)
+    py_spy, gdb = text.split("=== gdb ")
+    assert py_spy.count("(py-spy --native exited 1)") == hang.NATIVE_TRIES
+    assert py_spy.count("Failed to merge") == hang.NATIVE_TRIES and py_spy.rstrip().endswith('"MainThread"')
+    assert "(gdb timed out after 3 s)" in gdb
+
+
 # A run whose batch of step 4 never comes: the watchdog ends it with its stacks.
 HUNG_RUN = textwrap.dedent("""
     import sys, threading
