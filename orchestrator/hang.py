@@ -36,7 +36,7 @@ from typing import Callable
 
 AUTO_STEPS = 20
 AUTO_FLOOR_S = 600.0
-NATIVE_TIMEOUT_S = 60.0  # the most one native dump (py-spy, gdb) may take
+NATIVE_TIMEOUT_S = 60.0  # the most one tool (py-spy, gdb) may take for its dumps, its tries together
 GRACE_S = 15.0 + 2 * NATIVE_TIMEOUT_S  # how long a hung process waits for the others' stacks before it ends
 POLL_S = 1.0
 HANG_EXIT_CODE = 1
@@ -66,17 +66,18 @@ def _allow_children_to_trace() -> None:
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
 
 
-# py-spy's --native dump fails now and then when a thread moves while it reads it ("Failed to merge native and
-# python frames"): it is tried this many times, then the Python frames alone are dumped.
+# py-spy's --native dump fails now and then ("Failed to merge native and python frames"): it is tried this many
+# times, then the Python frames alone are dumped.
 NATIVE_TRIES = 3
 
 
 def native_stacks_text(pid: int | None = None, timeout_s: float = NATIVE_TIMEOUT_S) -> str:
     """Returns the native stacks of every thread of process `pid` (this one by default): `py-spy dump
-    --native` (Python threads, their C and C++ frames under the Python ones; after NATIVE_TRIES failures,
-    the Python frames alone) and gdb's backtrace of every thread (XLA's pool threads, where a collective
-    waits, run no Python), each where installed; else a line saying that neither was found. Never raises:
-    a tool that fails or takes over `timeout_s` is named."""
+    --native` (Python threads, their C and C++ frames under the Python ones; after NATIVE_TRIES failures, or
+    one past its time, the Python frames alone, in the quarter of `timeout_s` kept for them) and gdb's
+    backtrace of every thread (XLA's pool threads, where a collective waits, run no Python), each where
+    installed; else a line saying that neither was found. Never raises: a tool that fails or takes over
+    `timeout_s` is named."""
     pid = os.getpid() if pid is None else pid
     tries = {"py-spy": [["dump", "--native", "--pid", str(pid)]] * NATIVE_TRIES + [["dump", "--pid", str(pid)]],
              "gdb": [["--batch", "--nx", "-p", str(pid), "-ex", "set pagination off", "-ex", "thread apply all bt"]]}
@@ -88,38 +89,45 @@ def native_stacks_text(pid: int | None = None, timeout_s: float = NATIVE_TIMEOUT
         _allow_children_to_trace()
     parts = []
     for name, path in found.items():
-        text, deadline = "", time.monotonic() + timeout_s  # a tool's tries share its limit
-        for arguments in tries[name]:
-            output, failed = _dump(pid, [path, *arguments], deadline - time.monotonic())
+        text, deadline, left = "", time.monotonic() + timeout_s, list(tries[name])
+        while left:
+            arguments = left.pop(0)
+            kept = timeout_s / 4 if left else 0  # the last try's time, kept back by the tries before it
+            output, failed = _dump(pid, [path, *arguments], deadline - time.monotonic() - kept)
             text += output
             if failed is None:
                 break
-            text += f"\n({name}{' --native' if '--native' in arguments else ''} {failed})\n"
-            if deadline - time.monotonic() < 1:
-                break
+            native = "--native" in arguments
+            text += f"\n({name}{' --native' if native else ''} {failed})\n"
+            if native and failed.startswith(("timed out", "not run")):  # no time for another: the plain dump
+                left = [later for later in left if "--native" not in later]
         parts.append(f"=== {name} ({path})\n{text}")
     return "\n".join(parts)
 
 
 def _dump(pid: int, command: list[str], timeout_s: float) -> tuple[str, str | None]:
-    """Runs a dump command against `pid`; returns (its output, None) or (its output, how it failed)."""
+    """Runs a dump command against `pid` for at most `timeout_s`; returns (its output, None) or (its output,
+    how it failed)."""
     # A tool that stops this process also stops the thread reading its output and timing it: it writes to a
     # file (a full pipe would block it for good), and `timeout`, a process it does not stop, ends it; a shell
     # then continues the process, which a tool killed while attached can leave stopped.
-    limit = (["sh", "-c", f'timeout --signal=KILL "$0" "$@"; status=$?; kill -CONT {pid}; exit $status',
-              f"{timeout_s:g}"] if shutil.which("timeout") and shutil.which("sh") else [])
-    if timeout_s < 1:
+    limit = (["sh", "-c", f'timeout -s KILL "$0" "$@"; status=$?; kill -CONT {pid}; exit $status',
+              f"{timeout_s:.1f}"] if shutil.which("timeout") and shutil.which("sh") else [])
+    if timeout_s < 0.5:
         return "", "not run: no time left"
+    timed_out = f"timed out after {timeout_s:.0f} s"
     try:
         with tempfile.TemporaryFile("w+", errors="replace") as output:
             done = subprocess.run([*limit, *command], stdout=output, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, timeout=timeout_s + 5)
             output.seek(0)
             text = output.read()
-    except Exception as error:  # a full disk, a tool that hangs without `timeout`: named, never raised
+    except subprocess.TimeoutExpired:  # no `timeout` command: subprocess's own limit ended it
+        return "", timed_out
+    except Exception as error:  # a full disk, a tool that cannot start: named, never raised
         return "", f"failed: {type(error).__name__}: {error}"
-    if limit and done.returncode == 128 + 9:  # `timeout --signal=KILL` ended it
-        return text, f"timed out after {timeout_s:.0f} s"
+    if limit and done.returncode == 128 + 9:  # `timeout -s KILL` ended it
+        return text, timed_out
     return text, (f"exited {done.returncode}" if done.returncode else None)
 
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
+import psutil
 
 from nestor.cluster.cpu_devices import without_device_count
 from nestor.orchestrator.config import Config
@@ -88,6 +92,30 @@ def ended(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
         process.kill()
         out, err = process.communicate(timeout=30)  # what it printed, for the failure
         raise subprocess.TimeoutExpired(process.args, timeout, out, err) from None
+
+
+def kill_session(process: subprocess.Popen, timeout: float = 30) -> None:
+    """Kills `process`, started in a session of its own (`start_new_session=True`), and every process left
+    in that session (an embedded Ray cluster's daemons and workers, which may have process groups of their
+    own); raises AssertionError if any outlives `timeout` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while left := [p for p in psutil.process_iter(["status"]) if _in_session(p, process.pid)]:
+        assert time.monotonic() < deadline, f"{len(left)} process(es) of a killed session outlived it"
+        for other in left:
+            with contextlib.suppress(psutil.Error):
+                other.kill()
+        time.sleep(0.2)
+
+
+def _in_session(process: psutil.Process, session: int) -> bool:
+    """Whether `process` lives on (not a zombie) in `session`."""
+    try:
+        return process.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(process.pid) == session
+    except OSError:  # gone already
+        return False
 
 
 def run(config: Config) -> TrainResult:

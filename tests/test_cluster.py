@@ -453,8 +453,9 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     # the C and C++ ones it waits in (Python's alone where every --native try failed, each failure named)
     for i in (0, 1):
         py_spy = texts[f"native-{i}.txt"].split("=== py-spy ")[1].split("=== gdb ")[0]
-        training = next(block for block in py_spy.split("\nThread ") if "(orchestrator/train.py:" in block)
-        if py_spy.count("(py-spy --native ") < NATIVE_TRIES:
+        training = next((block for block in py_spy.split("\nThread ") if "(orchestrator/train.py:" in block), None)
+        assert training, py_spy[-3000:]
+        if py_spy.count("(py-spy --native ") < NATIVE_TRIES and "(py-spy --native timed out" not in py_spy:
             assert re.search(r"\((?:libc|libpython|jaxlib/)[^)]*\)", training), training
     for name in ("process", "native"):  # the stopped one wrote its own
         assert sum(f"pid {stopped.pid} on" in texts[f"{name}-{i}.txt"] for i in (0, 1)) == 1

@@ -1,5 +1,5 @@
-"""The fast tier (`pytest -m "not slow"`, README): every test file and every room of the code has a test in it,
-so the loop a developer runs after each change touches everything."""
+"""The fast tier (`pytest -m "not slow"`, README and docs/testing.md): every test file and every room of the
+code has a test in it, so the loop a developer runs after each change touches everything."""
 
 from __future__ import annotations
 

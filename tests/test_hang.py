@@ -107,23 +107,32 @@ def test_native_stacks_show_the_c_frames_under_a_waiting_thread_and_name_a_missi
     assert native_stacks_text().startswith("neither py-spy nor gdb was found")
 
 
+@pytest.mark.skipif(not shutil.which("timeout"), reason="coreutils `timeout` ends a dump past its time")
 def test_a_native_dump_that_fails_is_tried_again_then_the_python_frames_alone_are_dumped(tmp_path, monkeypatch):
-    """py-spy's --native dump fails now and then ("Failed to merge native and python frames", seen in a
-    loaded suite): each failure is named, and after NATIVE_TRIES the plain dump still shows the threads;
-    a tool past its limit is named as timed out."""
-    fake = tmp_path / "py-spy"
-    fake.write_text('#!/bin/sh\ncase "$*" in *--native*) echo "Error: Failed to merge native and python frames"; '
-                    'exit 1;; esac\necho \'Thread 7 (idle): "MainThread"\'\n')
-    slow = tmp_path / "gdb"
-    slow.write_text("#!/bin/sh\nsleep 30\n")
-    for tool in (fake, slow):
-        tool.chmod(0o755)
+    """py-spy's --native dump fails now and then ("Failed to merge native and python frames"): each failure
+    is named, and after NATIVE_TRIES the plain dump still shows the threads; a --native dump past its time
+    goes straight to the plain one, in the time kept for it; a tool past its limit is named as timed out."""
+    def tool(name: str, script: str) -> None:
+        (tmp_path / name).write_text(f"#!/bin/sh\n{script}\n")
+        (tmp_path / name).chmod(0o755)
+
+    plain = "echo 'Thread 7 (idle): \"MainThread\"'"
+    tool("py-spy", f'case "$*" in *--native*) echo "Error: Failed to merge native and python frames"; exit 1;; '
+                   f"esac\n{plain}")
+    tool("gdb", "sleep 30")
     monkeypatch.setattr(hang, "_tool", lambda name: str(tmp_path / name))
-    text = native_stacks_text(timeout_s=3)
+    text = native_stacks_text(timeout_s=4)
     py_spy, gdb = text.split("=== gdb ")
     assert py_spy.count("(py-spy --native exited 1)") == hang.NATIVE_TRIES
     assert py_spy.count("Failed to merge") == hang.NATIVE_TRIES and py_spy.rstrip().endswith('"MainThread"')
-    assert "(gdb timed out after 3 s)" in gdb
+    assert "(gdb timed out after 4 s)" in gdb
+
+    tool("py-spy", f'case "$*" in *--native*) sleep 30;; esac\n{plain}')
+    monkeypatch.setattr(hang, "_tool", lambda name: str(tmp_path / name) if name == "py-spy" else None)
+    started = time.monotonic()
+    text = native_stacks_text(timeout_s=4)
+    assert time.monotonic() - started < 4 + 2, text  # the tries share the tool's limit
+    assert text.count("(py-spy --native timed out after 3 s)") == 1 and text.rstrip().endswith('"MainThread"'), text
 
 
 # A run whose batch of step 4 never comes: the watchdog ends it with its stacks.

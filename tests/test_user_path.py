@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +12,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -23,7 +20,7 @@ from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.cli import parse
 from tests.conftest import ROOT
 from tests.doc_blocks import run_block, user_env
-from tests.helpers import child_env, last_lines_of_two_processes
+from tests.helpers import child_env, kill_session, last_lines_of_two_processes
 from tests.test_user_model import write_user_directory
 
 NESTOR = str(Path(sys.executable).parent / "nestor")  # the console script the README's first line installs
@@ -261,24 +258,6 @@ def test_the_first_line_comes_before_ray_is_imported_under_the_ray_launcher(tmp_
     assert "nestor.orchestrator.config" in imported and "nestor.orchestrator.cli" in imported
     assert not [name for name in imported if name.split(".")[0] in BEFORE_THE_FIRST_LINE_NEVER]
     assert waited < 30, waited  # a bound for a stuck start, far above a busy machine's imports
-
-
-def kill_session(process: subprocess.Popen) -> None:
-    """Kills `process`, started in a session of its own, and everything it started there (an embedded Ray
-    cluster's daemons); returns once none is left."""
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate(timeout=30)
-    deadline = time.monotonic() + 30
-    while [p for p in psutil.process_iter(["pid"]) if _session(p) == process.pid]:
-        assert time.monotonic() < deadline, "processes of a killed session outlived it by 30 s"
-        time.sleep(0.2)
-
-
-def _session(process: psutil.Process) -> int | None:
-    try:
-        return os.getsid(process.pid)
-    except OSError:  # gone already
-        return None
 
 
 @pytest.mark.ray

@@ -1,5 +1,6 @@
-"""How the suite's tests are ordered and shared between pytest-xdist workers (the README's `-n 2`); the
-hooks are tests/conftest.py's, kept here without jax so that a test can run them on a small suite.
+"""How the suite's tests are ordered and shared between pytest-xdist workers (the README's `-n 2`,
+docs/testing.md); the hooks are tests/conftest.py's, kept here without jax so that a test can run them on a
+small suite.
 
 A worker takes a whole file at a time (its module fixtures, compiled steps among them, are built once), and
 the files whose tests start Ray clusters all go to one worker, first (they take longest): they count the
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-# The fast tier, the loop a developer runs after every change (README): `pytest -m "not slow"`. A test that
-# starts Ray or several JAX processes is slow whatever its own marks say.
+# The fast tier, the loop a developer runs after every change (README, docs/testing.md): `pytest -m "not slow"`.
+# A test that starts Ray or several JAX processes is slow whatever its own marks say.
 FAST_TIER = "not slow"
 SLOW_WHATEVER_ELSE = ("ray", "multiprocess")
 # The files whose tests start Ray clusters (the `ray` mark).
