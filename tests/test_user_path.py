@@ -277,9 +277,10 @@ def test_an_unrelated_ray_head_outlives_every_ray_test_and_doc_block(unrelated_r
 @pytest.mark.timeout(1200)
 def test_nestor_train_runs_a_users_model_under_ray_and_resumes(tmp_path):
     """`nestor train my.yaml` in the user's directory under the default launcher (an embedded Ray cluster,
-    2 processes of 4 devices), then again for more steps on another mesh (a resume that reshards; a resume
-    on the same mesh under Ray is test_quickstart_twice_resumes_in_the_users_run_dir_bit_for_bit's): equal to
-    one run in one process; `nestor explain my.yaml` prints the parameters' layout."""
+    2 processes of 4 devices), then again for more steps on another mesh in one process (a resume of what
+    Ray workers saved, resharded; a resume under Ray is
+    test_quickstart_twice_resumes_in_the_users_run_dir_bit_for_bit's): equal to one run in one process;
+    `nestor explain my.yaml` prints the parameters' layout."""
     directory = write_user_directory(tmp_path / "project")
     env = child_env()
     env.pop(USER_CODE_ENV, None)
@@ -291,7 +292,8 @@ def test_nestor_train_runs_a_users_model_under_ray_and_resumes(tmp_path):
     hosts = ("cluster.hosts=2", "cluster.devices_per_host=4")
     first = nestor(*hosts, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=3")
     assert first.returncode == 0, first.stderr[-3000:]
-    resharded = nestor(*hosts, "mesh.fsdp=4", "mesh.tensor=2")  # steps 4..6 on another mesh
+    resharded = nestor("cluster.launcher=inprocess", "cluster.devices_per_host=8", "mesh.fsdp=4",
+                       "mesh.tensor=2")  # steps 4..6 on another mesh
     assert resharded.returncode == 0 and "resumed from checkpoint 3" in resharded.stdout + resharded.stderr, (
         resharded.stderr[-3000:])
     reference = nestor("cluster.launcher=inprocess", "cluster.devices_per_host=8", "run.dir=runs/reference")
