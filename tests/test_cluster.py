@@ -56,7 +56,10 @@ def nestor(*args: str, timeout: float = 240, env: dict[str, str] | None = None) 
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The run's metrics records; a line still being written is left out (a test reads beside the run)."""
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def test_missing_rank_times_out_naming_it():
@@ -356,6 +359,11 @@ def ray_train_workers(driver: subprocess.Popen) -> list[psutil.Process]:  # or a
     return [p for p in psutil.Process(driver.pid).children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
 
 
+def one_host_start(run_dir: Path) -> dict | None:
+    """The metrics record of the first group that started on one process, if one has."""
+    return next((r for r in metrics(run_dir) if r.get("mesh", "").endswith("over 1 process(es)")), None)
+
+
 def saved_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit())
 
@@ -496,13 +504,19 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
             driver.wait_until(lambda: saved_steps(run_dir))
             stop_ray_head(nodes[0])  # a host lost: its raylet and its worker
             driver.wait_until(lambda: "the worker group starts on 1 host(s)" in driver.output())
-            driver.wait_until(lambda: any(r.get("mesh", "").endswith("over 1 process(es)") for r in metrics(run_dir)))
+            driver.wait_until(lambda: one_host_start(run_dir))
+            resumed = one_host_start(run_dir)["resumed_from"]
+            driver.wait_until(lambda: saved_steps(run_dir)[-1] > resumed)  # the one-host group saved a step
+            assert saved_steps(run_dir)[-1] < 45, "the one-host group reached the last step before it was held"
+            driver.wait_until(lambda: ray_train_workers(head))
+            [worker] = ray_train_workers(head)
+            # Held while a host comes back: a group that ended the run first would leave no worker to kill.
+            worker.suspend()
             nodes.append(start_ray_node(env, address, tmp_path / "node-2.log"))  # a host is back
             while alive_cpus(env, address) < 2:
                 assert nodes[1].poll() is None, (tmp_path / "node-2.log").read_text()
                 time.sleep(2)
-            driver.wait_until(lambda: saved_steps(run_dir)[-1] > 0)
-            os.kill(ray_train_workers(head)[0].pid, signal.SIGKILL)  # the restart finds 2 hosts
+            worker.kill()  # SIGKILL ends a stopped process too: the restart finds 2 hosts
             driver.wait_until(lambda: "the worker group starts on 2 host(s)" in driver.output())
             driver.process.wait(timeout=600)
         output = driver.output()
@@ -518,6 +532,7 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
     assert len(one) == 1 and starts[-1][2].endswith("over 2 process(es)"), starts
     shrunk_from = one[0][1]
     grew_at = starts[starts.index(one[0]) + 1][1]  # the checkpoint the grown group resumed from
+    assert grew_at > shrunk_from, starts  # the one-host group's own steps are checked below
     # The reference: this mesh up to the shrunk group's checkpoint, then one host's (4 devices, grad_accum 2).
     reference = config_lib.load(QUICKSTART, TINY + longer + [f"run.dir={tmp_path / 'reference'}"])
     run(reference.replace(**mesh_overrides(data=2, fsdp=2, tensor=2), **{"train.steps": shrunk_from}))
