@@ -226,14 +226,14 @@ def _attention(config: Config, target: str, context_devices: int) -> str:
     return choice
 
 
-def _grouped_matmul(config: Config, target: str, hopper: bool) -> str:
+def _grouped_matmul(config: Config, target: str, hopper: bool, dropless_layers: bool) -> str:
     """Returns the grouped matmuls of dropless layers: for `auto`, the Mosaic GPU kernels where each device's
     expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16 (with fp8 too: the kernels
     stay bfloat16, XLA:GPU's ragged_dot being far slower), else ragged_dot. Raises BackendError when
     mosaic_gpu is asked for off a Hopper GPU or in float32."""
     choice, dtype = config.moe.grouped_matmul, config.model.dtype
-    if config.model.builtin_lm and not config.dropless_moe:
-        return "none"  # no grouped matmul runs (a model of the user's may hold dropless layers of its own)
+    if not dropless_layers:
+        return "none"  # no grouped matmul runs
     kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
     if choice == "mosaic_gpu" and not kernels_run:
         raise BackendError("moe.grouped_matmul", f"mosaic_gpu needs a Hopper GPU and model.dtype bfloat16 or "
@@ -282,11 +282,13 @@ def _matmul_precision(config: Config, target: str, device_kind: str | None, capa
 
 
 def resolve_backend(config: Config, platform: str, device_kind: str | None = None,
-                    compute_capability: str | None = None, context_devices: int = 1) -> Backend:
+                    compute_capability: str | None = None, context_devices: int = 1,
+                    dropless_layers: bool | None = None) -> Backend:
     """Returns the backend of `config` for the devices present (jax `platform`, their `device_kind` and
     `compute_capability` when GPUs) on a mesh that splits rows over `context_devices`, its choices made for
-    the run's target (`target_of`). Raises
-    BackendError when the config asks for something the target cannot run."""
+    the run's target (`target_of`). `dropless_layers` says whether the model may hold dropless MoE layers
+    (the orchestrator asks the model; None: where the `moe` keys make them). Raises BackendError when the
+    config asks for something the target cannot run."""
     platform = platform_family(platform)
     target = target_of(config, platform)
     kind = config.cluster.device_kind or (device_kind if platform != "cpu" else None)
@@ -299,18 +301,20 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
     # waits for them forever: with rows split over context (the ring's permutes, and those the partitioner
     # places to move MoE groups between context devices) every stage runs every iteration.
     loop = PER_STAGE_SKIPPING if target == "cpu" and context_devices == 1 else BUFFERED
+    dropless = config.dropless_moe if dropless_layers is None else dropless_layers
     return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(config, target),
                    remat_names=tuple(config.model.remat_names), attention=_attention(config, target, context_devices),
                    float32_sums=target == "cpu" and config.model.dtype == "bfloat16",
-                   grouped_matmul=_grouped_matmul(config, target, hopper), exchange=_exchange(config, target),
+                   grouped_matmul=_grouped_matmul(config, target, hopper, dropless), exchange=_exchange(config, target),
                    pipeline_loop=loop, matmul_precision=_matmul_precision(config, target, kind, capability),
                    context_attention=config.model.context_attention, context_balance=config.model.context_balance)
 
 
-def backend_of_devices(config: Config, devices, context_devices: int = 1) -> Backend:
+def backend_of_devices(config: Config, devices, context_devices: int = 1,
+                       dropless_layers: bool | None = None) -> Backend:
     """Returns `resolve_backend` for the jax `devices` a run compiles on (their platform, device kind and,
     for GPUs, compute capability), rows split over `context_devices`. Raises BackendError as resolve_backend
     does."""
     device = devices[0]
     return resolve_backend(config, device.platform, device.device_kind, getattr(device, "compute_capability", None),
-                           context_devices)
+                           context_devices, dropless_layers)

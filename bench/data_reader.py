@@ -41,7 +41,7 @@ from bench.report import write_section  # noqa: E402
 from nestor.orchestrator.config import load  # noqa: E402
 from nestor.orchestrator.data.batches import make_source  # noqa: E402
 from nestor.orchestrator.data.shards import FORMAT, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
-from nestor.orchestrator.flops import model_flops_per_step  # noqa: E402
+from nestor.orchestrator.specs.lm_flops import model_flops_per_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -3,9 +3,9 @@ and attention implementations, for dense and MoE models, on whatever devices thi
 
 Each row trains one config for `--steps` timed steps (after `--warmup` untimed ones) on all local
 devices (`mesh.data=-1`), the steps dispatched back to back as the training loop does and timed to
-the end of the last one. FLOPs are the analytic model FLOPs of `orchestrator/flops.py` (what MFU
+the end of the last one. FLOPs are the analytic model FLOPs of `orchestrator/specs/lm_flops.py` (what MFU
 credits: causal attention once, the routed experts only, no rematerialisation); the peak is the
-device kind's dense peak (`orchestrator.flops.PEAK_TFLOPS`) or `--peak-tflops`. A CPU has no
+device kind's dense peak (`orchestrator.peak_flops.PEAK_TFLOPS`) or `--peak-tflops`. A CPU has no
 peak: its MFU column says n/a. Accelerators train in bfloat16, a CPU in float32 (`--dtype` overrides).
 
     python -m bench.mfu                                    # accelerators: 1b and moe-1b; CPU: tiny dense and MoE
@@ -56,7 +56,8 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
     import jax
 
     from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.flops import model_flops_per_step, peak_tflops
+    from nestor.orchestrator.peak_flops import peak_tflops
+    from nestor.orchestrator.specs.lm_flops import model_flops_per_step
     from nestor.orchestrator.job import build_job
     from nestor.orchestrator.state import init_state
 

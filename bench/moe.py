@@ -120,7 +120,7 @@ def routing_flop_share(config) -> float:
     from nestor.models.moe import expert_capacity, grouped_swiglu
     from nestor.models.transformer import moe_feed_forward
     from nestor.orchestrator.explain import cost_flops
-    from nestor.orchestrator.model_class import lm_config
+    from nestor.orchestrator.specs.lm import lm_config
 
     cfg = lm_config(config)
     moe = cfg.moe

@@ -170,7 +170,7 @@ def make_bare_step(config, job):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from nestor.models import ops
-    from nestor.orchestrator.model_class import lm_config
+    from nestor.orchestrator.specs.lm import lm_config
 
     cfg = lm_config(config)
     model_ops = job.backend.compiled_here().ops()

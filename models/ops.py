@@ -146,6 +146,7 @@ class Ops:
 
 PLAIN = Ops()
 _ops: contextvars.ContextVar[Ops] = contextvars.ContextVar("ops", default=PLAIN)
+_called: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("ops_called", default=None)
 
 
 @contextlib.contextmanager
@@ -159,10 +160,29 @@ def installed(ops: Ops) -> Iterator[None]:
         _ops.reset(token)
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[set[str]]:
+    """Yields the names of the ops (einsum, attention, swiglu, grouped_matmul) the layers traced inside the
+    block call: which of the backend's choices apply to a model."""
+    called: set[str] = set()
+    token = _called.set(called)
+    try:
+        yield called
+    finally:
+        _called.reset(token)
+
+
+def _installed(name: str) -> Ops:
+    """Returns the installed ops, noting that op `name` is called where a `recording` block is open."""
+    if (called := _called.get()) is not None:
+        called.add(name)
+    return _ops.get()
+
+
 def einsum(equation: str, x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
     """Returns the installed einsum of activations `x` by `weight`: "x,weight->out", every index of an
     operand in the other operand or in the output, in x's dtype or `out_dtype`."""
-    return _ops.get().einsum(equation, x, weight, out_dtype)
+    return _installed("einsum").einsum(equation, x, weight, out_dtype)
 
 
 def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None, *,
@@ -174,7 +194,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
     sequence (models.axes.sequence_layout), which the causal order follows. Causal self-attention given its
     `positions` and no `mask` runs as the installed context attention where one is (rows split between
     devices); its context is tagged `remat_names.ATTENTION_CONTEXT`."""
-    installed = _ops.get()
+    installed = _installed("attention")
     if installed.context_attention is not None and causal and mask is None and positions is not None:
         context = installed.context_attention(query, key, value, segment_ids, positions)
         return checkpoint_name(context, remat_names.ATTENTION_CONTEXT)
@@ -192,9 +212,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Arra
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """Returns the installed SwiGLU hidden activation silu(gate) * up."""
-    return _ops.get().swiglu(gate, up)
+    return _installed("swiglu").swiglu(gate, up)
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Returns the installed grouped matmul [M, N] (see `GroupedMatmul`)."""
-    return _ops.get().grouped_matmul(rows, weights, group_sizes)
+    return _installed("grouped_matmul").grouped_matmul(rows, weights, group_sizes)

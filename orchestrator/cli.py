@@ -100,12 +100,13 @@ def _explain(config, args) -> int:
 def _eval(config, args) -> int:
     from nestor.orchestrator.evaluation.commands import evaluate_checkpoint
     from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.specs.registry import spec_of
 
     configure_jax(config)
     result = evaluate_checkpoint(config)
     others = "".join(f" {name} {value:.4f}" for name, value in result.items()
                      if name not in ("step", "eval_loss", "eval_perplexity"))
-    rows = (f"{config.train.global_batch} x {config.train.seq_len} tokens" if config.model.builtin_lm
+    rows = (f"{config.train.global_batch} x {config.train.seq_len} tokens" if spec_of(config).counts_tokens
             else f"{config.train.global_batch} rows")
     print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f} eval_perplexity "
           f"{result['eval_perplexity']:.3f}{others} ({config.eval.steps} batches of {rows}, "
@@ -184,7 +185,7 @@ def _submit(config, args) -> int:
     import yaml
 
     from nestor.cluster import jobs
-    from nestor.orchestrator.model_class import resolve_user_code, user_code_paths
+    from nestor.orchestrator.specs.registry import resolve_user_code, user_code_paths
 
     resolve_user_code(config)  # an import path that does not resolve is one line here, not in the job's log
     job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False),

@@ -50,9 +50,6 @@ class RunConfig:
                                        "at least 600; 0 = never", minimum=0)
 
 
-BUILTIN_LM = "lm"  # model.class of nestor's own decoder LM
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     class_: str = key("lm", "the model: lm (nestor's decoder LM, the keys below) or a Flax NNX module's import path "
@@ -99,12 +96,6 @@ class ModelConfig:
     scan_layers: bool = key(True, "train and evaluate the layer stack as a lax.scan (compile time independent of "
                             "depth); false unrolls it (faster on GPU, other temporaries, compile time grows with "
                             "depth); a pipeline's stages and generation keep their loops")
-
-    @property
-    def builtin_lm(self) -> bool:
-        """True when the run trains nestor's decoder LM (`class: lm`), which the keys from `preset` on describe."""
-        return self.class_ == BUILTIN_LM
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:

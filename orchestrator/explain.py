@@ -10,15 +10,16 @@ from typing import Any
 
 import jax
 
+from nestor.models import ops
 from nestor.orchestrator.config import Config, speed_key_sources
 from nestor.orchestrator.context_step import context_report
-from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step
 from nestor.orchestrator.job import Job, abstract_batch, build_job, devices_here
 from nestor.orchestrator.memory_fit import GIB, fit_report
 from nestor.orchestrator.metrics import spec_text
 from nestor.orchestrator.moe_step import dropless_report
+from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.state import param_table, per_device_bytes
-from nestor.orchestrator.step import make_train_step, pipeline_schedule
+from nestor.orchestrator.step import make_loss_fn, make_train_step, pipeline_schedule, stack_runners
 from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
 
 
@@ -63,6 +64,36 @@ def step_flops(compiled) -> float:
     return flops_per_run(compiled.as_text(), cost_flops(compiled))
 
 
+# the backend report's entries that apply only where the model calls an op (models.ops)
+OP_ENTRIES = {"attention": ("attention",), "einsum": ("matmuls",), "swiglu": ("swiglu",),
+              "grouped_matmul": ("grouped_matmul", "exchange")}
+
+
+def ops_called(job: Job) -> set[str]:
+    """Returns the ops (models.ops) the model's forward pass calls, traced abstractly: those of the backend's
+    choices that apply to the model."""
+    loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
+                           stack_runners(job.config, job.mesh, job.rules, job.backend))
+    abstract = job.layout.abstract
+    with ops.recording() as called:  # a fresh function: traced anew, never a cached trace
+        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, None, bias), abstract["params"],
+                       abstract_batch(job), abstract.get("expert_bias"))
+    return called
+
+
+def backend_report(job: Job) -> dict[str, Any]:
+    """Returns the backend's report with the choices that do not apply to the model as None: the ops it
+    never calls (an expert exchange where no grouped matmul runs), the pipeline loop without a pipeline."""
+    report = job.backend.report()
+    called = ops_called(job)
+    for op, entries in OP_ENTRIES.items():
+        if op not in called:
+            report.update(dict.fromkeys(entries))
+    if job.mesh.shape["pipeline"] == 1:
+        report["pipeline_loop"] = None
+    return report
+
+
 def pipeline_report(job: Job, temporaries: int) -> dict[str, Any] | None:
     """Returns the pipeline schedule of `job` (name, ticks, microbatches, stages, repeats, bubble_fraction,
     micro-batches in flight per stage) with the compiled step's `temporaries` (bytes per device), or None
@@ -92,9 +123,10 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
     widened = float_normalization_flops(counted.as_text()) if job.backend.widens_what_the_target_does_not() else 0.0
     xla_flops -= widened
+    analytic = spec_of(config).flops_per_step(config)
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
-        "backend": job.backend.report(),
+        "backend": backend_report(job),
         "speed_settings": [{"key": key, "value": value, "from": where} for key, value, where in speed_key_sources(config)],
         "remat": job.backend.remat,
         "params": params,
@@ -120,9 +152,9 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "flops_per_step_per_device": xla_flops,
         "float32_widening_flops_left_out": widened * devices,
         "update_flops_per_step": phases["update"] * devices,
-        # analytic counts of nestor's LM; a model of the user's has XLA's count alone
-        "model_flops_per_step": model_flops_per_step(config) if config.model.builtin_lm else None,
-        "executed_flops_per_step": executed_flops_per_step(config) if config.model.builtin_lm else None,
+        # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
+        "model_flops_per_step": analytic[0] if analytic else None,
+        "executed_flops_per_step": analytic[1] if analytic else None,
     }
 
 
@@ -156,12 +188,13 @@ def fit_line(fit: dict[str, Any]) -> str:
 
 
 def backend_lines(backend: dict[str, Any]) -> list[str]:
-    """Returns the report's lines on the backend: the target and what it runs, then what this compile
-    substitutes where its devices are not the target's."""
+    """Returns the report's lines on the backend: the target and what it runs (the choices that apply to the
+    model), then what this compile substitutes where its devices are not the target's."""
     target = backend["target"] + (f" ({backend['device_kind']})" if backend["device_kind"] else "")
-    lines = [f"backend for {target}: remat {backend['remat']}; attention {backend['attention']}; matmuls "
-             f"{backend['matmuls']}; grouped matmuls {backend['grouped_matmul']}; expert exchange "
-             f"{backend['exchange']}; pipeline loop: {backend['pipeline_loop']}"]
+    choices = [("attention", "attention"), ("matmuls", "matmuls"), ("grouped matmuls", "grouped_matmul"),
+               ("expert exchange", "exchange"), ("pipeline loop:", "pipeline_loop")]
+    lines = [f"backend for {target}: remat {backend['remat']}" + "".join(
+        f"; {name} {backend[entry]}" for name, entry in choices if backend[entry] is not None)]
     return lines + [f"  compiled here: {note}" for note in backend["substitutions"]]
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from nestor.orchestrator.config_keys import key_table
 from nestor.orchestrator.degrees import mesh_degrees, total_devices
+from nestor.orchestrator.specs.registry import spec_of
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -17,7 +18,6 @@ RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.min_hos
                      "cluster.init_timeout_s", "cluster.dashboard", "cluster.worker_logs")
 TPU_KEYS = ("cluster.tpu_topology", "cluster.tpu_type")
 PIPELINE_KEYS = ("pipeline.microbatches", "pipeline.schedule", "pipeline.repeats", "pipeline.stack")
-MOE_LAYOUT_KEYS = ("moe.num_experts", "moe.every")  # 0 and 0 make a dense model
 
 
 def idle_keys(config: Config) -> list[tuple[list[str], str]]:
@@ -53,10 +53,7 @@ def _modes(config: Config) -> list[tuple[tuple[str, ...], str]]:
         modes.append((PIPELINE_KEYS, "mesh.pipeline=1: no pipeline"))
     elif stages and config.pipeline.schedule == "circular" and config.pipeline.repeats == 1:
         modes.append((("pipeline.schedule",), "circular with pipeline.repeats=1 runs as gpipe"))
-    if config.model.builtin_lm and not config.moe.num_experts:
-        moe_keys = tuple(path for path, *_ in key_table(type(config)) if path.startswith("moe.") and
-                         path not in MOE_LAYOUT_KEYS)
-        modes.append((moe_keys + ("metrics.image_every",), "moe.num_experts=0: a dense model"))
+    modes += spec_of(config).idle_modes(config)
     if data.source in ("synthetic", "python"):
         modes.append((("data.paths",), f"data.source={data.source} reads no files"))
     if data.source != "python":

@@ -12,12 +12,7 @@ from nestor.orchestrator.checkpoint_restore import checkpoint_dir, config_differ
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.data.batches import text_files
 from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
-from nestor.orchestrator.model_class import resolve_user_code
-
-# nestor LM's keys that shape the train state a checkpoint holds (the workers compare the arrays themselves)
-SHAPING = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-           "tie_embeddings", "qkv_bias", "out_bias", "qk_norm")
-MOE_SHAPING = ("num_experts", "every", "expert_mlp_dim", "shared_experts", "first_dense_layers")
+from nestor.orchestrator.specs.registry import resolve_user_code, spec_of
 
 
 def data_problems(config: Config) -> None:
@@ -37,16 +32,12 @@ def data_problems(config: Config) -> None:
             raise ConfigError([("data.paths", f"{', '.join(missing)}: no such file or directory")])
 
 
-def _moe_on(section: dict) -> bool:
-    return bool(section.get("num_experts")) and bool(section.get("every"))
-
-
 def checkpoint_misfit(config: Config) -> None:
     """Raises ConfigError when run.dir's newest checkpoint was written by nestor's LM with other keys that
     shape its arrays (model sizes, MoE layout), naming each; a model of the user's is left to the workers,
     which compare the arrays."""
     steps = finalized_steps(checkpoint_dir(config.run.dir))
-    if not steps or not config.model.builtin_lm:
+    if not steps:
         return
     step_dir = checkpoint_dir(config.run.dir) / str(steps[-1])
     try:
@@ -54,12 +45,9 @@ def checkpoint_misfit(config: Config) -> None:
     except Exception:  # noqa: BLE001 - an unreadable config is the workers' to judge (and quarantine)
         return
     current = config.to_dict()
-    if saved.get("model", {}).get("class", "lm") != "lm":
+    keys = spec_of(config).checkpoint_shape_keys(current, saved)
+    if keys is None:
         return
-    keys = [("model", key) for key in SHAPING]
-    if _moe_on(saved.get("moe", {})) or _moe_on(current["moe"]):
-        both = _moe_on(saved.get("moe", {})) and _moe_on(current["moe"])
-        keys += [("moe", key) for key in (MOE_SHAPING if both else ("num_experts", "every"))]
     problems = config_differences(current, saved, keys, step_dir, "; use the checkpoint's value or a new run.dir")
     if problems:
         raise ConfigError(problems)

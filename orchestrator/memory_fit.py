@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from nestor.backend import Backend
-from nestor.models import axes
+from nestor.orchestrator.specs.registry import spec_of
 
 if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config import Config
@@ -65,12 +65,6 @@ def device_memory(config: Config, backend: Backend, devices_here: int) -> tuple[
 
 
 # The config key that sizes each logical dimension of nestor's LM: what a state too large for its devices names.
-SIZE_KEYS = {axes.VOCAB: "model.vocab_size", axes.EMBED: "model.embed_dim", axes.MLP: "model.mlp_dim",
-             axes.HEADS: "model.num_heads", axes.KV_HEADS: "model.num_kv_heads", axes.HEAD_DIM: "model.head_dim",
-             axes.LAYERS: "model.num_layers", axes.DENSE_LAYERS: "moe.first_dense_layers",
-             axes.EXPERT: "moe.num_experts"}
-
-
 def state_problems(config: Config, backend: Backend, state_bytes: int, largest: dict[str, Any],
                    devices_here: int) -> list[tuple[str, str]]:
     """Returns (key, message) when the train state alone, `state_bytes` per device (parameters and optimizer
@@ -82,7 +76,7 @@ def state_problems(config: Config, backend: Backend, state_bytes: int, largest: 
         return []
     dimension = max(range(len(largest["shape"])), key=lambda index: largest["shape"][index])
     axis = largest["logical_axes"][dimension]
-    key = SIZE_KEYS.get(axis, "model.args") if config.model.builtin_lm else "model.args"
+    key = spec_of(config).size_key(axis)
     memory = (f"the {capacity_gib:.1f} GiB each of this host's {devices_here} CPU devices has of its "
               f"{host_memory_gib():.1f} GiB of RAM" if kind == "cpu"
               else f"the {capacity_gib:g} GiB of {kind or 'cluster.device_memory_gb'}")

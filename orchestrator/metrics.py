@@ -26,7 +26,8 @@ import numpy as np
 import yaml
 
 from nestor.orchestrator.config import Config
-from nestor.orchestrator.flops import model_flops_per_step, peak_tflops
+from nestor.orchestrator.peak_flops import peak_tflops
+from nestor.orchestrator.specs.registry import spec_of
 from nestor.models.moe import EXPERT_LOAD
 from nestor.orchestrator.moe_step import EXPERT_BIAS
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves,
@@ -125,10 +126,11 @@ class Throughput:
     known (nestor's LM), TFLOP/s per device and MFU (None when the peak is unknown)."""
 
     def __init__(self, config: Config, num_devices: int, device_kind: str):
-        lm = config.model.builtin_lm
-        self.rate_name = "tokens_per_s" if lm else "rows_per_s"
-        self.per_step = config.train.global_batch * (config.train.seq_len if lm else 1)
-        self.flops_per_step = model_flops_per_step(config) if lm else None
+        spec = spec_of(config)
+        self.rate_name = "tokens_per_s" if spec.counts_tokens else "rows_per_s"
+        self.per_step = config.train.global_batch * (config.train.seq_len if spec.counts_tokens else 1)
+        analytic = spec.flops_per_step(config)
+        self.flops_per_step = analytic[0] if analytic else None
         self.num_devices = num_devices
         self.peak = peak_tflops(device_kind, config.model.dtype, config.metrics.peak_tflops)
 

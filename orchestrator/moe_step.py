@@ -3,6 +3,8 @@ and the auxiliary-loss-free balancing of the expert biases between steps."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,10 +14,12 @@ from nestor.backend import Backend
 from nestor.backend.mosaic_gpu import tiles
 from nestor.models import axes
 from nestor.models.moe import MoELayerConfig
-from nestor.orchestrator.config import Config
 from nestor.orchestrator.degrees import moe_tokens_per_device
 from nestor.parallel.experts import ExpertLayout, exchange_name, expert_exchange, worst_case_rows
 from nestor.parallel.rules import Rules, split_degree
+
+if TYPE_CHECKING:  # the config is read, never built, here
+    from nestor.orchestrator.config import Config
 
 EXPERT_BIAS = "moe_expert_bias"
 # the logical names of a dropless MoE layer's tokens and expert weights (models.moe)

@@ -11,7 +11,7 @@ from nestor.cluster.launcher import ClusterSpec, Preempted, Recovery, Restart, S
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
-from nestor.orchestrator.model_class import user_code_paths
+from nestor.orchestrator.specs.registry import user_code_paths
 from nestor.orchestrator.launch_checks import check_before_launch
 from nestor.orchestrator.paths import show_relative_to, user_directory
 from nestor.orchestrator.progress import Console, ForwardingConsole, replay

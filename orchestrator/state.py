@@ -27,7 +27,7 @@ from nestor.models.stack import Stack
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.hf.load import load_params
-from nestor.orchestrator.model_class import build_model
+from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.orchestrator.optimizer import make_optimizer
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
 
@@ -230,12 +230,13 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     the user's cannot be laid out (`layout_problems`)."""
     abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
     graphdef, abstract_bias, abstract_params = split_model(abstract_model)
-    if not config.model.builtin_lm:
+    checked = spec_of(config).layout_checked
+    if checked:
         if problems := (trained_variable_problems(abstract_params)
                         or layout_problems(config, abstract_model, abstract_params, mesh, rules, batch_axes)):
             raise ConfigError(problems)
     logical, params_shape = _logical_and_values(abstract_params)
-    if not config.model.builtin_lm:
+    if checked:
         logical = _unpipelined_stacks_whole(config, abstract_model, logical)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
     optimizer = make_optimizer(config, logical)

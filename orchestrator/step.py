@@ -21,24 +21,23 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend, BackendError, backend_of_devices
-from nestor.models import axes, ops, stack, task
+from nestor.models import ops, stack, task
 from nestor.models.axes import activation_sharding
 from nestor.models.moe import EXPERT_LOAD, expert_parallelism
 from nestor.models.stack import RematPolicy, StackRunner, scan_layers, unrolled_layers
-from nestor.models.transformer import STACK
 from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.context_step import ATTENTION_AXES, sequence_layout, with_context_attention
 from nestor.orchestrator.data.batches import Field, batch_fields, shardings
 from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.moe_step import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
 from nestor.orchestrator.optimizer import learning_rate
+from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.state import StateLayout
 from nestor.parallel.context import context_degree
 from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from nestor.parallel.pipeline_1f1b import one_f_one_b
 from nestor.parallel.rules import Rules, activation_constrainer, resolve_rules
 
-ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
 Metrics = dict[str, jax.Array]
 Batch = dict[str, jax.Array]
 # grad_fn(params, batch, key=None, expert_bias=None) -> ((loss, metrics), grads), as value_and_grad(loss_fn)
@@ -50,7 +49,8 @@ def backend_for(config: Config, mesh: Mesh) -> Backend:
     Raises ConfigError for a choice the target cannot run."""
     try:
         return backend_of_devices(config, mesh.devices.flat,
-                                  context_degree(mesh, resolve_rules(config.mesh.rules), ATTENTION_AXES))
+                                  context_degree(mesh, resolve_rules(config.mesh.rules), ATTENTION_AXES),
+                                  dropless_layers=spec_of(config).dropless_layers(config))
     except BackendError as error:
         raise ConfigError([(error.key, error.message)]) from None
 
@@ -166,13 +166,10 @@ def stack_runners(config: Config, mesh: Mesh, rules: Rules, backend: Backend) ->
     # 1F1B's loop runs the backward pass too; a forward alone (evaluation) is GPipe's (circular's, interleaved)
     # over the same stages and layer groups
     forward = dataclasses.replace(schedule, one_f_one_b=False, zero_bubble=False)
-    if config.model.builtin_lm:
-        return {STACK: pipeline_runner(forward, mesh, rules, ACTIVATION_AXES, policy, compiled.pipeline_loop),
-                None: layers}
+    spec = spec_of(config)
 
-    def pipelined(layer_fn, stacked_params, x, row_inputs=None):  # x [batch, ...]: its rows split, the rest whole
-        activation_axes = (axes.BATCH,) + (None,) * (x.ndim - 1)
-        runner = pipeline_runner(forward, mesh, rules, activation_axes, policy, compiled.pipeline_loop)
+    def pipelined(layer_fn, stacked_params, x, row_inputs=None):  # x [batch, ...]: laid out as the spec says
+        runner = pipeline_runner(forward, mesh, rules, spec.activation_axes(x.ndim), policy, compiled.pipeline_loop)
         return runner(layer_fn, stacked_params, x, row_inputs)
 
     return {config.pipeline.stack: pipelined, None: layers}
@@ -217,8 +214,7 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
             rows = whole.pipeline_rows(batch) if hasattr(whole, "pipeline_rows") else None
             stats_loss = whole.pipeline_stats_loss if hasattr(whole, "pipeline_stats_loss") else None
             x_shape = jax.eval_shape(input_fn, rest, batch)
-            activation_axes = ACTIVATION_AXES if config.model.builtin_lm else (axes.BATCH,) + (None,) * (
-                len(x_shape.shape) - 1)
+            activation_axes = spec_of(config).activation_axes(len(x_shape.shape))
             value_and_grad = one_f_one_b(schedule, mesh, rules, activation_axes, policy)
             (loss, metrics, stats), (stacked_grads, rest_grads) = value_and_grad(
                 layer_fn, input_fn, head_fn, stacked, rest, batch, rows,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nestor.cluster.launcher import USER_CODE_ENV
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 
 
 def user_code_root() -> Path:

@@ -96,6 +96,10 @@ def test_explain_for_an_h100_counts_grouped_matmuls_as_its_kernels_and_the_state
     moe = explain(tiny_config(*base, "moe.num_experts=32", "moe.every=1", "moe.top_k=2", "moe.expert_mlp_dim=256",
                               "moe.capacity_factor=0"))
     assert moe["grouped_matmuls_counted_as_target_runs_them"]
+    # the LM calls attention and SwiGLU either way; only the dropless one runs grouped matmuls and an exchange
+    assert dense["backend"]["attention"] and dense["backend"]["swiglu"] and moe["backend"]["exchange"]
+    assert dense["backend"]["grouped_matmul"] is None and dense["backend"]["exchange"] is None
+    assert dense["backend"]["pipeline_loop"] is None  # mesh.pipeline=1
     assert not dense["grouped_matmuls_counted_as_target_runs_them"]  # no grouped matmul: one compile
     assert moe["flops_per_step"] / dense["flops_per_step"] < 1.3  # measured 1.22
     model_work = [report["flops_per_step"] - report["update_flops_per_step"] for report in (moe, dense)]

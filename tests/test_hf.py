@@ -23,7 +23,7 @@ from nestor.orchestrator.hf import safetensors
 from nestor.orchestrator.hf.export import export
 from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import build_job
-from nestor.orchestrator.model_class import lm_config
+from nestor.orchestrator.specs.lm import lm_config
 from nestor.models.transformer import Transformer
 from nestor.orchestrator.state import init_state
 from tests.conftest import COMPARABLE_ADAM

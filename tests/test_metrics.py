@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.explain import compile_step, cost_flops, explain, format_report, step_flops
-from nestor.orchestrator.flops import executed_flops_per_step, model_flops_per_step, peak_tflops
+from nestor.orchestrator.peak_flops import peak_tflops
+from nestor.orchestrator.specs.lm_flops import executed_flops_per_step, model_flops_per_step
 from nestor.orchestrator.goodput import RUN_CATEGORIES
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,

@@ -14,7 +14,7 @@ from nestor.models.moe import (MoEFeedForward, MoELayerConfig, expert_capacity, 
 from nestor.models.transformer import TransformerConfig, moe_feed_forward
 from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.explain import compile_step, param_table
-from nestor.orchestrator.flops import matmul_params_per_token
+from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from nestor.orchestrator.job import build_job
 from nestor.parallel.hlo import collectives
 from tests.conftest import TINY

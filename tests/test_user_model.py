@@ -12,7 +12,7 @@ import pytest
 from nestor.cluster.launcher import USER_CODE_ENV
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.config import ConfigError
-from nestor.orchestrator.explain import explain
+from nestor.orchestrator.explain import backend_lines, explain
 from tests.conftest import COMPARABLE_ADAM
 from tests.helpers import ONE_DEVICE, assert_same_training, child_env, mesh_overrides, run, run_fresh
 
@@ -162,6 +162,11 @@ def test_explain_prints_the_layout_of_the_users_parameters(user_dir):
     assert specs["head"] == (["embed", "classes"], ["fsdp", None])  # a name without a rule is replicated
     assert specs["blocks/blocks/scale"][1] == ["pipeline", None]  # a vector without names is replicated
     assert report["model_flops_per_step"] is None and report["flops_per_step"] > 0
+    # a model that calls none of models.ops and runs no pipeline gets none of those choices reported
+    backend = report["backend"]
+    assert [backend[key] for key in ("attention", "matmuls", "swiglu", "grouped_matmul", "exchange",
+                                     "pipeline_loop")] == [None] * 6, backend
+    assert backend_lines(backend)[0] == f"backend for cpu: remat {backend['remat']}"
 
 
 def test_mesh_rules_map_a_users_own_logical_name(user_dir):
@@ -297,7 +302,7 @@ def test_the_console_script_reports_a_users_mistake_in_one_line_with_exit_2(user
 
 
 def test_the_users_code_a_remote_cluster_receives_is_what_the_run_imports_from_its_directory(user_dir):
-    from nestor.orchestrator.model_class import user_code_paths
+    from nestor.orchestrator.specs.registry import user_code_paths
 
     write_user_directory(user_dir, "shipped", MODEL)  # a module no other test imported from elsewhere
     assert user_code_paths(user_config("model.class=shipped:MLP")) == (str(user_dir / "shipped.py"),)

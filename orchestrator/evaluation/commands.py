@@ -22,7 +22,8 @@ from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
 from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.model_class import LM, is_builtin_lm
+from nestor.orchestrator.specs.lm import LM
+from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.state import StateLayout, state_layout
 from nestor.orchestrator.step import backend_for, model_context, stack_runners
 from nestor.orchestrator.tokenizer import fitting_tokenizer
@@ -72,7 +73,7 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     as many identical rows as devices split the batch; the first row is returned. Raises ConfigError
     (key `--prompt`) for an empty prompt, (`--top-k`) for a top_k past the vocabulary, and as `restore_newest` and `fitting_tokenizer` do.
     """
-    if not is_builtin_lm(config):
+    if not spec_of(config).decodes:
         raise ConfigError([("model.class", f"nestor sample decodes nestor's language model (model.class: {LM}); "
                                            f"{config.model.class_} has no decoding")])
     tokenizer = fitting_tokenizer(config.data.tokenizer, config.model.vocab_size)
@@ -127,7 +128,7 @@ def logits_of(config: Config, tokens: np.ndarray, devices: list[jax.Device] | No
     mesh, of run.dir's newest checkpoint or else `model.init_from`. Rows are padded to what the mesh and
     the pipeline's micro-batches split, then cut. Raises ConfigError (--tokens) for tokens that are not
     [rows, length] ids of the vocabulary, and as `_parameters`."""
-    if not is_builtin_lm(config):
+    if not spec_of(config).decodes:
         raise ConfigError([("model.class", f"nestor logits runs nestor's language model (model.class: {LM})")])
     tokens = np.asarray(tokens)
     vocab = config.model.vocab_size

@@ -26,7 +26,8 @@ from nestor.orchestrator.hf.config import ARCHITECTURES, CONFIG, to_hf
 from nestor.orchestrator.hf.load import SIDE_FILES, SOURCE_DIR, box_of
 from nestor.orchestrator.hf.params import Entry, entries
 from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.model_class import is_builtin_lm, lm_config
+from nestor.orchestrator.specs.lm import lm_config
+from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.runtime import wait_for_every_process
 from nestor.orchestrator.state import state_layout
 from nestor.parallel.rules import resolve_rules
@@ -94,7 +95,7 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
     """Writes checkpoint `step` (default: the newest) of the run `config` describes to `out` as a Hugging Face
     checkpoint in `dtype`; returns what was written. Raises ConfigError for a model no supported architecture
     computes, an `out` that holds files, or a run without that checkpoint."""
-    if not is_builtin_lm(config):
+    if not spec_of(config).hugging_face:
         raise ConfigError([("model.class", f"export writes nestor's LM; {config.model.class_} has no Hugging Face "
                                            "architecture")])
     if out.exists() and any(out.iterdir()):

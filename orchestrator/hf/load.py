@@ -18,7 +18,7 @@ from nestor.orchestrator.config import Config, ConfigError
 from nestor.orchestrator.hf.config import ARCHITECTURES, KEY, architecture, read
 from nestor.orchestrator.hf.params import IGNORED_SUFFIXES, Entry, entries
 from nestor.orchestrator.hf.safetensors import Box, Reader
-from nestor.orchestrator.model_class import lm_config
+from nestor.orchestrator.specs.lm import lm_config
 
 # files of a checkpoint directory a run keeps in run.dir/hf/ for export and sampling
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

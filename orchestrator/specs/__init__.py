@@ -1,0 +1,9 @@
+"""What the orchestrator asks of a model, in one interface: `base.ModelSpec` (its loss is the task contract
+of models.task; the spec answers the rest: how it is built, which checks its keys need, its analytic FLOPs,
+decoding, Hugging Face mapping, how its pipelined stack's activations are laid out). `registry.spec_of`
+returns a run's: nestor's decoder LM (`lm`) or a user's Flax NNX module (`user`), in the spirit of
+torchtitan's TrainSpec.
+
+May import models, parallel, backend and the orchestrator's modules below the config (config_keys, degrees,
+errors, user_code, moe_step); it reads the run config without importing it, so that validation can ask.
+"""
