@@ -20,7 +20,7 @@ import jax  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
 from nestor.orchestrator import config as config_lib  # noqa: E402
-from nestor.orchestrator.config import ConfigError  # noqa: E402
+from nestor.orchestrator.errors import ConfigError  # noqa: E402
 from nestor.orchestrator.explain import explain  # noqa: E402
 from nestor.orchestrator.job import build_job  # noqa: E402
 from nestor.orchestrator.state import init_state  # noqa: E402

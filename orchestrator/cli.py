@@ -126,7 +126,7 @@ def _sample(config, args) -> int:
 def _logits(config, args) -> int:
     import numpy as np
 
-    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.errors import ConfigError
     from nestor.orchestrator.evaluation.commands import logits_of
     from nestor.orchestrator.runtime import configure_jax
 
@@ -173,7 +173,8 @@ def _goodput(args) -> int:
 def export_config(args):
     """Returns the config of the run in `args.run_dir` (its config.yaml), with `args.overrides` (a mesh that
     fits this machine, say) layered over it."""
-    from nestor.orchestrator.config import ConfigError, load
+    from nestor.orchestrator.config import load
+    from nestor.orchestrator.errors import ConfigError
 
     saved = Path(args.run_dir).expanduser() / "config.yaml"
     if not saved.is_file():
@@ -382,8 +383,8 @@ def _main(args) -> int:
         print(f"nestor: {missing}", file=sys.stderr)
         return 1
     from nestor.cluster.rendezvous import ClusterError
-    from nestor.orchestrator.config import ConfigError, load
-    from nestor.orchestrator.errors import RunFailed
+    from nestor.orchestrator.config import load
+    from nestor.orchestrator.errors import ConfigError, RunFailed
     from nestor.orchestrator.idle_keys import idle_warning
 
     try:

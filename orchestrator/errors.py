@@ -1,5 +1,6 @@
 """The errors nestor reports to the user as themselves, in a module of its own: light enough for processes
-that never touch JAX (the workers of `nestor data prepare`). `orchestrator.config` re-exports ConfigError."""
+that never touch JAX (the workers of `nestor data prepare`). Every module imports ConfigError from here
+(tests/test_imports.py)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ import jax
 from jax.sharding import Mesh
 
 from nestor.backend import ACCELERATORS, Backend, platform_family
-from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.degrees import mesh_axes_key
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.memory_fit import state_problems
 from nestor.orchestrator.state import StateLayout, param_table, per_device_bytes, state_layout

@@ -9,9 +9,10 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, config_differences, finalized_steps
-from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.data.batches import text_files
 from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.specs.registry import resolve_user_code, spec_of
 
 

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import yaml
 
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.paths import shown
 
 LOCK_NAME = "nestor.lock"

@@ -24,11 +24,12 @@ from nestor.models import axes, task
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
-from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.degrees import schedule_for
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.load import load_params
-from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.orchestrator.optimizer import make_optimizer
+from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
 
 

@@ -80,18 +80,60 @@ def _diverged(what: str, checkpointer: Checkpointer, broken: int | None) -> Trai
     return TrainingDiverged(f"{what}; stopped without saving this state. {rerun}: {CALMER} first")
 
 
-def _check_health(step: int, values: dict, health: StateHealth, checkpointer: Checkpointer,
-                  restored: tuple[int, dict] | None, first_step: int) -> None:
-    """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
-    broken = None
-    if restored is not None and step == first_step + 1:  # its loss is the restored parameters'
-        if health.restored_state_is_broken(float(values["loss"])):
-            broken = restored[0]
-    for name in ("loss", "param_norm"):
-        if not np.isfinite(values[name]):
-            raise _diverged(f"{name} is {float(values[name])} at step {step}", checkpointer, broken)
-    if unhealthy := health.judge(step, values):
-        raise _diverged(f"the state of step {step} blew up: {unhealthy}", checkpointer, broken)
+@dataclasses.dataclass
+class StepRecorder:
+    """Takes each finished step, one step late: reads its values to the host, checks the state's health
+    (before it goes to disk), runs its save and logs its record. `timings` holds one-off times (the
+    compile's, a save's), logged with the next record."""
+
+    config: Config
+    checkpointer: Checkpointer
+    health: StateHealth
+    restored: tuple[int, dict] | None  # (step, its record) the run resumed from
+    first_step: int
+    watchdog: HangWatchdog
+    goodput: Goodput
+    writer: MetricsWriter
+    console: Console
+    result: TrainResult
+    timings: dict[str, float]
+
+    def __call__(self, pending: PendingStep, save: Callable[..., Any] | None = None) -> None:
+        """Reads `pending`'s values, checks them, runs `save` (the step's checkpoint) and logs."""
+        step, metrics, started, finished = pending
+        logged = (step % self.config.train.log_every == 0 or step == self.config.train.steps or save is not None
+                  or "eval_loss" in metrics)
+        # Off logging steps, only what every step needs comes to the host.
+        values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
+        self.watchdog.beat(f"step {step + 1}", step_done=True)
+        finished_at = time.perf_counter() if finished is None else finished
+        self._check_health(step, values)
+        self.result.losses.append(float(values["loss"]))
+        if save is not None:
+            saving = time.perf_counter()
+            self.watchdog.beat(f"the save of checkpoint {step}")
+            with self.goodput.charged("checkpoint_save"):
+                save(health=self.health.record())
+            self.watchdog.beat(f"step {step + 1}")
+            self.timings["checkpoint_s"] = time.perf_counter() - saving
+        if logged:
+            record = self.writer.write(step, values, finished_at - started,
+                                       {**self.timings, **self.goodput.log(step)})
+            self.timings.clear()
+            self.result.history.append(record)
+            self.console.step(record)
+
+    def _check_health(self, step: int, values: dict) -> None:
+        """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
+        broken = None
+        if self.restored is not None and step == self.first_step + 1:  # its loss is the restored parameters'
+            if self.health.restored_state_is_broken(float(values["loss"])):
+                broken = self.restored[0]
+        for name in ("loss", "param_norm"):
+            if not np.isfinite(values[name]):
+                raise _diverged(f"{name} is {float(values[name])} at step {step}", self.checkpointer, broken)
+        if unhealthy := self.health.judge(step, values):
+            raise _diverged(f"the state of step {step} blew up: {unhealthy}", self.checkpointer, broken)
 
 
 def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log,
@@ -235,36 +277,12 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         writer.start(first_step, _sharding_text(job), _mesh_text(job))
         console.start(config.train.steps, first_step)
         closing.callback(console.close)
-        timings = {"compile_s": compile_s}  # one-off times, logged with the next record
-
-        def flush(pending, save=None) -> None:
-            """Reads a finished step's values, checks them, runs `save` (the step's checkpoint) and logs."""
-            step, metrics, started, finished = pending
-            logged = (step % config.train.log_every == 0 or step == config.train.steps or save is not None
-                      or "eval_loss" in metrics)
-            # Off logging steps, only what every step needs comes to the host.
-            values = _to_host(metrics if logged else {name: metrics[name] for name in ("loss", "param_norm")})
-            watchdog.beat(f"step {step + 1}", step_done=True)
-            finished_at = time.perf_counter() if finished is None else finished
-            _check_health(step, values, health, checkpointer, restored, first_step)  # before the state goes to disk
-            result.losses.append(float(values["loss"]))
-            if save is not None:
-                saving = time.perf_counter()
-                watchdog.beat(f"the save of checkpoint {step}")
-                with goodput.charged("checkpoint_save"):
-                    save(health=health.record())
-                watchdog.beat(f"step {step + 1}")
-                timings["checkpoint_s"] = time.perf_counter() - saving
-            if logged:
-                record = writer.write(step, values, finished_at - started, {**timings, **goodput.log(step)})
-                timings.clear()
-                result.history.append(record)
-                console.step(record)
-
+        recorder = StepRecorder(config, checkpointer, health, restored, first_step, watchdog, goodput, writer,
+                                console, result, timings={"compile_s": compile_s})
         profiler = StepProfiler(config, enabled=lead, log=log)
         closing.callback(profiler.stop)
         started = time.perf_counter()
-        result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, flush, signals,
+        result.state, result.stopped_by = _loop(config, job, state, first_step, checkpointer, recorder, signals,
                                                 profiler, goodput, watchdog)
         watchdog.beat("the last saves to finish")  # closing waits for them
     if result.stopped_by is not None:
@@ -279,11 +297,11 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
 
 
 def _loop(config: Config, job: Job, state: dict, first_step: int, checkpointer: Checkpointer,
-          flush, signals: StopSignals, profiler: StepProfiler, goodput: Goodput,
+          flush: StepRecorder, signals: StopSignals, profiler: StepProfiler, goodput: Goodput,
           watchdog: HangWatchdog) -> tuple[dict, int | None]:
     """Runs the steps; returns (final state, the stop signal or None). Saves only verified states. The host's
     time making batches, in steps (dispatching them, waiting on their outputs) and evaluating is charged to
-    `goodput`'s data_wait, step and eval; a save's, to checkpoint_save (in `flush`)."""
+    `goodput`'s data_wait, step and eval; a save's, to checkpoint_save (in `flush`, the run's StepRecorder)."""
     def wait_for(outputs) -> None:  # waiting on a step's outputs is that step's time
         with goodput.charged("step"):
             jax.block_until_ready(outputs)

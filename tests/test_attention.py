@@ -146,7 +146,7 @@ def test_mfu_rows_add_what_runs_where_it_is_not_the_implementation_asked_for(tin
 
 
 def test_cudnn_in_float32_names_model_attention(tiny_config):
-    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
         tiny_config("model.attention=cudnn")

@@ -18,6 +18,7 @@ from jax._src.dispatch import BACKEND_COMPILE_EVENT  # the name jax.monitoring r
 
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.checkpoint import Checkpointer, MIN_REPLICA_SLICE_BYTES, checkpoint_dir, restore_state
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.launch_checks import checkpoint_misfit
 from nestor.orchestrator.progress import Console
@@ -254,7 +255,7 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
     run(load(tmp_path / "run", "train.steps=2"))
     before, config_yaml = _files(tmp_path / "run"), (tmp_path / "run" / "config.yaml").read_text()
     wider = load(tmp_path / "run", "train.steps=4", "model.mlp_dim=256")
-    with pytest.raises(config_lib.ConfigError, match="model.mlp_dim"):
+    with pytest.raises(ConfigError, match="model.mlp_dim"):
         run(wider)
     assert (checkpoint_dir(wider.run.dir) / "2").is_dir()  # left where it was
     assert _files(tmp_path / "run") == before and (tmp_path / "run" / "config.yaml").read_text() == config_yaml
@@ -342,13 +343,13 @@ def test_checkpoint_with_other_experts_is_a_config_error_naming_them(tmp_path):
     moe = ("moe.num_experts=4", "moe.every=2")
     run(load(tmp_path / "run", "train.steps=2", *moe))
     more_experts = load(tmp_path / "run", "train.steps=4", "moe.num_experts=8", "moe.every=2")
-    with pytest.raises(config_lib.ConfigError, match="moe.num_experts") as error:
+    with pytest.raises(ConfigError, match="moe.num_experts") as error:
         run(more_experts)
     assert "run.dir" in str(error.value) and "(2, 4," in str(error.value)  # names a saved expert array's shape
     assert (checkpoint_dir(more_experts.run.dir) / "2").is_dir()  # left where it was
     assert not (tmp_path / "torn_checkpoints").exists()
     # the Ray launcher's check in the user's process, before any worker starts, names the same key
-    with pytest.raises(config_lib.ConfigError, match="moe.num_experts: is 8 but .* was written with 4; use the "
+    with pytest.raises(ConfigError, match="moe.num_experts: is 8 but .* was written with 4; use the "
                                                     "checkpoint's value or a new run.dir"):
         checkpoint_misfit(more_experts)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from tests.conftest import ROOT
 
 

@@ -17,7 +17,8 @@ import jax
 import pytest
 
 from nestor.orchestrator import cli, memory_fit
-from nestor.orchestrator.config import INT32_MAX, ConfigError, Key, key_table, load
+from nestor.orchestrator.config import INT32_MAX, Key, key_table, load
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.idle_keys import idle_keys, idle_warning
 from nestor.orchestrator.job import build_job, select_devices
 from tests.conftest import ROOT

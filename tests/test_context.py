@@ -15,14 +15,14 @@ from nestor.models import ops
 from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.config import ConfigError
-from nestor.orchestrator.validation import validate
 from nestor.orchestrator.context_step import ATTENTION_AXES
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, document_ids
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import explain, format_report
 from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.memory_fit import GIB
 from nestor.orchestrator.step import backend_for
+from nestor.orchestrator.validation import validate
 from nestor.parallel import context
 from nestor.parallel.context import SequenceLayout, context_attention
 from nestor.parallel.hlo import collectives, conditional_branch_ops

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, TextSource
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import make_mesh
 from nestor.parallel.rules import resolve_rules
 from tests.helpers import mesh_overrides

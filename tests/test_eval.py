@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data.prepare import Options, prepare
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.commands import restore_newest
 from nestor.orchestrator.evaluation.loss import Evaluator, eval_source
 from nestor.orchestrator.metrics import tensorboard_tag

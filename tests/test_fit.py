@@ -8,7 +8,8 @@ import pytest
 
 from nestor.backend import resolve_backend
 from nestor.orchestrator import memory_fit as fit
-from nestor.orchestrator.config import ConfigError, load
+from nestor.orchestrator.config import load
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import explain, fit_line
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict

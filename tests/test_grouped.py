@@ -15,7 +15,7 @@ from nestor.backend.remat import policy as remat_policy
 from nestor.models import ops
 from nestor.models.moe import dropless_expert_outputs, grouped_swiglu
 from nestor.orchestrator import moe_step as orchestrator_moe
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from tests.helpers import equations
 

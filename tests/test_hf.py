@@ -16,15 +16,16 @@ from flax import nnx
 
 from nestor.models import moe, stack
 from nestor.models.stack import unrolled_layers
+from nestor.models.transformer import Transformer
 from nestor.orchestrator.checkpoint import Checkpointer
-from nestor.orchestrator.config import ConfigError, load
+from nestor.orchestrator.config import load
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.commands import logits_of
 from nestor.orchestrator.hf import safetensors
 from nestor.orchestrator.hf.export import export
 from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.specs.lm import lm_config
-from nestor.models.transformer import Transformer
 from nestor.orchestrator.state import init_state
 from tests.conftest import COMPARABLE_ADAM
 from tests.helpers import (ONE_DEVICE, assert_same_training, last_lines_of_two_processes, mesh_overrides, run,

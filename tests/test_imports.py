@@ -136,3 +136,16 @@ def test_every_room_imports_only_the_rooms_its_arrows_allow():
                if imp.target.split(".")[0] != imp.source.split(".")[0]
                and imp.target.split(".")[0] not in ARROWS[imp.source.split(".")[0]]]
     assert against == []
+
+
+def test_config_error_is_imported_from_its_one_home():
+    """ConfigError lives in orchestrator.errors (light enough for processes without JAX); no module takes it
+    from the config, which only uses it."""
+    borrowed = []
+    for root in ("orchestrator", "backend", "models", "parallel", "cluster", "bench", "tests"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("orchestrator.config") \
+                        and any(alias.name == "ConfigError" for alias in node.names):
+                    borrowed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert borrowed == []

@@ -12,10 +12,10 @@ from flax import nnx
 from nestor.models.moe import (MoEFeedForward, MoELayerConfig, expert_capacity, load_balancing_loss, moe_losses, route,
                                router_z_loss)
 from nestor.models.transformer import TransformerConfig, moe_feed_forward
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import compile_step, param_table
-from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from nestor.orchestrator.job import build_job
+from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from nestor.parallel.hlo import collectives
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
@@ -367,7 +367,7 @@ def test_flops_count_fine_grained_and_shared_experts(tiny_config):
 
 def test_pipeline_stages_split_units_of_moe_every_layers():
     from nestor.orchestrator import config as config_lib
-    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.errors import ConfigError
 
     with pytest.raises(ConfigError) as caught:
         config_lib.load(None, ["model.preset=tiny", *MOE, "mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=4"])
@@ -377,7 +377,7 @@ def test_pipeline_stages_split_units_of_moe_every_layers():
 
 def test_group_size_must_divide_a_pipeline_micro_batch_per_device():
     from nestor.orchestrator import config as config_lib
-    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.errors import ConfigError
 
     # 16 x 32 tokens, 4 micro-batches, 4 batch shards: 32 tokens per device per micro-batch.
     base = ["model.preset=tiny", *MOE, "train.seq_len=32", "mesh.pipeline=2", "mesh.data=4",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nestor.backend import EXCHANGE_CHOICES, resolve_backend
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.state import init_state
 from nestor.orchestrator.step import make_grad_fn

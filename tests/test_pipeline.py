@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import compile_step, explain, format_report, param_table
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.state import init_state

@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data import prepare as prepare_module
 from nestor.orchestrator.data.prepare import Options, held_out_by_hash, prepare
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, METADATA, documents_of
+from nestor.orchestrator.errors import ConfigError
 
 WORDS = "the cat sat on a mat while dogs ran far away into the quiet night and came home".split()
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nestor.backend import resolve_backend
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import compile_step
 from nestor.orchestrator.job import build_job
 from tests.conftest import TINY

@@ -62,7 +62,7 @@ def test_the_synthetic_task_reverses_each_sentence():
 
 
 def test_a_1f1b_schedule_pipelines_the_stack_the_models_split_wraps():
-    from nestor.orchestrator.config import ConfigError
+    from nestor.orchestrator.errors import ConfigError
     from nestor.orchestrator.explain import explain
 
     with pytest.raises(ConfigError, match="runs Seq2Seq's split around its stack 'encoder'"):

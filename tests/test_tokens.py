@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data.batches import DataPipeline, make_source
 from nestor.orchestrator.data.shards import METADATA, TokenStream
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import make_mesh
 from nestor.orchestrator.metrics import tensorboard_tag
 from nestor.parallel.rules import resolve_rules

@@ -11,7 +11,7 @@ import pytest
 
 from nestor.cluster.launcher import USER_CODE_ENV
 from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import backend_lines, explain
 from tests.conftest import COMPARABLE_ADAM
 from tests.helpers import ONE_DEVICE, assert_same_training, child_env, mesh_overrides, run, run_fresh

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.config import ConfigError
 from nestor.orchestrator.data.examples import digits
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import explain
 from tests.conftest import COMPARABLE_ADAM, ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh

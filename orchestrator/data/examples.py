@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 
 SPLITS = ("train", "eval")
 

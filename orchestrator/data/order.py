@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nestor.orchestrator.config import ConfigError
+from nestor.orchestrator.errors import ConfigError
 
 
 def windows_of(tokens: int, width: int, key: str) -> int:

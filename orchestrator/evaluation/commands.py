@@ -13,11 +13,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from nestor.models import axes, stack, task
-from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
 from nestor.orchestrator.checkpoint import restore_state
-from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.context_step import whole_rows
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
 from nestor.orchestrator.hf.load import load_params

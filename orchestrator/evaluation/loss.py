@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend
-from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.config import Config
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.state import StateLayout
 from nestor.orchestrator.step import backend_for, constrain_batch, make_loss_fn, micro_batches, stack_runners
 from nestor.orchestrator.validation import eval_problems

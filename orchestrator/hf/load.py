@@ -14,7 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from nestor.orchestrator.config import Config, ConfigError
+from nestor.orchestrator.config import Config
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.config import ARCHITECTURES, KEY, architecture, read
 from nestor.orchestrator.hf.params import IGNORED_SUFFIXES, Entry, entries
 from nestor.orchestrator.hf.safetensors import Box, Reader
