@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from nestor.cluster.launcher import stage_project, use_token_if_present
+from nestor.cluster.connect import stage_project, use_token_if_present
 from nestor.cluster.rendezvous import ClusterError
 
 SUBMITTED_CONFIG = ".nestor/config.yaml"

@@ -7,7 +7,9 @@ import re
 import time
 
 from nestor.cluster.interrupts import Interrupted, kept_signal
-from nestor.cluster.launcher import ClusterSpec, Preempted, Recovery, Restart, Stopped, launch
+from nestor.cluster.connect import ClusterSpec
+from nestor.cluster.driver import Recovery, Restart, launch
+from nestor.cluster.worker import Preempted, Stopped
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import RunFailed
@@ -144,7 +146,7 @@ def train_on_ray(config: Config, console: Console) -> int | None:
     returns when they finish: None, or the signal that stopped this process (the driver), once the
     workers saved the step they reached (a second signal stops them at once: KeyboardInterrupt).
 
-    Raises cluster.launcher.ClusterError (unreachable cluster, too few devices,
+    Raises cluster.rendezvous.ClusterError (unreachable cluster, too few devices,
     a rank that never joins, more than `cluster.max_failures` failed worker
     groups in a row with no new checkpoint between them) and the workers'
     own config errors; ConfigError when another run holds run.dir.

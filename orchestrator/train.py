@@ -17,7 +17,7 @@ import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nestor.cluster.launcher import last_words
+from nestor.cluster.worker import last_words
 from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.checkpoint_restore import finalized_steps
 from nestor.orchestrator.config import Config

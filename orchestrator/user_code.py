@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nestor.cluster.launcher import USER_CODE_ENV
+from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.errors import ConfigError
 
 
 def user_code_root() -> Path:
     """Returns the directory import paths are resolved in: the one nestor runs in, or where a launcher's
-    worker was told it is (cluster.launcher.USER_CODE_ENV)."""
+    worker was told it is (cluster.connect.USER_CODE_ENV)."""
     return Path(os.environ.get(USER_CODE_ENV) or os.getcwd()).resolve()
 
 

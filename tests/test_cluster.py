@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from nestor.cluster.launcher import ClusterSpec, check_capacity
+from nestor.cluster.connect import ClusterSpec, check_capacity
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from nestor.orchestrator.hang import NATIVE_TRIES
 from tests.conftest import ROOT
@@ -678,7 +678,7 @@ def test_a_remote_cluster_and_a_submitted_job_receive_the_users_model(ray_head, 
 
 
 def test_staging_ships_the_users_modules_beside_nestors_and_refuses_a_clash(tmp_path):
-    from nestor.cluster.launcher import stage_project
+    from nestor.cluster.connect import stage_project
 
     (tmp_path / "mine.py").write_text("X = 1\n")
     (tmp_path / "mypackage").mkdir()
@@ -746,7 +746,7 @@ def test_status_prints_a_jobs_restart_lines_under_its_status(monkeypatch, capsys
 
 
 def test_failures_count_in_a_row_until_the_run_saves_a_new_checkpoint():
-    from nestor.cluster.launcher import FailuresInARow
+    from nestor.cluster.driver import FailuresInARow
 
     count = FailuresInARow(progress=10)  # resumed from checkpoint 10
     assert [count.failed(10), count.failed(10)] == [1, 2]  # no checkpoint saved in between
@@ -765,7 +765,7 @@ class WorkerHealthCheckFailedError(Exception):
 
 
 def test_a_workers_death_makes_the_others_final_errors_restartable():
-    from nestor.cluster.launcher import Recovery, _failure_cause, _final_error
+    from nestor.cluster.driver import Recovery, _failure_cause, _final_error
     from nestor.orchestrator.checkpoint import CheckpointWriteError
 
     recovery = Recovery(final=lambda error: isinstance(error, CheckpointWriteError))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nestor.cluster.launcher import USER_CODE_ENV
+from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import backend_lines, explain

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nestor.cluster.launcher import USER_CODE_ENV
+from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.cli import parse
 from tests.conftest import ROOT

@@ -1,0 +1,208 @@
+"""Reaching a Ray cluster for a run: the cluster's shape (`ClusterSpec`), connecting (`connect`: local,
+by address, with Ray's token where one exists), whether it has room for the workers (`check_capacity`), and
+the project files a remote cluster's workers and a submitted job receive (`stage_project`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from nestor.cluster.rendezvous import ClusterError, free_port
+
+LOCALHOST = "127.0.0.1"
+
+
+# The directory holding this package and its siblings: what a remote cluster needs of the code.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+# where a worker resolves the user's own code (model.class): the directory the run was started in
+USER_CODE_ENV = "NESTOR_USER_CODE"
+
+
+# What a job needs of the project: its packages and configs, no run dirs, venvs or docs.
+JOB_FILES = ("pyproject.toml", "nestor", "configs", "orchestrator", "backend", "parallel", "models", "cluster")
+
+
+def stage_project(destination: Path, user_code: tuple[str, ...] = ()) -> Path:
+    """Copies what a job needs of the project (JOB_FILES) and the user's own code (`user_code`: module
+    files and package directories, importable from a job's working directory) into `destination`;
+    returns it. Raises ClusterError when the user's code would take one of the project's names."""
+    for name in JOB_FILES:
+        source, target = PROJECT_ROOT / name, destination / name
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    for path in map(Path, user_code):
+        target = destination / path.name
+        module = path.stem if path.is_file() else path.name
+        if target.exists() or module in JOB_FILES:  # `models.py` would lose to nestor's `models/` package
+            raise ClusterError(f"your code {path} would clash with nestor's {module!r} on the cluster; rename it")
+        if path.is_dir():
+            shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, target)
+    return destination
+
+
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the token it generated
+
+
+UPLOAD_EXCLUDES = [".git", ".venv", "venv", "runs", "**/__pycache__", "*.egg-info", ".pytest_cache", "docs", "tests",
+                   "bench"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """What a launch asks of Ray: workers, their accelerators, restarts, deadlines."""
+
+    hosts: int
+    devices_per_host: int
+    accelerator: str = "cpu"  # cpu | gpu | tpu
+    address: str | None = None  # None: the ambient cluster (RAY_ADDRESS) or an embedded one
+    max_failures: int = 3  # failed groups in a row without progress before the run fails; -1: no limit
+    min_hosts: int | None = None  # fewest workers a restarted group may start with; None: hosts
+    restart_timeout_s: float = 300.0  # how long a restart waits for room for all `hosts` workers
+    init_timeout_s: float = 120.0
+    tpu_topology: str | None = None  # e.g. "2x2x2" (v4/v5p) or "4x4" (v5e); TPU only
+    tpu_type: str | None = None  # e.g. "TPU-V4"; TPU only
+    dashboard: bool = True  # embedded cluster: serve the dashboard (and the state API) on 127.0.0.1
+    worker_logs: bool = False  # stream every worker's raw output to the driver (Ray-prefixed)
+    user_code: tuple[str, ...] = ()  # the user's modules and packages a remote cluster's workers import
+
+    def worker_resources(self) -> dict[str, float]:
+        """Returns the Ray resources one worker reserves."""
+        if self.accelerator == "gpu":
+            return {"CPU": 1, "GPU": self.devices_per_host}
+        if self.accelerator == "tpu":
+            return {"TPU": self.devices_per_host}
+        return {"CPU": 1}
+
+
+def use_token_if_present() -> None:
+    """Turns on Ray's token auth for this client when a token is available (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or Ray's token file) and RAY_AUTH_MODE is unset, as `ray start` does for its
+    head. Ray itself never does it for an explicit address, so a client of a head that `ray start`
+    put under token auth would be refused without it."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or TOKEN_FILE.exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray caches its config at import: read the mode again
+            from ray._raylet import Config
+
+            Config.initialize("")
+
+
+def connect(spec: ClusterSpec) -> None:
+    """Connects this process to Ray, starting an embedded cluster when no address is known."""
+    import ray
+
+    if os.environ.get("RAY_ADDRESS") and not spec.address:
+        # inside a Ray job: its runtime env already carries the code
+        ray.init(logging_level="ERROR", log_to_driver=spec.worker_logs)
+        return
+    if spec.address:
+        _check_reachable(spec.address)
+        use_token_if_present()
+        # the project and the user's code, staged together as the working dir (a clash refused before Ray)
+        staging = tempfile.TemporaryDirectory(prefix="nestor-upload-") if spec.user_code else None
+        upload = ({"working_dir": str(stage_project(Path(staging.name) / "project", spec.user_code))} if staging
+                  else {"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES})
+        try:
+            ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                     runtime_env={**upload, "env_vars": _start_timeout(spec)})
+        except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            # Something answered there (_check_reachable): a GCS that refused us, or not a GCS at all.
+            raise ClusterError(f"cluster.address={spec.address}: could not connect to Ray there ({first_line}); "
+                               "is it a Ray head's GCS port (6379 by default)? A cluster under token auth needs "
+                               "its token here: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token") from None
+        finally:
+            if staging is not None:
+                staging.cleanup()  # ray.init has uploaded it
+        return
+    # Token auth stays at Ray's default (on); everything binds to loopback. Workers
+    # import the code from this checkout, whatever version is installed.
+    pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    # Ray's state API, which Ray Train's placement-group cleaner asks whether the
+    # controller lives, finds its cluster through RAY_ADDRESS or else the newest
+    # `ray start` cluster on the machine; with another cluster running, it would ask
+    # that one, find no controller and remove our workers' placement group. So the
+    # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
+    gcs_port = free_port(LOCALHOST)
+    gcs_address = f"{LOCALHOST}:{gcs_port}"
+    previous_port = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
+    try:
+        ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard,
+                 dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST),
+                 num_cpus=spec.hosts + 1, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
+                                           USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
+                                           # no cloud to preempt a local cluster; print each line once
+                                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                                           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                                           **_start_timeout(spec)}})
+    finally:
+        if previous_port is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT")
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = previous_port
+    actual = ray.get_runtime_context().gcs_address
+    if actual != gcs_address:
+        raise ClusterError(f"the embedded Ray cluster came up at {actual}, not {gcs_address}; run again")
+
+
+def _start_timeout(spec: ClusterSpec) -> dict[str, str]:
+    # Ray Train gives a worker group 60 s to start; workers importing jax on a busy
+    # host can take longer, so allow as long as they may take to join jax.distributed.
+    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0))}
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raises ClusterError unless something accepts TCP connections at `address` ([scheme://]host:port)."""
+    # ray.init retries an unreachable GCS for minutes; a plain connect answers in seconds.
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not port.isdigit():
+        return  # e.g. "auto": Ray resolves it itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ClusterError(f"cluster.address={address}: cannot reach a Ray cluster there ({error.strerror or error}); "
+                           "start one with `ray start --head` or fix the address") from None
+
+
+def room_for_workers(spec: ClusterSpec, nodes: list[dict]) -> int:
+    """Returns how many of `spec`'s workers the live nodes of `nodes` (`ray.nodes()`) hold, whole workers per
+    node (a host's devices are never split across machines)."""
+    need = spec.worker_resources()
+    return sum(int(min(node.get("Resources", {}).get(name, 0) // amount for name, amount in need.items()))
+               for node in nodes if node.get("Alive"))
+
+
+def check_capacity(spec: ClusterSpec, nodes: list[dict]) -> None:
+    """Raises ClusterError, with the numbers, when no placement of `spec.hosts` workers fits `nodes`.
+
+    `nodes` is `ray.nodes()`; each node must hold whole workers (a host's
+    devices are never split across machines).
+    """
+    need = spec.worker_resources()
+    fits = room_for_workers(spec, nodes)
+    if fits < spec.hosts:
+        totals = {name: sum(n.get("Resources", {}).get(name, 0) for n in nodes if n.get("Alive")) for name in need}
+        asked = ", ".join(f"{spec.hosts} x {amount:g} {name}" for name, amount in need.items())
+        have = ", ".join(f"{total:g} {name}" for name, total in totals.items())
+        device = spec.accelerator.upper()
+        fix = (f"it has no {device}: set cluster.accelerator=cpu or add {device} nodes"
+               if device in totals and not totals[device] else "lower cluster.hosts/devices_per_host or add nodes")
+        raise ClusterError(f"cluster.hosts={spec.hosts} x cluster.devices_per_host={spec.devices_per_host} "
+                           f"(cluster.accelerator={spec.accelerator}) asks for {asked}, but the cluster has {have} "
+                           f"(room for {fits} worker(s)); {fix}")

@@ -1,0 +1,155 @@
+"""One Ray Train worker of a run (`run_worker`): on CPU it simulates its devices and joins jax.distributed
+through `rendezvous` (Ray Train's JaxTrainer joins it only on GPU and TPU, so this is what lets a laptop run
+real multi-host), then calls the train function; and what workers and the driver say to each other through
+the driver's mailbox: phases, last words, the ends `Preempted` and `Stopped`, stop requests (`_StopWatch`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+from nestor.cluster.connect import ClusterSpec
+from nestor.cluster.cpu_devices import simulate_cpu_devices
+from nestor.cluster.rendezvous import ClusterError, rendezvous
+
+STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to stop
+
+
+class Preempted(Exception):
+    """Raised by a train function on every worker once the group saved its state after a preemption
+    notice; `launch` starts the group again, and it resumes from that state."""
+
+
+class Stopped(Exception):
+    """Raised by a train function on every worker once the group saved its state for a stop the driver
+    was told (`stop_requested`); `launch` returns the driver's signal."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A start-up phase a worker reports to the driver (`launch`'s `on_phase`), apart from the run's messages."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """A worker process of the group, as it reported itself when it started."""
+
+    pid: int
+    node_ip: str
+    node_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LastWords:
+    """What a worker says just before it ends itself (`last_words`): the cause of the group's failure."""
+
+    rank: int
+    text: str
+
+
+class _BoardClient:
+    """Calls a Board actor as if it were local, for `rendezvous`."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def arrive(self, group, rank, address):
+        import ray
+        return ray.get(self.handle.arrive.remote(group, rank, address))
+
+    def state(self, group):
+        import ray
+        return ray.get(self.handle.state.remote(group))
+
+
+_LAST_WORDS = None  # in a Ray worker: (the mailbox, this worker's rank)
+
+
+LAST_WORDS_TIMEOUT_S = 10
+
+
+def last_words(text: str) -> None:
+    """In a Ray worker about to end itself: tells the driver why (the cause its restart line gives), and
+    has it continue the group's stopped workers (SIGCONT) so that they can end too. Elsewhere nothing."""
+    if _LAST_WORDS is None:
+        return
+    import ray
+
+    mailbox, rank = _LAST_WORDS
+    ray.get(mailbox.put.remote(LastWords(rank, text)), timeout=LAST_WORDS_TIMEOUT_S)
+
+
+def run_worker(config: dict) -> None:
+    """One Ray Train worker: on CPU, simulates its devices and joins jax.distributed; then trains."""
+    import ray.train
+
+    spec: ClusterSpec = config["spec"]
+    context = ray.train.get_context()
+    global _LAST_WORDS
+    _LAST_WORDS = (config["mailbox"], context.get_world_rank())
+    config["mailbox"].joined.remote(context.get_world_rank(), Worker(
+        os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()))
+    # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
+    for name in ("absl", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if spec.accelerator == "cpu":
+        import jax
+
+        rank, world = context.get_world_rank(), context.get_world_size()
+        simulate_cpu_devices(jax, spec.devices_per_host)
+        host = ray.util.get_node_ip_address()
+        # Every start of the worker group (first or restart) gets its own placement group.
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            raise ClusterError("a Ray Train worker runs outside a placement group; cannot tell restarts apart")
+        address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
+        # Bind the coordinator to the node's Ray address, not every interface.
+        jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
+                                   initialization_timeout=max(int(spec.init_timeout_s), 1))
+    import jax  # on GPU and TPU Ray Train's JaxTrainer has joined jax.distributed before this function
+
+    if jax.process_index() == 0:
+        config["mailbox"].put.remote(Phase(f"{jax.process_count()} worker process(es) joined jax.distributed, "
+                                           f"{jax.device_count()} devices"))
+    mailbox = config["mailbox"]
+    stop = _StopWatch(mailbox)
+    try:
+        config["fn"](config["argument"], mailbox.put.remote, stop.requested)
+    except Preempted:
+        mailbox.ended.remote("preempted")  # a clean end for Ray Train; the driver starts the next group
+    except Stopped:
+        mailbox.ended.remote("stopped")  # a clean end for Ray Train; the driver starts none
+    ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
+
+
+class _StopWatch:
+    """In a worker: asks the driver's mailbox every STOP_POLL_S, in a thread, whether the driver was told to
+    stop; `requested()` returns the signal it was told by, or None (`requested(now=True)` asks at once:
+    workers poll at their own moments, and one may stop for a request before its own poll saw it)."""
+
+    def __init__(self, mailbox):
+        self._mailbox = mailbox
+        self._signal: int | None = None
+        threading.Thread(target=self._watch, name="nestor-stop-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        import ray
+
+        while self._signal is None:
+            try:
+                self._signal = ray.get(self._mailbox.stop_request.remote())
+            except Exception:  # the driver is gone: Ray ends this worker anyway
+                return
+            time.sleep(STOP_POLL_S)
+
+    def requested(self, now: bool = False) -> int | None:
+        if now and self._signal is None:
+            import ray
+
+            self._signal = ray.get(self._mailbox.stop_request.remote())
+        return self._signal
