@@ -24,7 +24,7 @@ from nestor.orchestrator.config_keys import FIELD_NAMES, INT32_MAX, YAML_NAMES, 
 from nestor.orchestrator.data.shards import METADATA, VOCAB_MULTIPLE
 from nestor.orchestrator.errors import ConfigError  # defined apart: data prepare's workers import it without JAX
 from nestor.orchestrator.health import WINDOW as HEALTH_WINDOW
-from nestor.orchestrator.hf.config import sections
+from nestor.orchestrator.hf.architectures import sections
 from nestor.orchestrator.tokenizer import BYTES
 from nestor.orchestrator.validation import validate
 from nestor.orchestrator.yaml_files import override_value, read_yaml

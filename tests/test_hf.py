@@ -303,7 +303,7 @@ def test_the_features_imports_need_train_alike_on_a_sharded_mesh(tiny_config):
 
 def test_hub_configs_of_qwen2_keep_their_switched_off_sliding_window(tmp_path):
     """Qwen2.5 configs carry sliding_window with use_sliding_window false, and fields of later transformers."""
-    from nestor.orchestrator.hf.config import sections
+    from nestor.orchestrator.hf.architectures import sections
 
     qwen3 = json.loads((FIXTURES / "qwen3" / "config.json").read_text())
     qwen2 = {**qwen3, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 32768,

@@ -7,6 +7,7 @@ Imports under `if TYPE_CHECKING:` never run and are left out: they name types fo
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -149,3 +150,23 @@ def test_config_error_is_imported_from_its_one_home():
                         and any(alias.name == "ConfigError" for alias in node.names):
                     borrowed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert borrowed == []
+
+
+def test_the_layout_in_the_docs_names_every_module_and_folder_of_every_room():
+    """docs/concepts.md's layout is read against the tree: each room's modules and folders are named there."""
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[layout.index("```") + 3:]
+    words = set(re.findall(r"[\w.]+/?", layout[:layout.index("```")]))
+    missing = []
+    for room in (*ROOMS, "bench"):
+        for path in sorted((ROOT / room).iterdir()):
+            if path.name.startswith(".") or path.name in ("__init__.py", "__pycache__"):
+                continue
+            if path.is_dir():
+                named = f"{path.name}/" in words
+            else:  # a module by its file name; a benchmark by the name `python -m bench.NAME` runs
+                named = (path.stem if room == "bench" else path.name) in words
+            if not named:
+                missing.append(f"{room}/{path.name}")
+    assert missing == []

@@ -16,8 +16,8 @@ import numpy as np
 
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.hf.config import ARCHITECTURES, KEY, architecture, read
-from nestor.orchestrator.hf.params import IGNORED_SUFFIXES, Entry, entries
+from nestor.orchestrator.hf.architectures import ARCHITECTURES, KEY, architecture, read
+from nestor.orchestrator.hf.tensors import IGNORED_SUFFIXES, Entry, entries
 from nestor.orchestrator.hf.safetensors import Box, Reader
 from nestor.orchestrator.specs.lm import lm_config
 
@@ -28,7 +28,7 @@ SOURCE_DIR = "hf"
 
 
 def checkpoint_entries(config: Config) -> list[Entry]:
-    """Returns the entries (orchestrator.hf.params) of the run's LM, its experts named as its checkpoint's."""
+    """Returns the entries (orchestrator.hf.tensors) of the run's LM, its experts named as its checkpoint's."""
     directory = Path(config.model.init_from)
     return entries(lm_config(config), ARCHITECTURES[architecture(read(directory), directory)])
 
