@@ -1,9 +1,11 @@
 """The backend: every choice that depends on the platform, made once, in one place.
 
-`resolve_backend(config, platform, device_kind)` reads the target a run (or an
+`resolve_backend(request, platform, device_kind)` reads the target a run (or an
 `explain`) is meant for: `cluster.accelerator` when it names one, else the
-platform of `cluster.device_kind`, else the devices present. From the target,
-the dtype and the config's `auto` keys it decides the remat policy, the ops the
+platform of `cluster.device_kind`, else the devices present. The request
+(`BackendRequest`) is what the orchestrator reads for it from the run config and
+the model: the backend never sees the config. From the target, the dtype and the
+request's `auto` choices it decides the remat policy, the ops the
 model's layers call (models.ops: matmuls, attention, SwiGLU, grouped matmuls),
 the expert exchange of dropless MoE layers and the pipeline's loop. Nothing
 else in nestor reads the platform: models and pipelines take the ops and
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nestor.backend import fp8, remat
 from nestor.backend.mosaic_gpu import grouped_matmul_op, kernel_problem
@@ -28,9 +30,6 @@ from nestor.backend.xla_cpu import ops_from_float32_sums
 from nestor.models import ops as model_ops
 from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING, PipelineLoop
-
-if TYPE_CHECKING:  # a resolved run config (nestor.orchestrator.config.Config): read, never imported
-    from nestor.orchestrator.config import Config
 
 ACCELERATORS = ("gpu", "tpu")
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")  # model.attention
@@ -46,6 +45,25 @@ GROUPED_MATMUL_NAMES = {"none": "none (no dropless layer)", "xla": "jax.lax.ragg
                         COUNTED_WHERE_KERNELS_TILE: "rows times one group's weights where the kernels tile, else "
                                                     "jax.lax.ragged_dot"}
 _HOPPER_WORDS = ("h100", "h200", "h800", "gh200")  # NVIDIA Hopper (compute capability 9.x) device kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendRequest:
+    """What a run asks of the backend: its target and the choices of its config keys, named as the keys,
+    and whether its model may hold dropless MoE layers (the orchestrator asks the model)."""
+
+    accelerator: str                  # cluster.accelerator: cpu (the devices present decide) | gpu | tpu
+    device_kind: str | None           # cluster.device_kind: the target's device when named
+    dtype: str                        # model.dtype
+    remat: str                        # model.remat
+    remat_names: tuple[str, ...]      # model.remat_names
+    attention: str                    # model.attention
+    matmul_precision: str             # model.matmul_precision
+    context_attention: str            # model.context_attention
+    context_balance: bool             # model.context_balance
+    grouped_matmul: str               # moe.grouped_matmul
+    exchange: str                     # moe.exchange
+    dropless_layers: bool             # the model may hold dropless MoE layers
 
 
 class BackendError(ValueError):
@@ -77,14 +95,13 @@ def platform_family(platform: str) -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
-def target_of(config: Config, platform: str) -> str:
+def target_of(request: BackendRequest, platform: str) -> str:
     """Returns the platform family a run is meant for: `cluster.accelerator` when it names one, else that
     of a named `cluster.device_kind` (`tpu...`: tpu, any other: gpu), else that of `platform`, the devices'."""
-    cluster = config.cluster
-    if cluster.accelerator != "cpu":
-        return cluster.accelerator
-    if cluster.device_kind:
-        return "tpu" if cluster.device_kind.lower().startswith("tpu") else "gpu"
+    if request.accelerator != "cpu":
+        return request.accelerator
+    if request.device_kind:
+        return "tpu" if request.device_kind.lower().startswith("tpu") else "gpu"
     return platform_family(platform)
 
 
@@ -198,10 +215,10 @@ class Backend:
                 "substitutions": list(self.compiled_here().substitutions)}
 
 
-def _remat(config: Config, target: str) -> str:
+def _remat(request: BackendRequest, target: str) -> str:
     """Returns the remat policy of `model.remat` for `target`: `auto` is `dots` on accelerators (the fastest
     measured on an H100) and `full` on CPU (faster than keeping everything there; docs/benchmarks.md)."""
-    name = config.model.remat
+    name = request.remat
     if name == "auto":
         return "dots" if target in ACCELERATORS else "full"
     if name == "offload" and target not in ACCELERATORS:
@@ -209,11 +226,11 @@ def _remat(config: Config, target: str) -> str:
     return name
 
 
-def _attention(config: Config, target: str, context_devices: int) -> str:
+def _attention(request: BackendRequest, target: str, context_devices: int) -> str:
     """Returns the attention of `model.attention` for `target`: `auto` is cuDNN flash attention on GPUs in
     bfloat16 or float16; bfloat16 on CPU computes it from float32 sums; else jax's xla implementation.
     Raises BackendError for cudnn off a GPU or with rows split by mesh.context."""
-    choice, dtype = config.model.attention, config.model.dtype
+    choice, dtype = request.attention, request.dtype
     if choice == "cudnn" and target != "gpu":
         raise BackendError("model.attention", f"cudnn needs a GPU, the run is meant for {target}; use auto or xla")
     if choice == "cudnn" and context_devices > 1:
@@ -226,13 +243,13 @@ def _attention(config: Config, target: str, context_devices: int) -> str:
     return choice
 
 
-def _grouped_matmul(config: Config, target: str, hopper: bool, dropless_layers: bool) -> str:
+def _grouped_matmul(request: BackendRequest, target: str, hopper: bool) -> str:
     """Returns the grouped matmuls of dropless layers: for `auto`, the Mosaic GPU kernels where each device's
     expert weights tile (else ragged_dot) on Hopper GPUs in bfloat16 or float16 (with fp8 too: the kernels
     stay bfloat16, XLA:GPU's ragged_dot being far slower), else ragged_dot. Raises BackendError when
     mosaic_gpu is asked for off a Hopper GPU or in float32."""
-    choice, dtype = config.moe.grouped_matmul, config.model.dtype
-    if not dropless_layers:
+    choice, dtype = request.grouped_matmul, request.dtype
+    if not request.dropless_layers:
         return "none"  # no grouped matmul runs
     kernels_run = target == "gpu" and hopper and dtype in _LOW_PRECISION
     if choice == "mosaic_gpu" and not kernels_run:
@@ -243,10 +260,10 @@ def _grouped_matmul(config: Config, target: str, hopper: bool, dropless_layers: 
     return choice
 
 
-def _exchange(config: Config, target: str) -> str:
+def _exchange(request: BackendRequest, target: str) -> str:
     """Returns the expert exchange of `moe.exchange`: `auto` is the ragged all-to-all where XLA implements
     it (GPU, TPU). Raises BackendError for ragged_all_to_all on CPU, whose XLA lacks it."""
-    choice = config.moe.exchange
+    choice = request.exchange
     if choice == "auto":
         return RAGGED_ALL_TO_ALL if target in ACCELERATORS else ALL_GATHER
     if choice == "ragged_all_to_all" and target not in ACCELERATORS:
@@ -260,10 +277,10 @@ _FP8_GPU_WORDS = (*_HOPPER_WORDS, "l4", "l40", "l40s", "ada", "4090", "4080", "b
                   "gb300", "blackwell", "5090", "5080")
 
 
-def _matmul_precision(config: Config, target: str, device_kind: str | None, capability: str | None) -> str:
+def _matmul_precision(request: BackendRequest, target: str, device_kind: str | None, capability: str | None) -> str:
     """Returns `model.matmul_precision`. Raises BackendError for fp8 on a TPU (not built for it), or on a GPU
     whose compute capability (or, unknown, whose device kind) is not NVIDIA's 8.9 or above."""
-    choice = config.model.matmul_precision
+    choice = request.matmul_precision
     if choice != "fp8":
         return choice
     if target == "tpu":
@@ -281,19 +298,17 @@ def _matmul_precision(config: Config, target: str, device_kind: str | None, capa
     return choice
 
 
-def resolve_backend(config: Config, platform: str, device_kind: str | None = None,
-                    compute_capability: str | None = None, context_devices: int = 1,
-                    dropless_layers: bool | None = None) -> Backend:
-    """Returns the backend of `config` for the devices present (jax `platform`, their `device_kind` and
+def resolve_backend(request: BackendRequest, platform: str, device_kind: str | None = None,
+                    compute_capability: str | None = None, context_devices: int = 1) -> Backend:
+    """Returns the backend of `request` for the devices present (jax `platform`, their `device_kind` and
     `compute_capability` when GPUs) on a mesh that splits rows over `context_devices`, its choices made for
-    the run's target (`target_of`). `dropless_layers` says whether the model may hold dropless MoE layers
-    (the orchestrator asks the model; None: where the `moe` keys make them). Raises BackendError when the
-    config asks for something the target cannot run."""
+    the run's target (`target_of`). Raises BackendError when the request asks for something the target
+    cannot run."""
     platform = platform_family(platform)
-    target = target_of(config, platform)
-    kind = config.cluster.device_kind or (device_kind if platform != "cpu" else None)
+    target = target_of(request, platform)
+    kind = request.device_kind or (device_kind if platform != "cpu" else None)
     # the devices' own compute capability only where they are the target (no cluster.device_kind names another)
-    capability = compute_capability if platform == "gpu" and not config.cluster.device_kind else None
+    capability = compute_capability if platform == "gpu" and not request.device_kind else None
     hopper = target == "gpu" and is_hopper(kind, capability)
     # Simulated CPU devices share the host's processors: a pipeline stage's skipped bubble gives its time to the
     # busy stages. An accelerator per stage would idle either way, and keeps the plain loop. XLA:CPU's
@@ -301,20 +316,18 @@ def resolve_backend(config: Config, platform: str, device_kind: str | None = Non
     # waits for them forever: with rows split over context (the ring's permutes, and those the partitioner
     # places to move MoE groups between context devices) every stage runs every iteration.
     loop = PER_STAGE_SKIPPING if target == "cpu" and context_devices == 1 else BUFFERED
-    dropless = config.dropless_moe if dropless_layers is None else dropless_layers
-    return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(config, target),
-                   remat_names=tuple(config.model.remat_names), attention=_attention(config, target, context_devices),
-                   float32_sums=target == "cpu" and config.model.dtype == "bfloat16",
-                   grouped_matmul=_grouped_matmul(config, target, hopper, dropless), exchange=_exchange(config, target),
-                   pipeline_loop=loop, matmul_precision=_matmul_precision(config, target, kind, capability),
-                   context_attention=config.model.context_attention, context_balance=config.model.context_balance)
+    return Backend(target=target, platform=platform, device_kind=kind, remat=_remat(request, target),
+                   remat_names=tuple(request.remat_names), attention=_attention(request, target, context_devices),
+                   float32_sums=target == "cpu" and request.dtype == "bfloat16",
+                   grouped_matmul=_grouped_matmul(request, target, hopper), exchange=_exchange(request, target),
+                   pipeline_loop=loop, matmul_precision=_matmul_precision(request, target, kind, capability),
+                   context_attention=request.context_attention, context_balance=request.context_balance)
 
 
-def backend_of_devices(config: Config, devices, context_devices: int = 1,
-                       dropless_layers: bool | None = None) -> Backend:
+def backend_of_devices(request: BackendRequest, devices, context_devices: int = 1) -> Backend:
     """Returns `resolve_backend` for the jax `devices` a run compiles on (their platform, device kind and,
     for GPUs, compute capability), rows split over `context_devices`. Raises BackendError as resolve_backend
     does."""
     device = devices[0]
-    return resolve_backend(config, device.platform, device.device_kind, getattr(device, "compute_capability", None),
-                           context_devices, dropless_layers)
+    return resolve_backend(request, device.platform, device.device_kind, getattr(device, "compute_capability", None),
+                           context_devices)

@@ -99,6 +99,7 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
     import jax
 
     from nestor.backend import backend_of_devices
+    from nestor.orchestrator.step import backend_request
 
     out = []
     for model in models:
@@ -108,7 +109,8 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
                 row_profile = profile_dir and f"{profile_dir}/{len(out)}"
                 try:
                     config = model_config(model, remat, attention, dtype, steps)
-                    row["attention_run"] = backend_of_devices(config, jax.devices()).report()["attention"]
+                    backend = backend_of_devices(backend_request(config), jax.devices())
+                    row["attention_run"] = backend.report()["attention"]
                     row |= measure(config, steps, warmup, peak_override, row_profile)
                 except Exception as error:  # a row that cannot run says why; the others still run
                     row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"

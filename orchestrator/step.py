@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nestor.backend import Backend, BackendError, backend_of_devices
+from nestor.backend import Backend, BackendError, BackendRequest, backend_of_devices
 from nestor.models import ops, stack, task
 from nestor.models.axes import activation_sharding
 from nestor.models.moe import EXPERT_LOAD, expert_parallelism
@@ -45,13 +45,22 @@ Batch = dict[str, jax.Array]
 GradFn = Callable[..., tuple[tuple[jax.Array, Metrics], Any]]
 
 
+def backend_request(config: Config) -> BackendRequest:
+    """Returns what the run asks of the backend: its target and choice keys, and its model's dropless trait."""
+    m, moe = config.model, config.moe
+    return BackendRequest(
+        accelerator=config.cluster.accelerator, device_kind=config.cluster.device_kind, dtype=m.dtype,
+        remat=m.remat, remat_names=tuple(m.remat_names), attention=m.attention, matmul_precision=m.matmul_precision,
+        context_attention=m.context_attention, context_balance=m.context_balance, grouped_matmul=moe.grouped_matmul,
+        exchange=moe.exchange, dropless_layers=spec_of(config).dropless_layers(config))
+
+
 def backend_for(config: Config, mesh: Mesh) -> Backend:
     """Returns the backend (nestor.backend) of `config` on `mesh`'s devices: what the run's target runs.
     Raises ConfigError for a choice the target cannot run."""
     try:
-        return backend_of_devices(config, mesh.devices.flat,
-                                  context_degree(mesh, resolve_rules(config.mesh.rules), ATTENTION_AXES),
-                                  dropless_layers=spec_of(config).dropless_layers(config))
+        return backend_of_devices(backend_request(config), mesh.devices.flat,
+                                  context_degree(mesh, resolve_rules(config.mesh.rules), ATTENTION_AXES))
     except BackendError as error:
         raise ConfigError([(error.key, error.message)]) from None
 

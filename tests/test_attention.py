@@ -16,6 +16,7 @@ from nestor.models import ops
 from nestor.models.transformer import Attention, Transformer, TransformerConfig, rotary
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, document_ids
 from nestor.orchestrator.specs.registry import build_model
+from nestor.orchestrator.step import backend_request
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -99,7 +100,7 @@ def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(ma
 
 def test_auto_attention_is_cudnn_only_on_gpus_in_half_precision(tiny_config):
     attention = lambda dtype, platform, *more: resolve_backend(  # noqa: E731
-        tiny_config(f"model.dtype={dtype}", *more), platform).attention
+        backend_request(tiny_config(f"model.dtype={dtype}", *more)), platform).attention
     assert attention("bfloat16", "cpu") == "float32 sums"  # XLA:CPU's bfloat16 ops
     assert attention("float32", "cpu") == "xla"
     assert attention("float32", "gpu") == "xla"
@@ -122,12 +123,12 @@ def test_the_reported_attention_is_the_function_the_model_calls(tiny_config, mon
                         counted("jax.nn.dot_product_attention", jax.nn.dot_product_attention))
     for overrides in ((), ("model.dtype=bfloat16",)):  # float32: jax's; bfloat16 on CPU: float32 sums
         config = tiny_config(*overrides)
-        backend = resolve_backend(config, "cpu")
+        backend = resolve_backend(backend_request(config), "cpu")
         calls.clear()
         with ops.installed(backend.ops()):
             build_model(config, seed=0)(jnp.zeros((1, 8), jnp.int32))
         assert calls and set(calls) == {backend.report()["attention"].split(" (")[0]}
-    gpu = resolve_backend(tiny_config("model.dtype=bfloat16"), "gpu")
+    gpu = resolve_backend(backend_request(tiny_config("model.dtype=bfloat16")), "gpu")
     assert gpu.report()["attention"] == "jax.nn.dot_product_attention (cudnn)"
 
 
@@ -140,7 +141,7 @@ def test_mfu_rows_add_what_runs_where_it_is_not_the_implementation_asked_for(tin
             ("auto", tiny_config("model.dtype=bfloat16", "model.attention=auto"), "gpu",
              "auto: jax.nn.dot_product_attention (cudnn)"),
             ("xla", tiny_config(), "cpu", "xla")):
-        runs = resolve_backend(config, platform).report()["attention"]
+        runs = resolve_backend(backend_request(config), platform).report()["attention"]
         line = row_line(row | {"attention": asked, "attention_run": runs})
         assert line.startswith(f"| tiny | dots | {cell} |")
 

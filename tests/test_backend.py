@@ -10,6 +10,7 @@ from nestor.backend import ALL_GATHER, BackendError, RAGGED_ALL_TO_ALL, resolve_
 from nestor.models import ops
 from nestor.orchestrator.explain import explain, format_report
 from nestor.orchestrator.job import build_job
+from nestor.orchestrator.step import backend_request
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
 from tests.conftest import ROOT
 
@@ -26,20 +27,20 @@ def test_no_file_of_models_or_parallel_names_a_platform():
 
 
 def test_the_target_is_the_accelerator_or_device_kind_asked_for_else_the_devices(tiny_config):
-    assert resolve_backend(tiny_config(), "cpu").target == "cpu"
-    assert resolve_backend(tiny_config(), "cuda").target == "gpu"
-    assert resolve_backend(tiny_config("cluster.accelerator=tpu"), "cpu").target == "tpu"
-    assert resolve_backend(tiny_config("cluster.device_kind=tpu-v5p"), "cpu").target == "tpu"
-    h100 = resolve_backend(tiny_config("cluster.device_kind=h100"), "cpu")
+    assert resolve_backend(backend_request(tiny_config()), "cpu").target == "cpu"
+    assert resolve_backend(backend_request(tiny_config()), "cuda").target == "gpu"
+    assert resolve_backend(backend_request(tiny_config("cluster.accelerator=tpu")), "cpu").target == "tpu"
+    assert resolve_backend(backend_request(tiny_config("cluster.device_kind=tpu-v5p")), "cpu").target == "tpu"
+    h100 = resolve_backend(backend_request(tiny_config("cluster.device_kind=h100")), "cpu")
     assert (h100.target, h100.platform, h100.device_kind) == ("gpu", "cpu", "h100")
 
 
 def test_each_target_gets_its_own_ops_exchange_and_pipeline_loop(tiny_config):
     moe = ("moe.num_experts=4", "moe.every=1", "moe.capacity_factor=0", "model.dtype=bfloat16")
-    cpu = resolve_backend(tiny_config(*moe), "cpu")
+    cpu = resolve_backend(backend_request(tiny_config(*moe)), "cpu")
     assert (cpu.exchange, cpu.pipeline_loop, cpu.ops().einsum) == (ALL_GATHER, PER_STAGE_SKIPPING,
                                                                     ops.einsum_from_float32_sums)
-    gpu = resolve_backend(tiny_config(*moe), "gpu", "NVIDIA H100 80GB HBM3", "9.0")
+    gpu = resolve_backend(backend_request(tiny_config(*moe)), "gpu", "NVIDIA H100 80GB HBM3", "9.0")
     assert (gpu.exchange, gpu.pipeline_loop, gpu.ops().einsum) == (RAGGED_ALL_TO_ALL, BUFFERED, ops.plain_einsum)
     assert (gpu.attention, gpu.grouped_matmul, gpu.remat) == ("cudnn", "mosaic_gpu_or_xla", "dots")
     assert gpu.compiled_here() is gpu  # compiled on the target itself: nothing substituted
@@ -48,7 +49,7 @@ def test_each_target_gets_its_own_ops_exchange_and_pipeline_loop(tiny_config):
 def test_what_the_compiling_devices_cannot_lower_is_substituted_and_named(tiny_config):
     config = tiny_config("moe.num_experts=4", "moe.every=1", "moe.capacity_factor=0", "model.dtype=bfloat16",
                          "model.remat=offload", "cluster.device_kind=h100")
-    here = resolve_backend(config, "cpu").compiled_here()
+    here = resolve_backend(backend_request(config), "cpu").compiled_here()
     assert (here.attention, here.grouped_matmul, here.exchange, here.remat) == ("xla", "xla", ALL_GATHER, "minimal")
     assert len(here.substitutions) == 4 and all(": " in note for note in here.substitutions)
     assert not here.float32_sums  # the target's numerics, not the compiling CPU's
@@ -56,7 +57,7 @@ def test_what_the_compiling_devices_cannot_lower_is_substituted_and_named(tiny_c
 
 def test_a_choice_the_target_cannot_run_names_its_key(tiny_config):
     with pytest.raises(BackendError) as error:
-        resolve_backend(tiny_config("model.dtype=bfloat16", "model.attention=cudnn"), "cpu")
+        resolve_backend(backend_request(tiny_config("model.dtype=bfloat16", "model.attention=cudnn")), "cpu")
     assert error.value.key == "model.attention"
 
 

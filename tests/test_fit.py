@@ -13,6 +13,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import explain, fit_line
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
+from nestor.orchestrator.step import backend_request
 from tests.conftest import ROOT
 from tests.test_cli import nestor
 
@@ -49,7 +50,7 @@ def test_verdict_says_fits_or_by_how_much_it_is_short():
 def test_device_memory_comes_from_the_kind_the_platform_or_the_override(monkeypatch):
     def memory(overrides, platform, device_kind, devices_here=8):
         config = load(None, overrides)
-        return device_memory(config, resolve_backend(config, platform, device_kind), devices_here)
+        return device_memory(config, resolve_backend(backend_request(config), platform, device_kind), devices_here)
 
     monkeypatch.setattr(fit, "host_memory_gib", lambda: 24.0)
     assert memory([], "cpu", "cpu") == ("cpu", 3.0)  # CPU: the host's RAM, shared by the devices it simulates
@@ -85,18 +86,19 @@ def test_fit_line_names_state_temporaries_total_and_verdict():
 def test_a_state_larger_than_the_device_names_the_key_of_its_largest_dimension(tiny_config):
     largest = {"name": "blocks/mlp/up", "shape": [2, 64, 128], "logical_axes": ["layers", "embed", "mlp"]}
     h100 = tiny_config()
-    backend = resolve_backend(h100, "gpu", "NVIDIA H100 80GB HBM3")
+    backend = resolve_backend(backend_request(h100), "gpu", "NVIDIA H100 80GB HBM3")
     assert fit.state_problems(h100, backend, 80 * GIB, largest, 1) == []
     [(key, message)] = fit.state_problems(h100, backend, 80 * GIB + 1, largest, 1)
     assert key == "model.mlp_dim" and "more than the 80 GiB of NVIDIA H100 80GB HBM3" in message
-    assert fit.state_problems(h100, resolve_backend(h100, "gpu", "NVIDIA L4"), 10**15, largest, 1) == []  # unknown
+    l4 = resolve_backend(backend_request(h100), "gpu", "NVIDIA L4")
+    assert fit.state_problems(h100, l4, 10**15, largest, 1) == []  # unknown
     user_model = dataclasses.replace(h100, model=dataclasses.replace(h100.model, class_="mine:Model"))
     assert fit.state_problems(user_model, backend, 10**15, largest, 1)[0][0] == "model.args"
 
 
 def test_an_unrolled_stack_compiled_on_cpu_for_an_accelerator_carries_its_caveat(tiny_config):
     def unrolled_caveat(config, platform, stages=1):
-        return fit.unrolled_caveat(config, resolve_backend(config, platform), stages)
+        return fit.unrolled_caveat(config, resolve_backend(backend_request(config), platform), stages)
 
     unrolled = "model.scan_layers=false"
     assert unrolled_caveat(tiny_config(unrolled, "cluster.device_kind=h100"), "cpu") == UNROLLED_ON_CPU

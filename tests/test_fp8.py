@@ -15,6 +15,7 @@ from nestor.orchestrator import config as config_lib
 from nestor.orchestrator.checkpoint import checkpoint_dir
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import abstract_batch, build_job
+from nestor.orchestrator.step import backend_request
 from nestor.parallel.hlo import dot_operand_dtypes
 from tests.helpers import ONE_DEVICE, mesh_overrides, relative_error, run, run_fresh
 
@@ -136,25 +137,25 @@ def test_float8_run_resumes_bit_exactly_and_onto_another_mesh(saved_fp8, tmp_pat
 ])
 def test_fp8_where_it_cannot_run_is_an_error_naming_the_key(overrides, platform, device_kind, capability, words):
     with pytest.raises(BackendError, match=words) as error:
-        resolve_backend(load(*overrides), platform, device_kind, capability)
+        resolve_backend(backend_request(load(*overrides)), platform, device_kind, capability)
     assert error.value.key == "model.matmul_precision"
 
 
 @pytest.mark.parametrize("platform, device_kind, capability", [
     ("gpu", "NVIDIA H100 80GB HBM3", "9.0"), ("gpu", "NVIDIA L4", None), ("cpu", None, None)])
 def test_fp8_runs_on_float8_gpus_and_emulated_on_cpu(platform, device_kind, capability):
-    backend = resolve_backend(load(FP8, *DROPLESS), platform, device_kind, capability)
+    backend = resolve_backend(backend_request(load(FP8, *DROPLESS)), platform, device_kind, capability)
     assert backend.matmul_precision == "fp8" and backend.report()["matmuls"].startswith("float8")
     assert backend.report()["grouped_matmul"].startswith("float8") == (backend.grouped_matmul == "xla")
 
 
 def test_with_fp8_the_hopper_grouped_matmul_kernels_stay_bfloat16_and_ragged_dot_runs_float8():
     hopper = ("gpu", "NVIDIA H100 80GB HBM3", "9.0")
-    kernels = resolve_backend(load(FP8, *DROPLESS, "model.embed_dim=128"), *hopper)
+    kernels = resolve_backend(backend_request(load(FP8, *DROPLESS, "model.embed_dim=128")), *hopper)
     assert kernels.grouped_matmul == "mosaic_gpu_or_xla"  # XLA:GPU's ragged_dot is far slower (docs/benchmarks.md)
     assert kernels.report()["grouped_matmul"].startswith("Mosaic GPU kernels")
     assert kernels.report()["matmuls"].startswith("float8")
-    ragged = resolve_backend(load(FP8, *DROPLESS, "moe.grouped_matmul=xla"), *hopper)
+    ragged = resolve_backend(backend_request(load(FP8, *DROPLESS, "moe.grouped_matmul=xla")), *hopper)
     assert ragged.report()["grouped_matmul"].startswith("float8")
 
 

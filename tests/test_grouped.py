@@ -17,6 +17,7 @@ from nestor.models.moe import dropless_expert_outputs, grouped_swiglu
 from nestor.orchestrator import moe_step as orchestrator_moe
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
+from nestor.orchestrator.step import backend_request
 from tests.helpers import equations
 
 GROUP_SIZES = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 20 rows in groups; group 1 empty
@@ -132,13 +133,13 @@ WIDE = ("model.embed_dim=256", "model.mlp_dim=512")  # the tiny model's 64 and 1
 
 def test_auto_picks_the_kernels_on_hopper_gpus_in_bfloat16_only(tiny_config):
     bf16 = (*DROPLESS, *WIDE, "model.dtype=bfloat16")
-    grouped_of = lambda config, *device: resolve_backend(config, *device).grouped_matmul  # noqa: E731
+    grouped_of = lambda config, *device: resolve_backend(backend_request(config), *device).grouped_matmul  # noqa: E731
     assert grouped_of(tiny_config(*bf16), "cpu") == "xla"
     assert grouped_of(tiny_config(*bf16), "gpu", "NVIDIA A100-SXM4-80GB", "8.0") == "xla"
     assert grouped_of(tiny_config(*bf16), "gpu", "NVIDIA H100 80GB HBM3", "9.0") == "mosaic_gpu_or_xla"
     assert grouped_of(tiny_config(*bf16, "cluster.device_kind=h100"), "cpu") == "mosaic_gpu_or_xla"  # explain
     with pytest.raises(BackendError, match="moe.grouped_matmul: mosaic_gpu needs a Hopper GPU"):
-        resolve_backend(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu"), "cpu")
+        resolve_backend(backend_request(tiny_config(*bf16, "moe.grouped_matmul=mosaic_gpu")), "cpu")
     # a model without dropless layers runs no grouped matmul, whatever the key says
     assert grouped_of(tiny_config("moe.grouped_matmul=mosaic_gpu"), "cpu") == "none"
     hopper = ("gpu", "NVIDIA H100 80GB HBM3", "9.0")

@@ -1,7 +1,8 @@
 """nestor's import graph, read with `ast` (nothing is imported): no circle between modules, whether an
 import runs when its module loads or inside a function, and the rooms' arrows as DESIGN.md draws them.
 
-Imports under `if TYPE_CHECKING:` never run and are left out: they name types for a checker only.
+Imports under `if TYPE_CHECKING:` never run: the circle check leaves them out (a module that reads the run
+config names its type there), the rooms' arrows count them (a type of another room is a dependency too).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
-def _statements(tree: ast.AST):
-    """Yields (import statement, inside a function) for every import that can run, skipping TYPE_CHECKING blocks."""
+def _statements(tree: ast.AST, typing: bool = False):
+    """Yields (import statement, inside a function) for every import that can run, and with `typing` those
+    under `if TYPE_CHECKING:` too."""
     def walk(node: ast.AST, late: bool):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == \
-                    "TYPE_CHECKING":
+                    "TYPE_CHECKING" and not typing:
                 for inner in child.orelse:
                     yield from walk(inner, late)
                 continue
@@ -51,9 +53,10 @@ def _statements(tree: ast.AST):
     yield from walk(tree, False)
 
 
-def imports(root: Path) -> list[Import]:
-    """Returns every import of a room's module by a room's module (absolute, `nestor.`-prefixed or relative);
-    importing a.b.c also runs a and a.b, which count as imported too."""
+def imports(root: Path, typing: bool = False) -> list[Import]:
+    """Returns every import of a room's module by a room's module (absolute, `nestor.`-prefixed or relative),
+    with `typing` those under TYPE_CHECKING too; importing a.b.c also runs a and a.b, which count as
+    imported too."""
     known = modules(root)
 
     def owner(name: str) -> str | None:  # the longest module that `name` is or lies in
@@ -64,7 +67,7 @@ def imports(root: Path) -> list[Import]:
 
     found = []
     for source, path in known.items():
-        for node, late in _statements(ast.parse(path.read_text(), str(path))):
+        for node, late in _statements(ast.parse(path.read_text(), str(path)), typing):
             if isinstance(node, ast.Import):
                 named = [owner(alias.name) for alias in node.names]
             else:
@@ -132,8 +135,8 @@ def test_the_cycle_check_finds_a_circle_hidden_in_a_function():
     assert cycles(graph_of(found)) == [["orchestrator.a", "orchestrator.b"]]
 
 
-def test_every_room_imports_only_the_rooms_its_arrows_allow():
-    against = [f"{imp.where}: {imp.source} -> {imp.target}" for imp in imports(ROOT)
+def test_every_room_imports_only_the_rooms_its_arrows_allow_type_checking_imports_included():
+    against = [f"{imp.where}: {imp.source} -> {imp.target}" for imp in imports(ROOT, typing=True)
                if imp.target.split(".")[0] != imp.source.split(".")[0]
                and imp.target.split(".")[0] not in ARROWS[imp.source.split(".")[0]]]
     assert against == []

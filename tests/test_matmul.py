@@ -19,6 +19,7 @@ from nestor.models import ops
 from nestor.models.moe import MoELayerConfig
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.config import load
+from nestor.orchestrator.step import backend_request
 from nestor.parallel.hlo import dot_operand_dtypes
 from tests.helpers import equations, relative_error
 
@@ -117,15 +118,16 @@ def test_dots_keeps_what_it_keeps_of_plain_einsums():
 
 def test_the_backend_installs_float32_sums_in_bfloat16_for_cpus_only():
     bfloat16 = load(None, ["model.dtype=bfloat16"])
-    assert resolve_backend(bfloat16, "cpu").float32_sums
-    assert resolve_backend(bfloat16, "cpu").ops().einsum is ops.einsum_from_float32_sums
-    assert not resolve_backend(bfloat16, "gpu").float32_sums
-    assert not resolve_backend(bfloat16, "tpu").float32_sums
-    assert resolve_backend(bfloat16, "gpu").ops().einsum is ops.plain_einsum
-    assert not resolve_backend(load(None, ["model.dtype=float32"]), "cpu").float32_sums
+    assert resolve_backend(backend_request(bfloat16), "cpu").float32_sums
+    assert resolve_backend(backend_request(bfloat16), "cpu").ops().einsum is ops.einsum_from_float32_sums
+    assert not resolve_backend(backend_request(bfloat16), "gpu").float32_sums
+    assert not resolve_backend(backend_request(bfloat16), "tpu").float32_sums
+    assert resolve_backend(backend_request(bfloat16), "gpu").ops().einsum is ops.plain_einsum
+    assert not resolve_backend(backend_request(load(None, ["model.dtype=float32"])), "cpu").float32_sums
     # `nestor explain` on CPU for an H100 or a TPU compiles the program those would run
     for target in ("cluster.device_kind=h100", "cluster.device_kind=tpu-v5e", "cluster.accelerator=gpu"):
-        assert not resolve_backend(load(None, ["model.dtype=bfloat16", target]), "cpu").compiled_here().float32_sums
+        request = backend_request(load(None, ["model.dtype=bfloat16", target]))
+        assert not resolve_backend(request, "cpu").compiled_here().float32_sums
 
 
 def test_every_weight_matmul_and_attention_product_of_the_model_sums_bfloat16_operands_in_float32_both_ways():

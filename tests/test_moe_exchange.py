@@ -15,6 +15,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.state import init_state
 from nestor.orchestrator.step import make_grad_fn
+from nestor.orchestrator.step import backend_request
 from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL, receive_plan, send_plan
 from nestor.parallel.hlo import collective_lines
 from tests.helpers import mesh_overrides
@@ -155,7 +156,7 @@ def test_ragged_exchange_lowers_for_gpu_with_no_all_gather(tiny_config):
                                                     ("all_gather", "cuda", ALL_GATHER),
                                                     ("ragged_all_to_all", "gpu", RAGGED_ALL_TO_ALL)])
 def test_exchange_is_chosen_by_platform(tiny_config, choice, platform, kind):
-    assert resolve_backend(tiny_config(*MOE, f"moe.exchange={choice}"), platform).exchange == kind
+    assert resolve_backend(backend_request(tiny_config(*MOE, f"moe.exchange={choice}")), platform).exchange == kind
 
 
 def test_ragged_all_to_all_forced_on_cpu_is_a_config_error_naming_the_key(tiny_config):

@@ -9,6 +9,7 @@ from nestor.backend import resolve_backend
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import compile_step
 from nestor.orchestrator.job import build_job
+from nestor.orchestrator.step import backend_request
 from tests.conftest import TINY
 from tests.helpers import assert_same_training, equations, mesh_overrides, run_fresh
 
@@ -94,12 +95,12 @@ def test_full_remat_at_least_halves_temporaries_of_125m_on_fsdp8(tiny_config):
 
 def test_offload_is_minimal_on_cpu_and_offloads_on_accelerators(tiny_config):
     offload = tiny_config("model.remat=offload")
-    assert resolve_backend(offload, "cpu").remat == "minimal"
-    assert resolve_backend(offload, "gpu").remat == "offload"
+    assert resolve_backend(backend_request(offload), "cpu").remat == "minimal"
+    assert resolve_backend(backend_request(offload), "gpu").remat == "offload"
     # explain on CPU for a GPU reports offload and compiles minimal (no pinned host memory apart from the host's)
-    for_gpu = resolve_backend(tiny_config("model.remat=offload", "cluster.device_kind=h100"), "cpu")
+    for_gpu = resolve_backend(backend_request(tiny_config("model.remat=offload", "cluster.device_kind=h100")), "cpu")
     assert (for_gpu.remat, for_gpu.compiled_here().remat) == ("offload", "minimal")
-    assert resolve_backend(tiny_config("model.remat=none"), "cpu").remat_policy() is None
+    assert resolve_backend(backend_request(tiny_config("model.remat=none")), "cpu").remat_policy() is None
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -124,7 +125,7 @@ def test_the_removed_pipeline_remat_names_model_remat(tiny_config):
 
 
 def test_auto_is_dots_for_accelerators_and_full_on_cpu(tiny_config):
-    policy = lambda config, platform: resolve_backend(config, platform).remat  # noqa: E731
+    policy = lambda config, platform: resolve_backend(backend_request(config), platform).remat  # noqa: E731
     assert policy(tiny_config(), "cpu") == "full"
     assert policy(tiny_config(), "gpu") == "dots"
     assert policy(tiny_config(), "cuda") == "dots"
@@ -165,7 +166,8 @@ def test_dots_keeps_the_fused_attention_outputs_instead_of_running_its_forward_k
     attention.defvjp(forward, lambda saved, gradient: (gradient * saved[0] + saved[1][..., None],))
 
     def forward_kernels(config) -> int:
-        unit = jax.checkpoint(lambda x: jnp.sin(attention(x @ x)).sum(), policy=resolve_backend(config, "gpu").remat_policy())
+        policy = resolve_backend(backend_request(config), "gpu").remat_policy()
+        unit = jax.checkpoint(lambda x: jnp.sin(attention(x @ x)).sum(), policy=policy)
         return len(equations(jax.make_jaxpr(jax.grad(unit))(jnp.ones((4, 4))).jaxpr, kernel.name))
 
     assert forward_kernels(tiny_config("model.remat=dots")) == 1
