@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args(argv)
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     configure_jax(_config())
     rows = run_bench(args.steps)

@@ -70,7 +70,7 @@ def random_token_directory(out: Path, tokens: int, vocab_size: int, documents: i
 
 def quickstart_step_time(run_dir: Path, steps: int) -> float:
     """Trains the quickstart in this process for `steps` steps; returns the median step_time_s after the first."""
-    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.console import Console
     from nestor.orchestrator.train import train
 
     config = load(QUICKSTART, [f"run.dir={run_dir}", f"train.steps={steps}", "train.log_every=1",

@@ -64,7 +64,7 @@ def main() -> None:
 
     from nestor.orchestrator.config import load
     from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.console import Console
     from nestor.orchestrator.state import init_state
     from nestor.orchestrator.train import TrainingDiverged, train
 

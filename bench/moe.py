@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     configure_jax(_config())
     import jax

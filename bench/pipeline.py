@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true",
                         help="print only; leave docs/benchmarks.md and docs/pipeline.png alone")
     args = parser.parse_args(argv)
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     configure_jax(_config())
     if args.memory:

@@ -48,7 +48,7 @@ def child(runs: int, hang_s: float, out: Path, extra: list[str]) -> None:
 
     from nestor.cluster.cpu_devices import one_program_at_a_time
     from nestor.orchestrator.config import load
-    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.console import Console
     from nestor.orchestrator.train import train
 
     one_program_at_a_time(jax)

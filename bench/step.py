@@ -219,7 +219,7 @@ def compiled_programs(mesh: dict[str, int], *overrides: str) -> dict[str, dict]:
 
     from nestor.orchestrator.explain import compile_step
     from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.runtime import enable_compile_cache
+    from nestor.orchestrator.processes import enable_compile_cache
 
     config = bench_config(mesh, *overrides)
     enable_compile_cache(config)
@@ -248,7 +248,7 @@ def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
     import jax
 
     from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.runtime import enable_compile_cache
+    from nestor.orchestrator.processes import enable_compile_cache
     from nestor.orchestrator.state import init_state
 
     config = bench_config(mesh)

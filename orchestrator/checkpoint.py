@@ -47,11 +47,11 @@ import orbax.checkpoint as ocp
 from nestor.orchestrator.checkpoint_restore import (ITEMS, RECORD, TEMPORARY, CheckpointReader, checkpoint_dir,
                                                     finalized_steps, handing_back_failures, is_finalized,
                                                     quarantine_incomplete)
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.manifest import MANIFEST, records, write_manifest, written_by
 from nestor.orchestrator.paths import shown
-from nestor.orchestrator.runtime import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
+from nestor.orchestrator.processes import VERDICT_TIMEOUT_S, received_by_process_0, send_to_process_0, wait_for_every_process
 from nestor.orchestrator.state import StateLayout
 
 

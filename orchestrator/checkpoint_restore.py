@@ -25,11 +25,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
 from nestor.orchestrator.paths import shown
-from nestor.orchestrator.runtime import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
+from nestor.orchestrator.processes import VERDICT_TIMEOUT_S, every_process_says, wait_for_every_process
 from nestor.orchestrator.state import StateLayout
 
 # Orbax writes this file last into a finalized step directory.

@@ -56,7 +56,7 @@ def _interrupted(interrupt: KeyboardInterrupt) -> str:
 
 def _train(config, args) -> int:
     from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.console import Console
 
     console = Console()
     try:
@@ -65,7 +65,7 @@ def _train(config, args) -> int:
 
             stopped_by = train_on_ray(config, console)
         else:
-            from nestor.orchestrator.runtime import configure_jax
+            from nestor.orchestrator.processes import configure_jax
             from nestor.orchestrator.train import train
 
             configure_jax(config)
@@ -89,7 +89,7 @@ def _train(config, args) -> int:
 
 def _explain(config, args) -> int:
     from nestor.orchestrator.explain import explain, format_report
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     configure_jax(config)
     report = explain(config)
@@ -99,7 +99,7 @@ def _explain(config, args) -> int:
 
 def _eval(config, args) -> int:
     from nestor.orchestrator.evaluation.commands import evaluate_checkpoint
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
     from nestor.orchestrator.specs.registry import spec_of
 
     configure_jax(config)
@@ -116,7 +116,7 @@ def _eval(config, args) -> int:
 
 def _sample(config, args) -> int:
     from nestor.orchestrator.evaluation.commands import sample_checkpoint
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     configure_jax(config)
     print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
@@ -128,7 +128,7 @@ def _logits(config, args) -> int:
 
     from nestor.orchestrator.errors import ConfigError
     from nestor.orchestrator.evaluation.commands import logits_of
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     try:
         tokens = np.load(args.tokens)
@@ -146,7 +146,7 @@ def _logits(config, args) -> int:
 
 def _export(args) -> int:
     from nestor.orchestrator.hf.export import export
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     config = export_config(args)
     configure_jax(config)

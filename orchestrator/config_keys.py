@@ -1,6 +1,6 @@
 """The key table's machinery: how a config key declares its default, comment and range (`key`, `Key`),
 and the table of every key of a config dataclass (`key_table`). The keys themselves are declared in
-nestor.orchestrator.config; validation reads them from here without importing the loader."""
+nestor.orchestrator.config_schema."""
 
 from __future__ import annotations
 

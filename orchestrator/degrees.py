@@ -12,7 +12,7 @@ from nestor.parallel.pipeline import Schedule
 from nestor.parallel.rules import MESH_AXES, resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 
 def mesh_axes_key(config: Config) -> str:

@@ -11,12 +11,13 @@ from typing import Any
 import jax
 
 from nestor.models import ops
-from nestor.orchestrator.config import Config, speed_key_sources
-from nestor.orchestrator.context_step import context_report
+from nestor.orchestrator.config import speed_key_sources
+from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.context_wiring import context_report
 from nestor.orchestrator.job import Job, abstract_batch, build_job, devices_here
 from nestor.orchestrator.memory_fit import GIB, fit_report
 from nestor.orchestrator.metrics import spec_text
-from nestor.orchestrator.moe_step import dropless_report
+from nestor.orchestrator.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.state import param_table, per_device_bytes
 from nestor.orchestrator.step import make_loss_fn, make_train_step, pipeline_schedule, stack_runners

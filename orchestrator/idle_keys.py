@@ -12,7 +12,7 @@ from nestor.orchestrator.degrees import mesh_degrees, total_devices
 from nestor.orchestrator.specs.registry import spec_of
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.min_hosts", "cluster.restart_timeout_s",
                      "cluster.init_timeout_s", "cluster.dashboard", "cluster.worker_logs")

@@ -9,7 +9,7 @@ import jax
 from jax.sharding import Mesh
 
 from nestor.backend import ACCELERATORS, Backend, platform_family
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.degrees import mesh_axes_key
 from nestor.orchestrator.errors import ConfigError

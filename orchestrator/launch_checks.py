@@ -9,7 +9,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, config_differences, finalized_steps
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.data.batches import text_files
 from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
 from nestor.orchestrator.errors import ConfigError

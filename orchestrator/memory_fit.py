@@ -19,7 +19,7 @@ from nestor.backend import Backend
 from nestor.orchestrator.specs.registry import spec_of
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 GIB = 2**30
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from nestor.orchestrator.config import Config
+from nestor.models.moe import EXPERT_LOAD
+from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.moe_wiring import EXPERT_BIAS
 from nestor.orchestrator.peak_flops import peak_tflops
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.models.moe import EXPERT_LOAD
-from nestor.orchestrator.moe_step import EXPERT_BIAS
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves,
 # evaluating.
 PERF_METRICS = ("step_time_s", "tokens_per_s", "rows_per_s", "tflops_per_device", "mfu", "compile_s", "checkpoint_s", "eval_s")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from nestor.models import axes
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.parallel.rules import is_logical_axes
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.paths import shown
 
 

@@ -6,19 +6,19 @@ import os
 import re
 import time
 
-from nestor.cluster.interrupts import Interrupted, kept_signal
 from nestor.cluster.connect import ClusterSpec
 from nestor.cluster.driver import Recovery, Restart, launch
+from nestor.cluster.interrupts import Interrupted, kept_signal
 from nestor.cluster.worker import Preempted, Stopped
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.errors import RunFailed
-from nestor.orchestrator.specs.registry import user_code_paths
 from nestor.orchestrator.launch_checks import check_before_launch
 from nestor.orchestrator.paths import show_relative_to, user_directory
-from nestor.orchestrator.progress import Console, ForwardingConsole, replay
+from nestor.orchestrator.console import Console, ForwardingConsole, replay
 from nestor.orchestrator.run_lock import RunDirLock
 from nestor.orchestrator.signals import stopping_line
+from nestor.orchestrator.specs.registry import user_code_paths
 
 
 def cluster_spec(config: Config) -> ClusterSpec:
@@ -73,7 +73,7 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     """
     import jax
 
-    from nestor.orchestrator.runtime import enable_compile_cache
+    from nestor.orchestrator.processes import enable_compile_cache
     from nestor.orchestrator.train import train
 
     config, directory = job

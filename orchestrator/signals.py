@@ -10,7 +10,7 @@ from typing import Callable
 import jax
 
 from nestor.cluster.interrupts import Interrupted, kept_signal
-from nestor.orchestrator.runtime import preemption_agreed, preemption_is_agreed
+from nestor.orchestrator.processes import preemption_agreed, preemption_is_agreed
 
 
 def no_stop_request(now: bool = False) -> None:

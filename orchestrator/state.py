@@ -24,7 +24,7 @@ from nestor.models import axes, task
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.load import load_params

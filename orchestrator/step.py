@@ -25,12 +25,12 @@ from nestor.models import ops, stack, task
 from nestor.models.axes import activation_sharding
 from nestor.models.moe import EXPERT_LOAD, expert_parallelism
 from nestor.models.stack import RematPolicy, StackRunner, scan_layers, unrolled_layers
-from nestor.orchestrator.config import Config
-from nestor.orchestrator.context_step import ATTENTION_AXES, sequence_layout, with_context_attention
+from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.context_wiring import ATTENTION_AXES, sequence_layout, with_context_attention
 from nestor.orchestrator.data.batches import Field, batch_fields, shardings
 from nestor.orchestrator.degrees import schedule_for
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.moe_step import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
+from nestor.orchestrator.moe_wiring import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
 from nestor.orchestrator.optimizer import learning_rate
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.state import StateLayout

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nestor.cluster.worker import last_words
 from nestor.orchestrator.checkpoint import Checkpointer
 from nestor.orchestrator.checkpoint_restore import finalized_steps
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.goodput import Goodput
 from nestor.orchestrator.hang import HangWatchdog
@@ -31,9 +31,9 @@ from nestor.orchestrator.metrics import MetricsWriter, Throughput, sharding_tabl
 from nestor.orchestrator.optimizer import schedule_change
 from nestor.orchestrator.paths import shown
 from nestor.orchestrator.profiler import StepProfiler
-from nestor.orchestrator.progress import Console
+from nestor.orchestrator.console import Console
 from nestor.orchestrator.run_lock import claim_run_dir, holding_run_dir
-from nestor.orchestrator.runtime import check_shared_run_dir, every_process_says, wait_for_every_process
+from nestor.orchestrator.processes import check_shared_run_dir, every_process_says, wait_for_every_process
 from nestor.orchestrator.signals import StopSignals, no_stop_request, stopping_line
 from nestor.orchestrator.state import init_state, param_table
 

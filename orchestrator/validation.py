@@ -21,7 +21,7 @@ from nestor.orchestrator.specs.registry import spec_of
 from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, unknown_rule_problems
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 
 def table_problems(config: Config) -> list[tuple[str, str]]:
@@ -45,7 +45,7 @@ def validate(config: Config) -> Config:
     """Returns `config` unchanged if it is consistent; otherwise raises ConfigError listing every problem.
 
     First every key against its own range and choices (the key table in
-    orchestrator.config); only when all hold, the checks across keys, which
+    orchestrator.config_schema); only when all hold, the checks across keys, which
     rely on them. Checks that need the device count (the mesh product) are
     done here when the mesh has no -1 or when `cluster.hosts *
     cluster.devices_per_host` is known.

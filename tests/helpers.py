@@ -22,7 +22,7 @@ import psutil
 from nestor.cluster.cpu_devices import without_device_count
 from nestor.orchestrator.config import Config
 from nestor.orchestrator.data.prepare import Options, prepare
-from nestor.orchestrator.progress import Console
+from nestor.orchestrator.console import Console
 from nestor.orchestrator.train import TrainResult, train
 from tests.conftest import ROOT
 

@@ -21,7 +21,7 @@ from nestor.orchestrator.checkpoint import Checkpointer, MIN_REPLICA_SLICE_BYTES
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.launch_checks import checkpoint_misfit
-from nestor.orchestrator.progress import Console
+from nestor.orchestrator.console import Console
 from nestor.orchestrator.signals import StopSignals
 from nestor.orchestrator.state import init_state
 from nestor.orchestrator.train import TrainingDiverged, train

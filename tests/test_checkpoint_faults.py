@@ -19,7 +19,7 @@ from nestor.orchestrator import manifest
 from nestor.orchestrator.checkpoint import Checkpointer, CheckpointUnreadable, checkpoint_dir, restore_state
 from nestor.orchestrator.cli import main, where_results_are
 from nestor.orchestrator.job import build_job
-from nestor.orchestrator.progress import Console
+from nestor.orchestrator.console import Console
 from nestor.orchestrator.train import TrainingDiverged, train
 from tests.helpers import ended, run
 from tests.test_checkpoint import BASE, cli, load

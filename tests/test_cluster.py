@@ -390,7 +390,7 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     uninterrupted = textwrap.dedent(f"""
         import json
         from nestor.orchestrator.config import load
-        from nestor.orchestrator.progress import Console
+        from nestor.orchestrator.console import Console
         from nestor.orchestrator.train import train
         config = load({str(QUICKSTART)!r}, {overrides!r} + [f"run.dir={{run_dir}}"])
         print(json.dumps(train(config, console=Console.silent()).losses))
@@ -541,7 +541,7 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
                                     **mesh_overrides(data=1, fsdp=2, tensor=2)})
     import jax
 
-    from nestor.orchestrator.progress import Console
+    from nestor.orchestrator.console import Console
     from nestor.orchestrator.train import train
 
     losses = train(one_host, devices=jax.devices()[:4], console=Console.silent()).losses

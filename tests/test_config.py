@@ -131,3 +131,31 @@ def test_keys_the_load_derives_others_from_are_config_errors_when_malformed(over
     with pytest.raises(ConfigError) as raised:
         config_lib.load(ROOT / "configs" / "quickstart.yaml", overrides)
     assert any(problem_key == key for problem_key, _ in raised.value.problems), raised.value.problems
+
+
+def test_the_schemas_choices_are_those_the_rooms_that_act_on_them_take():
+    """The schema names its choices itself (it imports neither jax nor the backend); each list is the one
+    the room that acts on the key declares."""
+    from nestor import backend
+    from nestor.backend import remat
+    from nestor.orchestrator import config_schema
+    from nestor.parallel import context, rules
+
+    assert config_schema.ATTENTION_CHOICES == backend.ATTENTION_CHOICES
+    assert config_schema.GROUPED_MATMUL_CHOICES == backend.GROUPED_MATMUL_CHOICES
+    assert config_schema.EXCHANGE_CHOICES == tuple(backend.EXCHANGE_CHOICES)
+    assert config_schema.REMAT_CHOICES == remat.CHOICES
+    assert config_schema.CONTEXT_STRATEGIES == context.STRATEGIES
+    assert config_schema.MESH_AXES == rules.MESH_AXES
+
+
+def test_the_schema_loads_without_jax_or_the_backend():
+    """Reading a config's type costs no jax import: a fresh interpreter imports the schema alone."""
+    import subprocess
+    import sys
+
+    script = ("import sys; import nestor.orchestrator.config_schema; "
+              "print(sorted(m for m in ('jax', 'nestor.backend', 'flax') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[]"

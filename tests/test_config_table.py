@@ -1,4 +1,4 @@
-"""base.yaml is the key table (orchestrator/config.py) written out: every key, its default and its comment."""
+"""base.yaml is the key table (orchestrator/config_schema.py) written out: every key, its default and its comment."""
 
 import re
 

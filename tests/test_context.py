@@ -15,7 +15,7 @@ from nestor.models import ops
 from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.context_step import ATTENTION_AXES
+from nestor.orchestrator.context_wiring import ATTENTION_AXES
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, document_ids
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.explain import explain, format_report

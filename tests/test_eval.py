@@ -11,7 +11,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.commands import restore_newest
 from nestor.orchestrator.evaluation.loss import Evaluator, eval_source
 from nestor.orchestrator.metrics import tensorboard_tag
-from nestor.orchestrator.progress import Console
+from nestor.orchestrator.console import Console
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, mesh_overrides, prepared_stdlib, run
 

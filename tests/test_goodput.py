@@ -16,7 +16,7 @@ from nestor.orchestrator.cli import main
 from nestor.orchestrator.goodput import (ATTEMPT_CATEGORIES, FILE_NAME, RUN_CATEGORIES, Goodput, read_records, report,
                                          run_goodput, summary_line, total)
 from nestor.orchestrator.metrics import tensorboard_tag
-from nestor.orchestrator.progress import Console
+from nestor.orchestrator.console import Console
 from nestor.orchestrator.train import train
 from tests.conftest import ROOT
 from tests.helpers import child_env

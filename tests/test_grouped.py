@@ -14,7 +14,7 @@ from nestor.backend.mosaic_gpu import TILE, grouped_matmul_op, kernel_grouped_ma
 from nestor.backend.remat import policy as remat_policy
 from nestor.models import ops
 from nestor.models.moe import dropless_expert_outputs, grouped_swiglu
-from nestor.orchestrator import moe_step as orchestrator_moe
+from nestor.orchestrator import moe_wiring as orchestrator_moe
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.step import backend_request

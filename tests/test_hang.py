@@ -140,7 +140,7 @@ HUNG_RUN = textwrap.dedent("""
     import sys, threading
     from nestor.orchestrator import train as train_module
     from nestor.orchestrator.config import load
-    from nestor.orchestrator.runtime import configure_jax
+    from nestor.orchestrator.processes import configure_jax
 
     config = load(None, ["model.preset=tiny", "data.source=synthetic", "train.steps=50", "train.global_batch=8",
                          "train.seq_len=32", "cluster.launcher=inprocess", "run.hang_timeout_s=4",

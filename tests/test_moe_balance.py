@@ -14,7 +14,7 @@ from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.metrics import expert_bias_scalars, moe_layer_indices
-from nestor.orchestrator.moe_step import EXPERT_BIAS, balanced_expert_bias
+from nestor.orchestrator.moe_wiring import EXPERT_BIAS, balanced_expert_bias
 from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from tests.helpers import run
 

@@ -145,7 +145,7 @@ def test_a_python_without_the_dependencies_says_so_in_one_line():
 
 SHARED_RUN_DIR_CHECK = """
     from nestor.cluster.rendezvous import ClusterError
-    from nestor.orchestrator.runtime import check_shared_run_dir
+    from nestor.orchestrator.processes import check_shared_run_dir
     try:
         check_shared_run_dir(Path(run_dir))
         print("shared")

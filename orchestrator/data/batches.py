@@ -38,8 +38,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from nestor.models import axes
 
-from nestor.orchestrator.config import Config
 from nestor.orchestrator.config_keys import ARRAY_SOURCES
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, first_nul

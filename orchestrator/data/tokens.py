@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.shards import TokenStream, directories_fingerprint, read_metadata
 from nestor.orchestrator.errors import ConfigError

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from nestor.models import axes, stack, task
 from nestor.orchestrator.checkpoint import restore_state
 from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-from nestor.orchestrator.config import Config
-from nestor.orchestrator.context_step import whole_rows
+from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.context_wiring import whole_rows
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.loss import Evaluator

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.state import StateLayout

@@ -20,14 +20,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.orchestrator.checkpoint import restore_state
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf import safetensors
 from nestor.orchestrator.hf.architectures import ARCHITECTURES, CONFIG, to_hf
 from nestor.orchestrator.hf.load import SIDE_FILES, SOURCE_DIR, box_of
 from nestor.orchestrator.hf.tensors import Entry, entries
 from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.runtime import wait_for_every_process
+from nestor.orchestrator.processes import wait_for_every_process
 from nestor.orchestrator.specs.lm import lm_config
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.state import state_layout

@@ -14,11 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.config_schema import Config
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.architectures import ARCHITECTURES, KEY, architecture, read
-from nestor.orchestrator.hf.tensors import IGNORED_SUFFIXES, Entry, entries
 from nestor.orchestrator.hf.safetensors import Box, Reader
+from nestor.orchestrator.hf.tensors import IGNORED_SUFFIXES, Entry, entries
 from nestor.orchestrator.specs.lm import lm_config
 
 # files of a checkpoint directory a run keeps in run.dir/hf/ for export and sampling

@@ -11,7 +11,7 @@ from nestor.models import axes
 from nestor.parallel.pipeline import Schedule
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 Problems = list[tuple[str, str]]  # (key path, message)
 

@@ -11,18 +11,17 @@ from flax import nnx
 
 from nestor.backend.mosaic_gpu import TILE, tiles
 from nestor.models import axes
-from nestor.models.moe import expert_capacity
+from nestor.models.moe import MoELayerConfig, expert_capacity
 from nestor.models.transformer import STACK, RopeScaling, Transformer, TransformerConfig
 from nestor.orchestrator.config_keys import ARRAY_SOURCES, INT32_MAX, key_table
 from nestor.orchestrator.degrees import moe_tokens_per_device
-from nestor.orchestrator.moe_step import moe_layer_config
 from nestor.orchestrator.specs.base import ModelSpec, Problems
 from nestor.orchestrator.specs.lm_flops import executed_flops_per_step, model_flops_per_step
 from nestor.parallel.pipeline import Schedule
 from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 LM = "lm"  # the LM's name in `model.class`
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
@@ -132,6 +131,20 @@ def lm_config(config: Config) -> TransformerConfig:
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
         rope_scaling=rope_scaling(m.rope_scaling), qkv_bias=m.qkv_bias, out_bias=m.out_bias, qk_norm=m.qk_norm,
         norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
+    )
+
+
+def moe_layer_config(config: Config) -> MoELayerConfig:
+    """Returns the LM's MoE settings from the run config's `moe` section."""
+    moe = config.moe
+    return MoELayerConfig(
+        num_experts=moe.num_experts, every=moe.every, top_k=moe.top_k, capacity_factor=moe.capacity_factor,
+        eval_capacity_factor=moe.eval_capacity_factor, group_size=moe.group_size,
+        second_expert_policy=moe.second_expert_policy, dispatch=moe.dispatch, router=moe.router,
+        normalize_gates=moe.normalize_gates,
+        expert_mlp_dim=moe.expert_mlp_dim, shared_experts=moe.shared_experts,
+        first_dense_layers=moe.first_dense_layers, bias_update_rate=moe.bias_update_rate,
+        aux_loss_weight=moe.aux_loss_weight, z_loss_weight=moe.z_loss_weight,
     )
 
 

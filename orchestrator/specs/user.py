@@ -27,7 +27,7 @@ from nestor.orchestrator.user_code import import_object
 from nestor.parallel.rules import resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config import Config
+    from nestor.orchestrator.config_schema import Config
 
 
 class UserModel(ModelSpec):
