@@ -76,8 +76,9 @@ def ops_called(job: Job) -> set[str]:
     loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
                            stack_runners(job.config, job.mesh, job.rules, job.backend))
     abstract = job.layout.abstract
+    key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
     with ops.recording() as called:  # a fresh function: traced anew, never a cached trace
-        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, None, bias), abstract["params"],
+        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, key, bias), abstract["params"],
                        abstract_batch(job), abstract.get("expert_bias"))
     return called
 

@@ -64,7 +64,6 @@ def device_memory(config: Config, backend: Backend, devices_here: int) -> tuple[
     return kind, DEVICE_MEMORY_GIB[entry] if entry else None
 
 
-# The config key that sizes each logical dimension of nestor's LM: what a state too large for its devices names.
 def state_problems(config: Config, backend: Backend, state_bytes: int, largest: dict[str, Any],
                    devices_here: int) -> list[tuple[str, str]]:
     """Returns (key, message) when the train state alone, `state_bytes` per device (parameters and optimizer

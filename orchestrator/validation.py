@@ -63,9 +63,11 @@ def validate(config: Config) -> Config:
     problems += _schedule_problems(config)
     problems += _mesh_problems(config, spec.rule_axes())
     problems += spec.mesh_problems(config, None if problems else _known_degrees(config))
-    if not problems and (degrees := _known_degrees(config)) is not None:
-        problems += spec.split_problems(config, degrees)
-        problems += _pipeline_problems(config, spec, degrees)
+    if not problems:
+        problems += _repeats_problems(config)  # the device count may still be unknown
+        if (degrees := _known_degrees(config)) is not None:
+            problems += spec.split_problems(config, degrees)
+            problems += _pipeline_problems(config, spec, degrees)
     if problems:
         raise ConfigError(problems)
     return config
@@ -180,15 +182,20 @@ def _known_degrees(config: Config) -> dict[str, int] | None:
     return mesh_degrees(config)
 
 
+def _repeats_problems(config: Config) -> list[tuple[str, str]]:
+    """pipeline.repeats > 1 needs a schedule that repeats its stages."""
+    p = config.pipeline
+    if p.repeats > 1 and p.schedule not in REPEATED_SCHEDULES:
+        return [("pipeline.repeats", f"repeats={p.repeats} needs pipeline.schedule=circular or interleaved_1f1b "
+                                     f"(got {p.schedule}); set repeats to 1 or use one of those")]
+    return []
+
+
 def _pipeline_problems(config: Config, spec: ModelSpec, degrees: dict[str, int]) -> list[tuple[str, str]]:
-    """Every check a pipeline schedule needs: the model's units into stages x repeats (as `spec` counts
-    them), batch into micro-batches."""
+    """The checks a pipeline schedule needs on the known mesh `degrees`: the model's units into stages x
+    repeats (as `spec` counts them), batch into micro-batches."""
     p, t = config.pipeline, config.train
     problems = []
-    if p.repeats > 1 and p.schedule not in REPEATED_SCHEDULES:
-        problems.append(("pipeline.repeats", f"repeats={p.repeats} needs pipeline.schedule=circular or "
-                                             f"interleaved_1f1b (got {p.schedule}); set repeats to 1 or use one "
-                                             "of those"))
     if degrees["pipeline"] == 1:
         return problems
     schedule = schedule_for(config, degrees["pipeline"])

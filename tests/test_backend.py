@@ -8,7 +8,7 @@ import pytest
 
 from nestor.backend import ALL_GATHER, BackendError, RAGGED_ALL_TO_ALL, resolve_backend
 from nestor.models import ops
-from nestor.orchestrator.explain import explain, format_report
+from nestor.orchestrator.explain import explain, format_report, ops_called
 from nestor.orchestrator.job import build_job
 from nestor.orchestrator.step import backend_request
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
@@ -120,3 +120,11 @@ def test_explain_says_where_each_setting_that_decides_speed_came_from(tiny_confi
     assert speed_key_sources(overridden)[0] == ("model.scan_layers", True, "the run")  # over the preset's
     text = format_report(explain(tiny_config("cluster.device_kind=h100")))
     assert "settings chosen for speed: model.scan_layers=true (default); model.remat=auto (default)" in text
+
+
+def test_explains_trace_of_the_model_draws_as_the_step_does(tiny_config):
+    """explain traces the model's forward pass to see which backend choices apply; a training trace has the
+    step's key, which GShard's random second expert draws from."""
+    config = tiny_config("moe.num_experts=4", "moe.every=1", "moe.top_k=2", "moe.second_expert_policy=random")
+    called = ops_called(build_job(config, with_data=False))
+    assert {"attention", "einsum", "swiglu"} <= called and "grouped_matmul" not in called  # capacity dispatch

@@ -508,7 +508,7 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
             resumed = one_host_start(run_dir)["resumed_from"]
             driver.wait_until(lambda: saved_steps(run_dir)[-1] > resumed)  # the one-host group saved a step
             assert saved_steps(run_dir)[-1] < 45, "the one-host group reached the last step before it was held"
-            driver.wait_until(lambda: ray_train_workers(head))
+            driver.wait_until(lambda: len(ray_train_workers(head)) == 1)  # the earlier group's worker is gone
             [worker] = ray_train_workers(head)
             # Held while a host comes back: a group that ended the run first would leave no worker to kill.
             worker.suspend()

@@ -159,3 +159,10 @@ def test_the_schema_loads_without_jax_or_the_backend():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "[]"
+
+
+def test_pipeline_repeats_without_a_repeating_schedule_is_named_before_the_device_count_is_known():
+    # cluster.devices_per_host=-1 (every local device) leaves mesh.data=-1 unresolved until the run starts
+    assert error_keys("mesh.pipeline=2", "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
+                      "cluster.devices_per_host=-1", "pipeline.repeats=2", "pipeline.schedule=gpipe") == \
+        ["pipeline.repeats"]

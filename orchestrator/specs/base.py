@@ -40,7 +40,7 @@ class ModelSpec:
 
     def mesh_problems(self, config: Config, degrees: dict[str, int] | None) -> Problems:
         """Returns the problems of its keys against the mesh `degrees` (None while a -1 axis waits for the
-        device count); asked once every key holds, and again after the mesh's own checks."""
+        device count, or while other keys have problems): asked after the mesh's own checks."""
         return []
 
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
