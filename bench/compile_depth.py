@@ -14,10 +14,10 @@ from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import  # noq
 
 simulate_cpu_devices_before_import(8)
 
-from nestor.orchestrator.config import load  # noqa: E402
-from nestor.orchestrator.explain import compile_step  # noqa: E402
-from nestor.orchestrator.job import build_job  # noqa: E402
-from nestor.orchestrator.memory_fit import GIB  # noqa: E402
+from nestor.orchestrator.loader.config import load  # noqa: E402
+from nestor.orchestrator.commands.explain import compile_step  # noqa: E402
+from nestor.orchestrator.job.build import build_job  # noqa: E402
+from nestor.orchestrator.loader.memory_fit import GIB  # noqa: E402
 
 # llama3-8b at seq 8192, one sequence per device on fsdp8 (the quickstart's pipeline and MoE off), compiled
 # for an H100 as docs/scaling.md's explain commands compile it (the backend's choices for that target).

@@ -46,7 +46,7 @@ HEADER = ("| mesh, attention | step (ms) | ratio to whole rows | temporaries / d
 
 
 def _config(*overrides: str):
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     return load(None, BASE + list(overrides))
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args(argv)
-    from nestor.orchestrator.processes import configure_jax
+    from nestor.orchestrator.job.processes import configure_jax
 
     configure_jax(_config())
     rows = run_bench(args.steps)

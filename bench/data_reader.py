@@ -38,7 +38,7 @@ simulate_cpu_devices_before_import(8)
 import numpy as np  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from nestor.orchestrator.config import load  # noqa: E402
+from nestor.orchestrator.loader.config import load  # noqa: E402
 from nestor.orchestrator.data.batches import make_source  # noqa: E402
 from nestor.orchestrator.data.shards import FORMAT, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
 from nestor.orchestrator.specs.lm_flops import model_flops_per_step  # noqa: E402
@@ -70,8 +70,8 @@ def random_token_directory(out: Path, tokens: int, vocab_size: int, documents: i
 
 def quickstart_step_time(run_dir: Path, steps: int) -> float:
     """Trains the quickstart in this process for `steps` steps; returns the median step_time_s after the first."""
-    from nestor.orchestrator.console import Console
-    from nestor.orchestrator.train import train
+    from nestor.orchestrator.loop.console import Console
+    from nestor.orchestrator.loop.train import train
 
     config = load(QUICKSTART, [f"run.dir={run_dir}", f"train.steps={steps}", "train.log_every=1",
                                "cluster.launcher=inprocess", "checkpoint.every=0", "metrics.tensorboard=false"])

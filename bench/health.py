@@ -2,7 +2,7 @@
 best, and how soon a blow-up passes each factor.
 
 Trains the quickstart model in process on 8 CPU devices with the gate off (`checkpoint.health_factor=0`),
-logging every step, and follows the gate's two figures as `orchestrator.health.StateHealth` computes them:
+logging every step, and follows the gate's two figures as `orchestrator.loop.health.StateHealth` computes them:
 the median loss of the last 20 steps over the run's best, and the parameter norm over the best state's.
 Runs: the quickstart as it is, and on the synthetic data; from its step-50 checkpoint with
 `optimizer.lr=0.3`; from scratch with `optimizer.lr=1`. Prints one table row per run, and writes the
@@ -29,7 +29,7 @@ def ratios(history: list[dict], best=None, start_norm: float | None = None) -> t
     """Returns each step's (median loss / best, norm / best state's norm) as the gate computes them,
     and the best at the end; `best` continues a run's best from before a resume, `start_norm` is a fresh
     run's initial parameter norm."""
-    from nestor.orchestrator.health import StateHealth
+    from nestor.orchestrator.loop.health import StateHealth
 
     gate = StateHealth(factor=0.0, best=best, start_param_norm=start_norm)
     loss_ratios, norm_ratios = [], []
@@ -62,11 +62,11 @@ def main() -> None:
     simulate_cpu_devices_before_import(8)
     import optax
 
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.console import Console
-    from nestor.orchestrator.state import init_state
-    from nestor.orchestrator.train import TrainingDiverged, train
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.loop.console import Console
+    from nestor.orchestrator.job.state import init_state
+    from nestor.orchestrator.loop.train import TrainingDiverged, train
 
     quiet = Console(log=lambda line: None)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nestor.orchestrator.manifest import records, write_manifest, written_by
+from nestor.orchestrator.checkpoint.manifest import records, write_manifest, written_by
 
 ITEMS = ("state",)
 

@@ -80,8 +80,8 @@ def nestor_runner(mesh: str, remat: str, schedule: str = "gpipe", repeats: str =
     import jax
 
     from bench.step import MESHES, bench_config
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.job.state import init_state
 
     pipelined = [f"pipeline.schedule={schedule}", f"pipeline.repeats={repeats}"] if "pipeline" in mesh else []
     config = bench_config(MESHES[mesh], f"model.remat={remat}", *pipelined)

@@ -5,7 +5,7 @@ Each row trains one config for `--steps` timed steps (after `--warmup` untimed o
 devices (`mesh.data=-1`), the steps dispatched back to back as the training loop does and timed to
 the end of the last one. FLOPs are the analytic model FLOPs of `orchestrator/specs/lm_flops.py` (what MFU
 credits: causal attention once, the routed experts only, no rematerialisation); the peak is the
-device kind's dense peak (`orchestrator.peak_flops.PEAK_TFLOPS`) or `--peak-tflops`. A CPU has no
+device kind's dense peak (`orchestrator.loop.peak_flops.PEAK_TFLOPS`) or `--peak-tflops`. A CPU has no
 peak: its MFU column says n/a. Accelerators train in bfloat16, a CPU in float32 (`--dtype` overrides).
 
     python -m bench.mfu                                    # accelerators: 1b and moe-1b; CPU: tiny dense and MoE
@@ -38,7 +38,7 @@ DEFAULT_MODELS = {  # per platform: a dense and an MoE model
 def model_config(model: str, remat: str, attention: str, dtype: str, steps: int):
     """Returns the Config of one row: the model string's preset and overrides, the row's remat,
     attention and dtype, data parallel over every local device."""
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     preset, *overrides = model.split()
     return load(None, [f"model.preset={preset}", "cluster.devices_per_host=-1", "mesh.data=-1",
@@ -55,11 +55,11 @@ def measure(config, steps: int, warmup: int = 1, peak_override: float | None = N
     step.hlo.txt, names the kernels' fusions). Raises what building or compiling raises."""
     import jax
 
-    from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.peak_flops import peak_tflops
+    from nestor.orchestrator.commands.explain import compile_step
+    from nestor.orchestrator.loop.peak_flops import peak_tflops
     from nestor.orchestrator.specs.lm_flops import model_flops_per_step
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.job.state import init_state
 
     job = build_job(config)
     compiled = compile_step(job)
@@ -99,7 +99,7 @@ def rows(models: list[str], remats: list[str], attentions: list[str], dtype: str
     import jax
 
     from nestor.backend import backend_of_devices
-    from nestor.orchestrator.step import backend_request
+    from nestor.orchestrator.job.step import backend_request
 
     out = []
     for model in models:

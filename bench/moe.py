@@ -73,7 +73,7 @@ READING = (
 
 
 def _config(*overrides: str):
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     return load(None, BASE + list(overrides))
 
@@ -119,7 +119,7 @@ def routing_flop_share(config) -> float:
 
     from nestor.models.moe import expert_capacity, grouped_swiglu
     from nestor.models.transformer import moe_feed_forward
-    from nestor.orchestrator.explain import cost_flops
+    from nestor.orchestrator.commands.explain import cost_flops
     from nestor.orchestrator.specs.lm import lm_config
 
     cfg = lm_config(config)
@@ -156,8 +156,8 @@ EXCHANGES = ("all-to-all", "all-gather", "reduce-scatter")
 def compiled_step(config) -> dict:
     """Returns the train step compiled for `config` with its token-exchange bytes (all-to-all,
     all-gather, reduce-scatter; all devices) and temporaries per device, ready to time."""
-    from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.job import build_job
+    from nestor.orchestrator.commands.explain import compile_step
+    from nestor.orchestrator.job.build import build_job
     from nestor.parallel.hlo import collectives
 
     job = build_job(config)
@@ -174,7 +174,7 @@ def time_alternately(steps: dict[str, dict], rounds: int) -> None:
     their median."""
     import jax
 
-    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.job.state import init_state
 
     states = {name: init_state(entry["config"], entry["job"].layout) for name, entry in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
 
-    from nestor.orchestrator.processes import configure_jax
+    from nestor.orchestrator.job.processes import configure_jax
 
     configure_jax(_config())
     import jax

@@ -46,14 +46,14 @@ COMMAND = "python -m bench.pipeline"
 
 
 def _config(*overrides: str):
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     return load(None, BASE + list(overrides))
 
 
 def _compiled(config):
-    from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.job import build_job
+    from nestor.orchestrator.commands.explain import compile_step
+    from nestor.orchestrator.job.build import build_job
 
     job = build_job(config)
     return job, compile_step(job)
@@ -68,7 +68,7 @@ class Stepper:
     """A compiled train step with its own state, timed one step at a time."""
 
     def __init__(self, config):
-        from nestor.orchestrator.state import init_state
+        from nestor.orchestrator.job.state import init_state
 
         self.job, self.compiled = _compiled(config)
         self.state = init_state(config, self.job.layout)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true",
                         help="print only; leave docs/benchmarks.md and docs/pipeline.png alone")
     args = parser.parse_args(argv)
-    from nestor.orchestrator.processes import configure_jax
+    from nestor.orchestrator.job.processes import configure_jax
 
     configure_jax(_config())
     if args.memory:

@@ -3,7 +3,7 @@
 Each run builds and compiles the suite's `pipeline4_fsdp2_1f1b` case (tests/test_pipeline.py) afresh and
 trains its 5 steps in this process, beside `--hogs` busy processes (the other xdist worker of a suite). A
 run that stalls past `--hang-s` is ended by nestor's hang watchdog, which writes every thread's Python and
-native stacks (orchestrator/hang.py) to the run's `hangs/` folder; the stress loop counts it, keeps the
+native stacks (orchestrator/loop/hang.py) to the run's `hangs/` folder; the stress loop counts it, keeps the
 folder under `--out` and goes on in a fresh process.
 
     python -m bench.pipeline_hang --runs 100 --hogs 2 --out /tmp/pipeline-hang
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
-from nestor.orchestrator.hang import GRACE_S
+from nestor.orchestrator.loop.hang import GRACE_S
 
 CASE = ["model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
         "optimizer.warmup_steps=2", "optimizer.eps=1e-6", "data.source=synthetic", "checkpoint.every=0",
@@ -47,9 +47,9 @@ def child(runs: int, hang_s: float, out: Path, extra: list[str]) -> None:
     import jax
 
     from nestor.cluster.cpu_devices import one_program_at_a_time
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.console import Console
-    from nestor.orchestrator.train import train
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.loop.console import Console
+    from nestor.orchestrator.loop.train import train
 
     one_program_at_a_time(jax)
     for _ in range(runs):

@@ -19,11 +19,11 @@ simulate_cpu_devices_before_import(8)
 import jax  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from nestor.orchestrator import config as config_lib  # noqa: E402
+from nestor.orchestrator.loader import config as config_lib  # noqa: E402
 from nestor.orchestrator.errors import ConfigError  # noqa: E402
-from nestor.orchestrator.explain import explain  # noqa: E402
-from nestor.orchestrator.job import build_job  # noqa: E402
-from nestor.orchestrator.state import init_state  # noqa: E402
+from nestor.orchestrator.commands.explain import explain  # noqa: E402
+from nestor.orchestrator.job.build import build_job  # noqa: E402
+from nestor.orchestrator.job.state import init_state  # noqa: E402
 
 MESHES = {
     "1 device": dict(devices=1),

@@ -69,7 +69,7 @@ READING = (
 
 def bench_config(mesh: dict[str, int], *overrides: str):
     """Returns the benchmark's config on `mesh` (mesh.<axis> -> degree, the other axes 1)."""
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     degrees = {f"mesh.{axis}": 1 for axis in ("pipeline", "data", "fsdp", "expert", "tensor")} | mesh
     return load(None, [*MODEL, *(f"{key}={value}" for key, value in degrees.items()), *overrides])
@@ -217,9 +217,9 @@ def compiled_programs(mesh: dict[str, int], *overrides: str) -> dict[str, dict]:
     import jax
     import numpy as np
 
-    from nestor.orchestrator.explain import compile_step
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.processes import enable_compile_cache
+    from nestor.orchestrator.commands.explain import compile_step
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.job.processes import enable_compile_cache
 
     config = bench_config(mesh, *overrides)
     enable_compile_cache(config)
@@ -247,9 +247,9 @@ def measure(mesh: dict[str, int], rounds: int, steps: int) -> dict:
     the ratio nestor / bare per round (median, and its quartiles) on `mesh`."""
     import jax
 
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.processes import enable_compile_cache
-    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.job.processes import enable_compile_cache
+    from nestor.orchestrator.job.state import init_state
 
     config = bench_config(mesh)
     enable_compile_cache(config)

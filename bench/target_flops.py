@@ -26,8 +26,8 @@ MODEL = ("model.preset=tiny", "model.embed_dim=128", "model.num_layers=4",
 
 def figures(*overrides: str) -> tuple[float, float]:
     """Returns (FLOPs per step, of which the state update) of `nestor explain` for the overrides."""
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.explain import explain
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.commands.explain import explain
 
     report = explain(load(None, [*MODEL, *overrides]))
     return report["flops_per_step"], report["update_flops_per_step"]
@@ -36,9 +36,9 @@ def figures(*overrides: str) -> tuple[float, float]:
 def flops_by_op(*overrides: str) -> dict[tuple[str, str, str], float]:
     """Returns the FLOPs `nestor explain` counts for the overrides by (phase, HLO op, jax op), less this
     compile's float32 widening (parallel.hlo.flops_by_op)."""
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.explain import counted_step
-    from nestor.orchestrator.job import build_job
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.commands.explain import counted_step
+    from nestor.orchestrator.job.build import build_job
     from nestor.parallel.hlo import flops_by_op as by_op
 
     job = build_job(load(None, [*MODEL, *overrides]), with_data=False)

@@ -2,6 +2,6 @@
 
 import sys
 
-from nestor.orchestrator.cli import console_script
+from nestor.orchestrator.commands.cli import console_script
 
 sys.exit(console_script())

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 one_program_at_a_time(jax)
 import pytest  # noqa: E402
 
-from nestor.orchestrator import config as config_lib  # noqa: E402
+from nestor.orchestrator.loader import config as config_lib  # noqa: E402
 # The suite's order, how it is shared between pytest-xdist workers, and a crashed worker's test run once more
 # (hooks of this conftest).
 from tests.xdist_groups import (pytest_collection_modifyitems, pytest_runtest_setup,  # noqa: E402,F401

@@ -20,10 +20,10 @@ import numpy as np
 import psutil
 
 from nestor.cluster.cpu_devices import without_device_count
-from nestor.orchestrator.config import Config
+from nestor.orchestrator.loader.config import Config
 from nestor.orchestrator.data.prepare import Options, prepare
-from nestor.orchestrator.console import Console
-from nestor.orchestrator.train import TrainResult, train
+from nestor.orchestrator.loop.console import Console
+from nestor.orchestrator.loop.train import TrainResult, train
 from tests.conftest import ROOT
 
 # The meshes the foundation is tested on (tensor4 needs 4 kv heads).

@@ -16,7 +16,7 @@ from nestor.models import ops
 from nestor.models.transformer import Attention, Transformer, TransformerConfig, rotary
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, document_ids
 from nestor.orchestrator.specs.registry import build_model
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.job.step import backend_request
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 CONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

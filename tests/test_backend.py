@@ -8,9 +8,9 @@ import pytest
 
 from nestor.backend import ALL_GATHER, BackendError, RAGGED_ALL_TO_ALL, resolve_backend
 from nestor.models import ops
-from nestor.orchestrator.explain import explain, format_report, ops_called
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.commands.explain import explain, format_report, ops_called
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.step import backend_request
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
 from tests.conftest import ROOT
 
@@ -110,7 +110,7 @@ def test_explain_for_an_h100_counts_grouped_matmuls_as_its_kernels_and_the_state
 
 @pytest.mark.slow
 def test_explain_says_where_each_setting_that_decides_speed_came_from(tiny_config):
-    from nestor.orchestrator.config import load, speed_key_sources
+    from nestor.orchestrator.loader.config import load, speed_key_sources
 
     sources = {key: (value, where) for key, value, where in speed_key_sources(
         load(None, ["model.preset=1b", "model.remat=full", "cluster.devices_per_host=8"]))}

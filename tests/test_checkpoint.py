@@ -16,15 +16,17 @@ import numpy as np
 import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT  # the name jax.monitoring reports a compile under
 
-from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.checkpoint import Checkpointer, MIN_REPLICA_SLICE_BYTES, checkpoint_dir, restore_state
+from nestor.orchestrator.loader import config as config_lib
+from nestor.orchestrator.checkpoint.files import checkpoint_dir
+from nestor.orchestrator.checkpoint.owner import Checkpointer, MIN_REPLICA_SLICE_BYTES
+from nestor.orchestrator.checkpoint.reader import restore_state
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.launch_checks import checkpoint_misfit
-from nestor.orchestrator.console import Console
-from nestor.orchestrator.signals import StopSignals
-from nestor.orchestrator.state import init_state
-from nestor.orchestrator.train import TrainingDiverged, train
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.commands.launch_checks import checkpoint_misfit
+from nestor.orchestrator.loop.console import Console
+from nestor.orchestrator.loop.signals import StopSignals
+from nestor.orchestrator.job.state import init_state
+from nestor.orchestrator.loop.train import TrainingDiverged, train
 from tests.conftest import ROOT
 from tests.helpers import child_env, ended, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
@@ -36,7 +38,7 @@ def load(run_dir: Path, *overrides: str):
     return config_lib.load(None, BASE + [f"run.dir={run_dir}", *overrides])
 
 
-def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "nestor.orchestrator.cli"),
+def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "nestor.orchestrator.commands.cli"),
         prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """Starts `nestor train` from this checkout in a fresh process (run YAML: the tiny model): python
     `entry` (default: the CLI module), run by the command `prefix` if one is given."""
@@ -267,10 +269,10 @@ def test_checkpoint_of_another_model_is_a_config_error_that_leaves_run_dir_untou
 DIFFERING_RESTORES = """
     import re
     import orbax.checkpoint as ocp
-    from nestor.orchestrator import checkpoint, checkpoint_restore, manifest
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.checkpoint import manifest, owner as checkpoint, reader as checkpoint_restore
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.job.state import init_state
 
     config = load(None, ["model.preset=tiny", "cluster.hosts=2", "cluster.devices_per_host=2", f"run.dir={run_dir}"])
     layout = build_job(config, with_data=False).layout

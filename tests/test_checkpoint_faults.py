@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 import yaml
 
-from nestor.orchestrator import manifest
-from nestor.orchestrator.checkpoint import Checkpointer, CheckpointUnreadable, checkpoint_dir, restore_state
-from nestor.orchestrator.cli import main, where_results_are
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.console import Console
-from nestor.orchestrator.train import TrainingDiverged, train
+from nestor.orchestrator.checkpoint import manifest
+from nestor.orchestrator.checkpoint.files import checkpoint_dir
+from nestor.orchestrator.checkpoint.owner import Checkpointer
+from nestor.orchestrator.checkpoint.reader import CheckpointUnreadable, restore_state
+from nestor.orchestrator.commands.cli import main, where_results_are
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.loop.console import Console
+from nestor.orchestrator.loop.train import TrainingDiverged, train
 from tests.helpers import ended, run
 from tests.test_checkpoint import BASE, cli, load
 
@@ -267,7 +269,7 @@ def test_an_interrupted_run_says_what_a_rerun_resumes_from(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("nestor.orchestrator.train.train", interrupted)
+    monkeypatch.setattr("nestor.orchestrator.loop.train.train", interrupted)
     (Path("runs") / "begun" / "checkpoints").mkdir(parents=True)  # a run that got that far, and saved nothing
     for run_dir, closing in (("runs/a", "resume or extend: run the same command again (from checkpoint 2; "
                                         "train.steps=4 now)"), ("runs/new", None),
@@ -294,8 +296,8 @@ KILLER = textwrap.dedent("""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.path import atomicity
     from orbax.checkpoint._src.serialization import serialization
-    from nestor.orchestrator import checkpoint
-    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.checkpoint import owner as checkpoint
+    from nestor.orchestrator.commands.cli import main
 
     MOMENT, STEP = {moment!r}, 4
     saving = {{"step": None, "arrays": 0}}

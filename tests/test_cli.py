@@ -11,7 +11,7 @@ from tests.helpers import child_env
 
 
 def nestor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nestor.orchestrator.cli", *args], cwd=ROOT, env=child_env(),
+    return subprocess.run([sys.executable, "-m", "nestor.orchestrator.commands.cli", *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -44,7 +44,7 @@ def test_missing_config_file_is_a_config_error():
 
 
 def test_a_command_without_its_config_says_so_and_not_that_overrides_are_required(capsys):
-    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.commands.cli import main
 
     for command in ("train", "eval", "logits"):
         with pytest.raises(SystemExit) as exited:

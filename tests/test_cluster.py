@@ -24,7 +24,7 @@ import yaml
 
 from nestor.cluster.connect import ClusterSpec, check_capacity
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
-from nestor.orchestrator.hang import NATIVE_TRIES
+from nestor.orchestrator.loop.hang import NATIVE_TRIES
 from tests.conftest import ROOT
 from tests.doc_blocks import SESSION_SETTINGS
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
@@ -51,7 +51,7 @@ def nestor(*args: str, timeout: float = 240, env: dict[str, str] | None = None) 
     """Runs the `nestor` CLI of this checkout in a fresh process, from a user's shell (plus `env`); returns it
     finished."""
     shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", **(env or {})))
-    return subprocess.run([PYTHON, "-m", "nestor.orchestrator.cli", *args], cwd=ROOT, env=shell, text=True,
+    return subprocess.run([PYTHON, "-m", "nestor.orchestrator.commands.cli", *args], cwd=ROOT, env=shell, text=True,
                           capture_output=True, timeout=timeout)
 
 
@@ -219,7 +219,7 @@ def ray_head(tmp_path_factory):
 def test_train_by_address_uploads_the_code_profiles_on_process_0_and_resumes_past_a_torn_checkpoint(ray_head, tmp_path):
     """On token shards of 30 windows: 5 steps of 16 rows read 2.7 epochs, and the two processes, each
     reading its own rows, train as one process reading all of them."""
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
 
     _, gcs_address = ray_head
     tokens = ["data.source=tokens", f"data.paths=[{prepared_stdlib(tmp_path / 'shards', 'this.py')}]"]
@@ -302,7 +302,7 @@ def test_a_token_path_that_holds_no_token_is_one_line(tmp_path):
 # Process 1 gets a SIGINT at its third call; the processes go at different paces.
 AGREE_ON_A_STOP = """
     import os, signal, time
-    from nestor.orchestrator.signals import StopSignals
+    from nestor.orchestrator.loop.signals import StopSignals
 
     calls = 0
     with StopSignals() as signals:
@@ -328,7 +328,7 @@ class Driver:
     leaving the `with`, the group (the embedded cluster's daemons too) is killed if still running."""
 
     def __init__(self, *args: str, env: dict[str, str]):
-        self.process = subprocess.Popen([PYTHON, "-m", "nestor.orchestrator.cli", "train", "configs/quickstart.yaml", *args],
+        self.process = subprocess.Popen([PYTHON, "-m", "nestor.orchestrator.commands.cli", "train", "configs/quickstart.yaml", *args],
                                         cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.lines: list[str] = []
@@ -389,9 +389,9 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     overrides = [*TINY, *TWO_HOSTS, *longer]
     uninterrupted = textwrap.dedent(f"""
         import json
-        from nestor.orchestrator.config import load
-        from nestor.orchestrator.console import Console
-        from nestor.orchestrator.train import train
+        from nestor.orchestrator.loader.config import load
+        from nestor.orchestrator.loop.console import Console
+        from nestor.orchestrator.loop.train import train
         config = load({str(QUICKSTART)!r}, {overrides!r} + [f"run.dir={{run_dir}}"])
         print(json.dumps(train(config, console=Console.silent()).losses))
     """)
@@ -461,7 +461,7 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     # the C and C++ ones it waits in (Python's alone where every --native try failed, each failure named)
     for i in (0, 1):
         py_spy = texts[f"native-{i}.txt"].split("=== py-spy ")[1].split("=== gdb ")[0]
-        training = next((block for block in py_spy.split("\nThread ") if "(orchestrator/train.py:" in block), None)
+        training = next((block for block in py_spy.split("\nThread ") if "(orchestrator/loop/train.py:" in block), None)
         assert training, py_spy[-3000:]
         if py_spy.count("(py-spy --native ") < NATIVE_TRIES and "(py-spy --native timed out" not in py_spy:
             assert re.search(r"\((?:libc|libpython|jaxlib/)[^)]*\)", training), training
@@ -483,7 +483,7 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
     the restart waits cluster.restart_timeout_s, then goes on with one worker (dcn data 1, grad_accum 2) from
     the newest checkpoint, to the losses of a run on that mesh from that step; a node comes back and a worker
     is killed: the next group has both hosts again."""
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
 
     # two nodes on one machine: Ray calls that a laptop's multi-node cluster and wants the flag for it
     env = dict(user_shell(), PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
@@ -541,8 +541,8 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
                                     **mesh_overrides(data=1, fsdp=2, tensor=2)})
     import jax
 
-    from nestor.orchestrator.console import Console
-    from nestor.orchestrator.train import train
+    from nestor.orchestrator.loop.console import Console
+    from nestor.orchestrator.loop.train import train
 
     losses = train(one_host, devices=jax.devices()[:4], console=Console.silent()).losses
     got = [r["loss"] for r in records if shrunk_from < r["step"] <= grew_at]
@@ -665,7 +665,7 @@ def test_a_remote_cluster_and_a_submitted_job_receive_the_users_model(ray_head, 
     shell = user_shell(child_env(PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}"))
 
     def nestor_here(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PYTHON, "-m", "nestor.orchestrator.cli", *args], cwd=directory, env=shell, text=True,
+        return subprocess.run([PYTHON, "-m", "nestor.orchestrator.commands.cli", *args], cwd=directory, env=shell, text=True,
                               capture_output=True, timeout=400)
 
     common = ["my.yaml", f"data.paths=[{directory / 'train.npz'}]", "train.steps=2", *TWO_HOSTS]
@@ -685,7 +685,7 @@ def test_staging_ships_the_users_modules_beside_nestors_and_refuses_a_clash(tmp_
     (tmp_path / "mypackage" / "__init__.py").write_text("")
     staged = stage_project(tmp_path / "staged", (str(tmp_path / "mine.py"), str(tmp_path / "mypackage")))
     assert (staged / "mine.py").read_text() == "X = 1\n" and (staged / "mypackage" / "__init__.py").exists()
-    assert (staged / "orchestrator" / "cli.py").exists() and (staged / "nestor" / "__init__.py").exists()
+    assert (staged / "orchestrator" / "commands" / "cli.py").exists() and (staged / "nestor" / "__init__.py").exists()
     (tmp_path / "models").mkdir()
     (tmp_path / "cluster.py").write_text("")
     for clash in ("models", "cluster.py"):  # a module would lose to nestor's package of its name
@@ -715,8 +715,8 @@ def test_stop_head_ends_the_processes_of_its_address_and_no_others():
 
 
 def test_a_run_on_fewer_hosts_keeps_its_global_batch_and_each_devices_micro_batch():
-    from nestor.orchestrator import config as config_lib
-    from nestor.orchestrator.ray_driver import config_on_hosts
+    from nestor.orchestrator.loader import config as config_lib
+    from nestor.orchestrator.commands.ray_driver import config_on_hosts
 
     config = config_lib.load(QUICKSTART, TINY + TWO_HOSTS + ["cluster.hosts=4", "mesh.dcn.data=4"])
     half = config_on_hosts(config, 2)
@@ -732,7 +732,7 @@ def test_a_run_on_fewer_hosts_keeps_its_global_batch_and_each_devices_micro_batc
 
 def test_status_prints_a_jobs_restart_lines_under_its_status(monkeypatch, capsys):
     from nestor.cluster import jobs
-    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.commands.cli import main
 
     log = ("starting 2 worker process(es) x 4 cpu device(s) on the Ray job's cluster\n"
            "step     5  loss 5.3399  lr 3.00e-03  grad_norm 0.956  1570 tok/s\n"
@@ -766,7 +766,7 @@ class WorkerHealthCheckFailedError(Exception):
 
 def test_a_workers_death_makes_the_others_final_errors_restartable():
     from nestor.cluster.driver import Recovery, _failure_cause, _final_error
-    from nestor.orchestrator.checkpoint import CheckpointWriteError
+    from nestor.orchestrator.checkpoint.owner import CheckpointWriteError
 
     recovery = Recovery(final=lambda error: isinstance(error, CheckpointWriteError))
     alone = _GroupError(r0=CheckpointWriteError("disk full"))
@@ -780,8 +780,8 @@ def test_a_workers_death_makes_the_others_final_errors_restartable():
 
 
 def test_fewer_hosts_shrink_only_a_batch_axis():
-    from nestor.orchestrator import config as config_lib
-    from nestor.orchestrator.ray_driver import config_on_hosts
+    from nestor.orchestrator.loader import config as config_lib
+    from nestor.orchestrator.commands.ray_driver import config_on_hosts
 
     four = TINY + TWO_HOSTS + ["cluster.hosts=4", "cluster.devices_per_host=2", "mesh.dcn.data=1"]
     # no degree across hosts: the -1 axis takes what is left, if it is a batch axis

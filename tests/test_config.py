@@ -2,7 +2,7 @@
 
 import pytest
 
-from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -138,7 +138,7 @@ def test_the_schemas_choices_are_those_the_rooms_that_act_on_them_take():
     the room that acts on the key declares."""
     from nestor import backend
     from nestor.backend import remat
-    from nestor.orchestrator import config_schema
+    from nestor.orchestrator.config import schema as config_schema
     from nestor.parallel import context, rules
 
     assert config_schema.ATTENTION_CHOICES == backend.ATTENTION_CHOICES
@@ -154,7 +154,7 @@ def test_the_schema_loads_without_jax_or_the_backend():
     import subprocess
     import sys
 
-    script = ("import sys; import nestor.orchestrator.config_schema; "
+    script = ("import sys; import nestor.orchestrator.config.schema; "
               "print(sorted(m for m in ('jax', 'nestor.backend', 'flax') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

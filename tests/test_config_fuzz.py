@@ -1,6 +1,6 @@
 """Fuzz: every bad value of every config key is one config error naming the key, never a traceback.
 
-The bad values are generated from the key table (orchestrator.config.key_table),
+The bad values are generated from the key table (orchestrator.loader.config.key_table),
 so a new key is fuzzed as soon as it is declared. Every case is validated in
 process through `load`, the function the CLI calls (or, where the check needs the
 devices, through the job `train` builds before it allocates anything); a few go
@@ -16,11 +16,12 @@ from pathlib import Path
 import jax
 import pytest
 
-from nestor.orchestrator import cli, memory_fit
-from nestor.orchestrator.config import INT32_MAX, Key, key_table, load
+from nestor.orchestrator.commands import cli
+from nestor.orchestrator.loader import memory_fit
+from nestor.orchestrator.loader.config import INT32_MAX, Key, key_table, load
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.idle_keys import idle_keys, idle_warning
-from nestor.orchestrator.job import build_job, select_devices
+from nestor.orchestrator.loader.idle_keys import idle_keys, idle_warning
+from nestor.orchestrator.job.build import build_job, select_devices
 from tests.conftest import ROOT
 from tests.helpers import child_env, ended
 
@@ -234,7 +235,7 @@ def test_overrides_with_an_empty_name_a_repeated_key_or_an_alias_bomb_name_the_o
 
 def _console_script() -> list[str]:
     script = Path(sys.executable).parent / "nestor"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "nestor.orchestrator.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "nestor.orchestrator.commands.cli"]
 
 
 def _exit_2_naming(runs: list[tuple[list[str], str]], cwd: Path) -> None:

@@ -1,10 +1,10 @@
-"""base.yaml is the key table (orchestrator/config_schema.py) written out: every key, its default and its comment."""
+"""base.yaml is the key table (orchestrator/config/schema.py) written out: every key, its default and its comment."""
 
 import re
 
 import yaml
 
-from nestor.orchestrator.config import CONFIGS_DIR, key_table
+from nestor.orchestrator.loader.config import CONFIGS_DIR, key_table
 
 _LINE = re.compile(r"^(?P<indent>\s*)(?P<name>\w+):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
 

@@ -14,15 +14,15 @@ from flax import nnx
 from nestor.models import ops
 from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
-from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.context_wiring import ATTENTION_AXES
+from nestor.orchestrator.loader import config as config_lib
+from nestor.orchestrator.job.context_wiring import ATTENTION_AXES
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, document_ids
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import explain, format_report
-from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.memory_fit import GIB
-from nestor.orchestrator.step import backend_for
-from nestor.orchestrator.validation import validate
+from nestor.orchestrator.commands.explain import explain, format_report
+from nestor.orchestrator.job.build import make_mesh
+from nestor.orchestrator.loader.memory_fit import GIB
+from nestor.orchestrator.job.step import backend_for
+from nestor.orchestrator.loader.validation import validate
 from nestor.parallel import context
 from nestor.parallel.context import SequenceLayout, context_attention
 from nestor.parallel.hlo import collectives, conditional_branch_ops

@@ -9,7 +9,7 @@ import pytest
 
 from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, TextSource
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import make_mesh
+from nestor.orchestrator.job.build import make_mesh
 from nestor.parallel.rules import resolve_rules
 from tests.helpers import mesh_overrides
 

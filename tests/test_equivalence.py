@@ -8,7 +8,7 @@ from tests.helpers import TESTED_MESHES, ONE_DEVICE, assert_same_training, mesh_
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
 
     def make(*overrides):
         base = [*TINY, "model.num_kv_heads=4", f"run.dir={tmp_path_factory.mktemp('ref')}"]

@@ -9,9 +9,9 @@ import pytest
 from nestor.orchestrator.data.prepare import Options, prepare
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.commands import restore_newest
-from nestor.orchestrator.evaluation.loss import Evaluator, eval_source
-from nestor.orchestrator.metrics import tensorboard_tag
-from nestor.orchestrator.console import Console
+from nestor.orchestrator.job.eval_loss import Evaluator, eval_source
+from nestor.orchestrator.loop.metrics import tensorboard_tag
+from nestor.orchestrator.loop.console import Console
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, mesh_overrides, prepared_stdlib, run
 
@@ -103,7 +103,7 @@ def test_eval_after_the_quickstart_names_keys_to_paste_and_readers_leave_a_missi
     import re
     import shlex
 
-    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.commands.cli import main
     from tests.conftest import ROOT
 
     monkeypatch.chdir(tmp_path)

@@ -7,13 +7,13 @@ import jax
 import pytest
 
 from nestor.backend import resolve_backend
-from nestor.orchestrator import memory_fit as fit
-from nestor.orchestrator.config import load
+from nestor.orchestrator.loader import memory_fit as fit
+from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import explain, fit_line
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.commands.explain import explain, fit_line
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.loader.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
+from nestor.orchestrator.job.step import backend_request
 from tests.conftest import ROOT
 from tests.test_cli import nestor
 

@@ -11,11 +11,11 @@ import pytest
 
 from nestor.backend import BackendError, fp8, resolve_backend
 from nestor.models import ops
-from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.checkpoint import checkpoint_dir
+from nestor.orchestrator.loader import config as config_lib
+from nestor.orchestrator.checkpoint.files import checkpoint_dir
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import abstract_batch, build_job
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.job.build import abstract_batch, build_job
+from nestor.orchestrator.job.step import backend_request
 from nestor.parallel.hlo import dot_operand_dtypes
 from tests.helpers import ONE_DEVICE, mesh_overrides, relative_error, run, run_fresh
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-from nestor.orchestrator.cli import main
-from nestor.orchestrator.goodput import (ATTEMPT_CATEGORIES, FILE_NAME, RUN_CATEGORIES, Goodput, read_records, report,
+from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
+from nestor.orchestrator.commands.cli import main
+from nestor.orchestrator.loop.goodput import (ATTEMPT_CATEGORIES, FILE_NAME, RUN_CATEGORIES, Goodput, read_records, report,
                                          run_goodput, summary_line, total)
-from nestor.orchestrator.metrics import tensorboard_tag
-from nestor.orchestrator.console import Console
-from nestor.orchestrator.train import train
+from nestor.orchestrator.loop.metrics import tensorboard_tag
+from nestor.orchestrator.loop.console import Console
+from nestor.orchestrator.loop.train import train
 from tests.conftest import ROOT
 from tests.helpers import child_env
 from tests.test_checkpoint import cli
@@ -186,7 +186,7 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_sums_to_its_wall_time_and_t
     assert run.wall == pytest.approx(first_to_end, rel=0.02)
     assert summary_line(attempts) in out.splitlines()  # the run's end says what `nestor goodput` says
 
-    shown = subprocess.run([sys.executable, "-m", "nestor.orchestrator.cli", "goodput", str(run_dir)], cwd=ROOT,
+    shown = subprocess.run([sys.executable, "-m", "nestor.orchestrator.commands.cli", "goodput", str(run_dir)], cwd=ROOT,
                            env=child_env(), capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == report(attempts)

@@ -14,10 +14,10 @@ from nestor.backend.mosaic_gpu import TILE, grouped_matmul_op, kernel_grouped_ma
 from nestor.backend.remat import policy as remat_policy
 from nestor.models import ops
 from nestor.models.moe import dropless_expert_outputs, grouped_swiglu
-from nestor.orchestrator import moe_wiring as orchestrator_moe
+from nestor.orchestrator.job import moe_wiring as orchestrator_moe
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.step import backend_request
 from tests.helpers import equations
 
 GROUP_SIZES = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 20 rows in groups; group 1 empty

@@ -1,4 +1,4 @@
-"""The hang watchdog (orchestrator/hang.py): its limit and clock, its stacks, and a hung run in one process.
+"""The hang watchdog (orchestrator/loop/hang.py): its limit and clock, its stacks, and a hung run in one process.
 The Ray launcher's case (a worker stopped with SIGSTOP) is tests/test_cluster.py's."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from nestor.orchestrator import hang
-from nestor.orchestrator.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog, native_stacks_text
+from nestor.orchestrator.loop import hang
+from nestor.orchestrator.loop.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog, native_stacks_text
 from tests.conftest import ROOT
 from tests.helpers import child_env, ended
 
@@ -138,9 +138,9 @@ def test_a_native_dump_that_fails_is_tried_again_then_the_python_frames_alone_ar
 # A run whose batch of step 4 never comes: the watchdog ends it with its stacks.
 HUNG_RUN = textwrap.dedent("""
     import sys, threading
-    from nestor.orchestrator import train as train_module
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.processes import configure_jax
+    from nestor.orchestrator.loop import train as train_module
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.job.processes import configure_jax
 
     config = load(None, ["model.preset=tiny", "data.source=synthetic", "train.steps=50", "train.global_batch=8",
                          "train.seq_len=32", "cluster.launcher=inprocess", "run.hang_timeout_s=4",

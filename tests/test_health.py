@@ -2,7 +2,8 @@
 
 import math
 
-from nestor.orchestrator.health import MIN_LOSSES, WINDOW, StateHealth, best_of
+from nestor.orchestrator.config.schema import HEALTH_WINDOW as WINDOW
+from nestor.orchestrator.loop.health import MIN_LOSSES, StateHealth, best_of
 
 
 def test_a_slow_drift_that_a_recent_median_follows_is_refused_once_past_the_factor_of_the_best():

@@ -17,16 +17,16 @@ from flax import nnx
 from nestor.models import moe, stack
 from nestor.models.stack import unrolled_layers
 from nestor.models.transformer import Transformer
-from nestor.orchestrator.checkpoint import Checkpointer
-from nestor.orchestrator.config import load
+from nestor.orchestrator.checkpoint.owner import Checkpointer
+from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.evaluation.commands import logits_of
 from nestor.orchestrator.hf import safetensors
-from nestor.orchestrator.hf.export import export
+from nestor.orchestrator.commands.hf_export import export
 from nestor.orchestrator.hf.load import load_params
-from nestor.orchestrator.job import build_job
+from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.specs.lm import lm_config
-from nestor.orchestrator.state import init_state
+from nestor.orchestrator.job.state import init_state
 from tests.conftest import COMPARABLE_ADAM
 from tests.helpers import (ONE_DEVICE, assert_same_training, last_lines_of_two_processes, mesh_overrides, run,
                            run_fresh)
@@ -239,12 +239,12 @@ def test_the_tokenizer_comes_with_the_checkpoint_and_must_fit_its_vocabulary(tmp
 
 BYTES_READ = """
     import json
-    from nestor.orchestrator.config import load
-    from nestor.orchestrator.hf.export import export
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.commands.hf_export import export
     from nestor.orchestrator.hf.load import keep_source_files, load_params
-    from nestor.orchestrator.job import build_job
-    from nestor.orchestrator.checkpoint import Checkpointer
-    from nestor.orchestrator.state import init_state
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.checkpoint.owner import Checkpointer
+    from nestor.orchestrator.job.state import init_state
 
     source = SOURCE
     config = load(None, [f"model.init_from={source}", "cluster.hosts=2", "cluster.devices_per_host=2",

@@ -2,7 +2,7 @@
 import runs when its module loads or inside a function, and the rooms' arrows as DESIGN.md draws them.
 
 Imports under `if TYPE_CHECKING:` never run, and both checks count them all the same: a type a module
-names is a dependency too (the run config's, from the pure orchestrator.config_schema).
+names is a dependency too (the run config's, from the pure orchestrator.config.schema).
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ ARROWS = {"orchestrator": {"backend", "models", "parallel", "cluster"}, "backend
           "models": set(), "parallel": set(), "cluster": set()}
 
 
+# Inside the orchestrator, each folder is a room whose __init__ docstring names the orchestrator rooms it may
+# import in a line "Orchestrator rooms it may import: a, b." ("root": the modules of orchestrator/ itself).
+ARROWS_LINE = re.compile(r"Orchestrator rooms it may import: ([\w, ]+?) ?[.(]")
+ORCHESTRATOR_ROOMS = ("root", *sorted(path.parent.name for path in (ROOT / "orchestrator").glob("*/__init__.py")))
+ENTRY_POINT = "orchestrator.__main__"  # `python -m nestor.orchestrator` runs commands.cli
+
+
 class Import(NamedTuple):
-    source: str     # importing module, e.g. "orchestrator.train"
+    source: str     # importing module, e.g. "orchestrator.loop.train"
     target: str     # imported module of a room
     late: bool      # inside a function body
     where: str      # path:line
@@ -164,7 +171,8 @@ def test_the_layout_in_the_docs_names_every_module_and_folder_of_every_room():
     layout = layout[layout.index("```") + 3:]
     words = set(re.findall(r"[\w.]+/?", layout[:layout.index("```")]))
     missing = []
-    for room in (*ROOMS, "bench"):
+    folders = [*ROOMS, "bench", *(f"orchestrator/{room}" for room in ORCHESTRATOR_ROOMS if room != "root")]
+    for room in folders:
         for path in sorted((ROOT / room).iterdir()):
             if path.name.startswith(".") or path.name in ("__init__.py", "__pycache__"):
                 continue
@@ -175,3 +183,47 @@ def test_the_layout_in_the_docs_names_every_module_and_folder_of_every_room():
             if not named:
                 missing.append(f"{room}/{path.name}")
     assert missing == []
+
+
+def orchestrator_room(module: str) -> str | None:
+    """Returns the orchestrator room of `module` ("orchestrator.job.step" -> "job", "orchestrator.errors" ->
+    "root"), or None outside the orchestrator."""
+    parts = module.split(".")
+    if parts[0] != "orchestrator":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ORCHESTRATOR_ROOMS else "root"
+
+
+def orchestrator_arrows() -> dict[str, set[str]]:
+    """Returns orchestrator room -> the rooms its __init__ docstring says it may import."""
+    arrows = {}
+    for room in ORCHESTRATOR_ROOMS:
+        init = ROOT / "orchestrator" / ("" if room == "root" else room) / "__init__.py"
+        said = ARROWS_LINE.search(" ".join((ast.get_docstring(ast.parse(init.read_text())) or "").split()))
+        assert said, f"{init.relative_to(ROOT)}'s docstring does not say which orchestrator rooms it may import"
+        arrows[room] = {name.strip() for name in said.group(1).split(",")} - {"none"}
+    return arrows
+
+
+def against_orchestrator_arrows(found: list[Import], arrows: dict[str, set[str]]) -> list[str]:
+    """Returns the imports from one orchestrator room into another that its arrows do not allow."""
+    return [f"{imp.where}: {imp.source} -> {imp.target}" for imp in found
+            if imp.source != ENTRY_POINT and (source := orchestrator_room(imp.source))
+            and (target := orchestrator_room(imp.target)) and imp.target != "orchestrator"
+            and source != target and target not in arrows[source]]
+
+
+def test_each_orchestrator_room_imports_only_the_rooms_its_init_names_type_checking_imports_included():
+    arrows = orchestrator_arrows()
+    assert set(arrows) == set(ORCHESTRATOR_ROOMS) and len(ORCHESTRATOR_ROOMS) > 5
+    assert all(allowed <= set(ORCHESTRATOR_ROOMS) for allowed in arrows.values()), arrows
+    assert cycles(arrows) == []  # the rooms stack: none imports another that may import it back
+    assert against_orchestrator_arrows(imports(ROOT, typing=True), arrows) == []
+
+
+def test_the_room_check_finds_an_import_against_the_arrows():
+    arrows = {"root": set(), "config": {"root"}, "job": {"root", "config"}}
+    found = [Import("orchestrator.config.schema", "orchestrator.errors", False, "a.py:1"),
+             Import("orchestrator.job.step", "orchestrator.config.schema", False, "b.py:2"),
+             Import("orchestrator.config.schema", "orchestrator.job.step", True, "a.py:9")]
+    assert against_orchestrator_arrows(found, arrows) == ["a.py:9: orchestrator.config.schema -> orchestrator.job.step"]

@@ -3,8 +3,8 @@
 import pytest
 
 from nestor.models import axes
-from nestor.orchestrator.explain import compile_step, explain, param_table
-from nestor.orchestrator.job import build_job
+from nestor.orchestrator.commands.explain import compile_step, explain, param_table
+from nestor.orchestrator.job.build import build_job
 from nestor.parallel.hlo import collective_lines, collectives
 from nestor.parallel.rules import DEFAULT_RULES
 from tests.helpers import TESTED_MESHES, mesh_overrides

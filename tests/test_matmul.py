@@ -18,8 +18,8 @@ from nestor.backend.remat import policy as remat_policy
 from nestor.models import ops
 from nestor.models.moe import MoELayerConfig
 from nestor.models.transformer import Transformer, TransformerConfig
-from nestor.orchestrator.config import load
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.loader.config import load
+from nestor.orchestrator.job.step import backend_request
 from nestor.parallel.hlo import dot_operand_dtypes
 from tests.helpers import equations, relative_error
 

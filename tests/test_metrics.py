@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.explain import compile_step, cost_flops, explain, format_report, step_flops
-from nestor.orchestrator.peak_flops import peak_tflops
+from nestor.orchestrator.loader import config as config_lib
+from nestor.orchestrator.commands.explain import compile_step, cost_flops, explain, format_report, step_flops
+from nestor.orchestrator.loop.peak_flops import peak_tflops
 from nestor.orchestrator.specs.lm_flops import executed_flops_per_step, model_flops_per_step
-from nestor.orchestrator.goodput import RUN_CATEGORIES
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,
+from nestor.orchestrator.loop.goodput import RUN_CATEGORIES
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.loop.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,
                                   spec_text, tensorboard_tag)
 from tests.conftest import ROOT, TINY
 from tests.helpers import run
@@ -112,7 +112,7 @@ def test_an_evaluation_is_timed_as_eval_s_and_never_as_a_step(tmp_path, monkeypa
     # An evaluation used to be dispatched before the previous step was read, so on CPU (where it runs
     # as it is dispatched) its time, its first compile included, landed on the step before it; and a
     # trace starting after an evaluated step must not move that step's end past its evaluation.
-    from nestor.orchestrator.evaluation.loss import Evaluator
+    from nestor.orchestrator.job.eval_loss import Evaluator
 
     evaluate = Evaluator.__call__
 

@@ -13,8 +13,8 @@ from nestor.models.moe import (MoEFeedForward, MoELayerConfig, expert_capacity, 
                                router_z_loss)
 from nestor.models.transformer import TransformerConfig, moe_feed_forward
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import compile_step, param_table
-from nestor.orchestrator.job import build_job
+from nestor.orchestrator.commands.explain import compile_step, param_table
+from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from nestor.parallel.hlo import collectives
 from tests.conftest import TINY
@@ -169,7 +169,7 @@ MESHES = {
 @pytest.fixture(scope="module")
 def one_device_runs(tmp_path_factory):
     """Returns make(*overrides) -> Config and a cache of one-device results by MoE overrides."""
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
 
     def make(*overrides):
         base = [*TINY, "model.num_kv_heads=4", *MOE,
@@ -246,7 +246,7 @@ def test_dropless_experts_match_one_device(one_device_runs, mesh):
 def deepseek_one_device(tmp_path_factory):
     """Returns (config, its one-device run) of the DeepSeek-style preset: first dense layer, shared and
     fine-grained experts, dropless, auxiliary-loss-free bias."""
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
 
     config = config_lib.load(None, [*TINY, "model.preset=deepseek-tiny", "pipeline.microbatches=2",
                                     f"run.dir={tmp_path_factory.mktemp('deepseek')}"])
@@ -279,7 +279,7 @@ def test_random_second_expert_routing_is_the_same_on_every_mesh(one_device_runs)
 
 
 def test_each_accumulated_micro_batch_draws_its_own_routing_noise():
-    from nestor.orchestrator.step import _accumulated_grads
+    from nestor.orchestrator.job.step import _accumulated_grads
 
     def loss_fn(params, batch, key):  # the "metric" is the noise this micro-batch drew
         return jnp.sum(params["w"] * batch["tokens"]), {"draw": jax.random.uniform(key)}
@@ -366,7 +366,7 @@ def test_flops_count_fine_grained_and_shared_experts(tiny_config):
 
 
 def test_pipeline_stages_split_units_of_moe_every_layers():
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
     from nestor.orchestrator.errors import ConfigError
 
     with pytest.raises(ConfigError) as caught:
@@ -376,7 +376,7 @@ def test_pipeline_stages_split_units_of_moe_every_layers():
 
 
 def test_group_size_must_divide_a_pipeline_micro_batch_per_device():
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
     from nestor.orchestrator.errors import ConfigError
 
     # 16 x 32 tokens, 4 micro-batches, 4 batch shards: 32 tokens per device per micro-batch.

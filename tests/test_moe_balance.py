@@ -10,11 +10,11 @@ from flax import nnx
 
 from nestor.models.moe import EXPERT_LOAD, ExpertBias, MoELayerConfig
 from nestor.models.transformer import TransformerConfig, moe_feed_forward
-from nestor.orchestrator.checkpoint import restore_state
+from nestor.orchestrator.checkpoint.reader import restore_state
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.metrics import expert_bias_scalars, moe_layer_indices
-from nestor.orchestrator.moe_wiring import EXPERT_BIAS, balanced_expert_bias
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.loop.metrics import expert_bias_scalars, moe_layer_indices
+from nestor.orchestrator.job.moe_wiring import EXPERT_BIAS, balanced_expert_bias
 from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from tests.helpers import run
 

@@ -10,8 +10,8 @@ from flax import nnx
 
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, dropless_expert_outputs
 from nestor.models.transformer import TransformerConfig, moe_feed_forward
-from nestor.orchestrator.explain import compile_step, explain
-from nestor.orchestrator.job import build_job
+from nestor.orchestrator.commands.explain import compile_step, explain
+from nestor.orchestrator.job.build import build_job
 from nestor.parallel.experts import ALL_GATHER
 from nestor.parallel.hlo import collectives
 from tests.helpers import mesh_overrides

@@ -12,10 +12,10 @@ import pytest
 
 from nestor.backend import EXCHANGE_CHOICES, resolve_backend
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.state import init_state
-from nestor.orchestrator.step import make_grad_fn
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.state import init_state
+from nestor.orchestrator.job.step import make_grad_fn
+from nestor.orchestrator.job.step import backend_request
 from nestor.parallel.experts import ALL_GATHER, RAGGED_ALL_TO_ALL, receive_plan, send_plan
 from nestor.parallel.hlo import collective_lines
 from tests.helpers import mesh_overrides

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.optimizer import learning_rate, schedule_change
+from nestor.orchestrator.loader import config as config_lib
+from nestor.orchestrator.job.optimizer import learning_rate, schedule_change
 
 
 def lrs(*overrides: str) -> list[float]:

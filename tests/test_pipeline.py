@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import compile_step, explain, format_report, param_table
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.state import init_state
+from nestor.orchestrator.commands.explain import compile_step, explain, format_report, param_table
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.state import init_state
 from nestor.parallel.hlo import collective_lines, collectives, conditional_branch_ops, dot_operand_dtypes
 from nestor.parallel.mesh import build_mesh
 from nestor.parallel.pipeline import (BUFFERED, PER_STAGE_SKIPPING, PipelineLoop, Schedule, buffered_loop,
@@ -151,7 +151,7 @@ def test_state_trained_without_pipeline_continues_under_two_stages_with_the_same
 def test_checkpoint_written_under_gpipe_on_two_stages_resumes_under_1f1b_on_four(tiny_config):
     import shutil
 
-    from nestor.orchestrator.checkpoint import checkpoint_dir
+    from nestor.orchestrator.checkpoint.files import checkpoint_dir
     from tests.helpers import run
 
     gpipe = tiny_config("train.steps=3", "checkpoint.every=2", "pipeline.microbatches=4").replace(
@@ -421,7 +421,7 @@ def test_zero_bubble_defers_each_weight_pass_after_its_input_pass_into_m_ticks(s
 def compiled_by_schedule(tmp_path_factory):
     """Returns {(schedule, M): (job, compiled step)} on pipeline4 x data2, 2 sequences per micro-batch
     (global batch 2M), compiled only."""
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
     from tests.conftest import TINY
 
     compiled = {}

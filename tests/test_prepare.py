@@ -132,8 +132,8 @@ def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkey
     # tokenizer's own vocabulary (19 ids here), which the quickstart's tensor2 mesh cannot split.
     import shlex
 
-    from nestor.orchestrator.cli import main
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.commands.cli import main
+    from nestor.orchestrator.loader.config import load
     from tests.conftest import ROOT
 
     monkeypatch.chdir(tmp_path)
@@ -165,7 +165,7 @@ def test_an_eval_source_leaves_no_empty_shard_in_either_split(corpus, tmp_path):
 
 
 def test_binary_inputs_are_skipped_and_listed_and_a_late_nul_is_an_error(tmp_path, monkeypatch, capsys):
-    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "src" / "__pycache__").mkdir(parents=True)
@@ -186,7 +186,7 @@ def test_training_and_sampling_on_prepared_shards_use_their_tokenizer(corpus, tm
     vocabulary and `nestor sample` take that tokenizer; naming another is refused."""
     import yaml
 
-    from nestor.orchestrator.cli import main
+    from nestor.orchestrator.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     tokenizer = str(corpus[0] / "words.json")

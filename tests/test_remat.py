@@ -7,9 +7,9 @@ import pytest
 
 from nestor.backend import resolve_backend
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import compile_step
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.step import backend_request
+from nestor.orchestrator.commands.explain import compile_step
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.step import backend_request
 from tests.conftest import TINY
 from tests.helpers import assert_same_training, equations, mesh_overrides, run_fresh
 
@@ -39,7 +39,7 @@ CASES = [("scanned_fsdp4_tensor2", "full"), ("scanned_fsdp4_tensor2", "dots"), (
 @pytest.fixture(scope="module")
 def without_remat(tmp_path_factory):
     """Returns runs(stack) -> (make, the run of that stack with model.remat=none), trained once per stack."""
-    from nestor.orchestrator import config as config_lib
+    from nestor.orchestrator.loader import config as config_lib
 
     cache = {}
 

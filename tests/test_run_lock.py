@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from nestor.orchestrator.cli import main
-from nestor.orchestrator.config import load
+from nestor.orchestrator.commands.cli import main
+from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.run_lock import LOCK_NAME, MARKER, RunDirLock, _start_ticks, claim_run_dir
+from nestor.orchestrator.checkpoint.run_lock import LOCK_NAME, MARKER, RunDirLock, _start_ticks, claim_run_dir
 from tests.helpers import last_lines_of_two_processes
 from tests.test_checkpoint import BASE
 
@@ -84,7 +84,7 @@ def test_a_run_dir_that_cannot_hold_a_lock_is_a_config_error_naming_it(tmp_path)
 
 AGREE_ON_THE_LOCK = """
     from nestor.orchestrator.errors import ConfigError
-    from nestor.orchestrator.run_lock import holding_run_dir
+    from nestor.orchestrator.checkpoint.run_lock import holding_run_dir
     try:
         with holding_run_dir(Path(run_dir), True, print):
             print("held")

@@ -34,7 +34,7 @@ COUNT_POOL_THREADS = textwrap.dedent("""
     print(jax.device_count(), names.count("tf_XLAEigen"), jax.config.values["jax_cpu_enable_async_dispatch"])
 """)
 SETUPS = {
-    "nestor train": "from nestor.orchestrator.config import load\nfrom nestor.orchestrator.processes import configure_jax\n"
+    "nestor train": "from nestor.orchestrator.loader.config import load\nfrom nestor.orchestrator.job.processes import configure_jax\n"
                     "configure_jax(load(None, []))",
     "ray worker": "import jax\nfrom nestor.cluster.cpu_devices import simulate_cpu_devices\nsimulate_cpu_devices(jax, 8)",
     "bench script": "from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import\n"

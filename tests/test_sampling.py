@@ -9,12 +9,12 @@ from flax import nnx
 
 from nestor.models import ops
 from nestor.models.axes import activation_sharding
-from nestor.orchestrator.checkpoint import Checkpointer
-from nestor.orchestrator.cli import main
+from nestor.orchestrator.checkpoint.owner import Checkpointer
+from nestor.orchestrator.commands.cli import main
 from nestor.orchestrator.evaluation.commands import restore_newest, sample_checkpoint
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
-from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.state import init_state, state_layout
+from nestor.orchestrator.job.build import make_mesh
+from nestor.orchestrator.job.state import init_state, state_layout
 from nestor.parallel.rules import activation_constrainer, resolve_rules
 from tests.conftest import TINY
 from tests.helpers import ONE_DEVICE, mesh_overrides
@@ -29,7 +29,7 @@ NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Returns {model: config}: each model's initial state saved once as its run.dir's checkpoint 0."""
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     configs = {}
     for name, overrides in MODELS.items():

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.data.examples import reversal, translation
 from tests.conftest import COMPARABLE_ADAM, ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
@@ -63,7 +63,7 @@ def test_the_synthetic_task_reverses_each_sentence():
 
 def test_a_1f1b_schedule_pipelines_the_stack_the_models_split_wraps():
     from nestor.orchestrator.errors import ConfigError
-    from nestor.orchestrator.explain import explain
+    from nestor.orchestrator.commands.explain import explain
 
     with pytest.raises(ConfigError, match="runs Seq2Seq's split around its stack 'encoder'"):
         explain(m4_config("pipeline.stack=decoder", "pipeline.schedule=1f1b", "pipeline.microbatches=2",

@@ -4,9 +4,9 @@ import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nestor.orchestrator.explain import compile_step
-from nestor.orchestrator.job import build_job, make_mesh
-from nestor.orchestrator.state import per_device_bytes, state_layout, update_sharding
+from nestor.orchestrator.commands.explain import compile_step
+from nestor.orchestrator.job.build import build_job, make_mesh
+from nestor.orchestrator.job.state import per_device_bytes, state_layout, update_sharding
 from nestor.parallel.rules import resolve_rules
 from tests.helpers import assert_same_training, mesh_overrides, run_fresh
 

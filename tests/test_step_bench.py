@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from bench.step import MESHES, bench_config, compiled_programs, make_bare_step, programs_table
-from nestor.orchestrator.job import build_job
-from nestor.orchestrator.state import init_state
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.state import init_state
 
 SMALL = ("model.embed_dim=64", "model.mlp_dim=128", "model.num_heads=4", "model.num_kv_heads=2",
          "model.head_dim=16", "model.vocab_size=256", "model.dtype=float32", "train.seq_len=32")

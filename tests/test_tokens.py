@@ -11,8 +11,8 @@ import pytest
 from nestor.orchestrator.data.batches import DataPipeline, make_source
 from nestor.orchestrator.data.shards import METADATA, TokenStream
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job import make_mesh
-from nestor.orchestrator.metrics import tensorboard_tag
+from nestor.orchestrator.job.build import make_mesh
+from nestor.orchestrator.loop.metrics import tensorboard_tag
 from nestor.parallel.rules import resolve_rules
 from tests.conftest import ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, prepared_stdlib, run_fresh
@@ -142,7 +142,7 @@ def test_training_on_a_mixture_matches_one_device_and_its_tags_are_documented(ti
 
 
 def test_mixture_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
-    from nestor.orchestrator.config import load
+    from nestor.orchestrator.loader.config import load
 
     monkeypatch.chdir(tmp_path)
     config = load(None, ["data.source=tokens", "data.mixture=[{paths: shards/a, weight: 1}, {paths: [/b, c], weight: 2}]"])

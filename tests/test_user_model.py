@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from nestor.cluster.connect import USER_CODE_ENV
-from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import backend_lines, explain
+from nestor.orchestrator.commands.explain import backend_lines, explain
 from tests.conftest import COMPARABLE_ADAM
 from tests.helpers import ONE_DEVICE, assert_same_training, child_env, mesh_overrides, run, run_fresh
 
@@ -295,7 +295,7 @@ def test_each_mistake_in_a_users_model_is_one_config_error(user_dir, overrides, 
 
 @pytest.mark.timeout(300)
 def test_the_console_script_reports_a_users_mistake_in_one_line_with_exit_2(user_dir):
-    result = subprocess.run([sys.executable, "-m", "nestor.orchestrator.cli", "train", "my.yaml",
+    result = subprocess.run([sys.executable, "-m", "nestor.orchestrator.commands.cli", "train", "my.yaml",
                              "model.class=mlp:Nope"], cwd=user_dir, env=child_env(), capture_output=True, text=True,
                             timeout=240)
     assert result.returncode == 2 and "model.class" in result.stderr and "Traceback" not in result.stderr, result.stderr

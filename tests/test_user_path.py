@@ -16,8 +16,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nestor.cluster.connect import USER_CODE_ENV
-from nestor.orchestrator import config as config_lib
-from nestor.orchestrator.cli import parse
+from nestor.orchestrator.loader import config as config_lib
+from nestor.orchestrator.commands.cli import parse
 from tests.conftest import ROOT
 from tests.doc_blocks import run_block, user_env
 from tests.helpers import child_env, kill_session, last_lines_of_two_processes
@@ -145,7 +145,7 @@ def test_a_python_without_the_dependencies_says_so_in_one_line():
 
 SHARED_RUN_DIR_CHECK = """
     from nestor.cluster.rendezvous import ClusterError
-    from nestor.orchestrator.processes import check_shared_run_dir
+    from nestor.orchestrator.job.processes import check_shared_run_dir
     try:
         check_shared_run_dir(Path(run_dir))
         print("shared")
@@ -158,7 +158,7 @@ SHARED_RUN_DIR_CHECK = """
 @pytest.mark.timeout(300)
 def test_a_wheel_install_reads_base_yaml_and_the_presets(tmp_path):
     # `pip install .` without -e, as docs/cluster.md's image and the cluster manifests install nestor:
-    # base.yaml and the presets must be in the wheel, beside the packages, where orchestrator.config
+    # base.yaml and the presets must be in the wheel, beside the packages, where orchestrator.loader.config
     # looks. They were not, and every command failed on "base.yaml: file not found".
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "runs", "build", "*.egg-info", "__pycache__"))
@@ -177,7 +177,7 @@ def test_a_wheel_install_reads_base_yaml_and_the_presets(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
     (user / "mine.yaml").write_text("model:\n  preset: llama3-8b\nmesh:\n  fsdp: 8\n")
-    code = ("from nestor.orchestrator import config; mine = config.load('mine.yaml'); "
+    code = ("from nestor.orchestrator.loader import config; mine = config.load('mine.yaml'); "
             "print(config.__file__, mine.model.embed_dim, mine.mesh.fsdp, *config.presets())")
     env = user_env() | {"PYTHONPATH": str(tmp_path / "site")}
     shown = subprocess.run([sys.executable, "-c", code], cwd=user, env=env, capture_output=True, text=True, timeout=120)
@@ -258,7 +258,7 @@ def test_the_first_line_comes_before_ray_is_imported_under_the_ray_launcher(tmp_
     finally:
         kill_session(process)
     assert line.startswith("starting 2 worker process(es)"), line
-    assert "nestor.orchestrator.config" in imported and "nestor.orchestrator.cli" in imported
+    assert "nestor.orchestrator.loader.config" in imported and "nestor.orchestrator.commands.cli" in imported
     assert not [name for name in imported if name.split(".")[0] in BEFORE_THE_FIRST_LINE_NEVER]
     assert waited < 30, waited  # a bound for a stuck start, far above a busy machine's imports
 

@@ -4,10 +4,10 @@ python data factory, equal to one device on the meshes that exercise it."""
 import numpy as np
 import pytest
 
-from nestor.orchestrator import config as config_lib
+from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.data.examples import digits
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.explain import explain
+from nestor.orchestrator.commands.explain import explain
 from tests.conftest import COMPARABLE_ADAM, ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 

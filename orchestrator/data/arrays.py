@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nestor.models import axes
-from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.order import WindowOrder
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.user_code import import_object

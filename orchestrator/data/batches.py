@@ -38,14 +38,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from nestor.models import axes
 
-from nestor.orchestrator.config_keys import ARRAY_SOURCES
-from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.config.keys import ARRAY_SOURCES
+from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, first_nul
 from nestor.orchestrator.data.tokens import TokenSource
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.tokenizer import load_tokenizer
+from nestor.orchestrator.data.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
 
 

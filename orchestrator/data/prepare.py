@@ -30,7 +30,7 @@ import numpy as np
 from nestor.orchestrator.data.shards import (FORMAT, METADATA, SPLITS, TEXT_PROBE_BYTES, shard_name, token_dtype,
                                              write_atomically, write_shard)
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.tokenizer import BYTES, TokenizerFile, open_tokenizer
+from nestor.orchestrator.data.tokenizer import BYTES, TokenizerFile, open_tokenizer
 
 PLAN = "plan.json"
 UNITS = "units"

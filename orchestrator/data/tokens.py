@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.shards import TokenStream, directories_fingerprint, read_metadata
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.tokenizer import open_tokenizer
+from nestor.orchestrator.data.tokenizer import open_tokenizer
 
 INVERSE_GOLDEN_RATIO = (math.sqrt(5) - 1) / 2
 

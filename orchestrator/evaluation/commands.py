@@ -13,21 +13,21 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from nestor.models import axes, stack, task
-from nestor.orchestrator.checkpoint import restore_state
-from nestor.orchestrator.checkpoint_restore import checkpoint_dir, finalized_steps
-from nestor.orchestrator.config_schema import Config
-from nestor.orchestrator.context_wiring import whole_rows
+from nestor.orchestrator.checkpoint.reader import restore_state
+from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
+from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.job.context_wiring import whole_rows
 from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.evaluation.loss import Evaluator
+from nestor.orchestrator.job.eval_loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
 from nestor.orchestrator.hf.load import load_params
-from nestor.orchestrator.job import make_mesh
+from nestor.orchestrator.job.build import make_mesh
 from nestor.orchestrator.specs.lm import LM
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.state import StateLayout, state_layout
-from nestor.orchestrator.step import backend_for, model_context, stack_runners
-from nestor.orchestrator.tokenizer import fitting_tokenizer
+from nestor.orchestrator.job.state import StateLayout, state_layout
+from nestor.orchestrator.job.step import backend_for, model_context, stack_runners
+from nestor.orchestrator.data.tokenizer import fitting_tokenizer
 from nestor.parallel.rules import Rules, partition_spec, resolve_rules
 
 

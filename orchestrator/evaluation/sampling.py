@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nestor.models import axes, ops
 from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
-from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.specs.lm import lm_config
 from nestor.parallel.rules import Rules, activation_constrainer, partition_spec
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from nestor.orchestrator.config_schema import Config
+from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.architectures import ARCHITECTURES, KEY, architecture, read
 from nestor.orchestrator.hf.safetensors import Box, Reader

@@ -4,6 +4,5 @@ decoding, Hugging Face mapping, how its pipelined stack's activations are laid o
 returns a run's: nestor's decoder LM (`lm`) or a user's Flax NNX module (`user`), in the spirit of
 torchtitan's TrainSpec.
 
-May import models, parallel, backend and the orchestrator's modules below the loader (config_schema,
-config_keys, degrees, errors, user_code), so that validation can ask.
+Orchestrator rooms it may import: root, config.
 """

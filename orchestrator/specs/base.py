@@ -11,7 +11,7 @@ from nestor.models import axes
 from nestor.parallel.pipeline import Schedule
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config_schema import Config
+    from nestor.orchestrator.config.schema import Config
 
 Problems = list[tuple[str, str]]  # (key path, message)
 
@@ -19,7 +19,7 @@ Problems = list[tuple[str, str]]  # (key path, message)
 class ModelSpec:
     """What the orchestrator asks of a model. The defaults: batches are rows of named arrays, XLA's cost
     analysis counts its FLOPs, it has no decoding and no Hugging Face architecture, and its parameters are
-    checked against the mesh once it is built (orchestrator.state)."""
+    checked against the mesh once it is built (orchestrator.job.state)."""
 
     counts_tokens = False   # its rows are tokens: rates, int32 limits and evaluation summaries count tokens
     decodes = False         # `nestor sample` and `nestor logits` run it
@@ -75,7 +75,7 @@ class ModelSpec:
         return (axes.BATCH,) + (None,) * (ndim - 1)
 
     def idle_modes(self, config: Config) -> list[tuple[tuple[str, ...], str]]:
-        """Returns (keys, why) for keys that this config of the model leaves unused (orchestrator.idle_keys)."""
+        """Returns (keys, why) for keys that this config of the model leaves unused (orchestrator.loader.idle_keys)."""
         return []
 
     def dropless_layers(self, config: Config) -> bool:

@@ -13,19 +13,19 @@ from nestor.backend.mosaic_gpu import TILE, tiles
 from nestor.models import axes
 from nestor.models.moe import MoELayerConfig, expert_capacity
 from nestor.models.transformer import STACK, RopeScaling, Transformer, TransformerConfig
-from nestor.orchestrator.config_keys import ARRAY_SOURCES, INT32_MAX, key_table
-from nestor.orchestrator.degrees import moe_tokens_per_device
+from nestor.orchestrator.config.keys import ARRAY_SOURCES, INT32_MAX, key_table
+from nestor.orchestrator.config.degrees import moe_tokens_per_device
 from nestor.orchestrator.specs.base import ModelSpec, Problems
 from nestor.orchestrator.specs.lm_flops import executed_flops_per_step, model_flops_per_step
 from nestor.parallel.pipeline import Schedule
 from nestor.parallel.rules import DEFAULT_RULES, resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config_schema import Config
+    from nestor.orchestrator.config.schema import Config
 
 LM = "lm"  # the LM's name in `model.class`
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.ACT_EMBED)  # of the stack's input and output
-# the keys whose values shape a checkpoint's arrays, compared before launch (orchestrator.launch_checks)
+# the keys whose values shape a checkpoint's arrays, compared before launch (orchestrator.commands.launch_checks)
 SHAPING = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
            "tie_embeddings", "qkv_bias", "out_bias", "qk_norm")
 MOE_SHAPING = ("num_experts", "every", "expert_mlp_dim", "shared_experts", "first_dense_layers")
@@ -149,7 +149,7 @@ def moe_layer_config(config: Config) -> MoELayerConfig:
 
 
 def rope_scaling(keys: dict | None) -> RopeScaling | None:
-    """Returns the LM's RoPE scaling from `model.rope_scaling` (validated: orchestrator.validation)."""
+    """Returns the LM's RoPE scaling from `model.rope_scaling` (validated: orchestrator.loader.validation)."""
     if not keys:
         return None
     return RopeScaling(factor=float(keys["factor"]), low_freq_factor=float(keys["low_freq_factor"]),

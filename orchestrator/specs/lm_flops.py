@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from nestor.models.moe import expert_capacity
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config_schema import Config
+    from nestor.orchestrator.config.schema import Config
 
 
 def matmul_params_per_token(config: Config) -> int:

@@ -13,7 +13,7 @@ from nestor.orchestrator.specs.user import UserModel, import_model_class
 from nestor.orchestrator.user_code import code_paths, import_object
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config_schema import Config
+    from nestor.orchestrator.config.schema import Config
 
 SPECS: dict[str, ModelSpec] = {LM: LanguageModel()}  # model.class names of nestor's own models
 USER_MODEL = UserModel()  # any other model.class: an import path module:Name

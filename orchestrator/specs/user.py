@@ -1,6 +1,6 @@
 """A user's Flax NNX module (`model.class: module:Name`, resolved in the directory nestor runs in, built from
 `model.args`) as a model spec: the base's answers, and the checks that do not depend on the model; its
-parameters' names and shapes are checked against the mesh once it is built (orchestrator.state).
+parameters' names and shapes are checked against the mesh once it is built (orchestrator.job.state).
 
 `Name` is called as `Name(**model.args, rngs=nnx.Rngs(params=seed))`; where its first parameter is
 annotated with a dataclass, as `Name(Dataclass(**model.args), rngs=...)`. It may be a class or any
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from nestor.models import task
-from nestor.orchestrator.config_keys import ARRAY_SOURCES
+from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.specs.base import ModelSpec, Problems
 from nestor.orchestrator.specs.lm import LM
@@ -27,7 +27,7 @@ from nestor.orchestrator.user_code import import_object
 from nestor.parallel.rules import resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
-    from nestor.orchestrator.config_schema import Config
+    from nestor.orchestrator.config.schema import Config
 
 
 class UserModel(ModelSpec):
@@ -39,7 +39,7 @@ class UserModel(ModelSpec):
         path, args = config.model.class_, dict(config.model.args)
         factory = import_model_class(path)
         dataclass = _config_dataclass(factory)
-        with nnx.use_eager_sharding(False):  # the job lays parameters out itself (orchestrator.state)
+        with nnx.use_eager_sharding(False):  # the job lays parameters out itself (orchestrator.job.state)
             try:
                 model = factory(dataclass(**args), rngs=rngs) if dataclass else factory(**args, rngs=rngs)
             except (TypeError, ValueError) as error:  # arguments the class does not take, or refuses

@@ -1,0 +1,156 @@
+"""Reading checkpoints: whether a step fits the config and its files are whole, and its arrays in the
+current mesh's layout, changing nothing in run.dir.
+
+Restoring checks every file against nestor's manifest
+(orchestrator/checkpoint/manifest.py) first. A finalized step without a
+manifest (written by a nestor older than manifests, or by a synchronous save
+killed between Orbax's rename and the manifest) is restored unverified, with
+a warning. `CheckpointReader` is what `nestor eval`, `sample`, `logits` and
+`export` read with, maybe beside a run that trains; the run itself restores
+through its owner (orchestrator/checkpoint/owner.py), which shares this
+reader's checks and decides with every process which step restores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from nestor.orchestrator.checkpoint.files import (ITEMS, METADATA_FILE, RECORD, checkpoint_dir, finalized_steps,
+                                                  is_finalized)
+from nestor.orchestrator.checkpoint.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
+from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.errors import ConfigError, RunFailed
+from nestor.orchestrator.job.state import StateLayout
+from nestor.orchestrator.paths import shown
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Maps each array's path ("opt_state/1/0/mu/embed/...") to its shape; works on
+    abstract arrays and on Orbax's metadata tree alike."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def config_differences(current: dict, saved_config: dict, keys, step_dir: Path,
+                       advice: str = "") -> list[tuple[str, str]]:
+    """Returns a problem for each (section, key) of `keys` that the checkpoint in `step_dir` was written with
+    (its `saved_config`) and whose value in `current` (Config.to_dict()) differs, each ending in `advice`."""
+    return [(f"{section}.{key}", f"is {current[section].get(key)!r} but {shown(step_dir)} was written with "
+                                 f"{saved_config[section][key]!r}{advice}")
+            for section, key in keys
+            if key in saved_config.get(section, {}) and current[section].get(key) != saved_config[section][key]]
+
+
+def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
+    """Raises ConfigError when the checkpoint's arrays (paths and shapes) are not the
+    current config's, naming the config keys that differ from the checkpoint's."""
+    saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
+    if saved == wanted:
+        return
+    written = shown(step_dir)
+    problems = config_differences(config.to_dict(), saved_config, [
+        (section, key) for section in ("model", "moe") for key in saved_config.get(section, {}) if key != "preset"],
+        step_dir)
+    differing = sorted(set(saved) ^ set(wanted)) or sorted(k for k in saved if saved[k] != wanted[k])
+    differences = ", ".join(f"{k} {saved.get(k, 'absent')} vs {wanted.get(k, 'absent')}" for k in differing[:3])
+    problems.append(("run.dir", f"{written} holds {len(saved)} arrays that do not fit the {len(wanted)} of this "
+                                f"config (checkpoint vs now: {differences}{', ...' if len(differing) > 3 else ''}); "
+                                "use the checkpoint's values or a new run.dir"))
+    raise ConfigError(problems)
+
+
+class CheckpointReader:
+    """Reads a run's checkpoints one step at a time from the step's own files, through Orbax's item
+    handlers: no manager (which reads every step's metadata when it opens, and fails on one being
+    rotated out), no barrier, nothing written."""
+
+    def __init__(self, config: Config, layout: StateLayout, log=print):
+        self.config = config
+        self.layout = layout
+        self.log = log
+        self.directory = checkpoint_dir(config.run.dir)
+
+    def saved_config(self, step: int) -> dict:
+        """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
+        return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
+
+    def record(self, step: int) -> dict:
+        """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records)."""
+        metadata = json.loads((self.directory / str(step) / METADATA_FILE).read_text())
+        return (metadata.get("custom_metadata") or {}).get(RECORD) or {}
+
+    def check(self, step: int) -> None:
+        """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
+        model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
+
+        Raises CorruptCheckpoint when this process's share of the files differs
+        from the manifest written at save, or when the manifest its record
+        promises is missing; a step of an older nestor without one is not
+        checked, and process 0 says so in one warning at each restore. Reads no
+        array and waits for no other process.
+        """
+        step_dir = self.directory / str(step)
+        if (step_dir / MANIFEST).is_file():
+            verify_manifest(step_dir, ITEMS)
+        elif self.record(step).get("manifest"):
+            raise CorruptCheckpoint(f"{MANIFEST} is missing (nestor wrote one with this checkpoint)")
+        elif jax.process_index() == 0:
+            self.log(f"warning: checkpoint {shown(step_dir)} has no {MANIFEST} (written by an older nestor, or a "
+                     "synchronous save cut off before it); restored without checking its files")
+        _check_fits(ocp.StandardCheckpointHandler().metadata(step_dir / "state"), self.saved_config(step), self.config,
+                    self.layout, step_dir)
+
+    def read(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step`, the state laid out for the current mesh."""
+        step_dir = self.directory / str(step)
+        state = ocp.StandardCheckpointHandler().restore(step_dir / "state",
+                                                        args=ocp.args.StandardRestore(self.layout.abstract))
+        return state, ocp.JsonCheckpointHandler().restore(step_dir / "data")
+
+    def restore(self, step: int) -> tuple[dict, dict]:
+        """Returns (state, data_state) of `step` (`read`) once `check` found that it fits."""
+        self.check(step)
+        return self.read(step)
+
+
+class CheckpointUnreadable(RunFailed):
+    """A reader could not read a checkpoint: it is damaged, or the run that trains rotated it out meanwhile."""
+
+    headline = "cannot read the checkpoint: "
+
+
+READ_ATTEMPTS = 3  # a reader beside a run that trains tries the newest step again when one is rotated out
+
+
+def restore_state(config: Config, layout: StateLayout, step: int | None = None) -> tuple[int, Any]:
+    """Returns (step, train state) of checkpoint `step` (default: newest) in `layout`'s shardings, changing
+    nothing in run.dir (a run may be training there).
+
+    Raises FileNotFoundError when the run has no checkpoint, CheckpointUnreadable when the checkpoint is
+    damaged, or disappears while it is read (`checkpoint.keep` rotated it out) more than READ_ATTEMPTS times.
+    """
+    directory = checkpoint_dir(config.run.dir)
+    if not finalized_steps(directory):  # a reader creates nothing: no empty checkpoints/ in a mistyped run.dir
+        raise FileNotFoundError(f"no checkpoint in {shown(directory)}")
+    if step is not None and not is_finalized(directory / str(step)):
+        raise FileNotFoundError(f"no checkpoint {step} in {shown(directory)} (it has {finalized_steps(directory)})")
+    failure = None
+    for _ in range(READ_ATTEMPTS):  # one that fails for a step rotated out meanwhile is tried again
+        chosen = step if step is not None else (finalized_steps(directory) or [None])[-1]
+        if chosen is None or not is_finalized(directory / str(chosen)):
+            break
+        try:
+            return chosen, CheckpointReader(config, layout, log=lambda *_: None).restore(chosen)[0]
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a damaged checkpoint, or one deleted while read
+            failure = f"{type(error).__name__}: {str(error).strip()[:300]}"
+    if chosen is not None and is_finalized(directory / str(chosen)):
+        raise CheckpointUnreadable(f"{shown(directory / str(chosen))}: {failure}")
+    raise CheckpointUnreadable(f"{shown(directory / str(chosen))} was removed while it was read (a run that "
+                               "trains there rotates checkpoints out: checkpoint.keep); run the command again")

@@ -1,0 +1,423 @@
+"""The `nestor` command: train, explain, eval, sample, logits, export, goodput, submit, status, logs, stop, data
+prepare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from nestor.cluster.interrupts import signals_kept_for_the_run, sigterm_interrupts
+from nestor.orchestrator.paths import shown
+from nestor.orchestrator.commands.preflight import check_dependencies
+
+STARTED = time.monotonic()  # when the command started: the whole run's time is counted from here
+
+
+def _tensorboard_command(log_dir: str) -> str:
+    """Returns the command that opens TensorBoard on `log_dir`, as the user can type it here."""
+    tensorboard = "tensorboard"
+    if shutil.which(tensorboard) is None:  # e.g. `.venv/bin/nestor` run without the venv on PATH
+        beside = Path(sys.executable).parent / tensorboard
+        tensorboard = shown(beside) if beside.exists() else tensorboard
+    return f"{tensorboard} --logdir {shown(log_dir)}"
+
+
+def where_results_are(config) -> list[str]:
+    """Returns the closing lines of a run: where its files are, how to look at them, and what running the
+    same command again does (resume from the newest checkpoint). A driver that cannot see run.dir (a
+    cluster's storage) says what it said before any checkpoint was read."""
+    from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
+
+    run_dir = config.run.dir
+    kept = finalized_steps(checkpoint_dir(run_dir))
+    files = ["config.yaml", "metrics.jsonl", "checkpoints/"]
+    if config.metrics.tensorboard:
+        files.append("tb/")
+    lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
+    if config.metrics.tensorboard:
+        lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
+    if kept and kept[-1] > config.train.steps:  # nothing was trained: the run is past train.steps
+        lines.append(f"extend: run the same command with train.steps above {kept[-1]}, the newest checkpoint")
+        return lines
+    newest = "" if not kept or kept[-1] == config.train.steps else f"from checkpoint {kept[-1]}; "
+    lines.append(f"resume or extend: run the same command again ({newest}train.steps={config.train.steps} now)")
+    return lines
+
+
+def _interrupted(interrupt: KeyboardInterrupt) -> str:
+    """Returns how a KeyboardInterrupt (or Interrupted, with its signal) stopped the command, in a word."""
+    return "terminated (SIGTERM)" if getattr(interrupt, "signum", None) == signal.SIGTERM else "interrupted"
+
+
+def _train(config, args) -> int:
+    from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
+    from nestor.orchestrator.loop.console import Console
+
+    console = Console()
+    try:
+        if config.cluster.launcher == "ray":
+            from nestor.orchestrator.commands.ray_driver import train_on_ray
+
+            stopped_by = train_on_ray(config, console)
+        else:
+            from nestor.orchestrator.job.processes import configure_jax
+            from nestor.orchestrator.loop.train import train
+
+            configure_jax(config)
+            stopped_by = train(config, console=console).stopped_by
+    except KeyboardInterrupt as interrupt:  # a second Ctrl-C, or a signal before training handles them
+        print(f"nestor: {_interrupted(interrupt)}: stopped without saving the steps since the newest checkpoint",
+              file=sys.stderr)
+        if finalized_steps(checkpoint_dir(config.run.dir)):
+            for line in where_results_are(config):
+                print(line)
+        elif checkpoint_dir(config.run.dir).is_dir():  # the run got as far as its checkpoints, none saved
+            print(f"run dir: {shown(config.run.dir)}  (no checkpoint saved: running the same command again "
+                  "starts from step 0)")
+        return 128 + getattr(interrupt, "signum", signal.SIGINT)
+    print(f"the whole run took {time.monotonic() - STARTED:.0f} s, from the command to its last save")
+    for line in where_results_are(config):
+        print(line)
+    # A preempted run exits as the signal would have made it (128 + signal), after its checkpoint.
+    return 0 if stopped_by is None else 128 + stopped_by
+
+
+def _explain(config, args) -> int:
+    from nestor.orchestrator.commands.explain import explain, format_report
+    from nestor.orchestrator.job.processes import configure_jax
+
+    configure_jax(config)
+    report = explain(config)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def _eval(config, args) -> int:
+    from nestor.orchestrator.evaluation.commands import evaluate_checkpoint
+    from nestor.orchestrator.job.processes import configure_jax
+    from nestor.orchestrator.specs.registry import spec_of
+
+    configure_jax(config)
+    result = evaluate_checkpoint(config)
+    others = "".join(f" {name} {value:.4f}" for name, value in result.items()
+                     if name not in ("step", "eval_loss", "eval_perplexity"))
+    rows = (f"{config.train.global_batch} x {config.train.seq_len} tokens" if spec_of(config).counts_tokens
+            else f"{config.train.global_batch} rows")
+    print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f} eval_perplexity "
+          f"{result['eval_perplexity']:.3f}{others} ({config.eval.steps} batches of {rows}, "
+          f"eval.source={config.eval.source})")
+    return 0
+
+
+def _sample(config, args) -> int:
+    from nestor.orchestrator.evaluation.commands import sample_checkpoint
+    from nestor.orchestrator.job.processes import configure_jax
+
+    configure_jax(config)
+    print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def _logits(config, args) -> int:
+    import numpy as np
+
+    from nestor.orchestrator.errors import ConfigError
+    from nestor.orchestrator.evaluation.commands import logits_of
+    from nestor.orchestrator.job.processes import configure_jax
+
+    try:
+        tokens = np.load(args.tokens)
+    except (OSError, ValueError) as error:
+        raise ConfigError([("--tokens", f"{args.tokens} is no .npy array: {error}")]) from None
+    configure_jax(config)
+    logits, source = logits_of(config, tokens)
+    import jax
+
+    if jax.process_index() == 0:
+        np.save(args.out, logits)
+        print(f"logits {list(logits.shape)} of {shown(source)} -> {shown(args.out)}")
+    return 0
+
+
+def _export(args) -> int:
+    from nestor.orchestrator.commands.hf_export import export
+    from nestor.orchestrator.job.processes import configure_jax
+
+    config = export_config(args)
+    configure_jax(config)
+    written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb)
+    print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {written.files} "
+          f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
+    return 0
+
+
+def _goodput(args) -> int:
+    from nestor.orchestrator.loop.goodput import FILE_NAME, read_records, report, run_goodput
+
+    path = Path(args.run_dir).expanduser() / FILE_NAME
+    attempts = run_goodput(read_records(path))
+    if not attempts:
+        what = "holds no attempt" if path.is_file() else "does not exist"
+        print(f"nestor: {shown(path)} {what}: name the run.dir of a run that trained (with this nestor or newer)",
+              file=sys.stderr)
+        return 2
+    print(report(attempts))
+    return 0
+
+
+def export_config(args):
+    """Returns the config of the run in `args.run_dir` (its config.yaml), with `args.overrides` (a mesh that
+    fits this machine, say) layered over it."""
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.errors import ConfigError
+
+    saved = Path(args.run_dir).expanduser() / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError([("RUN_DIR", f"{shown(saved)} does not exist: name a run directory of nestor train")])
+    return load(saved, args.overrides)
+
+
+def _submit(config, args) -> int:
+    import yaml
+
+    from nestor.cluster import jobs
+    from nestor.orchestrator.specs.registry import resolve_user_code, user_code_paths
+
+    resolve_user_code(config)  # an import path that does not resolve is one line here, not in the job's log
+    job_id = jobs.submit(args.address, yaml.safe_dump(config.to_dict(), sort_keys=False),
+                         user_code=user_code_paths(config))
+    print(job_id, flush=True)
+    print(f"nestor: run.dir on the cluster: {config.run.dir} (relative paths resolve against the directory "
+          "nestor runs in; every host must see this path)", file=sys.stderr, flush=True)
+    if not args.follow:
+        return 0
+    final = jobs.follow(args.address, job_id)
+    print(f"nestor: job {job_id} {final}", file=sys.stderr)
+    return 0 if final == "SUCCEEDED" else 1
+
+
+def _job_command(args) -> int:
+    from nestor.cluster import jobs
+
+    if args.command == "stop-head":
+        from nestor.cluster.head import stop_head
+
+        print(f"stopped the Ray head at {args.address}: {stop_head(args.address)} processes")
+        return 0
+    if args.command == "status":
+        from nestor.orchestrator.commands.ray_driver import restart_lines
+
+        print(jobs.status(args.address, args.job_id))
+        for line in restart_lines(jobs.logs(args.address, args.job_id)):
+            print(line)
+    elif args.command == "logs":
+        print(jobs.logs(args.address, args.job_id), end="")
+    else:
+        print("stopped" if jobs.stop(args.address, args.job_id) else "not running")
+    return 0
+
+
+def _data_prepare(args) -> int:
+    from nestor.orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.data.shards import VOCAB_MULTIPLE
+
+    options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
+                      eval_fraction=args.eval_fraction, text_field=args.text_field,
+                      parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb)
+    metadata = prepare(args.sources, options, args.eval_source)
+    for split, counts in metadata["splits"].items():
+        print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
+              f"{len(counts['shards'])} shards")
+    # A command to paste, the user's config in place of CONFIG. The embedding is split over the mesh's
+    # tensor (and fsdp) axes, so the vocabulary is padded to a multiple of 128 as Megatron and MaxText do.
+    ids = metadata["tokenizer"]["vocab_size"]
+    padded = -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    print(f"train on it: nestor train CONFIG data.source=tokens data.paths=[{shown(options.out)}] "
+          f"model.vocab_size={padded}")
+    if padded != ids:
+        print(f"(model.vocab_size: the tokenizer's {ids:,} ids rounded up to a multiple of {VOCAB_MULTIPLE}, "
+              "so that any mesh splits the vocabulary)")
+    return 0
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _data_parser(commands) -> None:
+    data = commands.add_parser("data", help="prepare token shards for data.source=tokens")
+    actions = data.add_subparsers(dest="action", required=True)
+    prepare = actions.add_parser("prepare", help="tokenize text, JSONL and Parquet files into token shards")
+    prepare.add_argument("sources", nargs="+", metavar="SOURCE",
+                         help="text, .jsonl or .parquet files, globs or directories")
+    prepare.add_argument("--tokenizer", required=True, help="a tokenizers .json, a SentencePiece .model, or bytes")
+    prepare.add_argument("--out", required=True, help="the directory of shards (an interrupted prepare resumes)")
+    prepare.add_argument("--eval-fraction", type=_fraction, default=0.0,
+                         help="share of documents held out as the eval split (by a hash of the text)")
+    prepare.add_argument("--eval-source", nargs="*", default=[], metavar="SOURCE",
+                         help="inputs held out whole as the eval split")
+    prepare.add_argument("--text-field", default="text", help="JSONL: the field holding a document's text")
+    prepare.add_argument("--parquet-column", default="text", help="Parquet: the column holding the text")
+    prepare.add_argument("--workers", type=_positive(int), default=1, help="tokenizing processes")
+    prepare.add_argument("--shard-mb", type=_positive(float), default=256.0, help="input MiB per shard")
+    prepare.set_defaults(handler=_data_prepare)
+
+
+def parser() -> argparse.ArgumentParser:
+    """Returns the argument parser of the `nestor` command."""
+    main = argparse.ArgumentParser(prog="nestor", description="Train large Flax models on nested device meshes.")
+    commands = main.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model, or resume it from run.dir")
+    explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
+    explain.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate = commands.add_parser("eval", help="eval loss and perplexity of run.dir's newest checkpoint")
+    sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    sample.add_argument("--max-tokens", type=_positive(int), default=64, help="tokens to generate")
+    sample.add_argument("--temperature", type=_non_negative, default=0.0, help="0 = greedy")
+    sample.add_argument("--top-k", type=_non_negative_int, default=0, help="draw from the K likeliest; 0 = all")
+    sample.add_argument("--seed", type=_non_negative_int, default=0, help="seeds the draws")
+    logits = commands.add_parser("logits", help="write the logits of run.dir's newest checkpoint (or model.init_from) "
+                                                "for given token rows")
+    logits.add_argument("--tokens", required=True, help="a .npy of int token ids [rows, length]")
+    logits.add_argument("--out", required=True, help="the .npy to write, float32 [rows, length, vocab]")
+    export = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face checkpoint")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its config.yaml and checkpoints/)")
+    export.add_argument("--to", required=True, choices=("hf",), help="the format: hf (config.json, safetensors)")
+    export.add_argument("--out", required=True, help="the directory to write (created; must be empty)")
+    export.add_argument("--step", type=_non_negative_int, help="the checkpoint (default: the newest)")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the tensors' dtype")
+    export.add_argument("--max-shard-gb", type=_positive(float), default=5.0, help="the most GB per file")
+    export.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
+                        help="overrides of the run's config (a mesh that fits the devices here)")
+    export.set_defaults(handler=_export)
+    goodput = commands.add_parser("goodput", help="where a run's wall time went, over all its restarts")
+    goodput.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its goodput.jsonl)")
+    goodput.set_defaults(handler=_goodput)
+    submit = commands.add_parser("submit", help="submit a training job to a running Ray cluster (Jobs API)")
+    submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
+    for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
+                             (logits, _logits), (submit, _submit)):
+        command.add_argument("config", nargs="?", help="run YAML, e.g. configs/quickstart.yaml")
+        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
+                             help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
+                                  "anywhere on the line")
+        command.set_defaults(handler=handler)
+    for name, text in (("status", "print a submitted job's status and its restarts"),
+                       ("logs", "print a submitted job's output"), ("stop", "stop a submitted job")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("job_id", help="the submission id `nestor submit` printed")
+        command.set_defaults(handler=None)
+    stop_head = commands.add_parser("stop-head", help="stop the Ray head at --address on this machine (not "
+                                                      "every Ray node, as `ray stop` does)")
+    stop_head.add_argument("--address", required=True, help="the head's GCS address HOST:PORT (ray start --port)")
+    stop_head.set_defaults(handler=None)
+    _data_parser(commands)
+    for command in (submit, commands.choices["status"], commands.choices["logs"], commands.choices["stop"]):
+        command.add_argument("--address", required=True, help="the cluster's dashboard URL, e.g. http://127.0.0.1:8265")
+    return main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Returns the parsed command line; KEY=VALUE overrides and YAML layers may come after options too
+    (`nestor submit CONFIG --address URL train.steps=20 --follow`). Exits 2 on anything else."""
+    main = parser()
+    args, extra = main.parse_known_args(argv)
+    if getattr(args, "config", "") is None:  # argparse would name the optional overrides as required too
+        main.error(f"nestor {args.command} needs a run YAML: nestor {args.command} CONFIG [KEY=VALUE ...], e.g. "
+                   f"nestor {args.command} configs/quickstart.yaml")
+    if extra and getattr(args, "overrides", None) is not None:
+        strays = [item for item in extra if item.startswith("-") or not ("=" in item or item.endswith((".yaml", ".yml")))]
+        if strays:
+            main.error(f"unrecognized arguments: {' '.join(strays)}")
+        args.overrides += extra
+    elif extra:
+        main.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit code: 2 for a config error, 1 for a cluster error, a missing
+    dependency, a diverged run or a failed checkpoint write (printed as one message, no trace), 128 + signal
+    when stopped by one. From its first line, a SIGINT or SIGTERM to `nestor train` waits for the run to
+    take it (it stops before its first step, or saves and stops), and stops other commands with one line."""
+    args = parse(argv)
+    with signals_kept_for_the_run() if args.command == "train" else sigterm_interrupts():
+        return _main(args)
+
+
+def _main(args) -> int:
+    missing = check_dependencies()
+    if missing:
+        print(f"nestor: {missing}", file=sys.stderr)
+        return 1
+    from nestor.cluster.rendezvous import ClusterError
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.errors import ConfigError, RunFailed
+    from nestor.orchestrator.loader.idle_keys import idle_warning
+
+    try:
+        if args.handler is None:
+            return _job_command(args)
+        if args.command in ("data", "export", "goodput"):
+            return args.handler(args)
+        config = load(args.config, args.overrides)
+        if warning := idle_warning(config):
+            print(f"nestor: {warning}", file=sys.stderr)
+        return args.handler(config, args)
+    except ConfigError as error:
+        print(f"nestor: {error}", file=sys.stderr)
+        return 2
+    except ClusterError as error:
+        print(f"nestor: {error}", file=sys.stderr)
+        return 1
+    except RunFailed as error:  # a diverged run, a failed checkpoint write
+        print(f"nestor: {error.headline}{error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as interrupt:
+        print(f"nestor: {_interrupted(interrupt)}", file=sys.stderr)
+        return 128 + getattr(interrupt, "signum", signal.SIGINT)
+
+
+def console_script() -> int:
+    """The `nestor` console script (and `python -m nestor.orchestrator`): returns `main`'s exit code, after which
+    a Ctrl-C while the process exits is ignored; the run has stopped and said where it is, and JAX's exit
+    handlers would show it as a traceback (a second Ctrl-C that came after a first one had stopped the run)."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(console_script())

@@ -1,0 +1,249 @@
+"""`nestor explain`: compile the train step once, without running it, and report
+layout, memory, communication and FLOPs, all read from XLA's own analyses and
+the compiled HLO."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+
+from nestor.models import ops
+from nestor.orchestrator.loader.config import speed_key_sources
+from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.job.context_wiring import context_report
+from nestor.orchestrator.job.build import Job, abstract_batch, build_job, devices_here
+from nestor.orchestrator.loader.memory_fit import GIB, fit_report
+from nestor.orchestrator.loop.metrics import spec_text
+from nestor.orchestrator.job.moe_wiring import dropless_report
+from nestor.orchestrator.specs.registry import spec_of
+from nestor.orchestrator.job.state import param_table, per_device_bytes
+from nestor.orchestrator.job.step import make_loss_fn, make_train_step, pipeline_schedule, stack_runners
+from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
+
+
+def compile_step(job: Job):
+    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
+    return job.step_fn.lower(job.layout.abstract, abstract_batch(job)).compile()
+
+
+def timed_compile(job: Job):
+    """Returns (the compiled train step, seconds spent tracing, lowering and compiling it)."""
+    start = time.perf_counter()
+    compiled = compile_step(job)
+    return compiled, time.perf_counter() - start
+
+
+def counted_step(job: Job, compiled=None):
+    """Returns the compiled step whose FLOPs are the target's: `compiled` (default: compiled here), or a
+    second compile whose grouped matmuls multiply each row once, as the target's kernels do where this
+    compile's ragged_dot does not (`Backend.for_flop_count`)."""
+    counting = job.backend.for_flop_count()
+    if counting is None:
+        return compiled if compiled is not None else compile_step(job)
+    counted = make_train_step(job.config, job.layout, job.mesh, job.rules, counting)
+    return counted.lower(job.layout.abstract, abstract_batch(job)).compile()
+
+
+def cost_flops(compiled) -> float:
+    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
+
+    XLA counts a loop body once, whatever its trip count: `step_flops` counts
+    it once per iteration.
+    """
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return float(cost.get("flops", math.nan))
+
+
+def step_flops(compiled) -> float:
+    """Returns the FLOPs per device of one run of `compiled` with every loop body counted once per
+    iteration: XLA's cost analysis, its loop bodies scaled by their trip counts (parallel.hlo.flops_per_run)."""
+    return flops_per_run(compiled.as_text(), cost_flops(compiled))
+
+
+# the backend report's entries that apply only where the model calls an op (models.ops)
+OP_ENTRIES = {"attention": ("attention",), "einsum": ("matmuls",), "swiglu": ("swiglu",),
+              "grouped_matmul": ("grouped_matmul", "exchange")}
+
+
+def ops_called(job: Job) -> set[str]:
+    """Returns the ops (models.ops) the model's forward pass calls, traced abstractly: those of the backend's
+    choices that apply to the model."""
+    loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
+                           stack_runners(job.config, job.mesh, job.rules, job.backend))
+    abstract = job.layout.abstract
+    key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
+    with ops.recording() as called:  # a fresh function: traced anew, never a cached trace
+        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, key, bias), abstract["params"],
+                       abstract_batch(job), abstract.get("expert_bias"))
+    return called
+
+
+def backend_report(job: Job) -> dict[str, Any]:
+    """Returns the backend's report with the choices that do not apply to the model as None: the ops it
+    never calls (an expert exchange where no grouped matmul runs), the pipeline loop without a pipeline."""
+    report = job.backend.report()
+    called = ops_called(job)
+    for op, entries in OP_ENTRIES.items():
+        if op not in called:
+            report.update(dict.fromkeys(entries))
+    if job.mesh.shape["pipeline"] == 1:
+        report["pipeline_loop"] = None
+    return report
+
+
+def pipeline_report(job: Job, temporaries: int) -> dict[str, Any] | None:
+    """Returns the pipeline schedule of `job` (name, ticks, microbatches, stages, repeats, bubble_fraction,
+    micro-batches in flight per stage) with the compiled step's `temporaries` (bytes per device), or None
+    when the mesh has a single stage (`mesh.pipeline=1`)."""
+    schedule = pipeline_schedule(job.config, job.mesh)
+    if schedule is None:
+        return None
+    return {"schedule": schedule.name, "ticks": schedule.iterations, "microbatches": schedule.microbatches,
+            "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction,
+            "in_flight": schedule.in_flight(), "temporaries": temporaries}
+
+
+def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
+    """Returns the report `nestor explain --json` prints; the train step is compiled once."""
+    job = job or build_job(config, with_data=False)
+    compiled, compile_s = timed_compile(job)
+    memory = compiled.memory_analysis()
+    params = param_table(job.layout)
+    params_bytes = sum(row["bytes_per_device"] for row in params)
+    optimizer_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
+    peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                  + memory.temp_size_in_bytes)
+    devices = job.mesh.devices.size
+    counted = counted_step(job, compiled)
+    xla_flops = step_flops(counted)
+    phases = flops_by_phase(counted.as_text())
+    # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
+    widened = float_normalization_flops(counted.as_text()) if job.backend.widens_what_the_target_does_not() else 0.0
+    xla_flops -= widened
+    analytic = spec_of(config).flops_per_step(config)
+    return {
+        "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
+        "backend": backend_report(job),
+        "speed_settings": [{"key": key, "value": value, "from": where} for key, value, where in speed_key_sources(config)],
+        "remat": job.backend.remat,
+        "params": params,
+        "param_count": sum(math.prod(row["shape"]) for row in params),
+        "memory_per_device_bytes": {
+            "params": params_bytes,
+            "optimizer": optimizer_bytes,
+            "arguments": memory.argument_size_in_bytes,
+            "outputs": memory.output_size_in_bytes,
+            "aliased": memory.alias_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes,
+            "peak_estimate": peak_bytes,
+        },
+        "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory.temp_size_in_bytes, peak_bytes,
+                          devices_here(job.mesh), job.mesh.shape["pipeline"]),
+        "compile_s": compile_s,
+        "collectives": collectives(compiled.as_text()),
+        "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
+        "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
+        "context": context_report(config, job.backend, job.mesh, job.rules),
+        "flops_per_step": xla_flops * devices,
+        "grouped_matmuls_counted_as_target_runs_them": counted is not compiled,
+        "flops_per_step_per_device": xla_flops,
+        "float32_widening_flops_left_out": widened * devices,
+        "update_flops_per_step": phases["update"] * devices,
+        # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
+        "model_flops_per_step": analytic[0] if analytic else None,
+        "executed_flops_per_step": analytic[1] if analytic else None,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Returns `rows` (the first is the header) as lines whose columns are as wide as their widest cell."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def fit_line(fit: dict[str, Any]) -> str:
+    """Returns the line that answers "will it fit?" for explain's `fit` entry, and a `note:` line under it
+    when the figures carry a caveat."""
+    parts = (f"parameters + optimizer {_fmt_bytes(fit['state_bytes'])}, temporaries "
+             f"{_fmt_bytes(fit['temporaries_bytes'])}, total {_fmt_bytes(fit['total_bytes'])}")
+    if fit["device_memory_bytes"] is None:
+        line = f"per device: {parts}; {fit['verdict']}"
+    else:
+        memory = fit["device_memory_bytes"] / GIB
+        device = {None: "cluster.device_memory_gb", "cpu": "cpu: the host's RAM over its devices"}.get(
+            fit["device_kind"], fit["device_kind"])
+        line = f"per device: {parts} of {memory:.{0 if memory >= 10 else 1}f} GiB ({device}): {fit['verdict']}"
+    return line + (f"\nnote: {fit['caveat']}" if fit.get("caveat") else "")
+
+
+def backend_lines(backend: dict[str, Any]) -> list[str]:
+    """Returns the report's lines on the backend: the target and what it runs (the choices that apply to the
+    model), then what this compile substitutes where its devices are not the target's."""
+    target = backend["target"] + (f" ({backend['device_kind']})" if backend["device_kind"] else "")
+    choices = [("attention", "attention"), ("matmuls", "matmuls"), ("grouped matmuls", "grouped_matmul"),
+               ("expert exchange", "exchange"), ("pipeline loop:", "pipeline_loop")]
+    lines = [f"backend for {target}: remat {backend['remat']}" + "".join(
+        f"; {name} {backend[entry]}" for name, entry in choices if backend[entry] is not None)]
+    return lines + [f"  compiled here: {note}" for note in backend["substitutions"]]
+
+
+def _yaml_value(value: Any) -> str:
+    """Returns a setting's value as a YAML override writes it (false, not False)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Returns the human-readable form of an explain report."""
+    mesh = report["mesh"]
+    lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
+             f"({mesh['devices']} {mesh['platform']} devices)", "", *backend_lines(report["backend"]),
+             "settings chosen for speed: " + "; ".join(
+                 f"{s['key']}={_yaml_value(s['value'])} ({s['from']})" for s in report["speed_settings"]), "",
+             f"parameters: {report['param_count']:,}"]
+    lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [
+        (row["name"], str(tuple(row["shape"])), str(tuple(row["logical_axes"])), spec_text(row["spec"]),
+         _fmt_bytes(row["bytes_per_device"])) for row in report["params"]])
+    lines += ["", f"memory per device (XLA memory analysis, remat {report['remat']}):"]
+    lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
+    lines += ["", fit_line(report["fit"])]
+    lines += ["", "collectives per step (compiled HLO):"]
+    lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
+    if (p := report["pipeline"]) is not None:
+        lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
+                      f"{p['microbatches']} micro-batches, {p['ticks']} ticks, bubble {p['bubble_fraction']:.1%}, "
+                      f"micro-batches in flight per stage {'/'.join(map(str, p['in_flight']))}, "
+                      f"temporaries {_fmt_bytes(p['temporaries'])}"]
+    if (d := report["dropless_moe"]) is not None:
+        lines += ["", f"dropless MoE: exchange {d['exchange']}, grouped matmuls {d['grouped_matmul']}, "
+                      f"worst-case buffer {d['buffer_rows']:,} rows, "
+                      f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
+    if (c := report["context"]) is not None:
+        pairs = c["pairs_per_device"]
+        lines += ["", f"context: rows split over {c['devices']} devices ({c['layout']}, "
+                      f"{c['positions_per_device']:,} positions each), attention {c['attention']}: "
+                      f"{_fmt_bytes(c['exchange_bytes_per_layer'])} of keys and values received per device per "
+                      f"layer (forward), (query, key) chunk pairs per device {min(pairs)}-{max(pairs)}"]
+    counted_note = ", grouped matmuls as the target's kernels run them" if report[
+        "grouped_matmuls_counted_as_target_runs_them"] else ""
+    if report["float32_widening_flops_left_out"]:
+        counted_note += (f", less {report['float32_widening_flops_left_out']:.4g} in this compile's converts to and "
+                         "from float32 that the target does not run")
+    lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
+                  f"all devices{counted_note}), of which {report['update_flops_per_step']:.4g} update the "
+                  f"state (optimizer, norms)" + (f"; model FLOPs {report['model_flops_per_step']:.4g} (analytic)"
+                                                 if report["model_flops_per_step"] is not None else ""),
+              f"compiled in {report['compile_s']:.1f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""`nestor export RUN_DIR --to hf OUT`: a run's checkpoint as a Hugging Face checkpoint that transformers,
+vLLM and SGLang load: config.json, `model-0000i-of-0000n.safetensors` with their index, the generation
+config and the tokenizer files.
+
+Process 0 writes the files' headers and sizes them; then each process writes the tensor boxes its
+devices hold (each parameter laid out over all devices along the dimension its tensors are outermost in,
+so a box is whole rows of a tensor), and nothing is gathered onto one host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nestor.orchestrator.checkpoint.reader import restore_state
+from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.hf import safetensors
+from nestor.orchestrator.hf.architectures import ARCHITECTURES, CONFIG, to_hf
+from nestor.orchestrator.hf.load import SIDE_FILES, SOURCE_DIR, box_of
+from nestor.orchestrator.hf.tensors import Entry, entries
+from nestor.orchestrator.job.build import make_mesh
+from nestor.orchestrator.job.processes import wait_for_every_process
+from nestor.orchestrator.specs.lm import lm_config
+from nestor.orchestrator.specs.registry import spec_of
+from nestor.orchestrator.job.state import state_layout
+from nestor.parallel.rules import resolve_rules
+
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    step: int
+    files: int
+    tensors: int
+    dtype: str
+
+    @property
+    def step_text(self) -> str:
+        return f"checkpoint {self.step}"
+
+
+def file_plan(tensors: list[tuple[str, tuple[int, ...]]], dtype: str, max_bytes: float) -> list[list[int]]:
+    """Returns the tensors' indices grouped into files of at most `max_bytes` each (a larger tensor alone)."""
+    files, size = [[]], 0
+    itemsize = safetensors.DTYPES[dtype].itemsize
+    for index, (_, shape) in enumerate(tensors):
+        nbytes = math.prod(shape) * itemsize
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(index)
+        size += nbytes
+    return files
+
+
+def export_sharding(entry: Entry, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """Returns the sharding a parameter is written from: over every device along its first stack dimension,
+    else along the dimension of its tensors' first rows, where the device count divides it; else replicated
+    (written by one device)."""
+    devices = mesh.devices.size
+    outer = len(entry.stack) + entry.perm.index(0)
+    for dim in ((0,) if entry.stack else ()) + (outer,):
+        if shape[dim] % devices == 0:
+            spec = [None] * len(shape)
+            spec[dim] = "export"
+            return NamedSharding(mesh, PartitionSpec(*spec))
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _side_files(config: Config, out: Path, hf_config: dict) -> None:
+    """Writes config.json, the generation config and the tokenizer files beside the tensors (process 0)."""
+    (out / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    kept = Path(config.run.dir) / SOURCE_DIR
+    for name in SIDE_FILES:
+        if name != CONFIG and (kept / name).is_file():
+            shutil.copyfile(kept / name, out / name)
+    tokenizer = config.data.tokenizer
+    if not (out / "tokenizer.json").is_file() and tokenizer and tokenizer.endswith(".json"):
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    if not (out / "generation_config.json").is_file():
+        tokens = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config}
+        (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **tokens}, indent=2) + "\n")
+
+
+def export(config: Config, out: Path, step: int | None = None, dtype: str = "float32",
+           max_shard_gb: float = 5.0) -> Written:
+    """Writes checkpoint `step` (default: the newest) of the run `config` describes to `out` as a Hugging Face
+    checkpoint in `dtype`; returns what was written. Raises ConfigError for a model no supported architecture
+    computes, an `out` that holds files, or a run without that checkpoint."""
+    if not spec_of(config).hugging_face:
+        raise ConfigError([("model.class", f"export writes nestor's LM; {config.model.class_} has no Hugging Face "
+                                           "architecture")])
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError([("--out", f"{out} holds files; export writes into a new or empty directory")])
+    wait_for_every_process("export target checked")  # before process 0 writes into it
+    saved = Path(config.run.dir) / SOURCE_DIR / CONFIG
+    base = json.loads(saved.read_text()) if saved.is_file() else None
+    keys = config.to_dict()
+    hf_config = to_hf(keys["model"], keys["moe"], base)
+    for field in ("dtype", "torch_dtype"):
+        if field in hf_config or (field == "dtype" and "torch_dtype" not in hf_config):
+            hf_config[field] = dtype
+    model_entries = entries(lm_config(config), ARCHITECTURES[hf_config["architectures"][0]])
+    mesh = make_mesh(config)
+    layout = state_layout(config, mesh, resolve_rules(config.mesh.rules))
+    try:
+        step, state = restore_state(config, layout, step)
+    except FileNotFoundError as error:
+        raise ConfigError([("RUN_DIR", str(error))]) from None
+    params = state["params"]
+    del state
+
+    name = SAFETENSORS_DTYPES[dtype]
+    tensors = [(tensor, entry.hf_shape) for entry in model_entries for _, tensor in entry.names()]
+    plan = file_plan(tensors, name, max_shard_gb * 1e9)
+    file_names = [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    where: dict[str, safetensors.Tensor] = {}
+    for file_name, members in zip(file_names, plan):
+        layout_of = {tensors[i][0]: (name, tensors[i][1]) for i in members}
+        head, offsets = safetensors.header_bytes(layout_of, {"format": "pt"})
+        for tensor, (_, shape) in layout_of.items():
+            where[tensor] = safetensors.Tensor(out / file_name, safetensors.DTYPES[name], shape, len(head) + offsets[tensor])
+        if jax.process_index() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            safetensors.create(out / file_name, layout_of, {"format": "pt"})
+    wait_for_every_process("export files created")
+
+    export_mesh = Mesh(np.asarray(jax.devices()), ("export",))
+    for entry in model_entries:
+        leaf = params
+        for key in entry.path:
+            leaf = leaf[int(key)] if isinstance(leaf, (list, tuple)) else leaf[key if key in leaf else int(key)]
+        spread = jax.device_put(leaf, export_sharding(entry, leaf.shape, export_mesh))
+        for shard in spread.addressable_shards:
+            if shard.replica_id:
+                continue
+            box = box_of(shard.index, leaf.shape)
+            stack, per_layer = box[:len(entry.stack)], box[len(entry.stack):]
+            data = np.asarray(shard.data)
+            hf_box, _ = entry.hf_box(per_layer, exact=True)
+            for index in np.ndindex(*(stop - start for start, stop in stack)):
+                tensor = where[entry.name(*(start + i for (start, _), i in zip(stack, index)))]
+                values = entry.to_hf(data[index]).astype(tensor.dtype)
+                safetensors.write_box(tensor.file, tensor, hf_box, values)
+        del spread
+    wait_for_every_process("export tensors written")
+    if jax.process_index() == 0:
+        total = sum(math.prod(shape) * safetensors.DTYPES[name].itemsize for _, shape in tensors)
+        weight_map = {tensor: file_names[f] for f, members in enumerate(plan) for tensor in (tensors[i][0] for i in members)}
+        (out / safetensors.INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                         "weight_map": weight_map}, indent=2) + "\n")
+        _side_files(config, out, hf_config)
+    return Written(step, len(plan), len(tensors), dtype)

@@ -1,0 +1,115 @@
+"""A training job assembled from a config: its devices, mesh, rules, backend, state layout, compiled-to-be
+step, data and evaluation. Training (orchestrator.loop.train), explain and the eval commands start from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh
+
+from nestor.backend import ACCELERATORS, Backend, platform_family
+from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
+from nestor.orchestrator.config.degrees import mesh_axes_key
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.job.eval_loss import Evaluator
+from nestor.orchestrator.loader.memory_fit import state_problems
+from nestor.orchestrator.job.state import StateLayout, param_table, per_device_bytes, state_layout
+from nestor.orchestrator.job.step import backend_for, make_train_step
+from nestor.parallel.mesh import MeshError, build_mesh
+from nestor.parallel.rules import Rules, resolve_rules
+
+
+def select_devices(config: Config) -> list[jax.Device]:
+    """Returns the devices the run uses: `cluster.devices_per_host` of each process's devices.
+
+    A single process standing in for `cluster.hosts` hosts (explain, the
+    in-process launcher) takes the devices of all of them. Raises ConfigError
+    when `cluster.accelerator` names GPUs or TPUs and jax has other devices, or
+    when a process has fewer devices than asked for.
+    """
+    accelerator, platform = config.cluster.accelerator, platform_family(jax.devices()[0].platform)
+    if accelerator in ACCELERATORS and platform != accelerator:
+        raise ConfigError([("cluster.accelerator", f"{accelerator}, but jax here has {platform} devices only; set "
+                                                   f"cluster.accelerator={platform}, or install jax for {accelerator}s "
+                                                   "(docs/cluster.md)")])
+    wanted = config.cluster.devices_per_host
+    if wanted != -1 and jax.process_count() == 1:
+        wanted *= config.cluster.hosts
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    selected = []
+    for process, devices in sorted(by_process.items()):
+        if wanted != -1 and len(devices) < wanted:
+            raise ConfigError([("cluster.devices_per_host",
+                                f"asks for {wanted} devices but process {process} has {len(devices)} "
+                                f"({devices[0].platform}); lower it or use -1 for all")])
+        selected += devices if wanted == -1 else devices[:wanted]
+    return selected
+
+
+def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
+    """Returns the run's mesh; a degree that does not fit the devices raises ConfigError."""
+    try:
+        return build_mesh(config.mesh.ici_shape(), config.mesh.dcn_shape(),
+                          devices if devices is not None else select_devices(config))
+    except MeshError as error:
+        key = mesh_axes_key(config) if error.key == "mesh" else error.key
+        raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
+
+
+def devices_here(mesh: Mesh) -> int:
+    """Returns how many of `mesh`'s devices this process holds: on CPU, the devices that share its RAM."""
+    return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
+
+
+def check_state_fits(config: Config, backend: Backend, layout: StateLayout, mesh: Mesh) -> None:
+    """Raises ConfigError naming the key that sizes the largest parameter when the train state alone, as
+    `layout` shards it, needs more than a device's memory (memory_fit.state_problems), before any of it
+    is allocated."""
+    params = param_table(layout)
+    state_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(layout.abstract))
+    largest = max(params, key=lambda row: row["bytes_total"])
+    if problems := state_problems(config, backend, state_bytes, largest, devices_here(mesh)):
+        raise ConfigError(problems)
+
+
+@dataclasses.dataclass
+class Job:
+    """A compiled-to-be training job: mesh, rules, state layout, step function, data, evaluation."""
+
+    config: Config
+    mesh: Mesh
+    rules: Rules
+    backend: Backend
+    layout: StateLayout
+    step_fn: object
+    data: DataPipeline | None  # None when built without data (explain)
+    evaluator: Evaluator | None = None  # with eval.every and data only
+
+
+def build_job(config: Config, devices: list[jax.Device] | None = None, with_data: bool = True) -> Job:
+    """Returns the job for `config` on `devices` (default: `select_devices`), nothing compiled yet.
+
+    `with_data=False` leaves the data sources unopened (no file listed, no tokenizer loaded), for a
+    job that is only compiled; with data and `eval.every`, the job has its evaluator.
+    """
+    mesh = make_mesh(config, devices)
+    rules = resolve_rules(config.mesh.rules)
+    backend = backend_for(config, mesh)
+    fields = batch_fields(config)
+    layout = state_layout(config, mesh, rules, frozenset(name for field in fields.values()
+                                                         for name in field.logical_axes if name))
+    if with_data:  # a job that runs allocates its state: refused here, before anything is, if it cannot fit
+        check_state_fits(config, backend, layout, mesh)
+    step_fn = make_train_step(config, layout, mesh, rules, backend, fields)
+    data = DataPipeline(config, mesh, rules, fields=fields) if with_data else None
+    evaluator = Evaluator(config, layout, mesh, rules, backend) if with_data and config.eval.every else None
+    return Job(config, mesh, rules, backend, layout, step_fn, data, evaluator)
+
+
+def abstract_batch(job: Job) -> dict[str, jax.ShapeDtypeStruct]:
+    """Returns the shapes, dtypes and shardings of one global batch: what the step compiles for, no data read."""
+    return abstract(batch_fields(job.config), job.mesh, job.rules)

@@ -1,0 +1,320 @@
+"""The train state: built abstractly, laid out by logical names, initialised sharded.
+
+The state is a plain dict `{"step", "params", "opt_state"}` whose params are a
+nested dict of arrays with layers stacked `[layers, ...]`: the one canonical
+layout checkpoints store, whatever the mesh. A model with auxiliary-loss-free
+MoE balancing adds `"expert_bias"`: its `ExpertBias` variables, laid out as
+the params are, which the step moves and the optimizer never sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nestor.models import axes, task
+from nestor.models.moe import ExpertBias
+from nestor.models.params import logical_axes_of, named_by_model
+from nestor.models.stack import Stack
+from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.config.degrees import schedule_for
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.hf.load import load_params
+from nestor.orchestrator.job.optimizer import make_optimizer
+from nestor.orchestrator.specs.registry import build_model, spec_of
+from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Everything known about the train state before any device holds it."""
+
+    graphdef: Any            # the model's structure; merge with params to get a module
+    logical: dict            # params tree of logical-axis tuples
+    abstract: dict           # state tree of jax.ShapeDtypeStruct (with shardings)
+    shardings: dict          # state tree of NamedSharding
+    optimizer: optax.GradientTransformation
+    update_shardings: dict | None = None  # params tree: where each share of a parameter is updated (None: as held)
+    bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
+
+    def update_shares(self, tree: dict) -> dict:
+        """Returns the params-like `tree` constrained to where the optimizer updates it (`update_shardings`),
+        or `tree` itself when the update is not sharded (call inside a jitted function)."""
+        return tree if self.update_shardings is None else jax.lax.with_sharding_constraint(tree, self.update_shardings)
+
+
+def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
+    """Returns (graphdef, expert biases, everything else: the parameters); merge them back in that order."""
+    return nnx.split(model, ExpertBias, ...)
+
+
+def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
+    """Returns (tree of logical-axes tuples, tree of values) of a model state's variables; a variable
+    without names gets (None, ...) (replicated), which `layout_problems` reports where that matters."""
+    flat = nnx.to_flat_state(state)
+    logical = {}
+    for path, var in flat:
+        names = logical_axes_of(var)
+        logical[tuple(path)] = names if names is not None else (None,) * len(var.get_value().shape)
+    return _nest(logical), _nest({tuple(path): var.get_value() for path, var in flat})
+
+
+SHARDING_AXES = ("fsdp", "tensor")  # the mesh axes that split a model's weight matrices
+
+
+def _pipelined_stack_problems(config: Config, model: nnx.Module, mesh: Mesh) -> list[tuple[str, str]]:
+    """Returns the problems of pipelining the model's stack `pipeline.stack` over `mesh.pipeline` stages: no
+    stack of that name (or two), one whose blocks do not split into stages x repeats, and for a schedule that
+    runs the backward pass in its loop a model without the split around that stack (models.task)."""
+    if mesh.shape["pipeline"] == 1 or hasattr(model, "pipeline_units"):  # a model that gives its stack itself
+        return []
+    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+    names = [node.name for node in found]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        return [("model.class", f"two stacks are named {', '.join(map(repr, twice))}: give each Stack a name= of "
+                                "its own")]
+    stacks = {node.name: node for node in found}
+    name = config.pipeline.stack
+    if name not in stacks:
+        return [("pipeline.stack", f"the model has no stack named {name!r} to pipeline; its stacks (models.stack."
+                                   f"Stack) are {', '.join(sorted(stacks)) or 'none'}")]
+    schedule = schedule_for(config, mesh.shape["pipeline"])
+    problems = [(f"pipeline.{what}" if what != "layers" else "pipeline.stack", f"stack {name!r}: {message}")
+                for what, message in schedule.problems(stacks[name].count)]
+    if not schedule.one_f_one_b:
+        return problems
+    missing = [method for method in task.PIPELINE_METHODS if not callable(getattr(model, method, None))]
+    split_stack = getattr(model, task.PIPELINE_STACK, name)
+    if missing:
+        problems.append(("pipeline.schedule", f"{config.pipeline.schedule} runs the backward pass inside its loop, "
+                                              f"which needs the model split around its stack: "
+                                              f"{type(model).__name__} has no {', '.join(missing)} (docs/models.md); "
+                                              "gpipe and circular need nothing more"))
+    elif split_stack != name:
+        problems.append(("pipeline.stack", f"{config.pipeline.schedule} runs {type(model).__name__}'s split around "
+                                           f"its stack {split_stack!r} (its {task.PIPELINE_STACK}), not {name!r}; "
+                                           f"pipeline {split_stack!r}, or {name!r} with gpipe or circular"))
+    return problems
+
+
+def _unpipelined_stacks_whole(config: Config, model: nnx.Module, logical: dict) -> dict:
+    """Returns the logical axes with the stacking dimension of every stack the pipeline does not split
+    replicated (None): those stacks run on every stage, so their blocks are not spread over the stages."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Stack) and node.name != config.pipeline.stack:
+            subtree = logical
+            for part in (*path, "blocks")[:-1]:
+                subtree = subtree[part]
+            subtree["blocks"] = jax.tree.map(lambda names: (None, *names[1:]), subtree["blocks"],
+                                             is_leaf=is_logical_axes)
+    return logical
+
+
+def trained_variable_problems(state: nnx.State) -> list[tuple[str, str]]:
+    """Returns a problem for each variable of a model of the user's that is neither a parameter nor an expert
+    bias: the step trains nnx.Param and keeps nothing else (RNG state, batch statistics)."""
+    problems = []
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Param):
+            problems.append(("model.class", f"{'/'.join(map(str, path))} is an {type(var).__name__}; the step trains "
+                                            "nnx.Param variables and keeps no other state (use models.task.step_key "
+                                            "for randomness; no batch statistics)"))
+    return problems
+
+
+def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: Mesh, rules: Rules,
+                    batch_axes: set[str]) -> list[tuple[str, str]]:
+    """Returns config problems of a model of the user's (`model`, its parameters `state`) on `mesh`: a matrix
+    without logical names where the mesh splits parameters, a dimension its mesh axes do not divide, a stack
+    the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
+    (`batch_axes`) nor nestor's activations use."""
+    problems = _pipelined_stack_problems(config, model, mesh)  # the stages' split, said once per stack
+    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    names: set[str] = set()
+    for path, var in nnx.to_flat_state(state):
+        where = "/".join(map(str, path))
+        shape = var.get_value().shape
+        logical = logical_axes_of(var)
+        if not named_by_model(var):
+            stacked = 0 if logical is None else sum(name is not None for name in logical)  # a stack's axes
+            if len(shape) - stacked >= 2 and splitting:
+                problems.append(("model.class", f"parameter {where} {list(shape)} has no logical axis names, and "
+                                                f"{', '.join(splitting)} would split it; name its dimensions "
+                                                "(nnx.with_partitioning(init, ('embed', 'mlp')), docs/models.md)"))
+            continue
+        names.update(name for name in logical if name)
+        dims = [name for name in logical if name != axes.LAYERS]  # a stack's leading dimension aside
+        own = [name for name in dims if name]
+        if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
+            problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
+                                            f"rule maps any of those names while {', '.join(splitting)} would "
+                                            "split it: map them with mesh.rules (e.g. {model: tensor}) or use "
+                                            "nestor's names (docs/models.md)"))
+        spec = partition_spec(logical, rules)
+        for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
+            mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            shards = math.prod(mesh.shape[axis] for axis in mesh_axes)
+            if size % shards and "pipeline" not in mesh_axes:
+                problems.append(("model.class", f"parameter {where} {list(shape)}: its {name!r} dimension of {size} "
+                                                f"does not split over {' x '.join(f'mesh.{a}' for a in mesh_axes)} "
+                                                f"(= {shards}); change mesh.rules.{name} or the mesh"))
+    known = names | batch_axes | set(DEFAULT_RULES)
+    for name in config.mesh.rules:
+        if name not in known:
+            problems.append((f"mesh.rules.{name}", f"the model never names {name!r}; its parameters' logical axes "
+                                                   f"are {', '.join(sorted(names)) or 'none'}"))
+    return problems
+
+
+def _entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def update_sharding(sharding: NamedSharding, shape: tuple[int, ...], batch_axes: tuple[str, ...]) -> NamedSharding:
+    """Returns where a parameter of `shape` held as `sharding` is updated under ZeRO stage 1: split further
+    over the `batch_axes` (those the batch is split on, of size > 1) it is not split over already, on the
+    dimension whose share they divide (the largest such share), so that each replica of the batch updates
+    one share and keeps that share's optimizer state. Where no dimension divides, the last of those axes are
+    dropped until one does; `sharding` itself when none is left."""
+    mesh = sharding.mesh
+    entries = [_entry_axes(entry) for entry in sharding.spec]
+    entries += [()] * (len(shape) - len(entries))
+    used = {axis for entry in entries for axis in entry}
+    free = tuple(axis for axis in batch_axes if axis not in used and mesh.shape[axis] > 1)
+    shares = [size // math.prod(mesh.shape[axis] for axis in entry) for size, entry in zip(shape, entries)]
+    while free:
+        ways = math.prod(mesh.shape[axis] for axis in free)
+        dividing = [dim for dim, share in enumerate(shares) if share % ways == 0]
+        if dividing:
+            dim = max(dividing, key=lambda d: shares[d])
+            entries[dim] += free
+            return NamedSharding(mesh, PartitionSpec(*(entry[0] if len(entry) == 1 else entry or None
+                                                       for entry in entries)))
+        free = free[:-1]
+    return sharding
+
+
+def _bias_update_rate(bias: nnx.State) -> float:
+    """Returns the update rate of the model's ExpertBias variables; raises ConfigError unless the model holds
+    them in one stack (one array [MoE layers, experts], which the step moves by its metric `moe_expert_load`)
+    at one rate."""
+    flat = nnx.to_flat_state(bias)
+    rates = {var.get_metadata().get("update_rate", 0.0) for _, var in flat}
+    if len(flat) != 1 or len(rates) != 1:
+        raise ConfigError([("model.class", f"auxiliary-loss-free balancing moves one ExpertBias array [MoE layers, "
+                                          f"experts] at one rate; the model holds {len(flat)} at rates "
+                                          f"{sorted(rates)}: keep its MoE layers in one models.stack.Stack")])
+    return float(rates.pop())
+
+
+def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset[str] = frozenset()) -> StateLayout:
+    """Returns the abstract, sharded layout of the train state for `mesh`; `batch_axes` are the logical names
+    of the batch's fields (for the checks of a model of the user's). Raises ConfigError where a model of
+    the user's cannot be laid out (`layout_problems`)."""
+    abstract_model = nnx.eval_shape(lambda: build_model(config, config.run.seed))
+    graphdef, abstract_bias, abstract_params = split_model(abstract_model)
+    checked = spec_of(config).layout_checked
+    if checked:
+        if problems := (trained_variable_problems(abstract_params)
+                        or layout_problems(config, abstract_model, abstract_params, mesh, rules, batch_axes)):
+            raise ConfigError(problems)
+    logical, params_shape = _logical_and_values(abstract_params)
+    if checked:
+        logical = _unpipelined_stacks_whole(config, abstract_model, logical)
+    bias_logical, bias_shape = _logical_and_values(abstract_bias)
+    optimizer = make_optimizer(config, logical)
+    opt_shape = jax.eval_shape(optimizer.init, params_shape)
+
+    param_shardings = tree_shardings(logical, mesh, rules)
+    update_shardings = None
+    if config.optimizer.shard_update:
+        update_shardings = jax.tree.map(lambda sharding, leaf: update_sharding(sharding, leaf.shape, rules[axes.BATCH]),
+                                        param_shardings, params_shape)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # the moments live where their parameter is updated: sharded with it under `optimizer.shard_update`
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, opt_shape, update_shardings or param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_shape, "opt_state": opt_shape}
+    bias_update_rate = 0.0
+    if bias_shape:
+        shardings["expert_bias"] = tree_shardings(bias_logical, mesh, rules)
+        shapes["expert_bias"] = bias_shape
+        bias_update_rate = _bias_update_rate(abstract_bias)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate)
+
+
+def init_state(config: Config, layout: StateLayout) -> dict:
+    """Returns the train state initialised directly into its shardings (no full copy anywhere): fresh
+    parameters, or with `model.init_from` a Hugging Face checkpoint's (orchestrator.hf.load), each process
+    reading only its slices; the optimizer starts fresh either way."""
+    if config.model.init_from:
+        params, _ = load_params(config, layout.abstract["params"])
+
+        def from_params(params: dict) -> dict:
+            state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
+            if "expert_bias" in layout.shardings:  # auxiliary-loss-free balancing starts unbiased
+                state["expert_bias"] = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype),
+                                                    layout.abstract["expert_bias"])
+            return state
+
+        return jax.jit(from_params, out_shardings=layout.shardings, donate_argnums=0)(params)
+
+    def init() -> dict:
+        _, bias, params = split_model(build_model(config, config.run.seed))
+        params = nnx.to_pure_dict(params)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
+        return {**state, "expert_bias": nnx.to_pure_dict(bias)} if "expert_bias" in layout.shardings else state
+
+    return jax.jit(init, out_shardings=layout.shardings)()
+
+
+def per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:
+    """Returns the bytes one device holds of the sharded abstract array `leaf`."""
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def _flatten(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), leaf) for path, leaf in leaves]
+
+
+def _spec_entries(leaf: jax.ShapeDtypeStruct) -> list[str | list[str] | None]:
+    """Returns the PartitionSpec of `leaf` as JSON: per dimension None, a mesh axis, or a list of axes."""
+    spec = list(leaf.sharding.spec) + [None] * (leaf.ndim - len(leaf.sharding.spec))
+    return [list(entry) if isinstance(entry, tuple) else entry for entry in spec]
+
+
+def param_table(layout: StateLayout) -> list[dict[str, Any]]:
+    """Returns one row per parameter of `layout`: name, shape, logical axes, PartitionSpec (see
+    `_spec_entries`), bytes per device and in all."""
+    logical = dict(_flatten(layout.logical, is_leaf=is_logical_axes))
+    rows = []
+    for name, leaf in _flatten(layout.abstract["params"]):
+        rows.append({
+            "name": name, "shape": list(leaf.shape), "logical_axes": list(logical[name]),
+            "spec": _spec_entries(leaf), "bytes_per_device": per_device_bytes(leaf),
+            "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
+        })
+    return rows
