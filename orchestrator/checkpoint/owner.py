@@ -38,9 +38,7 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -51,7 +49,7 @@ import orbax.checkpoint as ocp
 from nestor.orchestrator.checkpoint.files import (ITEMS, RECORD, TEMPORARY, checkpoint_dir, finalized_steps,
                                                   quarantine, quarantine_incomplete)
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, records, write_manifest, written_by
-from nestor.orchestrator.checkpoint.reader import CheckpointReader
+from nestor.orchestrator.checkpoint.reader import CheckpointReader, hold_back_orbax_noise
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.processes import (VERDICT_TIMEOUT_S, every_process_says, received_by_process_0,
@@ -78,44 +76,6 @@ def _cause(error: BaseException) -> str:
             return f"{os.strerror(number)} ({errno.errorcode.get(number, number)})"
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
-
-
-class _OrbaxErrorsAreOurs(logging.Filter):
-    """Drops ERROR records that Orbax logs, or whose exception runs through Orbax or names its
-    temporary directories (asyncio's "exception was never retrieved" of the writes a failed save
-    abandoned): a failed save or restore is reported once by the Checkpointer instead, as
-    CheckpointWriteError or a quarantine warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        _, exception, trace = record.exc_info or (None, None, None)
-        places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
-        return not any(f"{os.sep}orbax{os.sep}" in place or TEMPORARY in place for place in places)
-
-
-_ORBAX_ERRORS = _OrbaxErrorsAreOurs()
-
-
-class _AbandonedWritesAreOurs:
-    """An unraisable-exception hook that drops the "Event loop is closed" errors of array writes Orbax
-    abandoned when a save failed (tensorstore finishes them after Orbax closed their event loop);
-    passes everything else to the hook it wraps."""
-
-    def __init__(self, wrapped):
-        self.wrapped = wrapped
-
-    def __call__(self, unraisable) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-            self.wrapped(unraisable)
-
-
-def _hold_back_orbax_noise() -> None:
-    """Keeps Orbax's own reports of a failed save off the terminal (once per process)."""
-    for logger in ("absl", "asyncio"):
-        logging.getLogger(logger).addFilter(_ORBAX_ERRORS)
-    if not isinstance(sys.unraisablehook, _AbandonedWritesAreOurs):
-        sys.unraisablehook = _AbandonedWritesAreOurs(sys.unraisablehook)
 
 
 # Orbax writes a replicated shard cooperatively: each replica slices off its part on the device and
@@ -217,7 +177,7 @@ class Checkpointer:
         self.directory = checkpoint_dir(config.run.dir)
         self.in_flight: int | None = None  # the step being saved in the background
         self.own_records: dict[int, str] = {}  # process 0: step -> its manifest records of the files it wrote
-        _hold_back_orbax_noise()
+        hold_back_orbax_noise()
         _write_small_replicated_shards_whole()
         quarantine_incomplete(self.directory, log)
         self.manager = self._open()

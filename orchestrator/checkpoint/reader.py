@@ -14,19 +14,61 @@ reader's checks and decides with every process which step restores.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from nestor.orchestrator.checkpoint.files import (ITEMS, METADATA_FILE, RECORD, checkpoint_dir, finalized_steps,
-                                                  is_finalized)
+from nestor.orchestrator.checkpoint.files import (ITEMS, METADATA_FILE, RECORD, TEMPORARY, checkpoint_dir,
+                                                  finalized_steps, is_finalized)
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.state import StateLayout
 from nestor.orchestrator.paths import shown
+
+
+class _OrbaxErrorsAreOurs(logging.Filter):
+    """Drops ERROR records that Orbax logs, or whose exception runs through Orbax or names its
+    temporary directories (asyncio's "exception was never retrieved" of the writes a failed save
+    abandoned): a failed save or read is reported once by nestor instead, as CheckpointWriteError,
+    CheckpointUnreadable or a quarantine warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        _, exception, trace = record.exc_info or (None, None, None)
+        places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
+        return not any(f"{os.sep}orbax{os.sep}" in place or TEMPORARY in place for place in places)
+
+
+_ORBAX_ERRORS = _OrbaxErrorsAreOurs()
+
+
+class _AbandonedWritesAreOurs:
+    """An unraisable-exception hook that drops the "Event loop is closed" errors of array writes Orbax
+    abandoned when a save failed (tensorstore finishes them after Orbax closed their event loop);
+    passes everything else to the hook it wraps."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def __call__(self, unraisable) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            self.wrapped(unraisable)
+
+
+def hold_back_orbax_noise() -> None:
+    """Keeps Orbax's own reports of a failed save or read off the terminal (once per process)."""
+    for logger in ("absl", "asyncio"):
+        logging.getLogger(logger).addFilter(_ORBAX_ERRORS)
+    if not isinstance(sys.unraisablehook, _AbandonedWritesAreOurs):
+        sys.unraisablehook = _AbandonedWritesAreOurs(sys.unraisablehook)
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -74,6 +116,7 @@ class CheckpointReader:
         self.layout = layout
         self.log = log
         self.directory = checkpoint_dir(config.run.dir)
+        hold_back_orbax_noise()
 
     def saved_config(self, step: int) -> dict:
         """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""

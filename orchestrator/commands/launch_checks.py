@@ -9,7 +9,6 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
-
 from nestor.orchestrator.checkpoint.reader import config_differences
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import text_files

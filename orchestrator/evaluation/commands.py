@@ -44,7 +44,8 @@ class Restored:
 
 def restore_newest(config: Config, devices: list[jax.Device] | None = None) -> Restored:
     """Returns run.dir's newest checkpoint restored onto the mesh of `config` on `devices` (default: the
-    run's devices). Raises ConfigError naming run.dir when there is no checkpoint, and as `Checkpointer.restore`."""
+    run's devices). Raises ConfigError naming run.dir when there is no checkpoint, and as
+    `checkpoint.reader.restore_state`."""
     mesh = make_mesh(config, devices)
     rules = resolve_rules(config.mesh.rules)
     layout = state_layout(config, mesh, rules)
