@@ -46,10 +46,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from nestor.orchestrator.checkpoint.files import (ITEMS, RECORD, TEMPORARY, checkpoint_dir, finalized_steps,
+from nestor.orchestrator.checkpoint.files import (ITEMS, RECORD, TEMPORARY, finalized_steps,
                                                   quarantine, quarantine_incomplete)
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, records, write_manifest, written_by
-from nestor.orchestrator.checkpoint.reader import CheckpointReader, hold_back_orbax_noise
+from nestor.orchestrator.checkpoint.reader import CheckpointReader
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.processes import (VERDICT_TIMEOUT_S, every_process_says, received_by_process_0,
@@ -173,11 +173,10 @@ class Checkpointer:
         self.config = config
         self.layout = layout
         self.log = log
-        self.reader = CheckpointReader(config, layout, log)
-        self.directory = checkpoint_dir(config.run.dir)
+        self.reader = CheckpointReader(config, layout, log)  # holds Orbax's error logs back, too
+        self.directory = self.reader.directory
         self.in_flight: int | None = None  # the step being saved in the background
         self.own_records: dict[int, str] = {}  # process 0: step -> its manifest records of the files it wrote
-        hold_back_orbax_noise()
         _write_small_replicated_shards_whole()
         quarantine_incomplete(self.directory, log)
         self.manager = self._open()

@@ -182,13 +182,13 @@ def restore_state(config: Config, layout: StateLayout, step: int | None = None) 
         raise FileNotFoundError(f"no checkpoint in {shown(directory)}")
     if step is not None and not is_finalized(directory / str(step)):
         raise FileNotFoundError(f"no checkpoint {step} in {shown(directory)} (it has {finalized_steps(directory)})")
-    failure = None
+    failure, reader = None, CheckpointReader(config, layout, log=lambda *_: None)
     for _ in range(READ_ATTEMPTS):  # one that fails for a step rotated out meanwhile is tried again
         chosen = step if step is not None else (finalized_steps(directory) or [None])[-1]
         if chosen is None or not is_finalized(directory / str(chosen)):
             break
         try:
-            return chosen, CheckpointReader(config, layout, log=lambda *_: None).restore(chosen)[0]
+            return chosen, reader.restore(chosen)[0]
         except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 - a damaged checkpoint, or one deleted while read
