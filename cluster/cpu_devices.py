@@ -74,3 +74,37 @@ def simulate_cpu_devices_before_import(devices: int) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={devices}").strip()
     size_cpu_thread_pool(devices)
+
+
+def share_compiled_programs(jax) -> bool:
+    """For the processes of one multi-process CPU run that all run on this machine: process 0 alone compiles
+    each program and the others load its binary (`jax_share_binary_between_hosts`), and every process finds
+    the persistent compilation cache's entries under the same key. Returns whether it could; call it in every
+    process, before the first compile, only when they all run here.
+
+    JAX keys a CPU program's cache entry with the topology of the process's own devices, which differs between
+    processes, and writes entries from process 0 only; so every other process compiled every program of every
+    run, a rerun's included, while process 0 loaded them. Here the key hashes the devices' kind and global ids,
+    which every process sees alike. One machine only: XLA:CPU compiles for its own CPU, which another host's
+    may lack. Sharing, like the cache, needs `jax_compilation_cache_dir` set; without it each process compiles.
+    """
+    try:
+        from jax._src import cache_key
+        if getattr(cache_key._hash_accelerator_config, "shared_by_processes", False):
+            return True
+        by_topology = cache_key._hash_accelerator_config
+        hash_string = cache_key._hash_string
+    except (ImportError, AttributeError):  # another jax: its keys may differ per process, and sharing would wait
+        return False
+
+    def by_devices(hash_obj, devices) -> None:
+        if all(device.platform == "cpu" for device in devices.flat):
+            for device in devices.flat:
+                hash_string(hash_obj, f"{device.device_kind}:{device.id}")
+        else:
+            by_topology(hash_obj, devices)
+
+    by_devices.shared_by_processes = True
+    cache_key._hash_accelerator_config = by_devices
+    jax.config.update("jax_share_binary_between_hosts", True)
+    return True

@@ -12,7 +12,7 @@ import threading
 import time
 
 from nestor.cluster.connect import ClusterSpec
-from nestor.cluster.cpu_devices import simulate_cpu_devices
+from nestor.cluster.cpu_devices import share_compiled_programs, simulate_cpu_devices
 from nestor.cluster.rendezvous import ClusterError, rendezvous
 
 STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to stop
@@ -111,6 +111,8 @@ def run_worker(config: dict) -> None:
         # Bind the coordinator to the node's Ray address, not every interface.
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
+        if len(_machines(group)) == 1:
+            share_compiled_programs(jax)  # every process on this machine: process 0 compiles for all
     import jax  # on GPU and TPU Ray Train's JaxTrainer has joined jax.distributed before this function
 
     if jax.process_index() == 0:
@@ -125,6 +127,15 @@ def run_worker(config: dict) -> None:
     except Stopped:
         mailbox.ended.remote("stopped")  # a clean end for Ray Train; the driver starts none
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
+
+
+def _machines(group) -> set[str]:
+    """The addresses of the machines a worker group's placement `group` put its workers on (Ray nodes started
+    on one machine, as a test's, share one)."""
+    import ray
+
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return {addresses.get(node, node) for node in ray.util.placement_group_table(group)["bundles_to_node_id"].values()}
 
 
 class _StopWatch:

@@ -148,6 +148,8 @@ _TWO_PROCESSES = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", int(sys.argv[5]))
     coordinator, rank, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     jax.distributed.initialize(coordinator, num_processes=2, process_id=rank)
+    from nestor.cluster.cpu_devices import share_compiled_programs
+    share_compiled_programs(jax)  # as nestor's workers on one machine: process 0 compiles for both
     from pathlib import Path
 """)
 

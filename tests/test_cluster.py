@@ -322,6 +322,47 @@ def test_a_signal_to_one_process_stops_every_process_before_the_same_call(tmp_pa
     assert second == first and int(calls) > 3 and received == str(int(signal.SIGTERM))
 
 
+# Each process counts its own XLA compiles and persistent-cache hits of one sharded program, and says its sum.
+COMPILE_ONCE = """
+    import numpy as np
+    from jax._src import compiler
+    from jax.sharding import NamedSharding, PartitionSpec
+    from nestor.cluster.cpu_devices import share_compiled_programs
+
+    counts = {"compiled": 0, "loaded": 0}
+    compile_and_load = compiler.backend_compile_and_load
+
+    def counted(*args, **kwargs):
+        counts["compiled"] += 1
+        return compile_and_load(*args, **kwargs)
+
+    compiler.backend_compile_and_load = counted
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: counts.__setitem__("loaded", counts["loaded"] + 1)
+        if event == "/jax/compilation_cache/cache_hits" else None)
+    assert share_compiled_programs(jax)
+    jax.config.update("jax_compilation_cache_dir", str(Path(run_dir) / "cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a program this small is kept too
+    mesh = jax.make_mesh((4,), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+    local = np.arange(2 * 3, dtype=np.float32).reshape(2, 3) + 10 * rank
+    total = jax.jit(lambda a: (a * a.sum(axis=0)).sum())(jax.make_array_from_process_local_data(rows, local))
+    print(counts["compiled"], counts["loaded"], float(total))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_processes_on_one_machine_compile_each_program_once_and_a_rerun_loads_it_in_all(tmp_path):
+    # JAX's CPU cache key differs per process and only process 0 writes entries: process 1 compiled every
+    # program of every run, reruns included (cluster.cpu_devices.share_compiled_programs)
+    first = [line.split() for line in last_lines_of_two_processes(COMPILE_ONCE, [tmp_path] * 2)]
+    assert [compiled for compiled, _, _ in first] == ["1", "0"], first  # process 1 loads process 0's binary
+    again = [line.split() for line in last_lines_of_two_processes(COMPILE_ONCE, [tmp_path] * 2)]
+    assert [(compiled, loaded) for compiled, loaded, _ in again] == [("0", "1")] * 2, again
+    assert {total for _, _, total in first + again} == {first[0][2]}  # one answer, whoever compiled
+
+
 class Driver:
     """`nestor train configs/quickstart.yaml ARGS` of this checkout in a session of its own, as a terminal
     starts it (Ctrl-C is a SIGINT to its process group), its output lines collected as they come; on
