@@ -16,6 +16,7 @@ from nestor.cluster.cpu_devices import share_compiled_programs, simulate_cpu_dev
 from nestor.cluster.rendezvous import ClusterError, rendezvous
 
 STOP_POLL_S = 0.5  # how often a worker asks the driver whether it was told to stop
+ANSWER_TIMEOUT_MS = 120_000  # how long a worker waits for process 0's word on where the workers run
 
 
 class Preempted(Exception):
@@ -111,8 +112,8 @@ def run_worker(config: dict) -> None:
         # Bind the coordinator to the node's Ray address, not every interface.
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
                                    initialization_timeout=max(int(spec.init_timeout_s), 1))
-        if len(_machines(group)) == 1:
-            share_compiled_programs(jax)  # every process on this machine: process 0 compiles for all
+        if _on_one_machine(jax, group):
+            share_compiled_programs(jax)  # process 0 compiles for all
     import jax  # on GPU and TPU Ray Train's JaxTrainer has joined jax.distributed before this function
 
     if jax.process_index() == 0:
@@ -129,13 +130,19 @@ def run_worker(config: dict) -> None:
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 
-def _machines(group) -> set[str]:
-    """The addresses of the machines a worker group's placement `group` put its workers on (Ray nodes started
-    on one machine, as a test's, share one)."""
+def _on_one_machine(jax, group) -> bool:
+    """Whether the worker group's placement `group` put every worker on one machine (Ray nodes started on one
+    machine, as a test's, share its address), as process 0 sees it: every process takes its word through
+    jax.distributed's key-value store, so that none waits for a binary process 0 does not share."""
     import ray
+    from jax._src import distributed  # no public API has the coordination service's key-value store
 
-    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    return {addresses.get(node, node) for node in ray.util.placement_group_table(group)["bundles_to_node_id"].values()}
+    key = "nestor: the workers run on one machine"
+    if jax.process_index() == 0:
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        bundles = ray.util.placement_group_table(group)["bundles_to_node_id"].values()
+        distributed.global_state.client.key_value_set(key, str(len({addresses.get(node, node) for node in bundles})))
+    return distributed.global_state.client.blocking_key_value_get(key, ANSWER_TIMEOUT_MS) == "1"
 
 
 class _StopWatch:
