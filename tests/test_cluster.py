@@ -323,12 +323,12 @@ def test_a_signal_to_one_process_stops_every_process_before_the_same_call(tmp_pa
     assert second == first and int(calls) > 3 and received == str(int(signal.SIGTERM))
 
 
-# Each process counts its own XLA compiles and persistent-cache hits of one sharded program, and says its sum.
+# Each process (sharing as the helper set it up: tests.helpers) counts its own XLA compiles and
+# persistent-cache hits of one sharded program, and says whether it shares and its sum.
 COMPILE_ONCE = """
     import numpy as np
     from jax._src import compiler
     from jax.sharding import NamedSharding, PartitionSpec
-    from nestor.cluster.cpu_devices import share_compiled_programs
 
     counts = {"compiled": 0, "loaded": 0}
     compile_and_load = compiler.backend_compile_and_load
@@ -341,7 +341,7 @@ COMPILE_ONCE = """
     jax.monitoring.register_event_listener(
         lambda event, **kw: counts.__setitem__("loaded", counts["loaded"] + 1)
         if event == "/jax/compilation_cache/cache_hits" else None)
-    shared = share_compiled_programs(jax)
+    shared = jax.config.jax_share_binary_between_hosts
     jax.config.update("jax_compilation_cache_dir", str(Path(run_dir) / "cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a program this small is kept too
     mesh = jax.make_mesh((4,), ("x",))
