@@ -243,6 +243,7 @@ STEPS = {  # loops: layer scan; accumulation > layer scan; accumulation > pipeli
 }
 
 
+@pytest.mark.default_cpu_codegen  # XLA's FLOPs of an unrolled step with no loop left
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", STEPS.values(), ids=STEPS.keys())
 def test_one_compile_flops_match_xla_on_the_unrolled_step(tiny_config, monkeypatch, overrides):

@@ -183,6 +183,7 @@ UNROLLED = {"dense_fsdp4_tensor2": (dict(fsdp=4, tensor=2), ()),
                                                                       "moe.first_dense_layers=2"))}
 
 
+@pytest.mark.default_cpu_codegen  # counts loops in the compiled step
 @pytest.mark.slow
 @pytest.mark.parametrize("stack", UNROLLED)
 def test_unrolled_stack_compiles_no_loop_where_the_scan_has_one(tiny_config, stack):
