@@ -153,6 +153,8 @@ def _export(args) -> int:
     written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb)
     print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {written.files} "
           f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
+    for note in written.notes:
+        print(f"note: {note}")
     return 0
 
 
@@ -228,7 +230,8 @@ def _data_prepare(args) -> int:
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,
-                      parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb)
+                      parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb,
+                      separator=args.separator)
     metadata = prepare(args.sources, options, args.eval_source)
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
@@ -275,6 +278,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _separator(text: str) -> int | str:
+    """Parses --separator: `eos`, or a token id >= 0."""
+    return text if text == "eos" else _non_negative_int(text)
+
+
 def _data_parser(commands) -> None:
     data = commands.add_parser("data", help="prepare token shards for data.source=tokens")
     actions = data.add_subparsers(dest="action", required=True)
@@ -291,6 +299,8 @@ def _data_parser(commands) -> None:
     prepare.add_argument("--parquet-column", default="text", help="Parquet: the column holding the text")
     prepare.add_argument("--workers", type=_positive(int), default=1, help="tokenizing processes")
     prepare.add_argument("--shard-mb", type=_positive(float), default=256.0, help="input MiB per shard")
+    prepare.add_argument("--separator", type=_separator, default="eos",
+                         help="the token id that ends each document, or eos: the tokenizer's end of text (bytes: 0)")
     prepare.set_defaults(handler=_data_prepare)
 
 

@@ -42,15 +42,19 @@ from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, first_nul
-from nestor.orchestrator.data.tokens import TokenSource
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR, resolve_separator
+from nestor.orchestrator.data.shards import first_nul, read_metadata, separator_of
+from nestor.orchestrator.data.tokens import TokenSource, mixture_sources
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.data.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
 
 
-def document_ids(tokens):
-    """Returns int32 segment ids [batch, length] for packed `tokens`: the number of separators up to
+DOCUMENT_SEPARATOR = BYTES_SEPARATOR  # byte-level text's separator
+
+
+def document_ids(tokens, separator: int):
+    """Returns int32 segment ids [batch, length] for packed `tokens`: the number of `separator` tokens up to
     and including each position.
 
     A separator opens the document after it (it plays the part of a beginning-of-
@@ -59,7 +63,16 @@ def document_ids(tokens):
     predicts the separator, still sees its whole document.
     """
     numpy = np if isinstance(tokens, np.ndarray) else jnp  # on the host (batches) or traced (decoding)
-    return numpy.cumsum(tokens == DOCUMENT_SEPARATOR, axis=-1, dtype=np.int32)
+    return numpy.cumsum(tokens == separator, axis=-1, dtype=np.int32)
+
+
+def run_separator(config: Config) -> int:
+    """Returns the id that separates the run's documents: the prepared shards' (data.source tokens), else
+    `data.separator` for `data.tokenizer`. Raises ConfigError as `resolve_separator` and `read_metadata` do."""
+    if config.data.source == "tokens":
+        first = mixture_sources(config)[0]
+        return separator_of(read_metadata(first.directories[0], first.key))
+    return resolve_separator(config.data.separator, config.data.tokenizer)
 
 
 def masks_documents(config: Config, source: str) -> bool:
@@ -82,6 +95,7 @@ class SyntheticSource:
         self.global_batch = config.train.global_batch
         self.fingerprint = f"synthetic:vocab={self.vocab}"
         self.num_tokens = None  # unbounded
+        self.separator = BYTES_SEPARATOR  # no documents: never masked
 
     def rows(self, step: int, rows: range) -> np.ndarray:
         """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]."""
@@ -128,12 +142,14 @@ class TextSource:
         self.global_batch = config.train.global_batch
         self.files = text_files(config.data.paths)
         self.tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
+        self.separator = resolve_separator(config.data.separator, config.data.tokenizer)
         self._tokens: dict[int, np.ndarray] = {}
         lengths = [self._length(i) + 1 for i in range(len(self.files))]  # +1: the separator
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.num_tokens = int(self.starts[-1])
         self.order = WindowOrder(self.seed, windows_of(int(self.starts[-1]), self.width, "data.paths"))
         listing = "\n".join(f"{f}:{n}" for f, n in zip(self.files, lengths))
+        listing += f"\nseparator:{self.separator}" if self.separator != BYTES_SEPARATOR else ""  # older runs' stay
         self.fingerprint = "text:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
     def _length(self, index: int) -> int:
@@ -157,7 +173,7 @@ class TextSource:
                 body = np.frombuffer(f.read(max(body_stop - start, 0)), np.uint8).astype(np.int32)
         else:
             body = self._document(index)[start:body_stop]
-        separator = np.full((1,) if stop > length else (0,), DOCUMENT_SEPARATOR, np.int32)
+        separator = np.full((1,) if stop > length else (0,), self.separator, np.int32)
         return np.concatenate([body, separator])
 
     def window(self, index: int) -> np.ndarray:
@@ -272,7 +288,7 @@ class DataPipeline:
                     tokens = built[key]
                     built[key] = {"tokens": tokens}
                     if "segment_ids" in self.fields:
-                        built[key]["segment_ids"] = document_ids(tokens[:, :-1])
+                        built[key]["segment_ids"] = document_ids(tokens[:, :-1], self.source.separator)
             return built[key][name][(slice(None), *index[1:])]
 
         self.next_step = step + 1

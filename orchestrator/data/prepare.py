@@ -30,6 +30,7 @@ import numpy as np
 from nestor.orchestrator.data.shards import (FORMAT, METADATA, SPLITS, TEXT_PROBE_BYTES, shard_name, token_dtype,
                                              write_atomically, write_shard)
 from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.data.separator import EOS, resolve_separator
 from nestor.orchestrator.data.tokenizer import BYTES, TokenizerFile, open_tokenizer
 
 PLAN = "plan.json"
@@ -47,6 +48,7 @@ class Options:
     parquet_column: str = "text"
     workers: int = 1
     shard_mb: float = 256.0
+    separator: int | str = EOS  # an id, or the tokenizer's end of text (orchestrator.data.separator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +214,8 @@ def prepare_unit(index: int, unit: list[Piece], options: Options) -> dict:
     for split, docs in by_split.items():
         # A unit of an --eval-source file has no train documents, and one of a SOURCE none held out
         # without --eval-fraction: no empty shard is written or listed.
-        tokens, count = write_shard(options.out, shard_name(split, index), docs, dtype) if docs else (0, 0)
+        tokens, count = write_shard(options.out, shard_name(split, index), docs, dtype,
+                                    options.separator) if docs else (0, 0)
         marker[split] = {"name": shard_name(split, index), "tokens": tokens, "documents": count}
     write_atomically(options.out / UNITS / f"{index:05d}.json", json.dumps(marker).encode())
     return marker
@@ -222,7 +225,7 @@ def _plan_record(files: list[Path], held_out: set[Path], options: Options, token
     return {"inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns, p in held_out] for p in files],
             "tokenizer": tokenizer.fingerprint, "eval_fraction": options.eval_fraction,
             "text_field": options.text_field, "parquet_column": options.parquet_column,
-            "shard_mb": options.shard_mb}
+            "shard_mb": options.shard_mb, "separator": options.separator}
 
 
 def _check_plan(options: Options, record: dict) -> None:
@@ -248,6 +251,8 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
     that does not load, an --out of another plan, or records without the text.
     """
     tokenizer = open_tokenizer(options.tokenizer, "--tokenizer")
+    options = dataclasses.replace(options, separator=resolve_separator(options.separator, options.tokenizer,
+                                                                       "--separator"))
     held_out = set(text_inputs(input_files(list(eval_sources), "--eval-source"), log)) if eval_sources else set()
     files = text_inputs(input_files(list(sources), "SOURCE"), log) + sorted(held_out)
     if not files:
@@ -266,7 +271,7 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
                                                 else str(Path(options.tokenizer).resolve()),
                                                 "fingerprint": tokenizer.fingerprint,
                                                 "vocab_size": tokenizer.vocab_size},
-                "dtype": token_dtype(tokenizer.vocab_size).name, "splits": {}}
+                "dtype": token_dtype(tokenizer.vocab_size).name, "separator": options.separator, "splits": {}}
     for split in SPLITS:
         shards = [markers[index][split] for index in range(len(units)) if markers[index][split]["documents"]]
         metadata["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),

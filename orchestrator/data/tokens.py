@@ -72,6 +72,23 @@ def check_tokenizers(config: Config, sources: list[MixtureSource]) -> None:
                                                         "or more")])
 
 
+def shards_separator(config: Config, sources: list[MixtureSource]) -> int:
+    """Returns the separator every source's shards were prepared with. Raises ConfigError when two differ,
+    or when `data.separator` names another id."""
+    first = sources[0]
+    for source in sources[1:]:
+        if source.stream.separator != first.stream.separator:
+            raise ConfigError([(source.key, f"{source.directories[0]} separates documents with token "
+                                            f"{source.stream.separator}, {first.directories[0]} with "
+                                            f"{first.stream.separator}; prepare them with one separator")])
+    wanted = config.data.separator
+    if isinstance(wanted, int) and wanted != first.stream.separator:
+        raise ConfigError([("data.separator", f"{wanted}, but {first.directories[0]} was prepared with separator "
+                                              f"{first.stream.separator}; leave data.separator at eos or prepare "
+                                              f"again with --separator {wanted}")])
+    return first.stream.separator
+
+
 class TokenSource:
     """Rows of prepared token shards, from one directory set or a weighted mixture (see the module doc)."""
 
@@ -86,6 +103,7 @@ class TokenSource:
             source.order = WindowOrder((self.seed, index), windows_of(source.stream.num_tokens, self.width,
                                                                       source.key))
         self.num_tokens = sum(source.stream.num_tokens for source in self.sources)
+        self.separator = shards_separator(config, self.sources)
         weights = np.array([source.weight for source in self.sources])
         self.cumulative = np.cumsum(weights / weights.sum())
         self.offset = float(np.random.default_rng((self.seed, len(self.sources))).random())

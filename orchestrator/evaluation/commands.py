@@ -16,8 +16,8 @@ from nestor.models import axes, stack, task
 from nestor.orchestrator.checkpoint.reader import restore_state
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.data.batches import run_separator
 from nestor.orchestrator.job.context_wiring import whole_rows
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.eval_loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
@@ -69,7 +69,7 @@ def evaluate_checkpoint(config: Config, devices: list[jax.Device] | None = None)
 def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                       seed: int = 0, devices: list[jax.Device] | None = None) -> str:
     """Returns `prompt` followed by up to `max_tokens` tokens decoded from run.dir's newest checkpoint, as
-    text of `data.tokenizer` (or bytes), cut at the end of the document (token 0).
+    text of `data.tokenizer` (or bytes), cut at the end of the document (the run's separator, `run_separator`).
 
     The prompt opens a document (a separator before it) unless the data is synthetic. It is decoded in
     as many identical rows as devices split the batch; the first row is returned. Raises ConfigError
@@ -81,8 +81,9 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     tokenizer = fitting_tokenizer(config.data.tokenizer, config.model.vocab_size)
     ids = [int(i) for i in tokenizer.encode(prompt)]
     documents = config.data.source != "synthetic"
+    separator = run_separator(config) if documents else None
     if documents:
-        ids = [DOCUMENT_SEPARATOR, *ids]
+        ids = [separator, *ids]
     if not ids:
         raise ConfigError([("--prompt", "is empty; give at least one token of text")])
     if top_k > config.model.vocab_size:
@@ -97,7 +98,7 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
                              temperature, top_k)
     tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed),
                                    expert_bias=restored.state.get("expert_bias")))[0]
-    ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []
+    ends = np.flatnonzero(tokens == separator) if documents else []
     kept = tokens[:ends[0]] if len(ends) else tokens
     kept = kept[kept < tokenizer.vocab_size]  # ids of the padded vocabulary past the tokenizer's decode to nothing
     # decoded with the prompt, so that the tokenizer places the space between them (a word-level or
