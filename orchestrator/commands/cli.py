@@ -231,7 +231,7 @@ def _data_prepare(args) -> int:
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,
                       parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb,
-                      separator=args.separator)
+                      separator=args.separator, chat_template=args.chat_template)
     metadata = prepare(args.sources, options, args.eval_source)
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
@@ -299,6 +299,9 @@ def _data_parser(commands) -> None:
     prepare.add_argument("--parquet-column", default="text", help="Parquet: the column holding the text")
     prepare.add_argument("--workers", type=_positive(int), default=1, help="tokenizing processes")
     prepare.add_argument("--shard-mb", type=_positive(float), default=256.0, help="input MiB per shard")
+    prepare.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
+                         help="chat data (JSONL of messages or prompt/completion): the template, a name (chatml) "
+                              "or a .jinja file; default: the tokenizer's checkpoint's")
     prepare.add_argument("--separator", type=_separator, default="eos",
                          help="the token id that ends each document, or eos: the tokenizer's end of text (bytes: 0)")
     prepare.set_defaults(handler=_data_prepare)
