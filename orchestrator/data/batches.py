@@ -37,14 +37,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from nestor.models import axes
+from nestor.models.task import LOSS_WEIGHTS
 
 from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
 from nestor.orchestrator.data.separator import BYTES_SEPARATOR, resolve_separator
-from nestor.orchestrator.data.shards import first_nul, read_metadata, separator_of
-from nestor.orchestrator.data.tokens import TokenSource, mixture_sources
+from nestor.orchestrator.data.shards import first_nul, has_weights, read_metadata, separator_of
+from nestor.orchestrator.data.tokens import MixtureSource, TokenSource, mixture_sources
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.data.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
@@ -210,15 +211,31 @@ class Field:
         return NamedSharding(mesh, partition_spec(self.logical_axes, rules))
 
 
-def token_fields(config: Config, document_mask: bool) -> dict[str, Field]:
-    """Returns the fields of a language model's batch: "tokens" [global_batch, seq_len + 1], and with
-    `document_mask` the inputs' "segment_ids" [global_batch, seq_len]."""
+def token_fields(config: Config, document_mask: bool, weighted: bool = False) -> dict[str, Field]:
+    """Returns the fields of a language model's batch: "tokens" [global_batch, seq_len + 1], with
+    `document_mask` the inputs' "segment_ids" [global_batch, seq_len], and when `weighted` the targets'
+    loss weights (models.task.LOSS_WEIGHTS) float32 [global_batch, seq_len]."""
     rows, width = config.train.global_batch, config.train.seq_len + 1
     # whole rows on every context device (int32 ids: the model arranges its places and lays them out)
     fields = {"tokens": Field((rows, width), np.dtype(np.int32), (axes.BATCH, None))}
     if document_mask:
         fields["segment_ids"] = Field((rows, width - 1), np.dtype(np.int32), (axes.BATCH, None))
+    if weighted:
+        fields[LOSS_WEIGHTS] = Field((rows, width - 1), np.dtype(np.float32), (axes.BATCH, None))
     return fields
+
+
+def weighted_shards(config: Config, source: str, paths: tuple[str, ...]) -> bool:
+    """Returns whether prepared shards (`source` tokens) at `paths` (empty: data.paths or data.mixture) carry loss
+    weights (chat data), as their first directory's metadata says; False for other sources, and for shards that
+    cannot be read (the source says why when it opens them; a compile without data needs none)."""
+    if source != "tokens":
+        return False
+    first = mixture_sources(config)[0] if not paths else MixtureSource("eval.paths", [Path(paths[0])], 1.0)
+    try:
+        return has_weights(read_metadata(first.directories[0], first.key))
+    except ConfigError:
+        return False
 
 
 def batch_fields(config: Config, source: str | None = None, paths: tuple[str, ...] | None = None,
@@ -227,7 +244,8 @@ def batch_fields(config: Config, source: str | None = None, paths: tuple[str, ..
     `data.paths`); named arrays are opened (memory-mapped) to learn theirs."""
     source = config.data.source if source is None else source
     if source not in ARRAY_SOURCES:
-        return token_fields(config, masks_documents(config, source))
+        return token_fields(config, masks_documents(config, source),
+                            weighted_shards(config, source, () if paths is None else paths))
     arrays = (ArraySource.from_factory(config, "train") if source == "python" else
               ArraySource.from_paths(config, config.data.paths if paths is None else paths, key))
     return {name: Field((config.train.global_batch, *shape), dtype, field_axes(1 + len(shape)))
@@ -285,10 +303,9 @@ class DataPipeline:
             if key not in built:
                 built[key] = self.source.rows(step, rows)
                 if isinstance(built[key], np.ndarray):  # a token source's windows
-                    tokens = built[key]
-                    built[key] = {"tokens": tokens}
-                    if "segment_ids" in self.fields:
-                        built[key]["segment_ids"] = document_ids(tokens[:, :-1], self.source.separator)
+                    built[key] = {"tokens": built[key]}
+                if "segment_ids" in self.fields and "segment_ids" not in built[key]:
+                    built[key]["segment_ids"] = document_ids(built[key]["tokens"][:, :-1], self.source.separator)
             return built[key][name][(slice(None), *index[1:])]
 
         self.next_step = step + 1

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend
+from nestor.models import task
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.errors import ConfigError
@@ -84,6 +85,7 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
         return loss, {name: value for name, value in metrics.items() if jnp.ndim(value) == 0}
 
     def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict]:
+        batch = task.normalized_weights(batch)  # chat data: the mean over the batch's weighted targets
         if accum == 1:
             return micro_loss(params, expert_bias, batch)
         per_micro = jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro), micro_batches(batch, accum))
