@@ -73,3 +73,11 @@ def test_a_line_that_is_not_chat_data_is_an_error_naming_it(tmp_path):
     lines = records("messages")[:1] + [{"text": "plain"}]
     with pytest.raises(ConfigError, match="SOURCE: a line of .* is not chat data"):
         prepared(lines, tmp_path / "mixed")
+
+
+def test_a_chat_prompt_is_what_transformers_renders_with_the_generation_prompt():
+    """`nestor sample --chat` decodes after these ids and stops at the end of turn (<|eot_id|>) or of text."""
+    encoder = ChatEncoder(TOKENIZER, template_text(TOKENIZER, None))
+    for pair in REFERENCE["prompt_completion"]:
+        assert encoder.prompt(pair["prompt"]) == pair["prompt_ids"]
+    assert encoder.end_of_turn() == 414

@@ -119,7 +119,12 @@ def _sample(config, args) -> int:
     from nestor.orchestrator.job.processes import configure_jax
 
     configure_jax(config)
-    print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    if args.chat is not None:
+        from nestor.orchestrator.evaluation.commands import chat_checkpoint
+
+        print(chat_checkpoint(config, args.chat, args.max_tokens, args.temperature, args.top_k, args.seed))
+    else:
+        print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
     return 0
 
 
@@ -316,7 +321,10 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate = commands.add_parser("eval", help="eval loss and perplexity of run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
-    sample.add_argument("--prompt", required=True, help="the text to continue")
+    given = sample.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the text to continue")
+    given.add_argument("--chat", metavar="MESSAGE",
+                       help="a user's message: rendered with the run's chat template, answered to the end of the turn")
     sample.add_argument("--max-tokens", type=_positive(int), default=64, help="tokens to generate")
     sample.add_argument("--temperature", type=_non_negative, default=0.0, help="0 = greedy")
     sample.add_argument("--top-k", type=_non_negative_int, default=0, help="draw from the K likeliest; 0 = all")

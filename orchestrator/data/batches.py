@@ -43,6 +43,7 @@ from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
+from nestor.orchestrator.data.chat import template_text
 from nestor.orchestrator.data.separator import BYTES_SEPARATOR, resolve_separator
 from nestor.orchestrator.data.shards import first_nul, has_weights, read_metadata, separator_of
 from nestor.orchestrator.data.tokens import MixtureSource, TokenSource, mixture_sources
@@ -74,6 +75,18 @@ def run_separator(config: Config) -> int:
         first = mixture_sources(config)[0]
         return separator_of(read_metadata(first.directories[0], first.key))
     return resolve_separator(config.data.separator, config.data.tokenizer)
+
+
+def run_chat_template(config: Config) -> str:
+    """Returns the chat template of the run's conversations: the one prepared shards were rendered with (data.source
+    tokens), else its tokenizer's checkpoint's. Raises ConfigError naming --chat when there is none."""
+    if config.data.source == "tokens":
+        first = mixture_sources(config)[0]
+        directory = first.directories[0]
+        name = read_metadata(directory, first.key).get("chat_template")
+        if isinstance(name, str) and (directory / name).is_file():
+            return (directory / name).read_text()
+    return template_text(config.data.tokenizer, None, "--chat")
 
 
 def masks_documents(config: Config, source: str) -> bool:

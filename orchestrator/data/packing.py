@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from nestor.orchestrator.data.shards import TokenStream
+from nestor.orchestrator.errors import ConfigError
 
 
 def pack(lengths: np.ndarray, width: int, seed) -> tuple[list[np.ndarray], int]:
@@ -45,6 +46,9 @@ class PackedRows:
         self.stream, self.width = stream, width
         self.starts = stream.document_starts()
         self.rows, self.truncated = pack(np.diff(self.starts), width, seed)
+        if not self.rows:
+            raise ConfigError([(stream.key, "holds no conversation in this split; prepare more data (or a larger "
+                                            "--eval-fraction for the held-out split)")])
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -55,7 +55,8 @@ def eval_source(config: Config):
     except ConfigError as error:
         raise ConfigError([(key, message) for _, message in error.problems]) from None
     batch_tokens = config.train.global_batch * (config.train.seq_len + 1)
-    if source.num_tokens is not None and source.num_tokens < batch_tokens:
+    # rows of whole conversations (weighted shards) repeat as an epoch does: one conversation is enough
+    if source.num_tokens is not None and source.num_tokens < batch_tokens and not getattr(source, "weighted", False):
         raise ConfigError([(key, f"the eval data holds {source.num_tokens} tokens, fewer than one batch of "
                                  f"train.global_batch x (train.seq_len + 1) = {batch_tokens}; give more eval data "
                                  "(a larger --eval-fraction, more eval.paths)")])
