@@ -10,6 +10,7 @@ from nestor.models import task
 from nestor.orchestrator.data.batches import document_ids, token_fields
 from nestor.orchestrator.data.packing import pack
 from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.eval_loss import Evaluator
 from nestor.orchestrator.job.state import init_state
 from nestor.orchestrator.job.step import _accumulated_grads, constrain_batch, make_grad_fn
 from nestor.parallel.rules import activation_constrainer
@@ -61,22 +62,26 @@ def test_rows_hold_whole_conversations_each_its_own_document(tiny_config, tmp_pa
     assert build_job(short).data.source.truncated == 10  # those of over 64 tokens (their separator too)
 
 
-def loss_and_grads(config, batch: dict) -> tuple[float, dict]:
-    """Returns the step's (loss, gradients) of `batch` on `config`'s mesh, with its grad_accum and schedule."""
+def loss_and_grads(config, *batches: dict) -> list[tuple[float, dict]]:
+    """Returns the step's (loss, gradients) of each batch on `config`'s mesh, with its grad_accum and schedule
+    (one compile for all)."""
     job = build_job(config, with_data=False)
     params = init_state(config, job.layout)["params"]
     grad_fn = make_grad_fn(config, job.layout, job.mesh, job.rules)
     constrain = activation_constrainer(job.mesh, job.rules)
     fields = token_fields(config, True, True)
 
+    @jax.jit
     def step(params, batch):
         return _accumulated_grads(grad_fn, params, task.normalized_weights(batch), jax.random.key(0),
                                   config.train.grad_accum, lambda micro: constrain_batch(micro, fields, constrain))
 
-    sharded = {name: jax.device_put(np.asarray(value), field.sharding(job.mesh, job.rules))
-               for (name, field), value in zip(fields.items(), (batch[name] for name in fields))}
-    grads, metrics = jax.jit(step)(params, sharded)
-    return float(metrics["loss"]), jax.tree.map(np.asarray, grads)
+    results = []
+    for batch in batches:
+        grads, metrics = step(params, {name: jax.device_put(batch[name], field.sharding(job.mesh, job.rules))
+                                       for name, field in fields.items()})
+        results.append((float(metrics["loss"]), jax.tree.map(np.asarray, grads)))
+    return results
 
 
 def rows_of(documents: list[list[int]], rows: int) -> dict:
@@ -116,10 +121,9 @@ def test_packed_and_unpacked_conversations_give_the_same_loss_and_gradients(tiny
     unpacked = rows_of([[i] for i in range(6)], 8)  # one conversation a row, two rows of padding
     packed = rows_of([[0, 1, 4], [2, 5], [3]], 8)  # three rows, five empty
     config = chat_config(tiny_config)
-    reference = weighted_mean_of_reference(config, unpacked)
-    one = loss_and_grads(config, unpacked)
-    np.testing.assert_allclose(one[0], reference, rtol=1e-6)
-    assert_same(loss_and_grads(config, packed), one, rtol=1e-6)
+    one, other = loss_and_grads(config, unpacked, packed)
+    np.testing.assert_allclose(one[0], weighted_mean_of_reference(config, unpacked), rtol=1e-6)
+    assert_same(other, one, rtol=1e-6)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -133,5 +137,22 @@ def test_accumulation_pipelines_and_devices_weigh_every_target_token_alike(tiny_
     """Rows of very different answer counts (a whole micro-batch of padding among them): the token-weighted
     mean of the global batch, not a mean of micro-batch means."""
     batch = rows_of([[0, 1, 4], [], [2], [], [3, 5], [], [], []], 8)
-    single = loss_and_grads(chat_config(tiny_config), batch)
-    assert_same(loss_and_grads(chat_config(tiny_config, **overrides), batch), single, rtol=1e-6)
+    [single] = loss_and_grads(chat_config(tiny_config), batch)
+    [split] = loss_and_grads(chat_config(tiny_config, **overrides), batch)
+    assert_same(split, single, rtol=1e-6)
+
+
+def test_eval_on_held_out_conversations_is_the_mean_over_all_their_answer_tokens(tiny_config, tmp_path):
+    prepared(records("messages") * 3, tmp_path / "chat", eval_fraction=0.5)
+    config = chat_config(tiny_config, "data.source=tokens", f"data.paths=[{tmp_path / 'chat'}]", "eval.steps=2",
+                         **{"train.global_batch": 2})
+    job = build_job(config, with_data=False)
+    evaluator = Evaluator(config, job.layout, job.mesh, job.rules)
+    batches = [{name: np.asarray(value) for name, value in evaluator.data.batch(index).items()} for index in range(2)]
+    assert batches[0][task.LOSS_WEIGHTS].sum() != batches[1][task.LOSS_WEIGHTS].sum()  # unequal answer counts
+    both = {name: np.concatenate([batch[name] for batch in batches]) for name in batches[0]}
+    got = float(evaluator(init_state(config, job.layout))["eval_loss"])
+    want = weighted_mean_of_reference(config, both)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    per_batch = np.mean([weighted_mean_of_reference(config, batch) for batch in batches])
+    assert abs(per_batch - want) > 1e-4 * want  # what a mean of the batches' means would have said
