@@ -14,7 +14,8 @@ from flax import nnx
 from nestor.backend import resolve_backend, xla_cpu
 from nestor.models import ops
 from nestor.models.transformer import Attention, Transformer, TransformerConfig, rotary
-from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, document_ids
+from nestor.orchestrator.data.batches import document_ids
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR as DOCUMENT_SEPARATOR
 from nestor.orchestrator.specs.registry import build_model
 from nestor.orchestrator.job.step import backend_request
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh

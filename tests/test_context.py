@@ -16,7 +16,8 @@ from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.job.context_wiring import ATTENTION_AXES
-from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, document_ids
+from nestor.orchestrator.data.batches import DataPipeline, document_ids
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR as DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.commands.explain import explain, format_report
 from nestor.orchestrator.job.build import make_mesh

@@ -52,9 +52,6 @@ from nestor.orchestrator.data.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
 
 
-DOCUMENT_SEPARATOR = BYTES_SEPARATOR  # byte-level text's separator
-
-
 def document_ids(tokens, separator: int):
     """Returns int32 segment ids [batch, length] for packed `tokens`: the number of `separator` tokens up to
     and including each position.
@@ -245,6 +242,8 @@ def weighted_shards(config: Config, source: str, paths: tuple[str, ...]) -> bool
     if source != "tokens":
         return False
     first = mixture_sources(config)[0] if not paths else MixtureSource("eval.paths", [Path(paths[0])], 1.0)
+    if not first.directories:
+        return False
     try:
         return has_weights(read_metadata(first.directories[0], first.key))
     except ConfigError:
