@@ -81,3 +81,31 @@ def test_a_chat_prompt_is_what_transformers_renders_with_the_generation_prompt()
     for pair in REFERENCE["prompt_completion"]:
         assert encoder.prompt(pair["prompt"]) == pair["prompt_ids"]
     assert encoder.end_of_turn() == 414
+
+
+def test_sample_chat_answers_up_to_the_end_of_turn_and_a_prompt_runs_to_the_end_of_text(tmp_path):
+    """A template whose assistant turns end with "!" (id 0), and a checkpoint whose logits are all 0, so that
+    greedy decoding says "!" (id 0) every time: `--chat` answers nothing (the turn ends at once, the shards'
+    template read back), `--prompt` continues past it to --max-tokens, as plain text ends only at the separator."""
+    from nestor.orchestrator.checkpoint.owner import Checkpointer
+    from nestor.orchestrator.evaluation.commands import chat_checkpoint, sample_checkpoint
+    from nestor.orchestrator.job.build import build_job
+    from nestor.orchestrator.job.state import init_state
+    from nestor.orchestrator.loader.config import load
+
+    template = tmp_path / "exclaim.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}"
+                        "{{ m['content'] }}!{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert ChatEncoder(TOKENIZER, template.read_text()).end_of_turn() == 0
+    prepared(records("messages"), tmp_path / "chat", chat_template=str(template))
+    config = load(None, [f"model.init_from={CHAT}", f"run.dir={tmp_path / 'run'}", "data.source=tokens",
+                         f"data.paths=[{tmp_path / 'chat'}]", "cluster.devices_per_host=1"])
+    layout = build_job(config, with_data=False).layout
+    state = init_state(config, layout)
+    state["params"]["final_norm"]["scale"] = state["params"]["final_norm"]["scale"] * 0  # every logit 0: id 0
+    saver = Checkpointer(config, layout, log=lambda *_: None)
+    saver.save(0, state, {"next_step": 0}, force=True)
+    saver.close()
+    assert chat_checkpoint(config, "Hello there", max_tokens=4) == ""
+    assert sample_checkpoint(config, "Hello", max_tokens=4) == "Hello!!!!"
