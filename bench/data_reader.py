@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from bench.report import write_section  # noqa: E402
 from nestor.orchestrator.loader.config import load  # noqa: E402
 from nestor.orchestrator.data.batches import make_source  # noqa: E402
-from nestor.orchestrator.data.shards import FORMAT, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
+from nestor.orchestrator.data.shards import FORMAT, LEGACY_SEPARATOR, METADATA, shard_name, token_dtype, write_shard  # noqa: E402
 from nestor.orchestrator.specs.lm_flops import model_flops_per_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def random_token_directory(out: Path, tokens: int, vocab_size: int, documents: i
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
     for split, split_docs in (("train", docs), ("eval", [])):
-        count_tokens, count_documents = write_shard(out, shard_name(split, 0), split_docs, dtype)
+        count_tokens, count_documents = write_shard(out, shard_name(split, 0), split_docs, dtype, LEGACY_SEPARATOR)
         splits[split] = {"tokens": count_tokens, "documents": count_documents,
                          "shards": [{"name": shard_name(split, 0), "tokens": count_tokens,
                                      "documents": count_documents}]}

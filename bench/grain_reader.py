@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nestor.orchestrator.data.shards import FORMAT, METADATA, TokenStream, shard_name, write_shard
+from nestor.orchestrator.data.shards import FORMAT, LEGACY_SEPARATOR, METADATA, TokenStream, shard_name, write_shard
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nestor-bench-grain-"))
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 2**16, args.tokens, dtype=np.uint16)
-    count, _ = write_shard(work, shard_name("train", 0), [tokens[:-1]], np.dtype(np.uint16))
+    count, _ = write_shard(work, shard_name("train", 0), [tokens[:-1]], np.dtype(np.uint16), LEGACY_SEPARATOR)
     shard = {"name": shard_name("train", 0), "tokens": count, "documents": 1}
     (work / METADATA).write_text(json.dumps({"format": FORMAT, "dtype": "uint16", "splits": {"train": {
         "tokens": count, "documents": 1, "shards": [shard]}}}))

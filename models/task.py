@@ -21,6 +21,11 @@ import jax
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 LOSS_METHOD = "loss"  # the method the step calls: loss(batch) -> (loss, metrics)
+# An optional batch field [rows, targets]: each target's weight in the loss (chat data: 1 on the answers). The
+# step scales it by `normalized_weights` over the global batch, so that a model whose loss is the mean over
+# rows of each row's weighted sum of per-target losses trains on the mean over every weighted target of the
+# global batch, however its rows are split (micro-batches, pipeline micro-batches, devices).
+LOSS_WEIGHTS = "loss_weights"
 # A model that a schedule running the backward pass inside its loop (1F1B and its kin) pipelines also splits
 # its loss around the pipelined stack (docs/models.md), so that on a micro-batch
 #   loss(batch) == pipeline_output(stack(pipeline_input(batch), pipeline_rows(batch)), batch)
@@ -66,3 +71,14 @@ def step_key() -> jax.Array | None:
     """Returns the random key of this micro-batch (a function of the run's seed, the step and the
     micro-batch), or None where nothing random runs; split or fold it in per use."""
     return _info.get().key
+
+
+def normalized_weights(batch: Batch) -> Batch:
+    """Returns `batch` with its LOSS_WEIGHTS (if any) scaled to sum to its row count (all zeros stay zeros):
+    the mean over rows of weighted sums is then the weighted mean over targets of the whole batch."""
+    if LOSS_WEIGHTS not in batch:
+        return batch
+    weights = batch[LOSS_WEIGHTS].astype(jax.numpy.float32)
+    total = jax.numpy.sum(weights)
+    scale = jax.numpy.where(total > 0, weights.shape[0] / jax.numpy.where(total > 0, total, 1.0), 0.0)
+    return {**batch, LOSS_WEIGHTS: weights * scale}

@@ -327,9 +327,11 @@ STACK = "blocks"  # the stacked units' stack name (models.stack), the one a pipe
 DENSE_STACK = "dense"  # an MoE model's first dense layers
 
 
-def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Returns the mean next-token cross-entropy in float32."""
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets))
+def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Returns the next-token cross-entropy in float32: the mean over every target, or with `weights` [batch,
+    length] (models.task.LOSS_WEIGHTS, normalised by the step) the mean over rows of each row's weighted sum."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.mean(losses) if weights is None else jnp.sum(losses * weights) / losses.shape[0]
 
 
 class Transformer(nnx.Module):
@@ -365,12 +367,12 @@ class Transformer(nnx.Module):
 
     def loss(self, batch: task.Batch) -> tuple[jax.Array, task.Metrics]:
         """The task contract (models.task): batch {"tokens" int32 [b, t + 1], optionally "segment_ids"
-        [b, t]} -> (next-token cross-entropy, in training plus the MoE layers' weighted aux and z losses;
+        [b, t] and "loss_weights" [b, t]} -> (next-token cross-entropy (weighted), in training plus the MoE layers' weighted aux and z losses;
         metrics)."""
         inputs, targets, segment_ids = self.places(batch)
         train = task.training()
         logits, stats = self(inputs, segment_ids=segment_ids, train=train, routing_key=task.step_key())
-        loss = next_token_loss(logits, targets)
+        loss = next_token_loss(logits, targets, self.target_weights(batch))
         moe_loss, moe_metrics = moe_losses(stats, self.cfg.moe)
         return (loss + moe_loss if train else loss), {"lm_loss": loss, **moe_metrics}
 
@@ -381,7 +383,7 @@ class Transformer(nnx.Module):
 
     def pipeline_output(self, x: jax.Array, batch: task.Batch) -> tuple[jax.Array, task.Metrics]:
         """The pipeline split (models.task): the next-token loss of the blocks' output `x`."""
-        loss = next_token_loss(self.logits(x), self.places(batch)[1])
+        loss = next_token_loss(self.logits(x), self.places(batch)[1], self.target_weights(batch))
         return loss, {"lm_loss": loss}
 
     def pipeline_rows(self, batch: task.Batch) -> jax.Array | None:
@@ -396,6 +398,12 @@ class Transformer(nnx.Module):
         tokens, segment_ids = batch["tokens"], batch.get("segment_ids")
         return (layout.arrange(tokens[:, :-1]), layout.arrange(tokens[:, 1:]),
                 None if segment_ids is None else layout.arrange(segment_ids))
+
+    @staticmethod
+    def target_weights(batch: task.Batch) -> jax.Array | None:
+        """Returns the batch's loss weights [b, t] (models.task.LOSS_WEIGHTS) in the places' order, or None."""
+        weights = batch.get(task.LOSS_WEIGHTS)
+        return None if weights is None else axes.sequence_layout().arrange(weights)
 
     def pipeline_stats_loss(self, stats: Stats) -> tuple[jax.Array, task.Metrics]:
         """The pipeline split (models.task): the MoE layers' weighted losses and metrics."""

@@ -14,7 +14,8 @@ from flax import nnx
 from nestor.backend import resolve_backend, xla_cpu
 from nestor.models import ops
 from nestor.models.transformer import Attention, Transformer, TransformerConfig, rotary
-from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, document_ids
+from nestor.orchestrator.data.batches import document_ids
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR as DOCUMENT_SEPARATOR
 from nestor.orchestrator.specs.registry import build_model
 from nestor.orchestrator.job.step import backend_request
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
@@ -63,13 +64,13 @@ def test_a_mask_of_one_document_changes_nothing(config):
     tokens = tokens_without_separator()
     with ops.installed(model_ops):
         unmasked, _ = model(tokens)
-        masked, _ = model(tokens, segment_ids=document_ids(tokens))
+        masked, _ = model(tokens, segment_ids=document_ids(tokens, DOCUMENT_SEPARATOR))
     np.testing.assert_array_equal(masked, unmasked)
 
 
 def test_document_ids_open_a_segment_at_each_separator():
     tokens = jnp.array([[5, 6, DOCUMENT_SEPARATOR, 7, DOCUMENT_SEPARATOR, DOCUMENT_SEPARATOR, 8]])
-    np.testing.assert_array_equal(document_ids(tokens), [[0, 0, 1, 1, 2, 3, 3]])
+    np.testing.assert_array_equal(document_ids(tokens, DOCUMENT_SEPARATOR), [[0, 0, 1, 1, 2, 3, 3]])
 
 
 def two_documents(first_seed: int) -> jax.Array:
@@ -89,7 +90,7 @@ def test_document_mask_keeps_one_documents_tokens_out_of_the_next_ones_logits(ma
     for seed in (1, 2):
         tokens = two_documents(seed)
         with ops.installed(model_ops):
-            logits.append(model(tokens, segment_ids=document_ids(tokens) if masked else None)[0])
+            logits.append(model(tokens, segment_ids=document_ids(tokens, DOCUMENT_SEPARATOR) if masked else None)[0])
     second = slice(10, None)  # the separator and the second document
     assert not np.array_equal(logits[0][:, :10], logits[1][:, :10])
     if masked:

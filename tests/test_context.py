@@ -16,7 +16,8 @@ from nestor.models.axes import activation_sharding
 from nestor.models.transformer import Transformer, TransformerConfig
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.job.context_wiring import ATTENTION_AXES
-from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, document_ids
+from nestor.orchestrator.data.batches import DataPipeline, document_ids
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR as DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.commands.explain import explain, format_report
 from nestor.orchestrator.job.build import make_mesh
@@ -190,12 +191,12 @@ def test_a_documents_logits_do_not_see_another_documents_tokens_on_four_context_
     @jax.jit
     def split_logits(tokens):
         with activation_sharding(activation_constrainer(mesh, RULES), layout), ops.installed(installed):
-            logits, _ = model(layout.arrange(tokens), segment_ids=layout.arrange(document_ids(tokens)))
+            logits, _ = model(layout.arrange(tokens), segment_ids=layout.arrange(document_ids(tokens, DOCUMENT_SEPARATOR)))
         return logits[:, order]  # back in the sequence's order
 
     logits = [split_logits(two_documents(seed)) for seed in (1, 2)]
     np.testing.assert_allclose(logits[0], model(jnp.asarray(two_documents(1)),
-                                                segment_ids=document_ids(jnp.asarray(two_documents(1))))[0],
+                                                segment_ids=document_ids(jnp.asarray(two_documents(1)), DOCUMENT_SEPARATOR))[0],
                                rtol=1e-5, atol=1e-5)
     assert not np.allclose(logits[0][:, :9], logits[1][:, :9])  # the first document changed
     np.testing.assert_allclose(logits[0][:, 10:], logits[1][:, 10:], rtol=1e-6, atol=1e-6)

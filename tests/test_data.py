@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nestor.orchestrator.data.batches import DOCUMENT_SEPARATOR, DataPipeline, TextSource
+from nestor.orchestrator.data.batches import DataPipeline, TextSource
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR as DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import make_mesh
 from nestor.parallel.rules import resolve_rules

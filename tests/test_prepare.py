@@ -9,7 +9,7 @@ import pytest
 
 from nestor.orchestrator.data import prepare as prepare_module
 from nestor.orchestrator.data.prepare import Options, held_out_by_hash, prepare
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, METADATA, documents_of
+from nestor.orchestrator.data.shards import LEGACY_SEPARATOR as DOCUMENT_SEPARATOR, METADATA, documents_of
 from nestor.orchestrator.errors import ConfigError
 
 WORDS = "the cat sat on a mat while dogs ran far away into the quiet night and came home".split()

@@ -119,7 +119,12 @@ def _sample(config, args) -> int:
     from nestor.orchestrator.job.processes import configure_jax
 
     configure_jax(config)
-    print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    if args.chat is not None:
+        from nestor.orchestrator.evaluation.commands import chat_checkpoint
+
+        print(chat_checkpoint(config, args.chat, args.max_tokens, args.temperature, args.top_k, args.seed))
+    else:
+        print(sample_checkpoint(config, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
     return 0
 
 
@@ -153,6 +158,8 @@ def _export(args) -> int:
     written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb)
     print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {written.files} "
           f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
+    for note in written.notes:
+        print(f"note: {note}")
     return 0
 
 
@@ -228,7 +235,8 @@ def _data_prepare(args) -> int:
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,
-                      parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb)
+                      parquet_column=args.parquet_column, workers=args.workers, shard_mb=args.shard_mb,
+                      separator=args.separator, chat_template=args.chat_template)
     metadata = prepare(args.sources, options, args.eval_source)
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
@@ -275,6 +283,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _separator(text: str) -> int | str:
+    """Parses --separator: `eos`, or a token id >= 0."""
+    return text if text == "eos" else _non_negative_int(text)
+
+
 def _data_parser(commands) -> None:
     data = commands.add_parser("data", help="prepare token shards for data.source=tokens")
     actions = data.add_subparsers(dest="action", required=True)
@@ -291,6 +304,11 @@ def _data_parser(commands) -> None:
     prepare.add_argument("--parquet-column", default="text", help="Parquet: the column holding the text")
     prepare.add_argument("--workers", type=_positive(int), default=1, help="tokenizing processes")
     prepare.add_argument("--shard-mb", type=_positive(float), default=256.0, help="input MiB per shard")
+    prepare.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
+                         help="chat data (JSONL of messages or prompt/completion): the template, a name (chatml) "
+                              "or a .jinja file; default: the tokenizer's checkpoint's")
+    prepare.add_argument("--separator", type=_separator, default="eos",
+                         help="the token id that ends each document, or eos: the tokenizer's end of text (bytes: 0)")
     prepare.set_defaults(handler=_data_prepare)
 
 
@@ -303,7 +321,10 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate = commands.add_parser("eval", help="eval loss and perplexity of run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
-    sample.add_argument("--prompt", required=True, help="the text to continue")
+    given = sample.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the text to continue")
+    given.add_argument("--chat", metavar="MESSAGE",
+                       help="a user's message: rendered with the run's chat template, answered to the end of the turn")
     sample.add_argument("--max-tokens", type=_positive(int), default=64, help="tokens to generate")
     sample.add_argument("--temperature", type=_non_negative, default=0.0, help="0 = greedy")
     sample.add_argument("--top-k", type=_non_negative_int, default=0, help="draw from the K likeliest; 0 = all")

@@ -21,6 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.orchestrator.checkpoint.reader import restore_state
 from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.data.batches import run_separator
+from nestor.orchestrator.data.tokenizer import BYTES
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf import safetensors
 from nestor.orchestrator.hf.architectures import ARCHITECTURES, CONFIG, to_hf
@@ -34,6 +36,9 @@ from nestor.orchestrator.job.state import state_layout
 from nestor.parallel.rules import resolve_rules
 
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+DOCUMENT_SOURCES = ("text", "tokens")  # the data sources whose documents a separator ends
+# the files beside a tokenizer that transformers reads with it (its special tokens, its chat template)
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Written:
     files: int
     tensors: int
     dtype: str
+    notes: tuple[str, ...] = ()  # one line each, what a user of the export must know
 
     @property
     def step_text(self) -> str:
@@ -76,6 +82,28 @@ def export_sharding(entry: Entry, shape: tuple[int, ...], mesh: Mesh) -> NamedSh
     return NamedSharding(mesh, PartitionSpec())
 
 
+def special_tokens(config: Config, hf_config: dict) -> tuple[dict, tuple[str, ...]]:
+    """Returns (the bos/eos ids config.json and generation_config.json get, notes): ids that match how the run
+    separated its documents (`run_separator`), and a note where that cannot be reproduced from the export.
+
+    Byte-level runs opened and ended documents with the separator alone, and ship no tokenizer: bos and eos
+    become it. A tokenizer's run keeps the source's eos and adds the separator when it is another id (a
+    chat model's end of turn, then its end of text). Synthetic or array data has no documents: nothing changes."""
+    if config.data.source not in DOCUMENT_SOURCES:
+        return {}, ()
+    try:
+        separator = run_separator(config)
+    except ConfigError as error:  # the run's data has moved: the source's ids stay
+        return {}, (f"bos/eos kept as the source's: the run's separator is unknown ({error.problems[0][1]})",)
+    if config.data.tokenizer in (None, BYTES):
+        return {"bos_token_id": separator, "eos_token_id": separator}, (
+            f"no tokenizer exported: the run trained on bytes (token id = UTF-8 byte, documents opened and ended "
+            f"by id {separator}, written as bos/eos); transformers needs its own byte-level encoding",)
+    eos = hf_config.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return {"eos_token_id": ids[0] if ids == [separator] else ids + [separator] * (separator not in ids)}, ()
+
+
 def _side_files(config: Config, out: Path, hf_config: dict) -> None:
     """Writes config.json, the generation config and the tokenizer files beside the tensors (process 0)."""
     (out / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
@@ -84,11 +112,15 @@ def _side_files(config: Config, out: Path, hf_config: dict) -> None:
         if name != CONFIG and (kept / name).is_file():
             shutil.copyfile(kept / name, out / name)
     tokenizer = config.data.tokenizer
-    if not (out / "tokenizer.json").is_file() and tokenizer and tokenizer.endswith(".json"):
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-    if not (out / "generation_config.json").is_file():
-        tokens = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config}
-        (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **tokens}, indent=2) + "\n")
+    if tokenizer and tokenizer != BYTES:  # the run's tokenizer, and the files beside it that describe it
+        directory = Path(tokenizer).parent
+        for name in (Path(tokenizer).name, *TOKENIZER_FILES):
+            if not (out / name).is_file() and (directory / name).is_file():
+                shutil.copyfile(directory / name, out / name)
+    tokens = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config}
+    generation = out / "generation_config.json"
+    before = json.loads(generation.read_text()) if generation.is_file() else {"_from_model_config": True}
+    generation.write_text(json.dumps({**before, **tokens}, indent=2) + "\n")
 
 
 def export(config: Config, out: Path, step: int | None = None, dtype: str = "float32",
@@ -106,6 +138,8 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
     base = json.loads(saved.read_text()) if saved.is_file() else None
     keys = config.to_dict()
     hf_config = to_hf(keys["model"], keys["moe"], base)
+    ids, notes = special_tokens(config, hf_config)
+    hf_config.update(ids)
     for field in ("dtype", "torch_dtype"):
         if field in hf_config or (field == "dtype" and "torch_dtype" not in hf_config):
             hf_config[field] = dtype
@@ -159,4 +193,4 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
         (out / safetensors.INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                          "weight_map": weight_map}, indent=2) + "\n")
         _side_files(config, out, hf_config)
-    return Written(step, len(plan), len(tensors), dtype)
+    return Written(step, len(plan), len(tensors), dtype, notes)

@@ -48,6 +48,8 @@ class Key:
         """Returns what is wrong with a value of the right type, or None."""
         if self.choices and value not in self.choices:
             return f"{value!r} is not one of {', '.join(map(str, self.choices))}"
+        if isinstance(value, str) and value not in self.also and any(isinstance(v, str) for v in self.also):
+            return f"{value!r} is not a number {self.bounds()[1:-1]}"  # a key of a number or a name
         if value in self.also or isinstance(value, (bool, str)):
             return None
         maximum = self.maximum if self.maximum is not None or not isinstance(value, int) else INT32_MAX

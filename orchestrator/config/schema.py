@@ -131,8 +131,10 @@ class DataConfig:
     mixture: tuple[dict, ...] = key((), "tokens: [{paths: [dirs], weight: w > 0}, ...] each row drawn from one "
                                     "entry by weight; empty = data.paths")
     tokenizer: str | None = key(None, "text: path to a tokenizers JSON or SentencePiece model; null = bytes")
-    document_mask: bool = key(True, "text, tokens: no token attends across a document separator (token 0); "
-                              "synthetic: no-op")
+    document_mask: bool = key(True, "text, tokens: no token attends across a document separator "
+                              "(data.separator); synthetic: no-op")
+    separator: int | str = key("eos", "the token id that ends each document, or eos: the tokenizer's end of text "
+                               "(bytes: 0); tokens: the one the shards were prepared with", minimum=0, also=("eos",))
     factory: str | None = key(None, "python: module:function(split, **data.args) returning a dict of named arrays, "
                               "rows first, for split train or eval (docs/models.md)")
     args: dict = key({}, "python: keyword arguments of data.factory")
@@ -407,7 +409,11 @@ def _coerce(value: Any, hint: Any) -> tuple[Any, str | None]:
         if value is None and type(None) in args:
             return None, None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0])
+        for hint in inner[:-1]:  # the first type the value is (int | str: an id, or a name)
+            coerced, error = _coerce(value, hint)
+            if error is None:
+                return coerced, None
+        return _coerce(value, inner[-1])
     if hint is bool:
         return (value, None) if isinstance(value, bool) else (None, f"expected true/false, got {value!r}")
     if hint is int:

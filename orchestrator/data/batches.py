@@ -37,20 +37,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from nestor.models import axes
+from nestor.models.task import LOSS_WEIGHTS
 
 from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.arrays import ArraySource, field_axes
 from nestor.orchestrator.data.order import WindowOrder, windows_of
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR, first_nul
-from nestor.orchestrator.data.tokens import TokenSource
+from nestor.orchestrator.data.chat import template_text
+from nestor.orchestrator.data.separator import BYTES_SEPARATOR, resolve_separator
+from nestor.orchestrator.data.shards import first_nul, has_weights, read_metadata, separator_of
+from nestor.orchestrator.data.tokens import MixtureSource, TokenSource, mixture_sources
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.data.tokenizer import load_tokenizer
 from nestor.parallel.rules import Rules, partition_spec
 
 
-def document_ids(tokens):
-    """Returns int32 segment ids [batch, length] for packed `tokens`: the number of separators up to
+def document_ids(tokens, separator: int):
+    """Returns int32 segment ids [batch, length] for packed `tokens`: the number of `separator` tokens up to
     and including each position.
 
     A separator opens the document after it (it plays the part of a beginning-of-
@@ -59,7 +62,28 @@ def document_ids(tokens):
     predicts the separator, still sees its whole document.
     """
     numpy = np if isinstance(tokens, np.ndarray) else jnp  # on the host (batches) or traced (decoding)
-    return numpy.cumsum(tokens == DOCUMENT_SEPARATOR, axis=-1, dtype=np.int32)
+    return numpy.cumsum(tokens == separator, axis=-1, dtype=np.int32)
+
+
+def run_separator(config: Config) -> int:
+    """Returns the id that separates the run's documents: the prepared shards' (data.source tokens), else
+    `data.separator` for `data.tokenizer`. Raises ConfigError as `resolve_separator` and `read_metadata` do."""
+    if config.data.source == "tokens":
+        first = mixture_sources(config)[0]
+        return separator_of(read_metadata(first.directories[0], first.key))
+    return resolve_separator(config.data.separator, config.data.tokenizer)
+
+
+def run_chat_template(config: Config) -> str:
+    """Returns the chat template of the run's conversations: the one prepared shards were rendered with (data.source
+    tokens), else its tokenizer's checkpoint's. Raises ConfigError naming --chat when there is none."""
+    if config.data.source == "tokens":
+        first = mixture_sources(config)[0]
+        directory = first.directories[0]
+        name = read_metadata(directory, first.key).get("chat_template")
+        if isinstance(name, str) and (directory / name).is_file():
+            return (directory / name).read_text()
+    return template_text(config.data.tokenizer, None, "--chat")
 
 
 def masks_documents(config: Config, source: str) -> bool:
@@ -82,6 +106,7 @@ class SyntheticSource:
         self.global_batch = config.train.global_batch
         self.fingerprint = f"synthetic:vocab={self.vocab}"
         self.num_tokens = None  # unbounded
+        self.separator = BYTES_SEPARATOR  # no documents: never masked
 
     def rows(self, step: int, rows: range) -> np.ndarray:
         """Returns the tokens of `rows` of global batch `step`, int32 [len(rows), seq_len + 1]."""
@@ -128,12 +153,14 @@ class TextSource:
         self.global_batch = config.train.global_batch
         self.files = text_files(config.data.paths)
         self.tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
+        self.separator = resolve_separator(config.data.separator, config.data.tokenizer)
         self._tokens: dict[int, np.ndarray] = {}
         lengths = [self._length(i) + 1 for i in range(len(self.files))]  # +1: the separator
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.num_tokens = int(self.starts[-1])
         self.order = WindowOrder(self.seed, windows_of(int(self.starts[-1]), self.width, "data.paths"))
         listing = "\n".join(f"{f}:{n}" for f, n in zip(self.files, lengths))
+        listing += f"\nseparator:{self.separator}" if self.separator != BYTES_SEPARATOR else ""  # older runs' stay
         self.fingerprint = "text:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
     def _length(self, index: int) -> int:
@@ -157,7 +184,7 @@ class TextSource:
                 body = np.frombuffer(f.read(max(body_stop - start, 0)), np.uint8).astype(np.int32)
         else:
             body = self._document(index)[start:body_stop]
-        separator = np.full((1,) if stop > length else (0,), DOCUMENT_SEPARATOR, np.int32)
+        separator = np.full((1,) if stop > length else (0,), self.separator, np.int32)
         return np.concatenate([body, separator])
 
     def window(self, index: int) -> np.ndarray:
@@ -194,15 +221,33 @@ class Field:
         return NamedSharding(mesh, partition_spec(self.logical_axes, rules))
 
 
-def token_fields(config: Config, document_mask: bool) -> dict[str, Field]:
-    """Returns the fields of a language model's batch: "tokens" [global_batch, seq_len + 1], and with
-    `document_mask` the inputs' "segment_ids" [global_batch, seq_len]."""
+def token_fields(config: Config, document_mask: bool, weighted: bool = False) -> dict[str, Field]:
+    """Returns the fields of a language model's batch: "tokens" [global_batch, seq_len + 1], with
+    `document_mask` the inputs' "segment_ids" [global_batch, seq_len], and when `weighted` the targets'
+    loss weights (models.task.LOSS_WEIGHTS) float32 [global_batch, seq_len]."""
     rows, width = config.train.global_batch, config.train.seq_len + 1
     # whole rows on every context device (int32 ids: the model arranges its places and lays them out)
     fields = {"tokens": Field((rows, width), np.dtype(np.int32), (axes.BATCH, None))}
     if document_mask:
         fields["segment_ids"] = Field((rows, width - 1), np.dtype(np.int32), (axes.BATCH, None))
+    if weighted:
+        fields[LOSS_WEIGHTS] = Field((rows, width - 1), np.dtype(np.float32), (axes.BATCH, None))
     return fields
+
+
+def weighted_shards(config: Config, source: str, paths: tuple[str, ...]) -> bool:
+    """Returns whether prepared shards (`source` tokens) at `paths` (empty: data.paths or data.mixture) carry loss
+    weights (chat data), as their first directory's metadata says; False for other sources, and for shards that
+    cannot be read (the source says why when it opens them; a compile without data needs none)."""
+    if source != "tokens":
+        return False
+    first = mixture_sources(config)[0] if not paths else MixtureSource("eval.paths", [Path(paths[0])], 1.0)
+    if not first.directories:
+        return False
+    try:
+        return has_weights(read_metadata(first.directories[0], first.key))
+    except ConfigError:
+        return False
 
 
 def batch_fields(config: Config, source: str | None = None, paths: tuple[str, ...] | None = None,
@@ -211,7 +256,8 @@ def batch_fields(config: Config, source: str | None = None, paths: tuple[str, ..
     `data.paths`); named arrays are opened (memory-mapped) to learn theirs."""
     source = config.data.source if source is None else source
     if source not in ARRAY_SOURCES:
-        return token_fields(config, masks_documents(config, source))
+        return token_fields(config, masks_documents(config, source),
+                            weighted_shards(config, source, () if paths is None else paths))
     arrays = (ArraySource.from_factory(config, "train") if source == "python" else
               ArraySource.from_paths(config, config.data.paths if paths is None else paths, key))
     return {name: Field((config.train.global_batch, *shape), dtype, field_axes(1 + len(shape)))
@@ -269,10 +315,9 @@ class DataPipeline:
             if key not in built:
                 built[key] = self.source.rows(step, rows)
                 if isinstance(built[key], np.ndarray):  # a token source's windows
-                    tokens = built[key]
-                    built[key] = {"tokens": tokens}
-                    if "segment_ids" in self.fields:
-                        built[key]["segment_ids"] = document_ids(tokens[:, :-1])
+                    built[key] = {"tokens": built[key]}
+                if "segment_ids" in self.fields and "segment_ids" not in built[key]:
+                    built[key]["segment_ids"] = document_ids(built[key]["tokens"][:, :-1], self.source.separator)
             return built[key][name][(slice(None), *index[1:])]
 
         self.next_step = step + 1

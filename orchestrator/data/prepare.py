@@ -11,6 +11,11 @@ marker and writes byte-identical shards. `metadata.json` is written last.
 The held-out split is chosen per document by a hash of its text (the same
 text always lands in the same split, whatever the sharding), or is every
 document of `--eval-source` inputs.
+
+JSONL whose first record is chat or instruction data (`messages`, or `prompt`
+and `completion`: orchestrator.data.chat) is prepared as such: every record
+rendered by the chat template, and the shards carry per-token loss weights
+beside the tokens; the template is kept in --out for the run's sampling.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import numpy as np
 from nestor.orchestrator.data.shards import (FORMAT, METADATA, SPLITS, TEXT_PROBE_BYTES, shard_name, token_dtype,
                                              write_atomically, write_shard)
 from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.data.chat import TEMPLATE_FILE, ChatEncoder, is_chat_record, template_text
+from nestor.orchestrator.data.separator import EOS, resolve_separator
 from nestor.orchestrator.data.tokenizer import BYTES, TokenizerFile, open_tokenizer
 
 PLAN = "plan.json"
@@ -47,6 +54,9 @@ class Options:
     parquet_column: str = "text"
     workers: int = 1
     shard_mb: float = 256.0
+    separator: int | str = EOS  # an id, or the tokenizer's end of text (orchestrator.data.separator)
+    chat_template: str | None = None  # chat data: a template's name or file; None = the tokenizer's
+    template: str | None = None  # the chat template's text when the inputs are chat data (set by `prepare`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +164,10 @@ def plan_units(files: list[Path], held_out: set[Path], unit_bytes: int) -> list[
     return units + ([texts] if texts else [])
 
 
-def documents(piece: Piece, options: Options) -> Iterator[str]:
-    """Yields the texts of a piece's documents; raises ConfigError naming the option that does not fit
-    (a JSONL line without the text field, a Parquet file without the column)."""
+def documents(piece: Piece, options: Options) -> Iterator[str | dict]:
+    """Yields the texts of a piece's documents (the records, for chat data); raises ConfigError naming the
+    option that does not fit (a JSONL line without the text field, a Parquet file without the column, a
+    record of chat data that is none)."""
     if piece.kind == "text":
         text = Path(piece.path).read_text(errors="replace")
         if "\0" in text:  # past the probe of `is_binary`
@@ -169,6 +180,12 @@ def documents(piece: Piece, options: Options) -> Iterator[str]:
             for line in f.read(piece.stop - piece.start).splitlines():
                 if line.strip():
                     record = json.loads(line)
+                    if options.template is not None:
+                        if not is_chat_record(record):
+                            raise ConfigError([("SOURCE", f"a line of {piece.path} is not chat data ({{messages}} "
+                                                          f"or {{prompt, completion}}) as the first is: {line[:80]!r}")])
+                        yield record
+                        continue
                     if not isinstance(record, dict) or not isinstance(record.get(options.text_field), str):
                         raise ConfigError([("--text-field", f"a line of {piece.path} has no string field "
                                                             f"{options.text_field!r}: {line[:80]!r}")])
@@ -184,6 +201,20 @@ def documents(piece: Piece, options: Options) -> Iterator[str]:
             yield from file.read_row_group(group, columns=[options.parquet_column]).column(0).to_pylist()
 
 
+def _first_record(path: Path):
+    """Returns the first record of a JSONL file (None for another kind of file, or an empty one)."""
+    if _kind(path) != "jsonl":
+        return None
+    with path.open("rb") as file:
+        for line in file:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return None
+    return None
+
+
 def held_out_by_hash(text: str, fraction: float) -> bool:
     """Returns whether a document goes to the eval split: its text's hash, read as a number in [0, 1),
     is below `fraction`."""
@@ -192,6 +223,21 @@ def held_out_by_hash(text: str, fraction: float) -> bool:
 
 
 _TOKENIZERS: dict[str, TokenizerFile] = {}  # per worker process: loaded once
+_ENCODERS: dict[tuple[str, str], ChatEncoder] = {}
+
+
+def _encoded(document: str | dict, options: Options, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | None]:
+    """Returns a document's token ids and, for a chat record, its loss weights; raises ConfigError for a record
+    the chat encoder refuses."""
+    if options.template is None:
+        return np.asarray(_TOKENIZERS[options.tokenizer].encode(document), dtype), None
+    if (options.tokenizer, options.template) not in _ENCODERS:
+        _ENCODERS[options.tokenizer, options.template] = ChatEncoder(options.tokenizer, options.template)
+    try:
+        encoded = _ENCODERS[options.tokenizer, options.template](document)
+    except (ValueError, TypeError) as error:
+        raise ConfigError([("SOURCE", f"a record {json.dumps(document)[:80]}...: {error}")]) from None
+    return encoded.ids.astype(dtype), encoded.weights.astype(np.uint8)
 
 
 def prepare_unit(index: int, unit: list[Piece], options: Options) -> dict:
@@ -202,17 +248,22 @@ def prepare_unit(index: int, unit: list[Piece], options: Options) -> dict:
     tokenizer = _TOKENIZERS[options.tokenizer]
     dtype = token_dtype(tokenizer.vocab_size)
     by_split: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+    weights: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
     for piece in unit:
-        for text in documents(piece, options):
-            if not text:
+        for document in documents(piece, options):
+            ids, weight = _encoded(document, options, dtype)
+            if not len(ids):
                 continue
-            held_out = piece.held_out or held_out_by_hash(text, options.eval_fraction)
-            by_split["eval" if held_out else "train"].append(np.asarray(tokenizer.encode(text), dtype))
+            text = document if isinstance(document, str) else json.dumps(document, sort_keys=True)
+            split = "eval" if piece.held_out or held_out_by_hash(text, options.eval_fraction) else "train"
+            by_split[split].append(ids)
+            weights[split].append(weight)
     marker = {}
     for split, docs in by_split.items():
         # A unit of an --eval-source file has no train documents, and one of a SOURCE none held out
         # without --eval-fraction: no empty shard is written or listed.
-        tokens, count = write_shard(options.out, shard_name(split, index), docs, dtype) if docs else (0, 0)
+        tokens, count = write_shard(options.out, shard_name(split, index), docs, dtype, options.separator,
+                                    weights[split] if options.template is not None else None) if docs else (0, 0)
         marker[split] = {"name": shard_name(split, index), "tokens": tokens, "documents": count}
     write_atomically(options.out / UNITS / f"{index:05d}.json", json.dumps(marker).encode())
     return marker
@@ -222,7 +273,7 @@ def _plan_record(files: list[Path], held_out: set[Path], options: Options, token
     return {"inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns, p in held_out] for p in files],
             "tokenizer": tokenizer.fingerprint, "eval_fraction": options.eval_fraction,
             "text_field": options.text_field, "parquet_column": options.parquet_column,
-            "shard_mb": options.shard_mb}
+            "shard_mb": options.shard_mb, "separator": options.separator, "chat_template": options.template}
 
 
 def _check_plan(options: Options, record: dict) -> None:
@@ -248,10 +299,16 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
     that does not load, an --out of another plan, or records without the text.
     """
     tokenizer = open_tokenizer(options.tokenizer, "--tokenizer")
+    options = dataclasses.replace(options, separator=resolve_separator(options.separator, options.tokenizer,
+                                                                       "--separator"))
     held_out = set(text_inputs(input_files(list(eval_sources), "--eval-source"), log)) if eval_sources else set()
     files = text_inputs(input_files(list(sources), "SOURCE"), log) + sorted(held_out)
     if not files:
         raise ConfigError([("SOURCE", "every input is binary; give text, .jsonl or .parquet files")])
+    if is_chat_record(_first_record(files[0])):
+        if others := [str(path) for path in files if _kind(path) != "jsonl"]:
+            raise ConfigError([("SOURCE", f"chat data is JSONL; {', '.join(others[:3])} is not")])
+        options = dataclasses.replace(options, template=template_text(options.tokenizer, options.chat_template))
     units = plan_units(files, held_out, max(1, int(options.shard_mb * 2**20)))
     _check_plan(options, _plan_record(files, held_out, options, tokenizer))
     markers = {int(p.stem): json.loads(p.read_text()) for p in (options.out / UNITS).glob("*.json")}
@@ -266,7 +323,11 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
                                                 else str(Path(options.tokenizer).resolve()),
                                                 "fingerprint": tokenizer.fingerprint,
                                                 "vocab_size": tokenizer.vocab_size},
-                "dtype": token_dtype(tokenizer.vocab_size).name, "splits": {}}
+                "dtype": token_dtype(tokenizer.vocab_size).name, "separator": options.separator, "splits": {}}
+    if options.template is not None:  # kept for the run's `nestor sample --chat` and its export
+        write_atomically(options.out / TEMPLATE_FILE, options.template.encode())
+        metadata.update(loss_weights=True, chat_template=TEMPLATE_FILE,
+                        end_of_turn=ChatEncoder(options.tokenizer, options.template).end_of_turn())
     for split in SPLITS:
         shards = [markers[index][split] for index in range(len(units)) if markers[index][split]["documents"]]
         metadata["splits"][split] = {"tokens": sum(s["tokens"] for s in shards),

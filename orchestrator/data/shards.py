@@ -3,12 +3,17 @@
 A directory written by `nestor data prepare` holds, per split (`train`,
 `eval`) and shard number:
 - `<split>-NNNNN.tokens`: the token ids of the shard's documents end to end,
-  each document followed by DOCUMENT_SEPARATOR, as raw `uint16` (vocabularies
-  up to 65,536) or `uint32`;
+  each document followed by the separator (orchestrator.data.separator), as
+  raw `uint16` (vocabularies up to 65,536) or `uint32`;
 - `<split>-NNNNN.documents`: int64 [documents + 1], where each document starts
   in the token file (the last entry is the file's length in tokens);
+- `<split>-NNNNN.weights` (chat and instruction data only): uint8, one per
+  token, the token's loss weight as a target (1 on assistant or completion
+  tokens, 0 elsewhere and on separators);
 - `metadata.json`: the tokenizer (kind, fingerprint, vocabulary size), the
-  token dtype, and per split the token and document counts of every shard.
+  token dtype, the separator (absent in shards of before it: 0), whether
+  shards carry loss weights, and per split the token and document counts of
+  every shard.
 
 The token files are the packed stream itself, so a window of seq_len + 1
 tokens is one slice of a memory map (two at a shard boundary): no parsing,
@@ -31,9 +36,10 @@ from nestor.orchestrator.errors import ConfigError
 FORMAT = "nestor-tokens-1"
 METADATA = "metadata.json"
 SPLITS = ("train", "eval")
-# Packed documents are separated by token 0: NUL never occurs in text files, and a separator stops the
+# Shards whose metadata names no separator were written with token 0 (byte-level NUL): a separator stops the
 # model from learning to continue one document into the next; the loss derives segment ids from it.
-DOCUMENT_SEPARATOR = 0
+LEGACY_SEPARATOR = 0
+WEIGHTS_DTYPE = np.dtype(np.uint8)
 VOCAB_MULTIPLE = 128  # a vocabulary any mesh splits: prepared tokenizers' ids are rounded up to a multiple of it
 TEXT_PROBE_BYTES = 8192  # as much of each file as prepare reads to skip a binary input, like git does
 SCAN_BYTES = 2**24  # a text file is read for NUL bytes this much at a time
@@ -57,16 +63,34 @@ def write_atomically(path: Path, data: bytes) -> None:
     temporary.replace(path)
 
 
-def write_shard(directory: Path, name: str, documents: list[np.ndarray], dtype: np.dtype) -> tuple[int, int]:
-    """Writes `documents` (token id arrays) as shard `name`; returns (tokens with separators, documents)."""
+def write_shard(directory: Path, name: str, documents: list[np.ndarray], dtype: np.dtype, separator: int,
+                weights: list[np.ndarray] | None = None) -> tuple[int, int]:
+    """Writes `documents` (token id arrays, each followed by `separator`) as shard `name`, with their
+    per-token loss `weights` (0 on the separators) when given; returns (tokens with separators, documents)."""
     lengths = np.array([len(d) + 1 for d in documents], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tokens = np.full(int(starts[-1]), DOCUMENT_SEPARATOR, dtype)
+    tokens = np.full(int(starts[-1]), separator, dtype)
     for start, document in zip(starts[:-1], documents):
         tokens[start:start + len(document)] = document
     write_atomically(directory / f"{name}.tokens", tokens.tobytes())
+    if weights is not None:
+        flat = np.zeros(int(starts[-1]), WEIGHTS_DTYPE)
+        for start, weight in zip(starts[:-1], weights):
+            flat[start:start + len(weight)] = weight
+        write_atomically(directory / f"{name}.weights", flat.tobytes())
     write_atomically(directory / f"{name}.documents", starts.tobytes())
     return int(starts[-1]), len(documents)
+
+
+def separator_of(metadata: dict) -> int:
+    """Returns the separator a prepared directory's shards were written with (LEGACY_SEPARATOR when its
+    metadata, of before `data.separator`, names none)."""
+    return metadata.get("separator", LEGACY_SEPARATOR)
+
+
+def has_weights(metadata: dict) -> bool:
+    """Returns whether a prepared directory's shards carry per-token loss weights (chat, instruction data)."""
+    return bool(metadata.get("loss_weights", False))
 
 
 def read_metadata(directory: Path, key: str) -> dict:
@@ -99,6 +123,11 @@ def _metadata_problem(metadata: dict) -> str | None:
                                                   ("path", "fingerprint")) or not count(tokenizer.get("vocab_size")) \
             or not tokenizer["vocab_size"]:
         return "has no tokenizer {path, fingerprint, vocab_size}"
+    if not count(metadata.get("separator", LEGACY_SEPARATOR)) or metadata.get("separator", 0) >= \
+            tokenizer["vocab_size"]:
+        return f"names separator {metadata.get('separator')!r}, not an id of its {tokenizer['vocab_size']} tokens"
+    if not isinstance(metadata.get("loss_weights", False), bool):
+        return f"names loss_weights {metadata.get('loss_weights')!r}, not true or false"
     if metadata.get("dtype") != token_dtype(tokenizer["vocab_size"]).name:
         return (f"names token dtype {metadata.get('dtype')!r}, not {token_dtype(tokenizer['vocab_size']).name} "
                 f"of a {tokenizer['vocab_size']}-token vocabulary")
@@ -119,16 +148,22 @@ def documents_of(directory: Path, name: str) -> np.ndarray:
     return np.fromfile(directory / f"{name}.documents", np.int64)
 
 
-def shard_problem(directory: Path, shard: dict, dtype: np.dtype) -> str | None:
-    """Returns what is wrong with the files of a listed shard of `directory`, or None: a token file of
-    another size than the metadata's, or a documents index that does not match the tokens (each document
-    ends in DOCUMENT_SEPARATOR: the last token of CHECKED_DOCUMENTS documents spread over the shard). Reads
+def shard_problem(directory: Path, shard: dict, dtype: np.dtype, separator: int = LEGACY_SEPARATOR,
+                  weights: bool = False) -> str | None:
+    """Returns what is wrong with the files of a listed shard of `directory`, or None: a token (or, with
+    `weights`, weights) file of another size than the metadata's, or a documents index that does not match
+    the tokens (each document ends in `separator`: the last token of CHECKED_DOCUMENTS documents spread
+    over the shard). Reads
     the index and those tokens, not the corpus (it may be terabytes): ids are checked against the vocabulary
     as they are read (`TokenStream.read`)."""
     file, index = directory / f"{shard['name']}.tokens", directory / f"{shard['name']}.documents"
     expected = shard["tokens"] * dtype.itemsize
     if not file.is_file() or file.stat().st_size != expected:
         return f"{file} is {'missing' if not file.is_file() else f'{file.stat().st_size} bytes, not {expected}'}"
+    weights_file = directory / f"{shard['name']}.weights"
+    if weights and (not weights_file.is_file() or weights_file.stat().st_size != shard["tokens"]):
+        found = "missing" if not weights_file.is_file() else f"{weights_file.stat().st_size} bytes"
+        return f"{weights_file} is {found}, not one loss weight per token ({shard['tokens']} bytes)"
     if not index.is_file() or index.stat().st_size != (shard["documents"] + 1) * 8:
         found = "missing" if not index.is_file() else f"{index.stat().st_size} bytes"
         return f"{index} is {found}, not the {shard['documents'] + 1} int64 document starts of {METADATA}"
@@ -138,14 +173,14 @@ def shard_problem(directory: Path, shard: dict, dtype: np.dtype) -> str | None:
     starts = documents_of(directory, shard["name"])
     ends = starts[1:][np.linspace(0, len(starts) - 2, min(len(starts) - 1, CHECKED_DOCUMENTS)).astype(np.int64)]
     if starts[0] != 0 or starts[-1] != len(tokens) or np.any(np.diff(starts) < 1) \
-            or np.any(tokens[ends - 1] != DOCUMENT_SEPARATOR):
-        return f"{index} does not index the documents of {file.name} (each ends in token {DOCUMENT_SEPARATOR})"
+            or np.any(tokens[ends - 1] != separator):
+        return f"{index} does not index the documents of {file.name} (each ends in token {separator})"
     return None
 
 
 def first_nul(path: Path) -> int | None:
     """Returns the offset of the first NUL byte of a file, or None: NUL never occurs in text, and token 0 is
-    the document separator. Reads the whole file, wherever its first NUL lies."""
+    byte-level text's document separator. Reads the whole file, wherever its first NUL lies."""
     offset = 0
     with path.open("rb") as file:
         while chunk := file.read(SCAN_BYTES):
@@ -169,18 +204,26 @@ class TokenStream:
         self.files: list[Path] = []
         self.vocab_sizes: list[int] = []
         sizes = []
+        found = {}  # (separator, loss weights) -> the first directory written with them
         for directory in directories:
             metadata = read_metadata(directory, key)
             self.dtype = np.dtype(metadata["dtype"])
+            self.separator, self.weighted = separator_of(metadata), has_weights(metadata)
+            found.setdefault((self.separator, self.weighted), directory)
             for shard in metadata["splits"][split]["shards"]:
-                if problem := shard_problem(directory, shard, self.dtype):
+                if problem := shard_problem(directory, shard, self.dtype, self.separator, self.weighted):
                     raise ConfigError([(key, f"shard {problem}; prepare {directory} again")])
                 if shard["tokens"]:
                     self.files.append(directory / f"{shard['name']}.tokens")
                     self.vocab_sizes.append(metadata["tokenizer"]["vocab_size"])
                     sizes.append(shard["tokens"])
+        if len(found) > 1:
+            shown = "; ".join(f"{directory}: separator {separator}, {'with' if weighted else 'no'} loss weights"
+                              for (separator, weighted), directory in found.items())
+            raise ConfigError([(key, f"the directories were prepared differently ({shown}); prepare them alike")])
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
+        self._weight_maps: dict[int, np.memmap] = {}
         self.windows_read = 0
         self.tokens_read = 0
 
@@ -192,6 +235,27 @@ class TokenStream:
         if shard not in self._maps:
             self._maps[shard] = np.memmap(self.files[shard], self.dtype, mode="r")
         return self._maps[shard]
+
+    def document_starts(self) -> np.ndarray:
+        """Returns where every document of the stream starts, int64 [documents + 1] (the last entry is the
+        stream's length): each shard's index, shifted to the shard's place in the stream."""
+        pieces = [np.fromfile(file.with_suffix(".documents"), np.int64)[:-1] + start
+                  for file, start in zip(self.files, self.starts[:-1])]
+        return np.concatenate([*pieces, self.starts[-1:]]).astype(np.int64)
+
+    def read_weights(self, begin: int, end: int) -> np.ndarray:
+        """Returns the loss weights of tokens [begin, end) of the stream as float32 (shards with weights)."""
+        pieces, position = [], begin
+        shard = bisect.bisect_right(self.starts, begin) - 1
+        while position < end:
+            if shard not in self._weight_maps:
+                self._weight_maps[shard] = np.memmap(self.files[shard].with_suffix(".weights"), WEIGHTS_DTYPE,
+                                                     mode="r")
+            stop = min(end, int(self.starts[shard + 1]))
+            pieces.append(self._weight_maps[shard][position - int(self.starts[shard]):stop - int(self.starts[shard])])
+            position = stop
+            shard += 1
+        return np.concatenate(pieces).astype(np.float32)
 
     def read(self, begin: int, end: int) -> np.ndarray:
         """Returns tokens [begin, end) of the stream as int32 (crossing shard boundaries as needed).

@@ -26,12 +26,14 @@ BYTE_VOCAB = 256
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerFile:
-    """A loaded tokenizer: text -> ids, ids -> text, its vocabulary size and fingerprint."""
+    """A loaded tokenizer: text -> ids, ids -> text, its vocabulary size and fingerprint, and a token's
+    id by its text (None: not one token of the vocabulary)."""
 
     encode: Tokenizer
     vocab_size: int
     fingerprint: str
     decode: Detokenizer
+    token_id: Callable[[str], int | None] = lambda token: None
 
 
 def _unreadable(path: Path, kind: str, error: Exception, key: str) -> ConfigError:
@@ -39,7 +41,7 @@ def _unreadable(path: Path, kind: str, error: Exception, key: str) -> ConfigErro
     return ConfigError([(key, f"{path} does not load as {kind}: {reason}")])
 
 
-def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer]:
+def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer, Callable[[str], int | None]]:
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
@@ -49,10 +51,10 @@ def _huggingface(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer]:
     except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
         raise _unreadable(path, "a tokenizers JSON", error, key) from None
     return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size(), \
-        (lambda ids: tokenizer.decode([int(i) for i in ids]))
+        (lambda ids: tokenizer.decode([int(i) for i in ids])), tokenizer.token_to_id
 
 
-def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer]:
+def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer, Callable[[str], int | None]]:
     try:
         import sentencepiece
     except ImportError:
@@ -61,7 +63,12 @@ def _sentencepiece(path: Path, key: str) -> tuple[Tokenizer, int, Detokenizer]:
         processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
     except Exception as error:  # noqa: BLE001 - the library raises its own types for any broken file
         raise _unreadable(path, "a SentencePiece model", error, key) from None
-    return processor.encode, processor.get_piece_size(), (lambda ids: processor.decode([int(i) for i in ids]))
+    def token_id(piece: str) -> int | None:
+        found = processor.piece_to_id(piece)
+        return None if found == processor.unk_id() and piece != processor.id_to_piece(found) else found
+
+    return processor.encode, processor.get_piece_size(), (lambda ids: processor.decode([int(i) for i in ids])), \
+        token_id
 
 
 def encode_bytes(text: str) -> np.ndarray:
@@ -90,8 +97,8 @@ def open_tokenizer(path: str | None, key: str = "data.tokenizer") -> TokenizerFi
     loaders = {".json": _huggingface, ".model": _sentencepiece}
     if file.suffix not in loaders:
         raise ConfigError([(key, f"{file.name}: expected a .json (tokenizers) or .model (SentencePiece)")])
-    encode, size, decode = loaders[file.suffix](file, key)
-    return TokenizerFile(encode, size, tokenizer_fingerprint(file), decode)
+    encode, size, decode, token_id = loaders[file.suffix](file, key)
+    return TokenizerFile(encode, size, tokenizer_fingerprint(file), decode, token_id)
 
 
 def tokenizer_fingerprint(file: Path) -> str:

@@ -16,8 +16,9 @@ from nestor.models import axes, stack, task
 from nestor.orchestrator.checkpoint.reader import restore_state
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.data.batches import run_chat_template, run_separator
+from nestor.orchestrator.data.chat import ChatEncoder
 from nestor.orchestrator.job.context_wiring import whole_rows
-from nestor.orchestrator.data.shards import DOCUMENT_SEPARATOR
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.eval_loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
@@ -69,22 +70,50 @@ def evaluate_checkpoint(config: Config, devices: list[jax.Device] | None = None)
 def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                       seed: int = 0, devices: list[jax.Device] | None = None) -> str:
     """Returns `prompt` followed by up to `max_tokens` tokens decoded from run.dir's newest checkpoint, as
-    text of `data.tokenizer` (or bytes), cut at the end of the document (token 0).
+    text of `data.tokenizer` (or bytes), cut at the end of the document (the run's separator, `run_separator`).
 
     The prompt opens a document (a separator before it) unless the data is synthetic. It is decoded in
     as many identical rows as devices split the batch; the first row is returned. Raises ConfigError
     (key `--prompt`) for an empty prompt, (`--top-k`) for a top_k past the vocabulary, and as `restore_newest` and `fitting_tokenizer` do.
     """
-    if not spec_of(config).decodes:
-        raise ConfigError([("model.class", f"nestor sample decodes nestor's language model (model.class: {LM}); "
-                                           f"{config.model.class_} has no decoding")])
     tokenizer = fitting_tokenizer(config.data.tokenizer, config.model.vocab_size)
     ids = [int(i) for i in tokenizer.encode(prompt)]
     documents = config.data.source != "synthetic"
-    if documents:
-        ids = [DOCUMENT_SEPARATOR, *ids]
-    if not ids:
+    separator = run_separator(config) if documents else None
+    if not documents and not ids:
         raise ConfigError([("--prompt", "is empty; give at least one token of text")])
+    kept = _decoded(config, [separator, *ids] if documents else ids, {separator}, max_tokens, temperature, top_k,
+                    seed, devices)
+    kept = kept[kept < tokenizer.vocab_size]  # ids of the padded vocabulary past the tokenizer's decode to nothing
+    # decoded with the prompt, so that the tokenizer places the space between them (a word-level or
+    # SentencePiece decoder), then printed after the prompt as the user wrote it
+    before, whole = tokenizer.decode(ids), tokenizer.decode(ids + kept.tolist())
+    return prompt + (whole[len(before):] if whole.startswith(before) else tokenizer.decode(kept.tolist()))
+
+
+def chat_checkpoint(config: Config, message: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                    seed: int = 0, devices: list[jax.Device] | None = None) -> str:
+    """Returns the answer of run.dir's newest checkpoint to the user's `message`: rendered with the run's chat
+    template (`run_chat_template`) and its generation prompt, decoded up to `max_tokens` tokens or the end of
+    the turn (or of the text). Raises ConfigError (--chat) for an empty message or a run without a template,
+    and as `sample_checkpoint` does."""
+    if not message:
+        raise ConfigError([("--chat", "is empty; give a message")])
+    encoder = ChatEncoder(config.data.tokenizer, run_chat_template(config))
+    stops = {run_separator(config), encoder.end_of_turn()} - {None}
+    kept = _decoded(config, encoder.prompt([{"role": "user", "content": message}]), stops, max_tokens, temperature,
+                    top_k, seed, devices)
+    tokenizer = fitting_tokenizer(config.data.tokenizer, config.model.vocab_size)
+    return tokenizer.decode(kept[kept < tokenizer.vocab_size].tolist())
+
+
+def _decoded(config: Config, ids: list[int], stops: set[int], max_tokens: int, temperature: float, top_k: int,
+             seed: int, devices: list[jax.Device] | None) -> np.ndarray:
+    """Returns the tokens run.dir's newest checkpoint decodes after the prompt `ids`, up to `max_tokens` and before
+    the first of `stops`. Raises ConfigError as `sample_checkpoint` says."""
+    if not spec_of(config).decodes:
+        raise ConfigError([("model.class", f"nestor sample decodes nestor's language model (model.class: {LM}); "
+                                           f"{config.model.class_} has no decoding")])
     if top_k > config.model.vocab_size:
         raise ConfigError([("--top-k", f"{top_k} is more than model.vocab_size={config.model.vocab_size}")])
     restored = restore_newest(config, devices)
@@ -96,15 +125,9 @@ def sample_checkpoint(config: Config, prompt: str, max_tokens: int, temperature:
     generate = make_generate(sampling_graphdef(config), restored.mesh, rules, model_ops, max_tokens,
                              temperature, top_k)
     tokens = np.asarray(generate(restored.state["params"], prompts, jax.random.key(seed),
-                                   expert_bias=restored.state.get("expert_bias")))[0]
-    ends = np.flatnonzero(tokens == DOCUMENT_SEPARATOR) if documents else []
-    kept = tokens[:ends[0]] if len(ends) else tokens
-    kept = kept[kept < tokenizer.vocab_size]  # ids of the padded vocabulary past the tokenizer's decode to nothing
-    # decoded with the prompt, so that the tokenizer places the space between them (a word-level or
-    # SentencePiece decoder), then printed after the prompt as the user wrote it
-    prompt_ids = ids[1:] if documents else ids
-    before, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + kept.tolist())
-    return prompt + (whole[len(before):] if whole.startswith(before) else tokenizer.decode(kept.tolist()))
+                                 expert_bias=restored.state.get("expert_bias")))[0]
+    ends = np.flatnonzero(np.isin(tokens, list(stops)))
+    return tokens[:ends[0]] if len(ends) else tokens
 
 
 def _parameters(config: Config, mesh: Mesh, rules: Rules) -> tuple[StateLayout, dict, dict | None, str]:

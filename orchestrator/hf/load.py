@@ -23,7 +23,7 @@ from nestor.orchestrator.specs.lm import lm_config
 
 # files of a checkpoint directory a run keeps in run.dir/hf/ for export and sampling
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model")
+              "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 SOURCE_DIR = "hf"
 
 

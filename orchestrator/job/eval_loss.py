@@ -9,7 +9,8 @@ shardings, micro-batches and document mask) without gradients, its MoE layers
 at `moe.eval_capacity_factor` with deterministic routing, jitted once. The
 loss is what the model's loss returns outside training (models.task): for the
 LM, the mean next-token cross-entropy over every eval token (no auxiliary
-loss); perplexity is its exponential.
+loss), or on chat data over every answer token of the eval batches;
+perplexity is its exponential.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend
+from nestor.models import task
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.errors import ConfigError
@@ -54,7 +56,8 @@ def eval_source(config: Config):
     except ConfigError as error:
         raise ConfigError([(key, message) for _, message in error.problems]) from None
     batch_tokens = config.train.global_batch * (config.train.seq_len + 1)
-    if source.num_tokens is not None and source.num_tokens < batch_tokens:
+    # rows of whole conversations (weighted shards) repeat as an epoch does: one conversation is enough
+    if source.num_tokens is not None and source.num_tokens < batch_tokens and not getattr(source, "weighted", False):
         raise ConfigError([(key, f"the eval data holds {source.num_tokens} tokens, fewer than one batch of "
                                  f"train.global_batch x (train.seq_len + 1) = {batch_tokens}; give more eval data "
                                  "(a larger --eval-fraction, more eval.paths)")])
@@ -70,7 +73,8 @@ def eval_fields(config: Config) -> dict[str, Field]:
 
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
     """Returns the jitted eval_step(params, expert_bias, batch) -> (the batch's mean evaluation loss, the
-    means of the model's scalar metrics), float32 and replicated (`expert_bias`: the state's, or None without
+    means of the model's scalar metrics, the batch's weight among batches: its weighted targets' count for
+    chat data, else 1), float32 and replicated (`expert_bias`: the state's, or None without
     bias balancing); with train.grad_accum > 1 the batch runs in that many micro-batches, as in training.
     `backend` defaults to `backend_for(config, mesh)`."""
     backend = backend or backend_for(config, mesh)
@@ -83,11 +87,14 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
         loss, metrics = loss_fn(params, constrain_batch(batch, fields, constrain), expert_bias=expert_bias)
         return loss, {name: value for name, value in metrics.items() if jnp.ndim(value) == 0}
 
-    def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict]:
+    def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict, jax.Array]:
+        # chat data: the mean over the batch's weighted targets, and their count, which weighs it among batches
+        weight = jnp.sum(batch[task.LOSS_WEIGHTS]) if task.LOSS_WEIGHTS in batch else jnp.ones((), jnp.float32)
+        batch = task.normalized_weights(batch)
         if accum == 1:
-            return micro_loss(params, expert_bias, batch)
+            return (*micro_loss(params, expert_bias, batch), weight)
         per_micro = jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro), micro_batches(batch, accum))
-        return jax.tree.map(jnp.mean, per_micro)
+        return (*jax.tree.map(jnp.mean, per_micro), weight)
 
     return jax.jit(eval_step, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
                                             shardings(fields, mesh, rules)),
@@ -113,6 +120,9 @@ class Evaluator:
         scalars) of `state`'s parameters (and expert bias) over the eval.steps batches."""
         results = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
                    for index in range(self.config.eval.steps)]
-        loss, metrics = jax.tree.map(lambda *values: jnp.mean(jnp.stack(values)), *results)
+        weights = jnp.stack([weight for *_, weight in results])
+        share = weights / jnp.where(weights.sum() > 0, weights.sum(), 1.0)  # chat data: every answer token alike
+        loss, metrics = jax.tree.map(lambda *values: jnp.sum(jnp.stack(values) * share),
+                                     *[result[:2] for result in results])
         return {**{f"eval_{name}": value for name, value in metrics.items()},
                 "eval_loss": loss, "eval_perplexity": jnp.exp(loss)}  # a metric of the model's never hides them

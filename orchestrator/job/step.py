@@ -287,7 +287,8 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
         params = state["params"]
         key = routing_key(config.run.seed, state["step"])
         grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias")), params,
-                                            batch, key, accum, lambda micro: constrain_batch(micro, fields, constrain))
+                                            task.normalized_weights(batch), key, accum,
+                                            lambda micro: constrain_batch(micro, fields, constrain))
         # under optimizer.shard_update each replica of the batch updates its share only (ZeRO stage 1); the
         # norms are taken on the shares, and out_shardings gathers the new parameters back to their layout
         grads, params = layout.update_shares(grads), layout.update_shares(params)
