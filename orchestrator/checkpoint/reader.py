@@ -29,7 +29,7 @@ from nestor.orchestrator.checkpoint.files import (ITEMS, METADATA_FILE, RECORD, 
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
-from nestor.orchestrator.job.state import StateLayout
+from nestor.orchestrator.job.state import StateLayout, with_base
 from nestor.orchestrator.paths import shown
 
 
@@ -91,7 +91,7 @@ def config_differences(current: dict, saved_config: dict, keys, step_dir: Path,
 def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
     """Raises ConfigError when the checkpoint's arrays (paths and shapes) are not the
     current config's, naming the config keys that differ from the checkpoint's."""
-    saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
+    saved, wanted = _shapes(saved_state), _shapes(layout.saved)
     if saved == wanted:
         return
     written = shown(step_dir)
@@ -152,8 +152,8 @@ class CheckpointReader:
         """Returns (state, data_state) of `step`, the state laid out for the current mesh."""
         step_dir = self.directory / str(step)
         state = ocp.StandardCheckpointHandler().restore(step_dir / "state",
-                                                        args=ocp.args.StandardRestore(self.layout.abstract))
-        return state, ocp.JsonCheckpointHandler().restore(step_dir / "data")
+                                                        args=ocp.args.StandardRestore(self.layout.saved))
+        return with_base(self.config, self.layout, state), ocp.JsonCheckpointHandler().restore(step_dir / "data")
 
     def restore(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step` (`read`) once `check` found that it fits."""

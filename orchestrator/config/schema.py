@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from nestor.models import remat_names
+from nestor.models import lora_names, remat_names
 from nestor.orchestrator.config import keys as config_keys
 from nestor.orchestrator.config.keys import FIELD_NAMES, YAML_NAMES, Key, hints, key
 from nestor.orchestrator.errors import ConfigError
@@ -241,6 +241,21 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int = key(0, "LoRA adapters of this rank on lora.targets, the rest of the model frozen (no optimizer "
+                    "state); 0 = full fine-tuning (docs/finetune.md)", minimum=0)
+    alpha: float = key(16.0, "the adapters' update is scaled by alpha / rank", above=0)
+    targets: tuple[str, ...] = key(("query", "key", "value", "out", "gate", "up", "down"),
+                                   "the adapted weights: query key value out (attention), gate up down (MLP, "
+                                   "shared experts), expert_gate expert_up expert_down (routed experts); peft's "
+                                   "q_proj ... down_proj too", choices=lora_names.ALL)
+    dropout: float = key(0.0, "dropout on the adapters' inputs in training", minimum=0, below=1)
+    init_from: str | None = key(None, "a PEFT LoRA adapter directory (adapter_config.json, "
+                                "adapter_model.safetensors) to start from; its rank, alpha and targets replace "
+                                "the keys above")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
@@ -305,6 +320,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
+    lora: LoraSection = LoraSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()

@@ -5,6 +5,10 @@ nested dict of arrays with layers stacked `[layers, ...]`: the one canonical
 layout checkpoints store, whatever the mesh. A model with auxiliary-loss-free
 MoE balancing adds `"expert_bias"`: its `ExpertBias` variables, laid out as
 the params are, which the step moves and the optimizer never sees.
+
+With LoRA (models.lora) the params hold the frozen base and its adapters; only
+the adapters (`StateLayout.trained`) have gradients and optimizer state, and
+only they are checkpointed: a restore reads the base again (`with_base`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.models import axes, task
+from nestor.models.lora import Adapter
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
@@ -54,11 +59,54 @@ class StateLayout:
     optimizer: optax.GradientTransformation
     update_shardings: dict | None = None  # params tree: where each share of a parameter is updated (None: as held)
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
+    trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
 
     def update_shares(self, tree: dict) -> dict:
-        """Returns the params-like `tree` constrained to where the optimizer updates it (`update_shardings`),
-        or `tree` itself when the update is not sharded (call inside a jitted function)."""
-        return tree if self.update_shardings is None else jax.lax.with_sharding_constraint(tree, self.update_shardings)
+        """Returns the params-like `tree` (all params or the trained ones) constrained to where the optimizer
+        updates it (`update_shardings`), or `tree` itself when the update is not sharded (call inside a
+        jitted function)."""
+        if self.update_shardings is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, subtree(self.update_shardings, tree))
+
+    def trained_part(self, params: dict) -> dict:
+        """Returns the part of the params tree `params` that trains: the adapters with LoRA, else all."""
+        return params if self.trained is None else subtree(params, self.trained)
+
+    @property
+    def saved(self) -> dict:
+        """Returns the abstract tree a checkpoint holds: the state, of the params the trained ones only."""
+        return self.saved_part(self.abstract)
+
+    def saved_part(self, state: dict) -> dict:
+        """Returns what a checkpoint keeps of `state` (or an abstract one): the base of a LoRA run is left to
+        its source (model.init_from, or run.seed)."""
+        return {**state, "params": self.trained_part(state["params"])}
+
+
+def subtree(tree: dict, template: dict) -> dict:
+    """Returns the part of the nested dict `tree` at the keys of `template` (a subtree of it)."""
+    return {key: subtree(tree[key], value) if isinstance(value, dict) else tree[key] for key, value in template.items()}
+
+
+def joined(tree: dict, part: dict) -> dict:
+    """Returns a copy of the nested dict `tree` with the leaves of `part` (a subtree of it) in place of its own."""
+    return {key: (joined(value, part[key]) if isinstance(value, dict) else part[key]) if key in part else value
+            for key, value in tree.items()}
+
+
+def _adapters(state: nnx.State, logical: dict) -> dict | None:
+    """Returns the logical-axes tree of the model's LoRA adapters (models.lora.Adapter), or None without."""
+    paths = [tuple(path) for path, var in nnx.to_flat_state(state) if isinstance(var, Adapter)]
+    if not paths:
+        return None
+    trained: dict = {}
+    for path in paths:
+        node, source = trained, logical
+        for part in path[:-1]:
+            node, source = node.setdefault(part, {}), source[part]
+        node[path[-1]] = source[path[-1]]
+    return trained
 
 
 def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
@@ -240,8 +288,10 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     if checked:
         logical = _unpipelined_stacks_whole(config, abstract_model, logical)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
-    optimizer = make_optimizer(config, logical)
-    opt_shape = jax.eval_shape(optimizer.init, params_shape)
+    trained = _adapters(abstract_params, logical)
+    trained_logical = logical if trained is None else trained
+    optimizer = make_optimizer(config, trained_logical)
+    opt_shape = jax.eval_shape(optimizer.init, subtree(params_shape, trained_logical))
 
     param_shardings = tree_shardings(logical, mesh, rules)
     update_shardings = None
@@ -251,7 +301,8 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     replicated = NamedSharding(mesh, PartitionSpec())
     # the moments live where their parameter is updated: sharded with it under `optimizer.shard_update`
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, opt_shape, update_shardings or param_shardings,
+        optimizer, lambda _, sharding: sharding, opt_shape, subtree(update_shardings or param_shardings,
+                                                                    trained_logical),
         transform_non_params=lambda _: replicated,
     )
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
@@ -262,32 +313,80 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         shapes["expert_bias"] = bias_shape
         bias_update_rate = _bias_update_rate(abstract_bias)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate)
+    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
+                       trained)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
     """Returns the train state initialised directly into its shardings (no full copy anywhere): fresh
     parameters, or with `model.init_from` a Hugging Face checkpoint's (orchestrator.hf.load), each process
-    reading only its slices; the optimizer starts fresh either way."""
-    if config.model.init_from:
-        params, _ = load_params(config, layout.abstract["params"])
+    reading only its slices, and with `lora.init_from` a PEFT adapter's (orchestrator.hf.peft); the
+    optimizer starts fresh either way."""
+    loaded = _loaded(config, layout)
 
-        def from_params(params: dict) -> dict:
-            state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
-            if "expert_bias" in layout.shardings:  # auxiliary-loss-free balancing starts unbiased
-                state["expert_bias"] = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype),
-                                                    layout.abstract["expert_bias"])
-            return state
-
-        return jax.jit(from_params, out_shardings=layout.shardings, donate_argnums=0)(params)
-
-    def init() -> dict:
+    def init(loaded: dict) -> dict:
         _, bias, params = split_model(build_model(config, config.run.seed))
-        params = nnx.to_pure_dict(params)
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
+        params = joined(nnx.to_pure_dict(params), loaded)  # what was loaded is not initialised (XLA drops it)
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": layout.optimizer.init(layout.trained_part(params))}
         return {**state, "expert_bias": nnx.to_pure_dict(bias)} if "expert_bias" in layout.shardings else state
 
-    return jax.jit(init, out_shardings=layout.shardings)()
+    return jax.jit(init, out_shardings=layout.shardings, donate_argnums=0)(loaded)
+
+
+def _loaded(config: Config, layout: StateLayout, base_only: bool = False) -> dict:
+    """Returns the params read from `model.init_from` (the base) and, unless `base_only`, `lora.init_from`
+    (the adapters), laid out as `layout` holds them; {} where neither is set."""
+    loaded: dict = {}
+    if config.model.init_from:
+        base = layout.abstract["params"]
+        if layout.trained is not None:  # the checkpoint holds no adapters
+            base = _without(base, layout.trained)
+        loaded, _ = load_params(config, base)
+    if config.lora.init_from and not base_only and layout.trained is not None:
+        from nestor.orchestrator.hf.peft import load_adapters
+
+        loaded = _merged(loaded, load_adapters(config, subtree(layout.abstract["params"], layout.trained)))
+    return loaded
+
+
+def _without(tree: dict, part: dict) -> dict:
+    """Returns the nested dict `tree` without the leaves of `part` (nor dicts left empty)."""
+    result = {}
+    for key, value in tree.items():
+        if key not in part:
+            result[key] = value
+        elif isinstance(value, dict) and isinstance(part[key], dict):
+            if rest := _without(value, part[key]):
+                result[key] = rest
+    return result
+
+
+def _merged(first: dict, second: dict) -> dict:
+    """Returns the union of two nested dicts with disjoint leaves."""
+    result = dict(first)
+    for key, value in second.items():
+        result[key] = _merged(result[key], value) if key in result and isinstance(value, dict) else value
+    return result
+
+
+def initial_params(config: Config, layout: StateLayout, base_only: bool = False) -> dict:
+    """Returns the params a fresh run starts from, laid out as `layout` holds them: those read from
+    `model.init_from` and `lora.init_from` (not with `base_only`), the rest initialised from run.seed."""
+    def params(loaded: dict) -> dict:
+        _, _, params = split_model(build_model(config, config.run.seed))
+        return joined(nnx.to_pure_dict(params), loaded)  # what was loaded is not initialised (XLA drops it)
+
+    return jax.jit(params, out_shardings=layout.shardings["params"], donate_argnums=0)(
+        _loaded(config, layout, base_only))
+
+
+def with_base(config: Config, layout: StateLayout, saved: dict) -> dict:
+    """Returns the whole state of a checkpoint's `saved` one (`StateLayout.saved`): a LoRA run's frozen
+    base read again from `model.init_from` (or initialised from run.seed without one) under its adapters."""
+    if layout.trained is None:
+        return saved
+    return {**saved, "params": joined(initial_params(config, layout, base_only=True), saved["params"])}
 
 
 def per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:

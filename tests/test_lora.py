@@ -1,0 +1,177 @@
+"""LoRA: adapters laid out as the weights they adapt, a frozen base, and training on any mesh that matches
+one device."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.evaluation.commands import logits_of
+from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.state import init_state
+from nestor.orchestrator.loader import config as config_lib
+from tests.conftest import TINY
+from tests.helpers import ONE_DEVICE, assert_same_training, equations, mesh_overrides, run, run_fresh
+
+LORA = ("lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2")
+MOE_DROPLESS = ("moe.num_experts=4", "moe.every=2", "moe.capacity_factor=0",
+                "lora.targets=[query,value,gate,expert_gate,expert_up,expert_down]")
+
+
+def load(run_dir, *overrides):
+    return config_lib.load(None, [*TINY, "model.num_kv_heads=4", *LORA, f"run.dir={run_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """Returns runs(*overrides) -> the one-device LoRA run of those overrides, trained once each."""
+    cache = {}
+
+    def runs(*overrides):
+        if overrides not in cache:
+            cache[overrides] = run_fresh(load(tmp_path_factory.mktemp("one"), *overrides).replace(**ONE_DEVICE))
+        return cache[overrides]
+
+    return runs
+
+
+def flat(tree) -> dict:
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_adapters_take_their_weights_logical_names_and_only_they_have_optimizer_state(tmp_path):
+    job = build_job(load(tmp_path).replace(**mesh_overrides(fsdp=4, tensor=2)), with_data=False)
+    shardings = flat(job.layout.shardings["params"])
+    spec = {name: tuple(sharding.spec) + (None,) * 4 for name, sharding in shardings.items()}
+    # A [layers, in..., rank] and B [layers, rank, out...]: split as the weight's in and out dims, rank whole
+    assert spec["blocks/attention/query"][:4] == ("pipeline", "fsdp", "tensor", None)
+    assert spec["blocks/attention/query_lora/a"][:3] == ("pipeline", "fsdp", None)
+    assert spec["blocks/attention/query_lora/b"][:4] == ("pipeline", None, "tensor", None)
+    assert spec["blocks/attention/out_lora/a"][:4] == ("pipeline", "tensor", None, None)
+    assert spec["blocks/attention/out_lora/b"][:3] == ("pipeline", None, "fsdp")
+    assert spec["blocks/mlp/down_lora/a"][:3] == ("pipeline", "tensor", None)
+    assert spec["blocks/mlp/down_lora/b"][:3] == ("pipeline", None, "fsdp")
+    trained = set(flat(job.layout.trained_part(job.layout.shardings["params"])))
+    assert trained == {name for name in shardings if "_lora/" in name}
+    assert len(trained) == 2 * 7  # q, k, v, o, gate, up, down: A and B each
+    moments = [leaf.shape for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]) if leaf.ndim]
+    adapters = [leaf.shape for leaf in jax.tree.leaves(job.layout.trained_part(job.layout.abstract["params"]))]
+    assert sorted(moments) == sorted(adapters * 2)  # Adam's two moments of each adapter, nothing of the base
+
+
+def test_the_gradient_step_computes_no_weight_gradient_of_the_base(tmp_path):
+    from nestor.orchestrator.job.step import make_grad_fn
+
+    job = build_job(load(tmp_path).replace(**ONE_DEVICE), with_data=False)
+    params = job.layout.abstract["params"]
+    grad_fn = make_grad_fn(job.config, job.layout, job.mesh, job.rules, job.backend)
+    tokens = jax.ShapeDtypeStruct((16, 33), np.int32)
+    jaxpr = jax.make_jaxpr(lambda trained, frozen, batch: grad_fn(trained, batch, frozen=frozen))(
+        job.layout.trained_part(params), params, {"tokens": tokens})
+    base_shapes = {leaf.shape[1:] for name, leaf in flat(params["blocks"]).items() if "_lora" not in name}
+    products = {tuple(eq.outvars[0].aval.shape) for eq in equations(jaxpr.jaxpr, "dot_general")}
+    assert (64, 4, 16) in base_shapes and (128, 64) in base_shapes  # the query and down weights per layer
+    assert not products & base_shapes, "a product the size of a base weight: its gradient"
+    assert (64, 4) in products  # the gradient of an adapter's A [embed, rank]
+
+
+def test_lora_trains_the_adapters_alone_and_starts_from_the_base(one_device, tmp_path):
+    result = one_device()
+    full = run_fresh(config_lib.load(None, [*TINY, "model.num_kv_heads=4", "train.steps=1",
+                                            f"run.dir={tmp_path}"]).replace(**ONE_DEVICE))
+    # B starts at zero: the first loss is the base model's
+    np.testing.assert_allclose(result.losses[0], full.losses[0], rtol=1e-6)
+    trained, start = flat(result.state["params"]), flat(full.state["params"])
+    init = build_job(load(tmp_path).replace(**ONE_DEVICE), with_data=False)
+    initial = flat(init_state(init.config, init.layout)["params"])
+    for name, value in trained.items():
+        if "_lora/" in name:
+            continue
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(initial[name]), err_msg=name)
+    moved = [name for name in trained if name.endswith("_lora/b") and np.abs(np.asarray(trained[name])).max() > 0]
+    assert len(moved) == 7
+    assert set(start) == {name for name in trained if "_lora/" not in name}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, degrees, overrides", [
+    ("fsdp4_tensor2", dict(fsdp=4, tensor=2), ()),
+    ("data2_fsdp2_tensor2_accum2", dict(data=2, fsdp=2, tensor=2), ("train.grad_accum=2",)),
+    ("pipeline2_data2_tensor2_1f1b", dict(pipeline=2, data=2, tensor=2),
+     ("pipeline.microbatches=4", "pipeline.schedule=1f1b")),
+    ("pipeline2_fsdp4_gpipe", dict(pipeline=2, fsdp=4), ("pipeline.microbatches=4",)),
+])
+def test_lora_training_on_a_mesh_matches_one_device(name, degrees, overrides, one_device, tmp_path):
+    model_overrides = tuple(o for o in overrides if o.startswith("model."))
+    result = run_fresh(load(tmp_path, *overrides).replace(**mesh_overrides(**degrees)))
+    assert_same_training(result, one_device(*model_overrides))
+
+
+@pytest.mark.slow
+def test_lora_on_dropless_experts_under_expert_parallelism_matches_one_device(one_device, tmp_path):
+    result = run_fresh(load(tmp_path, *MOE_DROPLESS).replace(**mesh_overrides(expert=4, data=2)))
+    reference = one_device(*MOE_DROPLESS)
+    assert_same_training(result, reference)
+    experts = flat(result.state["params"])["blocks/expert_layer/mlp/gate_lora/a"]
+    assert experts.shape == (2, 4, 64, 4)  # [units, experts, embed, rank]
+    assert tuple(experts.sharding.spec)[:2] == ("pipeline", "expert")
+
+
+@pytest.mark.slow
+def test_lora_resume_is_exact_on_another_mesh_and_checkpoints_hold_the_adapters_alone(tmp_path):
+    import orbax.checkpoint as ocp
+
+    from nestor.orchestrator.checkpoint.files import checkpoint_dir
+
+    reference = run(load(tmp_path / "reference", "train.steps=4", "optimizer.decay_steps=4"))
+    first = run(load(tmp_path / "run", "train.steps=2", "optimizer.decay_steps=4", "checkpoint.every=2"))
+    saved = ocp.StandardCheckpointHandler().metadata(checkpoint_dir(tmp_path / "run") / "2" / "state")
+    saved_params = flat(saved.item_metadata["params"] if hasattr(saved, "item_metadata") else saved["params"])
+    assert saved_params and all("_lora/" in name for name in saved_params)
+    second = run(load(tmp_path / "run", "train.steps=4", "optimizer.decay_steps=4").replace(
+        **mesh_overrides(fsdp=4, tensor=2)))
+    assert second.first_step == 2
+    np.testing.assert_allclose(first.losses + second.losses, reference.losses, rtol=1e-5)
+    assert_same_training(second, dataclasses.replace(reference, losses=reference.losses[2:]))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("lora.targets=[]",), "lora.targets"),
+    (("lora.targets=[expert_up]",), "lora.targets"),
+    (("lora.targets=[qkv]",), "lora.targets"),
+    (("lora.dropout=1.0",), "lora.dropout"),
+])
+def test_lora_config_errors_name_their_key(overrides, key, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        build_job(load(tmp_path, *overrides), with_data=False)
+    assert key in str(error.value)
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf"
+
+
+def fixture_config(run_dir, *overrides):
+    return config_lib.load(None, [f"model.init_from={FIXTURES / 'llama3-chat'}",
+                                  f"lora.init_from={FIXTURES / 'llama3-lora'}", f"run.dir={run_dir}", *overrides])
+
+
+@pytest.mark.parametrize("mesh", [("cluster.devices_per_host=1",), ("mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2")],
+                         ids=["one device", "fsdp2 x tensor2 x data2"])
+def test_a_peft_adapter_on_its_base_gives_the_logits_peft_computes(mesh, tmp_path):
+    want = dict(np.load(FIXTURES / "llama3-lora" / "reference.npz"))
+    config = fixture_config(tmp_path, *mesh)
+    assert (config.lora.rank, config.lora.alpha) == (4, 8.0)  # from adapter_config.json
+    logits, _ = logits_of(config, want["input_ids"])
+    scale = np.max(np.abs(want["logits_with_adapter"]))
+    assert np.max(np.abs(logits - want["logits_with_adapter"])) / scale < 1e-4
+    assert np.max(np.abs(logits - want["logits_base"])) / scale > 0.1  # the adapter changes them
+
+
+def test_an_adapter_config_that_conflicts_with_the_lora_keys_is_named(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        fixture_config(tmp_path, "lora.rank=8")
+    assert "lora.rank" in str(error.value) and "adapter_config.json" in str(error.value)
