@@ -84,11 +84,34 @@ class LowRank(nnx.Module):
 
     def delta(self) -> jax.Array:
         """Returns the merged update scale * A B [lead..., in..., out...] in float32."""
-        a, b = self.a[...], self.b[...]
-        rank, lead = a.shape[-1], self.lead_dims
-        lead_shape, in_shape, out_shape = a.shape[:lead], a.shape[lead:-1], b.shape[lead + 1:]
-        flat = jnp.einsum("...ir,...ro->...io", a.reshape(*lead_shape, -1, rank), b.reshape(*lead_shape, rank, -1))
-        return self.scale * flat.reshape(*lead_shape, *in_shape, *out_shape)
+        return update(self.a[...], self.b[...], self.scale, self.lead_dims)
+
+
+def update(a: jax.Array, b: jax.Array, scale: float, lead: int) -> jax.Array:
+    """Returns scale * A B [lead..., in..., out...] of factors A [lead..., in..., rank] and B [lead..., rank,
+    out...] whose first `lead` dimensions (stacked layers, experts) pair up."""
+    rank, lead_shape = a.shape[-1], a.shape[:lead]
+    in_shape, out_shape = a.shape[lead:-1], b.shape[lead + 1:]
+    flat = jnp.einsum("...ir,...ro->...io", a.reshape(*lead_shape, -1, rank), b.reshape(*lead_shape, rank, -1))
+    return scale * flat.reshape(*lead_shape, *in_shape, *out_shape)
+
+
+def merged_tree(params: dict, scale: float) -> dict:
+    """Returns a params tree (nested dicts) with every adapter (`<weight>_lora`: {a, b}) merged into the
+    weight beside it and dropped: the model that computes what the adapted one does, without adapters."""
+    result = {}
+    for name, value in params.items():
+        if name.endswith(SUFFIX):
+            continue
+        low_rank = params.get(name + SUFFIX)
+        if isinstance(value, dict):
+            result[name] = merged_tree(value, scale)
+        elif low_rank is None:
+            result[name] = value
+        else:
+            a, b = low_rank["a"], low_rank["b"]
+            result[name] = value + update(a, b, scale, a.ndim + b.ndim - 2 - value.ndim)
+    return result
 
 
 def adapter(cfg: LoraConfig, rngs: nnx.Rngs, target: str, inputs: tuple[tuple[int, str], ...],

@@ -2,6 +2,7 @@
 one device."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -175,3 +176,62 @@ def test_an_adapter_config_that_conflicts_with_the_lora_keys_is_named(tmp_path):
     with pytest.raises(ConfigError) as error:
         fixture_config(tmp_path, "lora.rank=8")
     assert "lora.rank" in str(error.value) and "adapter_config.json" in str(error.value)
+
+
+def saved_at_step_0(config) -> None:
+    """Saves the freshly imported state as checkpoint 0 of config.run.dir, the source's files kept beside."""
+    from nestor.orchestrator.checkpoint.owner import Checkpointer
+    from nestor.orchestrator.hf.load import keep_source_files
+
+    layout = build_job(config, with_data=False).layout
+    saver = Checkpointer(config, layout, log=lambda *_: None)
+    saver.save(0, init_state(config, layout), {"next_step": 0}, force=True)
+    saver.close()
+    keep_source_files(config)
+
+
+def test_an_imported_adapter_exports_as_the_same_peft_tensors_and_config(tmp_path):
+    from safetensors.numpy import load_file
+
+    from nestor.orchestrator.commands.hf_export import export
+
+    config = fixture_config(tmp_path / "run", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2")
+    saved_at_step_0(config)
+    written = export(config, tmp_path / "out", adapters=True)
+    source = FIXTURES / "llama3-lora"
+    got, want = load_file(tmp_path / "out" / "adapter_model.safetensors"), load_file(source / "adapter_model.safetensors")
+    assert written.tensors == len(want) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert sorted(got) == sorted(want)
+    for name, values in want.items():
+        np.testing.assert_array_equal(got[name], values, err_msg=name)
+    got_config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    want_config = json.loads((source / "adapter_config.json").read_text())
+    assert set(got_config["target_modules"]) == set(want_config["target_modules"])
+    differing = {key for key in got_config if key != "target_modules" and got_config[key] != want_config.get(key, "-")}
+    assert differing == set()
+    assert len(got_config) >= 25  # peft's keys, not a few of them
+
+
+def test_a_lora_run_exports_merged_weights_with_the_logits_of_the_adapted_model(tmp_path):
+    from nestor.orchestrator.commands.hf_export import export
+
+    config = fixture_config(tmp_path / "run", "cluster.devices_per_host=1")
+    saved_at_step_0(config)
+    export(config, tmp_path / "merged")
+    want = dict(np.load(FIXTURES / "llama3-lora" / "reference.npz"))
+    merged = config_lib.load(None, [f"model.init_from={tmp_path / 'merged'}", f"run.dir={tmp_path / 'again'}",
+                                    "cluster.devices_per_host=1"])
+    assert merged.lora.rank == 0
+    logits, _ = logits_of(merged, want["input_ids"])
+    scale = np.max(np.abs(want["logits_merged"]))
+    assert np.max(np.abs(logits - want["logits_merged"])) / scale < 1e-4
+
+
+def test_adapters_export_needs_a_lora_run(tmp_path):
+    from nestor.orchestrator.commands.hf_export import export
+
+    config = config_lib.load(None, [f"model.init_from={FIXTURES / 'llama3-chat'}", f"run.dir={tmp_path / 'run'}",
+                                    "cluster.devices_per_host=1"])
+    with pytest.raises(ConfigError) as error:
+        export(config, tmp_path / "out", adapters=True)
+    assert "--adapters" in str(error.value)

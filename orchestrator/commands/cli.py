@@ -155,8 +155,10 @@ def _export(args) -> int:
 
     config = export_config(args)
     configure_jax(config)
-    written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb)
-    print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {written.files} "
+    written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb,
+                     adapters=args.adapters)
+    what = "adapters" if args.adapters else ("adapters merged, " if config.lora.rank else "")
+    print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {what}{written.files} "
           f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
     for note in written.notes:
         print(f"note: {note}")
@@ -340,6 +342,8 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=_non_negative_int, help="the checkpoint (default: the newest)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the tensors' dtype")
     export.add_argument("--max-shard-gb", type=_positive(float), default=5.0, help="the most GB per file")
+    export.add_argument("--adapters", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter "
+                        "directory (adapter_config.json, adapter_model.safetensors) instead of merging them")
     export.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                         help="overrides of the run's config (a mesh that fits the devices here)")
     export.set_defaults(handler=_export)
