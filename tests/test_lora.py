@@ -235,3 +235,25 @@ def test_adapters_export_needs_a_lora_run(tmp_path):
     with pytest.raises(ConfigError) as error:
         export(config, tmp_path / "out", adapters=True)
     assert "--adapters" in str(error.value)
+
+
+def test_a_lora_checkpoint_refuses_a_base_other_than_the_one_its_adapters_adapt(tmp_path):
+    import shutil
+
+    from nestor.orchestrator.checkpoint.reader import restore_state
+
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "llama3-chat", base)
+    config = config_lib.load(None, [f"model.init_from={base}", f"lora.init_from={FIXTURES / 'llama3-lora'}",
+                                    f"run.dir={tmp_path / 'run'}", "cluster.devices_per_host=1"])
+    saved_at_step_0(config)
+    layout = build_job(config, with_data=False).layout
+    step, state = restore_state(config, layout)  # the same base: restored, the base read again under the adapters
+    assert step == 0 and "query" in state["params"]["blocks"]["attention"]
+    weights = base / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = np.float32(0.5).tobytes()  # the last weight of the file changed
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError) as error:
+        restore_state(config, layout)
+    assert "model.init_from" in str(error.value) and "fingerprint" in str(error.value)

@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from nestor.orchestrator.checkpoint.files import (ITEMS, RECORD, TEMPORARY, finalized_steps,
                                                   quarantine, quarantine_incomplete)
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, records, write_manifest, written_by
-from nestor.orchestrator.checkpoint.reader import CheckpointReader
+from nestor.orchestrator.checkpoint.reader import BASE, CheckpointReader
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.processes import (VERDICT_TIMEOUT_S, every_process_says, received_by_process_0,
@@ -338,7 +338,8 @@ class Checkpointer:
                                   config=ocp.args.JsonSave(self.config.to_dict()))
         self.in_flight = step
         try:
-            record = {"manifest": MANIFEST, **({"health": health} if health else {})}
+            record = {"manifest": MANIFEST, **({"health": health} if health else {}),
+                      **({BASE: self.reader.base_fingerprint} if self.layout.trained is not None else {})}
             saved = self.manager.save(step, args=args, force=True, custom_metadata={RECORD: record})
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:

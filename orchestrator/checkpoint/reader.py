@@ -13,6 +13,7 @@ reader's checks and decides with every process which step restores.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from nestor.orchestrator.checkpoint.files import (ITEMS, METADATA_FILE, RECORD, 
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
+from nestor.orchestrator.hf.load import fingerprint
 from nestor.orchestrator.job.state import StateLayout, with_base
 from nestor.orchestrator.paths import shown
 
@@ -106,6 +108,9 @@ def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLa
     raise ConfigError(problems)
 
 
+BASE = "base"  # a LoRA checkpoint's record: the fingerprint of the base its adapters adapt
+
+
 class CheckpointReader:
     """Reads a run's checkpoints one step at a time from the step's own files, through Orbax's item
     handlers: no manager (which reads every step's metadata when it opens, and fails on one being
@@ -147,6 +152,18 @@ class CheckpointReader:
                      "synchronous save cut off before it); restored without checking its files")
         _check_fits(ocp.StandardCheckpointHandler().metadata(step_dir / "state"), self.saved_config(step), self.config,
                     self.layout, step_dir)
+        saved_base = self.record(step).get(BASE)
+        if self.layout.trained is not None and saved_base and saved_base != self.base_fingerprint:
+            was = self.saved_config(step)["model"].get("init_from") or "run.seed"
+            now = self.config.model.init_from or "run.seed"
+            raise ConfigError([("model.init_from", f"{shown(step_dir)} holds LoRA adapters of a base of fingerprint "
+                                                   f"{saved_base} ({was}); {now} is {self.base_fingerprint}: name "
+                                                   "the base they adapt")])
+
+    @functools.cached_property
+    def base_fingerprint(self) -> str:
+        """Returns the fingerprint of the base a LoRA run adapts (orchestrator.hf.load.fingerprint)."""
+        return fingerprint(self.config)
 
     def read(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step`, the state laid out for the current mesh."""
