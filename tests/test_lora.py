@@ -257,3 +257,21 @@ def test_a_lora_checkpoint_refuses_a_base_other_than_the_one_its_adapters_adapt(
     with pytest.raises(ConfigError) as error:
         restore_state(config, layout)
     assert "model.init_from" in str(error.value) and "fingerprint" in str(error.value)
+
+
+def test_explain_counts_trainable_and_frozen_parameters_and_measures_memory_against_full_fine_tuning(tmp_path):
+    from nestor.orchestrator.commands.explain import explain, format_report
+
+    config = load(tmp_path).replace(**mesh_overrides(fsdp=4, tensor=2))
+    report = explain(config)
+    lora = report["lora"]
+    d, h, k, m, layers, rank = 64, 4, 16, 128, 4, 4
+    per_layer = rank * ((d + h * k) * 4 + (d + m) * 3)  # q, k, v (kv_heads 4), o; gate, up, down: A and B
+    assert lora["trainable_params"] == layers * per_layer
+    assert lora["frozen_params"] + lora["trainable_params"] == report["param_count"]
+    full, saved = lora["full_fine_tuning_per_device_bytes"], lora["saved_per_device_bytes"]
+    ours = report["memory_per_device_bytes"]
+    assert full["optimizer"] - saved["optimizer"] == ours["optimizer"]
+    assert ours["optimizer"] < full["optimizer"] / 3  # the adapters' moments alone (rank 4 of 64 is 8% here)
+    assert saved["peak_estimate"] > 0
+    assert "trainable parameters" in format_report(report)
