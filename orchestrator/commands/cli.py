@@ -157,7 +157,7 @@ def _export(args) -> int:
     configure_jax(config)
     written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb,
                      adapters=args.adapters)
-    what = "adapters" if args.adapters else ("adapters merged, " if config.lora.rank else "")
+    what = "adapters, " if args.adapters else ("adapters merged, " if config.lora.rank else "")
     print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {what}{written.files} "
           f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
     for note in written.notes:
