@@ -11,9 +11,12 @@ experts, whose grouped matmuls take one weight per expert, add the merged update
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import zlib
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -121,11 +124,25 @@ def adapter(cfg: LoraConfig, rngs: nnx.Rngs, target: str, inputs: tuple[tuple[in
     return LowRank(cfg, rngs, target, inputs, outputs, lead) if cfg.adapts(target) else None
 
 
+_off: contextvars.ContextVar[bool] = contextvars.ContextVar("adapters_off", default=False)
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+    """Runs the models traced inside the block as their base: every adapter left out (DPO's reference)."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
 def adapted(x: jax.Array, base: jax.Array, low_rank: LowRank | None) -> jax.Array:
-    """Returns the projection `base` (x W) plus the adapter's update of `x` when there is one."""
-    return base if low_rank is None else base + low_rank(x).astype(base.dtype)
+    """Returns the projection `base` (x W) plus the adapter's update of `x` when there is one (and adapters
+    are on)."""
+    return base if low_rank is None or _off.get() else base + low_rank(x).astype(base.dtype)
 
 
 def merged(weight: jax.Array, low_rank: LowRank | None) -> jax.Array:
-    """Returns `weight` with the adapter's merged update added when there is one (float32)."""
-    return weight if low_rank is None else weight + low_rank.delta()
+    """Returns `weight` with the adapter's merged update added when there is one (and adapters are on)."""
+    return weight if low_rank is None or _off.get() else weight + low_rank.delta()

@@ -20,7 +20,8 @@ from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.job.state import param_table, per_device_bytes
-from nestor.orchestrator.job.step import make_loss_fn, make_train_step, pipeline_schedule, stack_runners
+from nestor.orchestrator.job.step import (make_loss_fn, make_train_step, objective_of, pipeline_schedule,
+                                          stack_runners)
 from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
 
 
@@ -74,7 +75,7 @@ def ops_called(job: Job) -> set[str]:
     """Returns the ops (models.ops) the model's forward pass calls, traced abstractly: those of the backend's
     choices that apply to the model."""
     loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
-                           stack_runners(job.config, job.mesh, job.rules, job.backend))
+                           stack_runners(job.config, job.mesh, job.rules, job.backend), objective=objective_of(job.config))
     abstract = job.layout.abstract
     key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
     with ops.recording() as called:  # a fresh function: traced anew, never a cached trace

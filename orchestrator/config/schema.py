@@ -99,6 +99,9 @@ class TrainConfig:
     seq_len: int = key(64, "tokens per sequence", **_POSITIVE)
     grad_accum: int = key(1, "micro-batches accumulated into one optimizer step", **_POSITIVE)
     log_every: int = key(1, "write metrics every N steps", **_POSITIVE)
+    objective: str = key("lm", "what the step minimises: lm (the model's loss: next-token, weighted on chat data) | "
+                         "dpo (DPO on preference pairs prepared by nestor data prepare: dpo.beta; needs lora.rank, "
+                         "whose base is the reference)", choices=("lm", "dpo"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +259,12 @@ class LoraSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DpoSection:
+    beta: float = key(0.1, "train.objective=dpo: how far the policy may move from the reference (DPO's beta)",
+                      above=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
@@ -321,6 +330,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
     lora: LoraSection = LoraSection()
+    dpo: DpoSection = DpoSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()

@@ -27,7 +27,8 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.state import StateLayout
-from nestor.orchestrator.job.step import backend_for, constrain_batch, make_loss_fn, micro_batches, stack_runners
+from nestor.orchestrator.job.step import (backend_for, constrain_batch, make_loss_fn, micro_batches, objective_of,
+                                          stack_runners)
 from nestor.orchestrator.loader.validation import eval_problems
 from nestor.parallel.rules import Rules, activation_constrainer
 
@@ -78,7 +79,8 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
     bias balancing); with train.grad_accum > 1 the batch runs in that many micro-batches, as in training.
     `backend` defaults to `backend_for(config, mesh)`."""
     backend = backend or backend_for(config, mesh)
-    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend), train=False)
+    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend), train=False,
+                           objective=objective_of(config))
     constrain = activation_constrainer(mesh, rules)
     fields = eval_fields(config)
     accum = config.train.grad_accum

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend, BackendError, BackendRequest, backend_of_devices
 from nestor.models import ops, stack, task
+from nestor.models.dpo import preference_loss
 from nestor.models.axes import activation_sharding
 from nestor.models.moe import EXPERT_LOAD, expert_parallelism
 from nestor.models.stack import LayerFn, RematPolicy, StackRunner, scan_layers, unrolled_layers
@@ -84,20 +85,40 @@ def model_context(backend: Backend, mesh: Mesh, rules: Rules) -> Callable[[], co
     return context
 
 
+Objective = Callable[[nnx.Module, Batch], tuple[jax.Array, Metrics]]  # (model, batch) -> (loss, metrics)
+
+
+def objective_of(config: Config) -> Objective | None:
+    """Returns what the step minimises when it is not the model's own loss (`train.objective: dpo`: DPO on
+    preference pairs, models.dpo), else None."""
+    if config.train.objective != "dpo":
+        return None
+    beta = config.dpo.beta
+
+    def dpo(model: nnx.Module, batch: Batch) -> tuple[jax.Array, Metrics]:
+        def forward(tokens: jax.Array) -> jax.Array:
+            return model(tokens, train=task.training(), routing_key=task.step_key())[0]
+
+        return preference_loss(forward, batch, beta)
+
+    return dpo
+
+
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend,
                  runners: dict[str | None, StackRunner] | None = None,
-                 train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
+                 train: bool = True, objective: Objective | None = None) -> Callable[..., tuple[jax.Array, Metrics]]:
     """Returns loss(params, batch, key=None, expert_bias=None, frozen=None) -> (loss, metrics): the model's
     task contract (models.task) traced in `model_context(backend, mesh, rules)`, its stacks run by `runners`
     (models.stack; default: scans), `train=False` tracing it for evaluation, `key` the micro-batch's random
-    key; with `frozen` (all params) `params` are the trained ones (LoRA's adapters), put in its place."""
+    key; with `frozen` (all params) `params` are the trained ones (LoRA's adapters), put in its place;
+    `objective` (objective_of) replaces the model's loss."""
     context = model_context(backend, mesh, rules)
 
     def loss_fn(params: dict, batch: Batch, key: jax.Array | None = None,
                 expert_bias: dict | None = None, frozen: dict | None = None) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(layout.graphdef, expert_bias or {}, params if frozen is None else joined(frozen, params))
         with context(), stack.runners(runners or {}), task.step_info(train, key):
-            result = getattr(model, task.LOSS_METHOD)(batch)
+            result = objective(model, batch) if objective else getattr(model, task.LOSS_METHOD)(batch)
         return checked_loss(model, result)
 
     return loss_fn
@@ -196,7 +217,8 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
     backend = backend or backend_for(config, mesh)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:
-        loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend))
+        loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend),
+                               objective=objective_of(config))
         return jax.value_and_grad(loss_fn, has_aux=True)
     policy = backend.compiled_here().remat_policy()
     other_stacks = {None: layer_runner(config, policy)}  # the stacks outside the pipeline: on every stage

@@ -194,6 +194,13 @@ TOKENS_KEY = "train.global_batch, train.seq_len"
 def _lora_problems(config: Config) -> list[tuple[str, str]]:
     """Returns the problems of the `lora` keys: adapters on nothing, or on experts a dense model lacks."""
     section = config.lora
+    if config.train.objective == "dpo":
+        if not section.rank:
+            return [("lora.rank", "train.objective=dpo takes its reference as the base with the adapters off: set "
+                                  "lora.rank (a frozen full copy of the model is not supported)")]
+        if config.pipeline.schedule not in ("gpipe", "circular") and config.mesh.pipeline != 1:
+            return [("pipeline.schedule", f"train.objective=dpo runs under gpipe or circular; "
+                                          f"{config.pipeline.schedule} runs the model's own loss in its loop")]
     if not section.rank:
         return []
     targets = lora_names.canonical(section.targets)
@@ -245,9 +252,13 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
     """data.mixture is for prepared token shards; each entry is {paths: [dirs], weight: w > 0}; the
     tokens source needs directories from data.paths or data.mixture."""
     data = config.data
+    if config.train.objective == "dpo":
+        return [] if data.source == "arrays" else [
+            ("data.source", "train.objective=dpo reads preference pairs: data.source=arrays with data.paths the "
+                            ".npz files `nestor data prepare` writes from prompt/chosen/rejected JSONL")]
     if data.source in ARRAY_SOURCES:
         return [("data.source", "named arrays feed a model.class of your own; nestor's language model (model.class: "
-                                "lm) reads synthetic, text or tokens")]
+                                "lm) reads synthetic, text or tokens, and preference pairs with train.objective=dpo")]
     if data.mixture and data.source != "tokens":
         return [("data.mixture", f"mixes prepared token shards; set data.source=tokens (it is {data.source})")]
     if data.source == "tokens" and not data.paths and not data.mixture:

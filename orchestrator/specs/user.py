@@ -66,6 +66,9 @@ class UserModel(ModelSpec):
         if config.moe.num_experts:
             problems.append(("moe.num_experts", "the moe section configures nestor's language model; a model of your "
                                                 "own builds its expert layers itself (docs/models.md)"))
+        if config.train.objective != "lm":
+            problems.append(("train.objective", f"{config.train.objective} trains nestor's language model; a model "
+                                                "of your own returns its loss from loss(batch)"))
         if config.lora.rank:
             problems.append(("lora.rank", "LoRA adapts nestor's language model (model.class: lm); a model of your "
                                           "own can build models.lora adapters into its layers itself"))
