@@ -62,3 +62,64 @@ def test_dpo_needs_lora_and_preference_arrays(tmp_path):
     with pytest.raises(ConfigError) as error:
         fixture_config(tmp_path, "data.source=tokens")
     assert "data.source" in str(error.value)
+
+
+def fixture_records() -> list[dict]:
+    """Returns the fixture's pairs as preference records: the prompt's messages, each answer a message
+    whose text is its completion tokens decoded (the end of turn, the template's, left out)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(FIXTURES / "llama3-chat" / "tokenizer.json"))
+    records = []
+    for pair in PAIRS:
+        record = {"prompt": pair["prompt"]}
+        for side in ("chosen", "rejected"):
+            answer = [i for i, m in zip(pair[side]["input_ids"], pair[side]["completion_mask"]) if m][:-1]
+            record[side] = {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=False)}
+        records.append(record)
+    return records
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """Returns the directory of the fixture's pairs prepared as named arrays: 8 pairs (0, 1, 2, 0, 1, ...)."""
+    from nestor.orchestrator.data.preferences import prepare_preferences
+
+    directory = tmp_path_factory.mktemp("pairs")
+    records = fixture_records()
+    (directory / "pairs.jsonl").write_text("".join(json.dumps(records[i % 3]) + "\n" for i in range(8)))
+    written = prepare_preferences([directory / "pairs.jsonl"], str(FIXTURES / "llama3-chat" / "tokenizer.json"),
+                                  directory / "out", log=lambda *_: None)
+    return directory / "out", written
+
+
+def test_preference_records_prepare_as_transformers_tokenizes_them(prepared):
+    out, written = prepared
+    arrays = dict(np.load(out / "train.npz"))
+    longest = max(len(pair[side]["input_ids"]) for pair in PAIRS for side in ("chosen", "rejected"))
+    assert written["seq_len"] == longest - 1 and written["splits"] == {"train": 8, "eval": 0}
+    for row in range(8):
+        pair = PAIRS[row % 3]
+        for side in ("chosen", "rejected"):
+            ids, mask = pair[side]["input_ids"], pair[side]["completion_mask"]
+            np.testing.assert_array_equal(arrays[side][row, :len(ids)], ids)
+            np.testing.assert_array_equal(arrays[f"{side}_weights"][row, :len(ids) - 1], mask[1:])
+            assert not arrays[f"{side}_weights"][row, len(ids) - 1:].any()  # padding never weighs
+
+
+@pytest.mark.parametrize("mesh", [("cluster.devices_per_host=1",), ("mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2")],
+                         ids=["one device", "fsdp2 x tensor2 x data2"])
+def test_dpo_training_starts_at_transformers_loss_and_logs_its_rewards(prepared, mesh, tmp_path):
+    from tests.helpers import run_fresh
+
+    out, written = prepared
+    config = fixture_config(tmp_path, f"data.paths=[{out / 'train.npz'}]", f"train.seq_len={written['seq_len']}",
+                            "train.global_batch=8", "train.steps=3", "optimizer.lr=1e-3", "optimizer.warmup_steps=0",
+                            "optimizer.eps=1e-6", *mesh)
+    result = run_fresh(config)
+    rows = [PAIRS[i % 3]["loss"] for i in range(8)]  # one epoch: every pair once in the first batch
+    assert result.losses[0] == pytest.approx(float(np.mean(rows)), rel=1e-5)
+    assert result.losses[-1] < result.losses[0]  # the policy learns to prefer the chosen answers
+    logged = result.history[-1]
+    assert {"reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected"} <= set(logged)
+    assert 0.0 <= logged["reward_accuracy"] <= 1.0

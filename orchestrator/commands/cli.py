@@ -232,8 +232,22 @@ def _job_command(args) -> int:
 
 
 def _data_prepare(args) -> int:
-    from nestor.orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.data.prepare import Options, first_record, input_files, prepare
+    from nestor.orchestrator.data.preferences import SPLIT_FILES, is_preference_record, prepare_preferences
     from nestor.orchestrator.data.shards import VOCAB_MULTIPLE
+
+    files = input_files(args.sources, "SOURCE")
+    if is_preference_record(first_record(files[0])):  # DPO's pairs: named arrays
+        out = Path(args.out).expanduser().resolve()
+        written = prepare_preferences(files, args.tokenizer, out, args.eval_fraction, args.seq_len,
+                                      args.chat_template, args.separator)
+        for split, pairs in written["splits"].items():
+            if pairs:
+                print(f"{split}: {pairs:,} preference pairs of {written['seq_len'] + 1} tokens a side in "
+                      f"{shown(out / SPLIT_FILES[split])}")
+        print(f"train on it: nestor train CONFIG train.objective=dpo lora.rank=R data.source=arrays "
+              f"data.paths=[{shown(out / SPLIT_FILES['train'])}] train.seq_len={written['seq_len']}")
+        return 0
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,
@@ -309,6 +323,8 @@ def _data_parser(commands) -> None:
     prepare.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
                          help="chat data (JSONL of messages or prompt/completion): the template, a name (chatml) "
                               "or a .jinja file; default: the tokenizer's checkpoint's")
+    prepare.add_argument("--seq-len", type=_non_negative_int, default=0, help="preference pairs (prompt, chosen, "
+                         "rejected): tokens a side, less one (0: the longest pair's)")
     prepare.add_argument("--separator", type=_separator, default="eos",
                          help="the token id that ends each document, or eos: the tokenizer's end of text (bytes: 0)")
     prepare.set_defaults(handler=_data_prepare)
