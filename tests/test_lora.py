@@ -275,3 +275,24 @@ def test_explain_counts_trainable_and_frozen_parameters_and_measures_memory_agai
     assert ours["optimizer"] < full["optimizer"] / 3  # the adapters' moments alone (rank 4 of 64 is 8% here)
     assert saved["peak_estimate"] > 0
     assert "trainable parameters" in format_report(report)
+
+
+def test_lora_dropout_draws_from_the_steps_key_and_leaves_evaluation_alone(tmp_path):
+    from nestor.orchestrator.job.step import make_loss_fn
+
+    batch = {"tokens": np.arange(16 * 33, dtype=np.int32).reshape(16, 33) % 256}
+
+    def losses(dropout):  # -> loss(key, train)
+        job = build_job(load(tmp_path, f"lora.dropout={dropout}").replace(**ONE_DEVICE), with_data=False)
+        params = jax.tree.map(lambda leaf: leaf + 0.01, init_state(job.config, job.layout)["params"])  # B off 0
+        trained = job.layout.trained_part(params)
+        by_mode = {train: jax.jit(lambda key, fn=make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
+                                                              train=train): fn(trained, batch, key, frozen=params)[0])
+                   for train in (True, False)}
+        return lambda key, train=True: float(by_mode[train](key))
+
+    dropped, plain = losses(0.3), losses(0.0)
+    key, other = jax.random.key(1), jax.random.key(2)
+    assert dropped(key) == dropped(key) != dropped(other)  # a function of the step's key
+    assert plain(key) == plain(other) != dropped(key)
+    assert dropped(key, train=False) == plain(key, train=False)  # evaluation drops nothing
