@@ -5,7 +5,8 @@ For a pair (prompt + chosen, prompt + rejected), log p is the sum over the answe
 completion weights) of log p(token | what precedes it); the loss is
     -log sigmoid(beta * ((log p_policy(chosen) - log p_ref(chosen)) - (log p_policy(rejected) - log p_ref(rejected))))
 averaged over the pairs. With LoRA (models.lora) the reference is the policy with its adapters off, so no
-second copy of the weights exists; it is computed in the same step and never differentiated.
+second copy of the weights exists; without, it is a model of its own (the frozen start). Either is
+computed in the same step and never differentiated.
 """
 
 from __future__ import annotations
@@ -33,16 +34,18 @@ def completion_logps(forward: Forward, tokens: jax.Array, weights: jax.Array) ->
     return jnp.sum(token_logps * weights, axis=1)
 
 
-def preference_loss(forward: Forward, batch: task.Batch, beta: float) -> tuple[jax.Array, task.Metrics]:
+def preference_loss(forward: Forward, batch: task.Batch, beta: float,
+                    reference_forward: Forward | None = None) -> tuple[jax.Array, task.Metrics]:
     """Returns (DPO's loss averaged over the batch's pairs, metrics: the rewards' margin, accuracy (the
     chosen answer's reward above the rejected one's), each side's mean reward and log-probability): the
-    policy is `forward` with adapters on, the reference the same with them off."""
+    policy is `forward`, the reference `reference_forward` (default: `forward` with its adapters off)."""
     policy, reference = {}, {}
     for side in SIDES:
         tokens, weights = batch[side], batch[f"{side}_weights"].astype(jnp.float32)
         policy[side] = completion_logps(forward, tokens, weights)
         with lora.adapters_off():
-            reference[side] = jax.lax.stop_gradient(completion_logps(forward, tokens, weights))
+            logps = completion_logps(reference_forward or forward, tokens, weights)
+        reference[side] = jax.lax.stop_gradient(logps)
     rewards = {side: beta * (policy[side] - reference[side]) for side in SIDES}
     margins = rewards["chosen"] - rewards["rejected"]  # [pairs]
     loss = jnp.mean(-jax.nn.log_sigmoid(margins))

@@ -54,14 +54,14 @@ def test_dpo_loss_and_log_probabilities_equal_transformers_per_pair(tmp_path):
         assert float(metrics["reward_accuracy"]) == float(pair["margin"] > 0)
 
 
-def test_dpo_needs_lora_and_preference_arrays(tmp_path):
+@pytest.mark.parametrize("overrides, key", [
+    (("data.source=tokens",), "data.source"),
+    (("mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"), "pipeline.schedule"),
+])
+def test_dpo_config_errors_name_their_key(overrides, key, tmp_path):
     with pytest.raises(ConfigError) as error:
-        config_lib.load(None, [f"model.init_from={FIXTURES / 'llama3-chat'}", f"run.dir={tmp_path}",
-                               "train.objective=dpo", "data.source=arrays"])
-    assert "lora.rank" in str(error.value)
-    with pytest.raises(ConfigError) as error:
-        fixture_config(tmp_path, "data.source=tokens")
-    assert "data.source" in str(error.value)
+        fixture_config(tmp_path, *overrides)
+    assert key in str(error.value)
 
 
 def fixture_records() -> list[dict]:
@@ -123,3 +123,32 @@ def test_dpo_training_starts_at_transformers_loss_and_logs_its_rewards(prepared,
     logged = result.history[-1]
     assert {"reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected"} <= set(logged)
     assert 0.0 <= logged["reward_accuracy"] <= 1.0
+
+
+def full_dpo_config(run_dir, prepared, *overrides):
+    """DPO without LoRA on the fixture's pairs: the whole model trains, its start frozen as the reference."""
+    out, written = prepared
+    return config_lib.load(None, [f"model.init_from={FIXTURES / 'llama3-chat'}", f"run.dir={run_dir}",
+                                  "train.objective=dpo", "data.source=arrays", f"data.paths=[{out / 'train.npz'}]",
+                                  f"train.seq_len={written['seq_len']}", "train.global_batch=8", "optimizer.lr=1e-4",
+                                  "optimizer.warmup_steps=0", "optimizer.eps=1e-6", "optimizer.decay_steps=3",
+                                  "cluster.devices_per_host=1", *overrides])
+
+
+@pytest.mark.slow
+def test_dpo_without_lora_trains_against_a_frozen_copy_of_its_start_and_resumes_exactly(prepared, tmp_path):
+    from tests.helpers import run
+
+    config = full_dpo_config(tmp_path / "whole", prepared, "train.steps=3")
+    whole = run(config)
+    assert whole.losses[0] == pytest.approx(np.log(2), rel=1e-6)  # the policy is its reference at the start
+    assert whole.losses[-1] < whole.losses[0]
+    start = initial_params(config, state_layout(config, make_mesh(config), resolve_rules(config.mesh.rules)))
+    for reference, began in zip(jax.tree.leaves(whole.state["reference"]), jax.tree.leaves(start)):
+        np.testing.assert_array_equal(np.asarray(reference), np.asarray(began))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(whole.state["params"])))
+    first = run(full_dpo_config(tmp_path / "run", prepared, "train.steps=2", "checkpoint.every=2"))
+    second = run(full_dpo_config(tmp_path / "run", prepared, "train.steps=3"))
+    assert second.first_step == 2
+    np.testing.assert_allclose(first.losses + second.losses, whole.losses, rtol=1e-6)

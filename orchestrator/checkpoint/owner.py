@@ -339,7 +339,7 @@ class Checkpointer:
         self.in_flight = step
         try:
             record = {"manifest": MANIFEST, **({"health": health} if health else {}),
-                      **({BASE: self.reader.base_fingerprint} if self.layout.trained is not None else {})}
+                      **({BASE: self.reader.base_fingerprint} if self.layout.from_source else {})}
             saved = self.manager.save(step, args=args, force=True, custom_metadata={RECORD: record})
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:

@@ -153,12 +153,12 @@ class CheckpointReader:
         _check_fits(ocp.StandardCheckpointHandler().metadata(step_dir / "state"), self.saved_config(step), self.config,
                     self.layout, step_dir)
         saved_base = self.record(step).get(BASE)
-        if self.layout.trained is not None and saved_base and saved_base != self.base_fingerprint:
+        if self.layout.from_source and saved_base and saved_base != self.base_fingerprint:
             was = self.saved_config(step)["model"].get("init_from") or "run.seed"
             now = self.config.model.init_from or "run.seed"
-            raise ConfigError([("model.init_from", f"{shown(step_dir)} holds LoRA adapters of a base of fingerprint "
-                                                   f"{saved_base} ({was}); {now} is {self.base_fingerprint}: name "
-                                                   "the base they adapt")])
+            raise ConfigError([("model.init_from", f"{shown(step_dir)} was trained from a base of fingerprint "
+                                                   f"{saved_base} ({was}), which it does not hold; {now} is "
+                                                   f"{self.base_fingerprint}: name the base it was trained from")])
 
     @functools.cached_property
     def base_fingerprint(self) -> str:

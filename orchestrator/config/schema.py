@@ -100,8 +100,8 @@ class TrainConfig:
     grad_accum: int = key(1, "micro-batches accumulated into one optimizer step", **_POSITIVE)
     log_every: int = key(1, "write metrics every N steps", **_POSITIVE)
     objective: str = key("lm", "what the step minimises: lm (the model's loss: next-token, weighted on chat data) | "
-                         "dpo (DPO on preference pairs prepared by nestor data prepare: dpo.beta; needs lora.rank, "
-                         "whose base is the reference)", choices=("lm", "dpo"))
+                         "dpo (DPO on preference pairs prepared by nestor data prepare: dpo.beta; the reference is "
+                         "the base with lora.rank, else a frozen copy of the start)", choices=("lm", "dpo"))
 
 
 @dataclasses.dataclass(frozen=True)

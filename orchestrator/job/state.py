@@ -79,9 +79,18 @@ class StateLayout:
         return self.saved_part(self.abstract)
 
     def saved_part(self, state: dict) -> dict:
-        """Returns what a checkpoint keeps of `state` (or an abstract one): the base of a LoRA run is left to
-        its source (model.init_from, or run.seed)."""
-        return {**state, "params": self.trained_part(state["params"])}
+        """Returns what a checkpoint keeps of `state` (or an abstract one): the base of a LoRA run and DPO's
+        reference are left to their source (model.init_from, or run.seed)."""
+        return {**{name: part for name, part in state.items() if name != REFERENCE},
+                "params": self.trained_part(state["params"])}
+
+    @property
+    def from_source(self) -> bool:
+        """Returns whether a restore reads part of the state from the run's source (`with_base`)."""
+        return self.trained is not None or REFERENCE in self.shardings
+
+
+REFERENCE = "reference"  # DPO without LoRA: a frozen copy of the params the run started from
 
 
 def subtree(tree: dict, template: dict) -> dict:
@@ -312,6 +321,8 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         shardings["expert_bias"] = tree_shardings(bias_logical, mesh, rules)
         shapes["expert_bias"] = bias_shape
         bias_update_rate = _bias_update_rate(abstract_bias)
+    if config.train.objective == "dpo" and trained is None:  # DPO's reference: the start, frozen
+        shardings[REFERENCE], shapes[REFERENCE] = param_shardings, params_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
                        trained)
@@ -329,6 +340,8 @@ def init_state(config: Config, layout: StateLayout) -> dict:
         params = joined(nnx.to_pure_dict(params), loaded)  # what was loaded is not initialised (XLA drops it)
         state = {"step": jnp.zeros((), jnp.int32), "params": params,
                  "opt_state": layout.optimizer.init(layout.trained_part(params))}
+        if REFERENCE in layout.shardings:
+            state[REFERENCE] = params
         return {**state, "expert_bias": nnx.to_pure_dict(bias)} if "expert_bias" in layout.shardings else state
 
     return jax.jit(init, out_shardings=layout.shardings, donate_argnums=0)(loaded)
@@ -383,7 +396,10 @@ def initial_params(config: Config, layout: StateLayout, base_only: bool = False)
 
 def with_base(config: Config, layout: StateLayout, saved: dict) -> dict:
     """Returns the whole state of a checkpoint's `saved` one (`StateLayout.saved`): a LoRA run's frozen
-    base read again from `model.init_from` (or initialised from run.seed without one) under its adapters."""
+    base read again from `model.init_from` (or initialised from run.seed without one) under its adapters, or
+    DPO's reference read again so."""
+    if REFERENCE in layout.shardings:
+        return {**saved, REFERENCE: initial_params(config, layout)}
     if layout.trained is None:
         return saved
     return {**saved, "params": joined(initial_params(config, layout, base_only=True), saved["params"])}

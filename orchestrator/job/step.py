@@ -34,7 +34,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.moe_wiring import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
 from nestor.orchestrator.job.optimizer import learning_rate
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.job.state import StateLayout, joined, subtree
+from nestor.orchestrator.job.state import REFERENCE, StateLayout, joined, subtree
 from nestor.parallel.context import context_degree
 from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from nestor.parallel.pipeline_1f1b import one_f_one_b
@@ -85,21 +85,23 @@ def model_context(backend: Backend, mesh: Mesh, rules: Rules) -> Callable[[], co
     return context
 
 
-Objective = Callable[[nnx.Module, Batch], tuple[jax.Array, Metrics]]  # (model, batch) -> (loss, metrics)
+# (model, batch, reference model or None) -> (loss, metrics)
+Objective = Callable[[nnx.Module, Batch, nnx.Module | None], tuple[jax.Array, Metrics]]
 
 
 def objective_of(config: Config) -> Objective | None:
     """Returns what the step minimises when it is not the model's own loss (`train.objective: dpo`: DPO on
-    preference pairs, models.dpo), else None."""
+    preference pairs, models.dpo, against the reference model, or the model with its adapters off), else
+    None."""
     if config.train.objective != "dpo":
         return None
     beta = config.dpo.beta
 
-    def dpo(model: nnx.Module, batch: Batch) -> tuple[jax.Array, Metrics]:
-        def forward(tokens: jax.Array) -> jax.Array:
-            return model(tokens, train=task.training(), routing_key=task.step_key())[0]
+    def forward_of(model: nnx.Module) -> Callable[[jax.Array], jax.Array]:
+        return lambda tokens: model(tokens, train=task.training(), routing_key=task.step_key())[0]
 
-        return preference_loss(forward, batch, beta)
+    def dpo(model: nnx.Module, batch: Batch, reference: nnx.Module | None = None) -> tuple[jax.Array, Metrics]:
+        return preference_loss(forward_of(model), batch, beta, None if reference is None else forward_of(reference))
 
     return dpo
 
@@ -111,14 +113,18 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend
     task contract (models.task) traced in `model_context(backend, mesh, rules)`, its stacks run by `runners`
     (models.stack; default: scans), `train=False` tracing it for evaluation, `key` the micro-batch's random
     key; with `frozen` (all params) `params` are the trained ones (LoRA's adapters), put in its place;
-    `objective` (objective_of) replaces the model's loss."""
+    `objective` (objective_of) replaces the model's loss, `reference` (params) the model it compares with."""
     context = model_context(backend, mesh, rules)
 
-    def loss_fn(params: dict, batch: Batch, key: jax.Array | None = None,
-                expert_bias: dict | None = None, frozen: dict | None = None) -> tuple[jax.Array, Metrics]:
+    def loss_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None,
+                frozen: dict | None = None, reference: dict | None = None) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(layout.graphdef, expert_bias or {}, params if frozen is None else joined(frozen, params))
         with context(), stack.runners(runners or {}), task.step_info(train, key):
-            result = objective(model, batch) if objective else getattr(model, task.LOSS_METHOD)(batch)
+            if objective:
+                result = objective(model, batch, None if reference is None else
+                                   nnx.merge(layout.graphdef, expert_bias or {}, reference))
+            else:
+                result = getattr(model, task.LOSS_METHOD)(batch)
         return checked_loss(model, result)
 
     return loss_fn
@@ -226,7 +232,8 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
     name = config.pipeline.stack
 
     def grad_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None,
-                frozen: dict | None = None):
+                frozen: dict | None = None, reference: dict | None = None):
+        del reference  # an objective of its own (DPO's) runs under gpipe or circular (the config's checks)
         # The model split around its pipelined stack (models.task's pipeline methods): the schedule computes the
         # stack's gradients itself, and those of the rest through pipeline_input and pipeline_output.
         trained = params
@@ -341,7 +348,7 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
         frozen = None if layout.trained is None else state["params"]
         key = routing_key(config.run.seed, state["step"])
         grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias"),
-                                                              frozen=frozen), params,
+                                                              frozen=frozen, reference=state.get(REFERENCE)), params,
                                             task.normalized_weights(batch), key, accum,
                                             lambda micro: constrain_batch(micro, fields, constrain))
         # under optimizer.shard_update each replica of the batch updates its share only (ZeRO stage 1); the
@@ -354,6 +361,8 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                    "lr": schedule(state["step"])}
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if REFERENCE in state:
+            new_state[REFERENCE] = state[REFERENCE]
         if "expert_bias" in state:  # auxiliary-loss-free balancing: outside the optimizer
             if EXPERT_LOAD not in metrics:
                 raise ConfigError([("model.class", f"a model with ExpertBias variables returns the metric "

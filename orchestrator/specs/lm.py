@@ -195,9 +195,6 @@ def _lora_problems(config: Config) -> list[tuple[str, str]]:
     """Returns the problems of the `lora` keys: adapters on nothing, or on experts a dense model lacks."""
     section = config.lora
     if config.train.objective == "dpo":
-        if not section.rank:
-            return [("lora.rank", "train.objective=dpo takes its reference as the base with the adapters off: set "
-                                  "lora.rank (a frozen full copy of the model is not supported)")]
         if config.pipeline.schedule not in ("gpipe", "circular") and config.mesh.pipeline != 1:
             return [("pipeline.schedule", f"train.objective=dpo runs under gpipe or circular; "
                                           f"{config.pipeline.schedule} runs the model's own loss in its loop")]
