@@ -296,3 +296,46 @@ def test_lora_dropout_draws_from_the_steps_key_and_leaves_evaluation_alone(tmp_p
     assert dropped(key) == dropped(key) != dropped(other)  # a function of the step's key
     assert plain(key) == plain(other) != dropped(key)
     assert dropped(key, train=False) == plain(key, train=False)  # evaluation drops nothing
+
+
+USER_LORA = ("lora.rank=4", "lora.targets=[blocks/blocks/*]", "optimizer.lr=1e-2")
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """tests/test_user_model.py's model (a classifier whose blocks are a Stack) and config in a fresh
+    directory, nestor pointed at it."""
+    from nestor.cluster.connect import USER_CODE_ENV
+    from tests.test_user_model import write_user_directory
+
+    directory = write_user_directory(tmp_path / "project")
+    monkeypatch.chdir(directory)
+    monkeypatch.setenv(USER_CODE_ENV, str(directory))
+    return directory
+
+
+@pytest.mark.slow
+def test_lora_on_a_users_model_adapts_its_named_parameters_on_a_mesh_as_on_one_device(user_dir):
+    from tests.test_user_model import user_config
+
+    one = run_fresh(user_config(*USER_LORA, **ONE_DEVICE))
+    meshed = run_fresh(user_config(*USER_LORA, **mesh_overrides(data=2, fsdp=2, tensor=2)))
+    assert_same_training(meshed, one)
+    params, start = flat(meshed.state["params"]), flat(init_state(*(lambda job: (job.config, job.layout))(
+        build_job(user_config(*USER_LORA, **mesh_overrides(data=2, fsdp=2, tensor=2)), with_data=False)))["params"])
+    assert {name for name in params if name.startswith("lora/")} == {
+        f"lora/blocks/blocks/{weight}/{factor}" for weight in ("up", "down") for factor in "ab"}
+    for name, value in params.items():  # the model's own parameters stay as they started
+        if not name.startswith("lora/"):
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(start[name]), err_msg=name)
+    assert np.abs(np.asarray(params["lora/blocks/blocks/up/b"])).max() > 0
+    up, a = params["blocks/blocks/up"], params["lora/blocks/blocks/up/a"]  # [layers, embed, mlp], [layers, embed, r]
+    assert a.shape == (2, 32, 4) and tuple(a.sharding.spec)[:2] == tuple(up.sharding.spec)[:2]
+
+
+def test_a_lora_target_that_names_no_parameter_of_a_users_model_is_named(user_dir):
+    from tests.test_user_model import user_config
+
+    with pytest.raises(ConfigError) as error:
+        build_job(user_config("lora.rank=4", "lora.targets=[blocks/attention/*]"), with_data=False)
+    assert "lora.targets" in str(error.value) and "blocks/blocks/up" in str(error.value)

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from nestor.models import lora_names, remat_names
+from nestor.models import remat_names
 from nestor.orchestrator.config import keys as config_keys
 from nestor.orchestrator.config.keys import FIELD_NAMES, YAML_NAMES, Key, hints, key
 from nestor.orchestrator.errors import ConfigError
@@ -251,7 +251,8 @@ class LoraSection:
     targets: tuple[str, ...] = key(("query", "key", "value", "out", "gate", "up", "down"),
                                    "the adapted weights: query key value out (attention), gate up down (MLP, "
                                    "shared experts), expert_gate expert_up expert_down (routed experts); peft's "
-                                   "q_proj ... down_proj too", choices=lora_names.ALL)
+                                   "q_proj ... down_proj too; a model.class of your own: parameter paths "
+                                   "(blocks/mlp/w1, globs)")
     dropout: float = key(0.0, "dropout on the adapters' inputs in training", minimum=0, below=1)
     init_from: str | None = key(None, "a PEFT LoRA adapter directory (adapter_config.json, "
                                 "adapter_model.safetensors) to start from; its rank, alpha and targets replace "

@@ -33,6 +33,7 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.config.degrees import schedule_for
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.load import load_params
+from nestor.orchestrator.job import user_lora
 from nestor.orchestrator.job.optimizer import make_optimizer
 from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
@@ -60,6 +61,7 @@ class StateLayout:
     update_shardings: dict | None = None  # params tree: where each share of a parameter is updated (None: as held)
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
     trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
+    adapter_scale: float = 0.0  # LoRA on a model of the user's: alpha / rank of its adapters (0: none)
 
     def update_shares(self, tree: dict) -> dict:
         """Returns the params-like `tree` (all params or the trained ones) constrained to where the optimizer
@@ -298,6 +300,12 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         logical = _unpipelined_stacks_whole(config, abstract_model, logical)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
     trained = _adapters(abstract_params, logical)
+    adapter_scale = 0.0
+    if checked and config.lora.rank:  # a model of the user's: adapters beside its params (job.user_lora)
+        adapter_logical, adapter_shapes = user_lora.adapter_layout(config, logical, params_shape)
+        logical, params_shape = {**logical, user_lora.KEY: adapter_logical}, {**params_shape,
+                                                                              user_lora.KEY: adapter_shapes}
+        trained, adapter_scale = {user_lora.KEY: adapter_logical}, config.lora.alpha / config.lora.rank
     trained_logical = logical if trained is None else trained
     optimizer = make_optimizer(config, trained_logical)
     opt_shape = jax.eval_shape(optimizer.init, subtree(params_shape, trained_logical))
@@ -325,7 +333,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         shardings[REFERENCE], shapes[REFERENCE] = param_shardings, params_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
-                       trained)
+                       trained, adapter_scale)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
@@ -337,7 +345,7 @@ def init_state(config: Config, layout: StateLayout) -> dict:
 
     def init(loaded: dict) -> dict:
         _, bias, params = split_model(build_model(config, config.run.seed))
-        params = joined(nnx.to_pure_dict(params), loaded)  # what was loaded is not initialised (XLA drops it)
+        params = joined(_with_user_adapters(config, layout, nnx.to_pure_dict(params)), loaded)  # what was loaded
         state = {"step": jnp.zeros((), jnp.int32), "params": params,
                  "opt_state": layout.optimizer.init(layout.trained_part(params))}
         if REFERENCE in layout.shardings:
@@ -345,6 +353,14 @@ def init_state(config: Config, layout: StateLayout) -> dict:
         return {**state, "expert_bias": nnx.to_pure_dict(bias)} if "expert_bias" in layout.shardings else state
 
     return jax.jit(init, out_shardings=layout.shardings, donate_argnums=0)(loaded)
+
+
+def _with_user_adapters(config: Config, layout: StateLayout, params: dict) -> dict:
+    """Returns a model of the user's `params` with its fresh LoRA adapters (job.user_lora) when it has them."""
+    if not layout.adapter_scale:
+        return params
+    return {**params, user_lora.KEY: user_lora.init_adapters(config, layout.abstract["params"][user_lora.KEY],
+                                                             layout.logical[user_lora.KEY])}
 
 
 def _loaded(config: Config, layout: StateLayout, base_only: bool = False) -> dict:
@@ -388,7 +404,8 @@ def initial_params(config: Config, layout: StateLayout, base_only: bool = False)
     `model.init_from` and `lora.init_from` (not with `base_only`), the rest initialised from run.seed."""
     def params(loaded: dict) -> dict:
         _, _, params = split_model(build_model(config, config.run.seed))
-        return joined(nnx.to_pure_dict(params), loaded)  # what was loaded is not initialised (XLA drops it)
+        # what was loaded is not initialised (XLA drops it)
+        return joined(_with_user_adapters(config, layout, nnx.to_pure_dict(params)), loaded)
 
     return jax.jit(params, out_shardings=layout.shardings["params"], donate_argnums=0)(
         _loaded(config, layout, base_only))

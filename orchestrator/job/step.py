@@ -34,6 +34,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.moe_wiring import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
 from nestor.orchestrator.job.optimizer import learning_rate
 from nestor.orchestrator.specs.registry import spec_of
+from nestor.orchestrator.job import user_lora
 from nestor.orchestrator.job.state import REFERENCE, StateLayout, joined, subtree
 from nestor.parallel.context import context_degree
 from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
@@ -118,7 +119,10 @@ def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend
 
     def loss_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None,
                 frozen: dict | None = None, reference: dict | None = None) -> tuple[jax.Array, Metrics]:
-        model = nnx.merge(layout.graphdef, expert_bias or {}, params if frozen is None else joined(frozen, params))
+        whole = params if frozen is None else joined(frozen, params)
+        if layout.adapter_scale:  # a model of the user's: its adapters' update merged into the weights
+            whole = user_lora.merged(whole, layout.adapter_scale)
+        model = nnx.merge(layout.graphdef, expert_bias or {}, whole)
         with context(), stack.runners(runners or {}), task.step_info(train, key):
             if objective:
                 result = objective(model, batch, None if reference is None else

@@ -200,6 +200,9 @@ def _lora_problems(config: Config) -> list[tuple[str, str]]:
                                           f"{config.pipeline.schedule} runs the model's own loss in its loop")]
     if not section.rank:
         return []
+    if unknown := [target for target in section.targets if target not in lora_names.ALL]:
+        return [("lora.targets", f"{', '.join(map(repr, unknown))}: nestor's LM adapts "
+                                 f"{', '.join(lora_names.TARGETS)} (or peft's {', '.join(lora_names.PEFT_NAMES)})")]
     targets = lora_names.canonical(section.targets)
     if not targets:
         return [("lora.targets", "lora.rank > 0 adapts the weights named here; name at least one")]

@@ -69,9 +69,11 @@ class UserModel(ModelSpec):
         if config.train.objective != "lm":
             problems.append(("train.objective", f"{config.train.objective} trains nestor's language model; a model "
                                                 "of your own returns its loss from loss(batch)"))
-        if config.lora.rank:
-            problems.append(("lora.rank", "LoRA adapts nestor's language model (model.class: lm); a model of your "
-                                          "own can build models.lora adapters into its layers itself"))
+        if config.lora.rank and config.pipeline.schedule not in ("gpipe", "circular") and config.mesh.pipeline != 1:
+            problems.append(("pipeline.schedule", f"LoRA on a model of your own runs under gpipe or circular; "
+                                                  f"{config.pipeline.schedule} runs its stack's own weights"))
+        if config.lora.init_from:
+            problems.append(("lora.init_from", "a PEFT adapter adapts nestor's language model (model.class: lm)"))
         return problems
 
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
