@@ -277,6 +277,7 @@ def test_explain_counts_trainable_and_frozen_parameters_and_measures_memory_agai
     assert "trainable parameters" in format_report(report)
 
 
+@pytest.mark.slow
 def test_lora_dropout_draws_from_the_steps_key_and_leaves_evaluation_alone(tmp_path):
     from nestor.orchestrator.job.step import make_loss_fn
 
