@@ -34,6 +34,7 @@ BIAS = "bias"  # a bias's own dimension (its heads, if any, are named apart): re
 LAYERS = "layers"
 DENSE_LAYERS = "dense_layers"  # the stack of an MoE model's first dense layers
 EXPERT = "expert"
+LORA_RANK = "lora_rank"  # a LoRA adapter's rank dimension (models.lora): replicated
 
 # activation dimensions
 BATCH = "batch"

@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nestor.models import axes, ops, remat_names, task
 from nestor.models.axes import constrain
+from nestor.models.lora import LoraConfig, adapter, merged
 from nestor.models.params import param
 
 
@@ -466,12 +467,16 @@ class MoEFeedForward(nnx.Module):
 
     def __init__(self, embed_dim: int, mlp_dim: int, moe: MoELayerConfig, rngs: nnx.Rngs, *,
                  dtype: str = "float32", init_std: float = 0.02, out_std: float | None = None,
-                 shared_experts: nnx.Module | None = None):
+                 shared_experts: nnx.Module | None = None, lora: LoraConfig = LoraConfig()):
         d, m, e = embed_dim, moe.expert_width(mlp_dim), moe.num_experts
         self.router = param(rngs, (d, e), (axes.EMBED, None), init_std)
         self.gate = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), init_std)
         self.up = param(rngs, (e, d, m), (axes.EXPERT, axes.EMBED, axes.MLP), init_std)
         self.down = param(rngs, (e, m, d), (axes.EXPERT, axes.MLP, axes.EMBED), init_std if out_std is None else out_std)
+        experts, embed, hidden = ((e, axes.EXPERT),), ((d, axes.EMBED),), ((m, axes.MLP),)
+        self.gate_lora = adapter(lora, rngs, "expert_gate", embed, hidden, experts)
+        self.up_lora = adapter(lora, rngs, "expert_up", embed, hidden, experts)
+        self.down_lora = adapter(lora, rngs, "expert_down", hidden, embed, experts)
         self.shared_experts = shared_experts
         self.selection_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,),
                                           update_rate=moe.bias_update_rate) if moe.bias_update_rate else None)
@@ -482,17 +487,23 @@ class MoEFeedForward(nnx.Module):
         """Returns the selection bias [experts] of auxiliary-loss-free balancing, or None without it."""
         return None if self.selection_bias is None else self.selection_bias[...]
 
+    def expert_weights(self) -> ExpertWeights:
+        """Returns the experts' (gate, up, down) weights, float32, each with its adapter's update merged in."""
+        return (merged(self.gate[...], self.gate_lora), merged(self.up[...], self.up_lora),
+                merged(self.down[...], self.down_lora))
+
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
         dtype = self.dtype
         einsum = ops.einsum
-        gate = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.gate[...].astype(dtype)),
+        gate_weight, up_weight, down_weight = self.expert_weights()
+        gate = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, gate_weight.astype(dtype)),
                                remat_names.MLP_GATE)
-        up = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, self.up[...].astype(dtype)),
+        up = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, up_weight.astype(dtype)),
                              remat_names.MLP_UP)
         hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
-        return einsum("egch,ehm->egcm", hidden, self.down[...].astype(dtype))
+        return einsum("egch,ehm->egcm", hidden, down_weight.astype(dtype))
 
     def __call__(self, x: jax.Array, *, train: bool | None = None,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
@@ -565,7 +576,7 @@ class MoEFeedForward(nnx.Module):
         experts = jnp.where(routed > 0, jnp.stack(choices.experts, axis=-1).reshape(-1, top_k),
                             self.moe.num_experts)  # [groups x tokens, k]; not routed: no expert
         gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
-        weights = (self.gate[...], self.up[...], self.down[...])
+        weights = self.expert_weights()
         tokens = grouped.reshape(groups * tokens_per_group, dim)
         exchange = _exchange.get()
         if exchange is None:

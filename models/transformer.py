@@ -36,8 +36,9 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from nestor.models import axes, ops, remat_names, stack, task
+from nestor.models import axes, lora, ops, remat_names, stack, task
 from nestor.models.axes import constrain
+from nestor.models.lora import LoraConfig
 from nestor.models.moe import MoEFeedForward, MoELayerConfig, moe_losses
 from nestor.models.params import bias, param
 from nestor.models.stack import LayerFn, stacked
@@ -77,6 +78,7 @@ class TransformerConfig:
     init_std: float = 0.02
     dtype: str = "float32"
     moe: MoELayerConfig = MoELayerConfig()
+    lora: LoraConfig = LoraConfig()
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -163,6 +165,11 @@ class Attention(nnx.Module):
         self.key = param(rngs, (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), std)
         self.value = param(rngs, (d, g, k), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), std)
         self.out = param(rngs, (h, k, d), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), out_std)
+        embed, heads, kv_heads = (d, axes.EMBED), ((h, axes.HEADS), (k, axes.HEAD_DIM)), ((g, axes.KV_HEADS), (k, axes.HEAD_DIM))
+        self.query_lora = lora.adapter(cfg.lora, rngs, "query", (embed,), heads)
+        self.key_lora = lora.adapter(cfg.lora, rngs, "key", (embed,), kv_heads)
+        self.value_lora = lora.adapter(cfg.lora, rngs, "value", (embed,), kv_heads)
+        self.out_lora = lora.adapter(cfg.lora, rngs, "out", heads, (embed,))
         if cfg.qkv_bias:
             self.query_bias = bias((h, k), (axes.HEADS, axes.BIAS))
             self.key_bias = bias((g, k), (axes.KV_HEADS, axes.BIAS))
@@ -181,9 +188,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         dtype = cfg.compute_dtype
         einsum = ops.einsum
-        q = einsum("btd,dhk->bthk", x, self.query[...].astype(dtype))
-        k = einsum("btd,dgk->btgk", x, self.key[...].astype(dtype))
-        v = einsum("btd,dgk->btgk", x, self.value[...].astype(dtype))
+        q = lora.adapted(x, einsum("btd,dhk->bthk", x, self.query[...].astype(dtype)), self.query_lora)
+        k = lora.adapted(x, einsum("btd,dgk->btgk", x, self.key[...].astype(dtype)), self.key_lora)
+        v = lora.adapted(x, einsum("btd,dgk->btgk", x, self.value[...].astype(dtype)), self.value_lora)
         if cfg.qkv_bias:
             q, k, v = (projection + b[...].astype(dtype)
                        for projection, b in zip((q, k, v), (self.query_bias, self.key_bias, self.value_bias)))
@@ -203,7 +210,7 @@ class Attention(nnx.Module):
         """Returns the output projection [batch, length, embed] of `context` [batch, length, heads, head_dim]."""
         context = constrain(context, (axes.BATCH, axes.LENGTH, axes.ACT_HEADS, None))
         dtype = self.cfg.compute_dtype
-        out = ops.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype))
+        out = lora.adapted(context, ops.einsum("bthk,hkd->btd", context, self.out[...].astype(dtype)), self.out_lora)
         if self.cfg.out_bias:
             out = out + self.out_bias[...].astype(dtype)
         return checkpoint_name(out, remat_names.OUT_PROJ)
@@ -244,6 +251,10 @@ class MLP(nnx.Module):
         self.gate = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
         self.up = param(rngs, (d, m), (axes.EMBED, axes.MLP), std)
         self.down = param(rngs, (m, d), (axes.MLP, axes.EMBED), out_std)
+        embed, hidden = ((d, axes.EMBED),), ((m, axes.MLP),)
+        self.gate_lora = lora.adapter(cfg.lora, rngs, "gate", embed, hidden)
+        self.up_lora = lora.adapter(cfg.lora, rngs, "up", embed, hidden)
+        self.down_lora = lora.adapter(cfg.lora, rngs, "down", hidden, embed)
         self.dtype = cfg.compute_dtype
 
     def __call__(self, x: jax.Array, *, train: bool = True,
@@ -251,11 +262,13 @@ class MLP(nnx.Module):
         """Returns (output, no stats): the feed-forward interface MoEFeedForward shares."""
         del train, routing_key  # a dense feed-forward neither routes nor changes in eval
         einsum = ops.einsum
-        gate = checkpoint_name(einsum("...d,dm->...m", x, self.gate[...].astype(self.dtype)), remat_names.MLP_GATE)
-        up = checkpoint_name(einsum("...d,dm->...m", x, self.up[...].astype(self.dtype)), remat_names.MLP_UP)
+        gate = lora.adapted(x, einsum("...d,dm->...m", x, self.gate[...].astype(self.dtype)), self.gate_lora)
+        up = lora.adapted(x, einsum("...d,dm->...m", x, self.up[...].astype(self.dtype)), self.up_lora)
+        gate, up = checkpoint_name(gate, remat_names.MLP_GATE), checkpoint_name(up, remat_names.MLP_UP)
         hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.BATCH, axes.LENGTH, axes.ACT_MLP))
-        return einsum("...m,md->...d", hidden, self.down[...].astype(self.dtype)), {}
+        return lora.adapted(hidden, einsum("...m,md->...d", hidden, self.down[...].astype(self.dtype)),
+                            self.down_lora), {}
 
 
 def shared_experts(cfg: TransformerConfig, rngs: nnx.Rngs) -> MLP | None:
@@ -269,7 +282,8 @@ def moe_feed_forward(cfg: TransformerConfig, rngs: nnx.Rngs) -> MoEFeedForward:
     """Returns the LM's MoE feed-forward layer, with its shared experts when `moe.shared_experts` asks."""
     shared = shared_experts(cfg, rngs)
     return MoEFeedForward(cfg.embed_dim, cfg.mlp_dim, cfg.moe, rngs, dtype=cfg.dtype, init_std=cfg.init_std,
-                          out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), shared_experts=shared)
+                          out_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), shared_experts=shared,
+                          lora=cfg.lora)
 
 
 class Block(nnx.Module):
@@ -449,14 +463,18 @@ class Transformer(nnx.Module):
         block_def, block_state = nnx.split(self.blocks)
         stacked = nnx.to_pure_dict(block_state)
         random_routing = train and cfg.moe.enabled and cfg.moe.needs_routing_key
-        if random_routing:
-            if routing_key is None:
-                raise ValueError("moe.second_expert_policy=random needs a routing_key in training")
+        if random_routing and routing_key is None:
+            raise ValueError("moe.second_expert_policy=random needs a routing_key in training")
+        # each unit draws its routing noise and its adapters' dropout (models.lora) from a key of its own
+        unit_keys = random_routing or (train and cfg.lora.dropout > 0 and routing_key is not None)
+        if unit_keys:
             stacked = (stacked, jax.random.split(routing_key, cfg.stacked_units))
 
         def layer_fn(unit_inputs: Any, h: jax.Array, unit_segment_ids: jax.Array | None) -> tuple[jax.Array, Stats]:
-            params, key = unit_inputs if random_routing else (unit_inputs, None)
-            return nnx.merge(block_def, params)(h, segment_ids=unit_segment_ids, train=train, routing_key=key)
+            params, key = unit_inputs if unit_keys else (unit_inputs, None)
+            with task.step_info(train, key if unit_keys else task.step_key()):
+                return nnx.merge(block_def, params)(h, segment_ids=unit_segment_ids, train=train,
+                                                    routing_key=key if random_routing else None)
 
         return layer_fn, stacked
 

@@ -34,6 +34,7 @@ DEFAULT_RULES: Rules = {
     "layers": ("pipeline",),
     "dense_layers": (),  # run before the pipeline, on every stage
     "expert": ("expert",),
+    "lora_rank": (),  # a LoRA adapter's rank: every device holds it whole
     # activations
     "batch": ("data", "fsdp", "expert"),
     "length": ("context",),  # a row's places (parallel.context lays them out)

@@ -4,7 +4,8 @@ that cannot is moved aside.
 
 A checkpoint `run.dir/checkpoints/<step>/` holds three items:
 - `state`: the train state {"step", "params", "opt_state"} in its canonical
-  layout (layers stacked `[layers, ...]`), written shard by shard;
+  layout (layers stacked `[layers, ...]`), written shard by shard (of a LoRA
+  run's params, the adapters: its base is read again from its source);
 - `data`: the input iterator's state (next step, source fingerprint), JSON;
 - `config`: the resolved config of the run that wrote it, JSON.
 
@@ -49,12 +50,12 @@ import orbax.checkpoint as ocp
 from nestor.orchestrator.checkpoint.files import (ITEMS, RECORD, TEMPORARY, finalized_steps,
                                                   quarantine, quarantine_incomplete)
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, records, write_manifest, written_by
-from nestor.orchestrator.checkpoint.reader import CheckpointReader
+from nestor.orchestrator.checkpoint.reader import BASE, CheckpointReader
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.processes import (VERDICT_TIMEOUT_S, every_process_says, received_by_process_0,
                                                send_to_process_0, wait_for_every_process)
-from nestor.orchestrator.job.state import StateLayout
+from nestor.orchestrator.job.state import StateLayout, with_base
 from nestor.orchestrator.paths import shown
 
 # What a process says of its check or read of a checkpoint, when not the error it hit.
@@ -195,9 +196,9 @@ class Checkpointer:
         Every process must call it: Orbax's restore ends at a barrier of all. A
         read that fails on this process is raised once every process passed it.
         """
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.abstract), data=ocp.args.JsonRestore())
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(self.layout.saved), data=ocp.args.JsonRestore())
         restored = _read(self.manager.restore(step, args=args))
-        return restored.state, restored.data
+        return with_base(self.config, self.layout, restored.state), restored.data
 
     def restore_latest(self) -> tuple[int, dict, dict] | None:
         """Returns (step, state, data_state) of the newest checkpoint that restores, or None.
@@ -332,11 +333,13 @@ class Checkpointer:
         if not force and not (every and step % every == 0):
             return False
         self.raise_if_failed(wait=True)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        args = ocp.args.Composite(state=ocp.args.StandardSave(self.layout.saved_part(state)),
+                                  data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(self.config.to_dict()))
         self.in_flight = step
         try:
-            record = {"manifest": MANIFEST, **({"health": health} if health else {})}
+            record = {"manifest": MANIFEST, **({"health": health} if health else {}),
+                      **({BASE: self.reader.base_fingerprint} if self.layout.from_source else {})}
             saved = self.manager.save(step, args=args, force=True, custom_metadata={RECORD: record})
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:

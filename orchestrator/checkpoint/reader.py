@@ -13,6 +13,7 @@ reader's checks and decides with every process which step restores.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,8 @@ from nestor.orchestrator.checkpoint.files import (ITEMS, METADATA_FILE, RECORD, 
 from nestor.orchestrator.checkpoint.manifest import MANIFEST, CorruptCheckpoint, verify_manifest
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
-from nestor.orchestrator.job.state import StateLayout
+from nestor.orchestrator.hf.load import fingerprint
+from nestor.orchestrator.job.state import StateLayout, with_base
 from nestor.orchestrator.paths import shown
 
 
@@ -91,7 +93,7 @@ def config_differences(current: dict, saved_config: dict, keys, step_dir: Path,
 def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLayout, step_dir: Path) -> None:
     """Raises ConfigError when the checkpoint's arrays (paths and shapes) are not the
     current config's, naming the config keys that differ from the checkpoint's."""
-    saved, wanted = _shapes(saved_state), _shapes(layout.abstract)
+    saved, wanted = _shapes(saved_state), _shapes(layout.saved)
     if saved == wanted:
         return
     written = shown(step_dir)
@@ -104,6 +106,9 @@ def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLa
                                 f"config (checkpoint vs now: {differences}{', ...' if len(differing) > 3 else ''}); "
                                 "use the checkpoint's values or a new run.dir"))
     raise ConfigError(problems)
+
+
+BASE = "base"  # a LoRA checkpoint's record: the fingerprint of the base its adapters adapt
 
 
 class CheckpointReader:
@@ -147,13 +152,25 @@ class CheckpointReader:
                      "synchronous save cut off before it); restored without checking its files")
         _check_fits(ocp.StandardCheckpointHandler().metadata(step_dir / "state"), self.saved_config(step), self.config,
                     self.layout, step_dir)
+        saved_base = self.record(step).get(BASE)
+        if self.layout.from_source and saved_base and saved_base != self.base_fingerprint:
+            was = self.saved_config(step)["model"].get("init_from") or "run.seed"
+            now = self.config.model.init_from or "run.seed"
+            raise ConfigError([("model.init_from", f"{shown(step_dir)} was trained from a base of fingerprint "
+                                                   f"{saved_base} ({was}), which it does not hold; {now} is "
+                                                   f"{self.base_fingerprint}: name the base it was trained from")])
+
+    @functools.cached_property
+    def base_fingerprint(self) -> str:
+        """Returns the fingerprint of the base a LoRA run adapts (orchestrator.hf.load.fingerprint)."""
+        return fingerprint(self.config)
 
     def read(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step`, the state laid out for the current mesh."""
         step_dir = self.directory / str(step)
         state = ocp.StandardCheckpointHandler().restore(step_dir / "state",
-                                                        args=ocp.args.StandardRestore(self.layout.abstract))
-        return state, ocp.JsonCheckpointHandler().restore(step_dir / "data")
+                                                        args=ocp.args.StandardRestore(self.layout.saved))
+        return with_base(self.config, self.layout, state), ocp.JsonCheckpointHandler().restore(step_dir / "data")
 
     def restore(self, step: int) -> tuple[dict, dict]:
         """Returns (state, data_state) of `step` (`read`) once `check` found that it fits."""

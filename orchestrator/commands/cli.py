@@ -155,8 +155,10 @@ def _export(args) -> int:
 
     config = export_config(args)
     configure_jax(config)
-    written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb)
-    print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {written.files} "
+    written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb,
+                     adapters=args.adapters)
+    what = "adapters, " if args.adapters else ("adapters merged, " if config.lora.rank else "")
+    print(f"exported {written.step_text} of {shown(config.run.dir)} to {shown(args.out)}: {what}{written.files} "
           f"safetensors file(s), {written.tensors} tensors, {written.dtype}")
     for note in written.notes:
         print(f"note: {note}")
@@ -230,8 +232,22 @@ def _job_command(args) -> int:
 
 
 def _data_prepare(args) -> int:
-    from nestor.orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.data.prepare import Options, first_record, input_files, prepare
+    from nestor.orchestrator.data.preferences import SPLIT_FILES, is_preference_record, prepare_preferences
     from nestor.orchestrator.data.shards import VOCAB_MULTIPLE
+
+    files = input_files(args.sources, "SOURCE")
+    if is_preference_record(first_record(files[0])):  # DPO's pairs: named arrays
+        out = Path(args.out).expanduser().resolve()
+        written = prepare_preferences(files, args.tokenizer, out, args.eval_fraction, args.seq_len,
+                                      args.chat_template, args.separator)
+        for split, pairs in written["splits"].items():
+            if pairs:
+                print(f"{split}: {pairs:,} preference pairs of {written['seq_len'] + 1} tokens a side in "
+                      f"{shown(out / SPLIT_FILES[split])}")
+        print(f"train on it: nestor train CONFIG train.objective=dpo lora.rank=R data.source=arrays "
+              f"data.paths=[{shown(out / SPLIT_FILES['train'])}] train.seq_len={written['seq_len']}")
+        return 0
 
     options = Options(tokenizer=args.tokenizer, out=Path(args.out).expanduser().resolve(),
                       eval_fraction=args.eval_fraction, text_field=args.text_field,
@@ -307,6 +323,8 @@ def _data_parser(commands) -> None:
     prepare.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
                          help="chat data (JSONL of messages or prompt/completion): the template, a name (chatml) "
                               "or a .jinja file; default: the tokenizer's checkpoint's")
+    prepare.add_argument("--seq-len", type=_non_negative_int, default=0, help="preference pairs (prompt, chosen, "
+                         "rejected): tokens a side, less one (0: the longest pair's)")
     prepare.add_argument("--separator", type=_separator, default="eos",
                          help="the token id that ends each document, or eos: the tokenizer's end of text (bytes: 0)")
     prepare.set_defaults(handler=_data_prepare)
@@ -340,6 +358,8 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=_non_negative_int, help="the checkpoint (default: the newest)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the tensors' dtype")
     export.add_argument("--max-shard-gb", type=_positive(float), default=5.0, help="the most GB per file")
+    export.add_argument("--adapters", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter "
+                        "directory (adapter_config.json, adapter_model.safetensors) instead of merging them")
     export.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                         help="overrides of the run's config (a mesh that fits the devices here)")
     export.set_defaults(handler=_export)

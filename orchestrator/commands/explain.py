@@ -20,7 +20,8 @@ from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.job.state import param_table, per_device_bytes
-from nestor.orchestrator.job.step import make_loss_fn, make_train_step, pipeline_schedule, stack_runners
+from nestor.orchestrator.job.step import (make_loss_fn, make_train_step, objective_of, pipeline_schedule,
+                                          stack_runners)
 from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
 
 
@@ -74,7 +75,7 @@ def ops_called(job: Job) -> set[str]:
     """Returns the ops (models.ops) the model's forward pass calls, traced abstractly: those of the backend's
     choices that apply to the model."""
     loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
-                           stack_runners(job.config, job.mesh, job.rules, job.backend))
+                           stack_runners(job.config, job.mesh, job.rules, job.backend), objective=objective_of(job.config))
     abstract = job.layout.abstract
     key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
     with ops.recording() as called:  # a fresh function: traced anew, never a cached trace
@@ -108,16 +109,47 @@ def pipeline_report(job: Job, temporaries: int) -> dict[str, Any] | None:
             "in_flight": schedule.in_flight(), "temporaries": temporaries}
 
 
+MEMORY_PARTS = ("params", "optimizer", "temporaries", "peak_estimate")  # what LoRA is compared on
+
+
+def memory_per_device(job: Job, compiled) -> dict[str, int]:
+    """Returns the bytes per device of `job`'s state (params, optimizer) and of its compiled step (XLA's
+    memory analysis: arguments, outputs, aliased, temporaries, and their peak estimate)."""
+    memory = compiled.memory_analysis()
+    return {
+        "params": sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["params"])),
+        "optimizer": sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"])),
+        "arguments": memory.argument_size_in_bytes,
+        "outputs": memory.output_size_in_bytes,
+        "aliased": memory.alias_size_in_bytes,
+        "temporaries": memory.temp_size_in_bytes,
+        "peak_estimate": (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                          + memory.temp_size_in_bytes),
+    }
+
+
+def lora_report(config: Config, job: Job, memory: dict[str, int]) -> dict[str, Any] | None:
+    """Returns a LoRA run's trainable and frozen parameter counts and its memory per device beside full
+    fine-tuning's of the same config (`lora.rank=0`, compiled on the same devices), or None without LoRA."""
+    if job.layout.trained is None:
+        return None
+    trained = sum(leaf.size for leaf in jax.tree.leaves(job.layout.trained_part(job.layout.abstract["params"])))
+    total = sum(leaf.size for leaf in jax.tree.leaves(job.layout.abstract["params"]))
+    full_job = build_job(config.replace(**{"lora.rank": 0, "lora.init_from": None}),
+                         devices=list(job.mesh.devices.flat), with_data=False)
+    full = memory_per_device(full_job, compile_step(full_job))
+    return {"trainable_params": trained, "frozen_params": total - trained,
+            "full_fine_tuning_per_device_bytes": {part: full[part] for part in MEMORY_PARTS},
+            "saved_per_device_bytes": {part: full[part] - memory[part] for part in MEMORY_PARTS}}
+
+
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     """Returns the report `nestor explain --json` prints; the train step is compiled once."""
     job = job or build_job(config, with_data=False)
     compiled, compile_s = timed_compile(job)
-    memory = compiled.memory_analysis()
     params = param_table(job.layout)
-    params_bytes = sum(row["bytes_per_device"] for row in params)
-    optimizer_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"]))
-    peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-                  + memory.temp_size_in_bytes)
+    memory = memory_per_device(job, compiled)
+    params_bytes, optimizer_bytes, peak_bytes = memory["params"], memory["optimizer"], memory["peak_estimate"]
     devices = job.mesh.devices.size
     counted = counted_step(job, compiled)
     xla_flops = step_flops(counted)
@@ -133,20 +165,13 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "remat": job.backend.remat,
         "params": params,
         "param_count": sum(math.prod(row["shape"]) for row in params),
-        "memory_per_device_bytes": {
-            "params": params_bytes,
-            "optimizer": optimizer_bytes,
-            "arguments": memory.argument_size_in_bytes,
-            "outputs": memory.output_size_in_bytes,
-            "aliased": memory.alias_size_in_bytes,
-            "temporaries": memory.temp_size_in_bytes,
-            "peak_estimate": peak_bytes,
-        },
-        "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory.temp_size_in_bytes, peak_bytes,
+        "memory_per_device_bytes": memory,
+        "lora": lora_report(config, job, memory),
+        "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory["temporaries"], peak_bytes,
                           devices_here(job.mesh), job.mesh.shape["pipeline"]),
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
-        "pipeline": pipeline_report(job, memory.temp_size_in_bytes),
+        "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
         "context": context_report(config, job.backend, job.mesh, job.rules),
         "flops_per_step": xla_flops * devices,
@@ -218,6 +243,13 @@ def format_report(report: dict[str, Any]) -> str:
          _fmt_bytes(row["bytes_per_device"])) for row in report["params"]])
     lines += ["", f"memory per device (XLA memory analysis, remat {report['remat']}):"]
     lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
+    if (lora := report["lora"]) is not None:
+        trainable, frozen = lora["trainable_params"], lora["frozen_params"]
+        full, saved = lora["full_fine_tuning_per_device_bytes"], lora["saved_per_device_bytes"]
+        lines += ["", f"LoRA: {trainable:,} trainable parameters ({trainable / (trainable + frozen):.3%}), "
+                      f"{frozen:,} frozen; per device against full fine-tuning of this config (compiled too):"]
+        lines += [f"  {part:<14} {_fmt_bytes(full[part] - saved[part])} vs {_fmt_bytes(full[part])}: "
+                  f"{_fmt_bytes(abs(saved[part]))} {'saved' if saved[part] >= 0 else 'more'}" for part in MEMORY_PARTS]
     lines += ["", fit_line(report["fit"])]
     lines += ["", "collectives per step (compiled HLO):"]
     lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]

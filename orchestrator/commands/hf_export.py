@@ -1,6 +1,7 @@
 """`nestor export RUN_DIR --to hf OUT`: a run's checkpoint as a Hugging Face checkpoint that transformers,
 vLLM and SGLang load: config.json, `model-0000i-of-0000n.safetensors` with their index, the generation
-config and the tokenizer files.
+config and the tokenizer files; a LoRA run's adapters merged into the weights, or with `--adapters` alone
+as a PEFT adapter directory.
 
 Process 0 writes the files' headers and sizes them; then each process writes the tensor boxes its
 devices hold (each parameter laid out over all devices along the dimension its tensors are outermost in,
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nestor.models.lora import merged_tree
 
 from nestor.orchestrator.checkpoint.reader import restore_state
 from nestor.orchestrator.config.schema import Config
@@ -27,6 +31,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf import safetensors
 from nestor.orchestrator.hf.architectures import ARCHITECTURES, CONFIG, to_hf
 from nestor.orchestrator.hf.load import SIDE_FILES, SOURCE_DIR, box_of
+from nestor.orchestrator.hf.peft import write_adapter
 from nestor.orchestrator.hf.tensors import Entry, entries
 from nestor.orchestrator.job.build import make_mesh
 from nestor.orchestrator.job.processes import wait_for_every_process
@@ -124,10 +129,15 @@ def _side_files(config: Config, out: Path, hf_config: dict) -> None:
 
 
 def export(config: Config, out: Path, step: int | None = None, dtype: str = "float32",
-           max_shard_gb: float = 5.0) -> Written:
+           max_shard_gb: float = 5.0, adapters: bool = False) -> Written:
     """Writes checkpoint `step` (default: the newest) of the run `config` describes to `out` as a Hugging Face
-    checkpoint in `dtype`; returns what was written. Raises ConfigError for a model no supported architecture
-    computes, an `out` that holds files, or a run without that checkpoint."""
+    checkpoint in `dtype`, a LoRA run's adapters merged into its weights, or with `adapters` as a PEFT
+    adapter directory (orchestrator.hf.peft); returns what was written. Raises ConfigError for a model no
+    supported architecture computes, an `out` that holds files, a run without that checkpoint, or
+    `adapters` of a run without LoRA."""
+    if adapters and not config.lora.rank:
+        raise ConfigError([("--adapters", f"{config.run.dir} trained no adapters (lora.rank is 0); export the "
+                                          "model without --adapters")])
     if not spec_of(config).hugging_face:
         raise ConfigError([("model.class", f"export writes nestor's LM; {config.model.class_} has no Hugging Face "
                                            "architecture")])
@@ -152,6 +162,16 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
         raise ConfigError([("RUN_DIR", str(error))]) from None
     params = state["params"]
     del state
+    if adapters:
+        trained = jax.tree.map(np.asarray, multihost_utils.process_allgather(layout.trained_part(params), tiled=True))
+        base_name = Path(config.model.init_from).name if config.model.init_from else ""
+        count = write_adapter(config, model_entries, trained, out, base_name)
+        wait_for_every_process("adapter written")
+        return Written(step, 1, count, "float32", ("a PEFT LoRA adapter: load it on its base with "
+                                                   "peft.PeftModel.from_pretrained(base, DIR)",))
+    if layout.trained is not None:  # the adapters' update merged into the weights they adapt
+        scale = config.lora.alpha / config.lora.rank
+        params = jax.jit(lambda params: merged_tree(params, scale))(params)
 
     name = SAFETENSORS_DTYPES[dtype]
     tensors = [(tensor, entry.hf_shape) for entry in model_entries for _, tensor in entry.names()]

@@ -99,6 +99,9 @@ class TrainConfig:
     seq_len: int = key(64, "tokens per sequence", **_POSITIVE)
     grad_accum: int = key(1, "micro-batches accumulated into one optimizer step", **_POSITIVE)
     log_every: int = key(1, "write metrics every N steps", **_POSITIVE)
+    objective: str = key("lm", "what the step minimises: lm (the model's loss: next-token, weighted on chat data) | "
+                         "dpo (DPO on preference pairs prepared by nestor data prepare: dpo.beta; the reference is "
+                         "the base with lora.rank, else a frozen copy of the start)", choices=("lm", "dpo"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +244,28 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    rank: int = key(0, "LoRA adapters of this rank on lora.targets, the rest of the model frozen (no optimizer "
+                    "state); 0 = full fine-tuning (docs/finetune.md)", minimum=0)
+    alpha: float = key(16.0, "the adapters' update is scaled by alpha / rank", above=0)
+    targets: tuple[str, ...] = key(("query", "key", "value", "out", "gate", "up", "down"),
+                                   "the adapted weights: query key value out (attention), gate up down (MLP, "
+                                   "shared experts), expert_gate expert_up expert_down (routed experts); peft's "
+                                   "q_proj ... down_proj too; a model.class of your own: parameter paths "
+                                   "(blocks/mlp/w1, globs)")
+    dropout: float = key(0.0, "dropout on the adapters' inputs in training", minimum=0, below=1)
+    init_from: str | None = key(None, "a PEFT LoRA adapter directory (adapter_config.json, "
+                                "adapter_model.safetensors) to start from; its rank, alpha and targets replace "
+                                "the keys above")
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoSection:
+    beta: float = key(0.1, "train.objective=dpo: how far the policy may move from the reference (DPO's beta)",
+                      above=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = key(0, "save every N steps (0 = only at the end and on SIGTERM)", minimum=0)
     keep: int = key(3, "newest checkpoints kept", minimum=1, maximum=10_000)
@@ -305,6 +330,8 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
+    lora: LoraSection = LoraSection()
+    dpo: DpoSection = DpoSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()

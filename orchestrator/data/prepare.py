@@ -201,7 +201,7 @@ def documents(piece: Piece, options: Options) -> Iterator[str | dict]:
             yield from file.read_row_group(group, columns=[options.parquet_column]).column(0).to_pylist()
 
 
-def _first_record(path: Path):
+def first_record(path: Path):
     """Returns the first record of a JSONL file (None for another kind of file, or an empty one)."""
     if _kind(path) != "jsonl":
         return None
@@ -305,7 +305,7 @@ def prepare(sources: list[str], options: Options, eval_sources: list[str] = (), 
     files = text_inputs(input_files(list(sources), "SOURCE"), log) + sorted(held_out)
     if not files:
         raise ConfigError([("SOURCE", "every input is binary; give text, .jsonl or .parquet files")])
-    if is_chat_record(_first_record(files[0])):
+    if is_chat_record(first_record(files[0])):
         if others := [str(path) for path in files if _kind(path) != "jsonl"]:
             raise ConfigError([("SOURCE", f"chat data is JSONL; {', '.join(others[:3])} is not")])
         options = dataclasses.replace(options, template=template_text(options.tokenizer, options.chat_template))

@@ -22,11 +22,10 @@ from nestor.orchestrator.job.context_wiring import whole_rows
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.eval_loss import Evaluator
 from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, sampling_graphdef
-from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job.build import make_mesh
 from nestor.orchestrator.specs.lm import LM
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.job.state import StateLayout, state_layout
+from nestor.orchestrator.job.state import StateLayout, initial_params, state_layout
 from nestor.orchestrator.job.step import backend_for, model_context, stack_runners
 from nestor.orchestrator.data.tokenizer import fitting_tokenizer
 from nestor.parallel.rules import Rules, partition_spec, resolve_rules
@@ -140,7 +139,7 @@ def _parameters(config: Config, mesh: Mesh, rules: Rules) -> tuple[StateLayout, 
     if not config.model.init_from:
         raise ConfigError([("run.dir", f"{config.run.dir} holds no checkpoint and model.init_from is unset: "
                                        "train first, or name a Hugging Face checkpoint")])
-    params, _ = load_params(config, layout.abstract["params"])
+    params = initial_params(config, layout)
     bias = layout.abstract.get("expert_bias")
     if bias is not None:
         bias = jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), bias)

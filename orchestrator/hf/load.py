@@ -8,6 +8,7 @@ missing, surplus or misshapen tensor is a ConfigError naming it.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,24 @@ def keep_source_files(config: Config) -> None:
         source = Path(config.model.init_from) / name
         if source.is_file():
             shutil.copyfile(source, target / name)
+
+
+SAMPLED_BYTES = 1 << 16  # of each file's tensor data, at its start and its end
+
+
+def fingerprint(config: Config) -> str:
+    """Returns a fingerprint of the base a LoRA run adapts: of `model.init_from`'s config.json and of each
+    safetensors file its header (every tensor's name, dtype, shape and place), size and first and last
+    SAMPLED_BYTES of data (hashing every byte of a large model would take minutes); `run.seed` without one."""
+    if not config.model.init_from:
+        return f"run.seed={config.run.seed}"
+    directory = Path(config.model.init_from)
+    digest = hashlib.sha256((directory / "config.json").read_bytes())
+    for path in sorted(directory.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            header = int.from_bytes(file.read(8), "little")
+            digest.update(f"{path.name}:{size}".encode() + file.read(header + SAMPLED_BYTES))
+            file.seek(max(size - SAMPLED_BYTES, 8 + header))
+            digest.update(file.read(SAMPLED_BYTES))
+    return digest.hexdigest()[:16]

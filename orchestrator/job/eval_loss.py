@@ -26,8 +26,9 @@ from nestor.models import task
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job.state import StateLayout
-from nestor.orchestrator.job.step import backend_for, constrain_batch, make_loss_fn, micro_batches, stack_runners
+from nestor.orchestrator.job.state import REFERENCE, StateLayout
+from nestor.orchestrator.job.step import (backend_for, constrain_batch, make_loss_fn, micro_batches, objective_of,
+                                          stack_runners)
 from nestor.orchestrator.loader.validation import eval_problems
 from nestor.parallel.rules import Rules, activation_constrainer
 
@@ -72,32 +73,37 @@ def eval_fields(config: Config) -> dict[str, Field]:
 
 
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
-    """Returns the jitted eval_step(params, expert_bias, batch) -> (the batch's mean evaluation loss, the
-    means of the model's scalar metrics, the batch's weight among batches: its weighted targets' count for
-    chat data, else 1), float32 and replicated (`expert_bias`: the state's, or None without
-    bias balancing); with train.grad_accum > 1 the batch runs in that many micro-batches, as in training.
+    """Returns the jitted eval_step(params, expert_bias, reference, batch) -> (the batch's mean evaluation
+    loss, the means of the model's scalar metrics, the batch's weight among batches: its weighted targets'
+    count for chat data, else 1), float32 and replicated (`expert_bias`: the state's, or None without
+    bias balancing; `reference`: DPO's reference params, or None); with train.grad_accum > 1 the batch runs in that many micro-batches, as in training.
     `backend` defaults to `backend_for(config, mesh)`."""
     backend = backend or backend_for(config, mesh)
-    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend), train=False)
+    loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend), train=False,
+                           objective=objective_of(config))
     constrain = activation_constrainer(mesh, rules)
     fields = eval_fields(config)
     accum = config.train.grad_accum
 
-    def micro_loss(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict]:
-        loss, metrics = loss_fn(params, constrain_batch(batch, fields, constrain), expert_bias=expert_bias)
+    def micro_loss(params: dict, expert_bias: dict | None, reference: dict | None,
+                   batch: dict) -> tuple[jax.Array, dict]:
+        loss, metrics = loss_fn(params, constrain_batch(batch, fields, constrain), expert_bias=expert_bias,
+                                reference=reference)
         return loss, {name: value for name, value in metrics.items() if jnp.ndim(value) == 0}
 
-    def eval_step(params: dict, expert_bias: dict | None, batch: dict) -> tuple[jax.Array, dict, jax.Array]:
+    def eval_step(params: dict, expert_bias: dict | None, reference: dict | None,
+                  batch: dict) -> tuple[jax.Array, dict, jax.Array]:
         # chat data: the mean over the batch's weighted targets, and their count, which weighs it among batches
         weight = jnp.sum(batch[task.LOSS_WEIGHTS]) if task.LOSS_WEIGHTS in batch else jnp.ones((), jnp.float32)
         batch = task.normalized_weights(batch)
         if accum == 1:
-            return (*micro_loss(params, expert_bias, batch), weight)
-        per_micro = jax.lax.map(lambda micro: micro_loss(params, expert_bias, micro), micro_batches(batch, accum))
+            return (*micro_loss(params, expert_bias, reference, batch), weight)
+        per_micro = jax.lax.map(lambda micro: micro_loss(params, expert_bias, reference, micro),
+                                micro_batches(batch, accum))
         return (*jax.tree.map(jnp.mean, per_micro), weight)
 
     return jax.jit(eval_step, in_shardings=(layout.shardings["params"], layout.shardings.get("expert_bias"),
-                                            shardings(fields, mesh, rules)),
+                                            layout.shardings.get(REFERENCE), shardings(fields, mesh, rules)),
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
@@ -118,7 +124,7 @@ class Evaluator:
     def __call__(self, state: dict) -> dict[str, jax.Array]:
         """Returns {eval_loss, eval_perplexity, eval_<metric> for each scalar metric of the model} (device
         scalars) of `state`'s parameters (and expert bias) over the eval.steps batches."""
-        results = [self.step_fn(state["params"], state.get("expert_bias"), self.data.batch(index))
+        results = [self.step_fn(state["params"], state.get("expert_bias"), state.get(REFERENCE), self.data.batch(index))
                    for index in range(self.config.eval.steps)]
         weights = jnp.stack([weight for *_, weight in results])
         share = weights / jnp.where(weights.sum() > 0, weights.sum(), 1.0)  # chat data: every answer token alike

@@ -5,6 +5,10 @@ nested dict of arrays with layers stacked `[layers, ...]`: the one canonical
 layout checkpoints store, whatever the mesh. A model with auxiliary-loss-free
 MoE balancing adds `"expert_bias"`: its `ExpertBias` variables, laid out as
 the params are, which the step moves and the optimizer never sees.
+
+With LoRA (models.lora) the params hold the frozen base and its adapters; only
+the adapters (`StateLayout.trained`) have gradients and optimizer state, and
+only they are checkpointed: a restore reads the base again (`with_base`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.models import axes, task
+from nestor.models.lora import Adapter
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of, named_by_model
 from nestor.models.stack import Stack
@@ -28,6 +33,7 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.config.degrees import schedule_for
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.load import load_params
+from nestor.orchestrator.job import user_lora
 from nestor.orchestrator.job.optimizer import make_optimizer
 from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
@@ -54,11 +60,64 @@ class StateLayout:
     optimizer: optax.GradientTransformation
     update_shardings: dict | None = None  # params tree: where each share of a parameter is updated (None: as held)
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
+    trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
+    adapter_scale: float = 0.0  # LoRA on a model of the user's: alpha / rank of its adapters (0: none)
 
     def update_shares(self, tree: dict) -> dict:
-        """Returns the params-like `tree` constrained to where the optimizer updates it (`update_shardings`),
-        or `tree` itself when the update is not sharded (call inside a jitted function)."""
-        return tree if self.update_shardings is None else jax.lax.with_sharding_constraint(tree, self.update_shardings)
+        """Returns the params-like `tree` (all params or the trained ones) constrained to where the optimizer
+        updates it (`update_shardings`), or `tree` itself when the update is not sharded (call inside a
+        jitted function)."""
+        if self.update_shardings is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, subtree(self.update_shardings, tree))
+
+    def trained_part(self, params: dict) -> dict:
+        """Returns the part of the params tree `params` that trains: the adapters with LoRA, else all."""
+        return params if self.trained is None else subtree(params, self.trained)
+
+    @property
+    def saved(self) -> dict:
+        """Returns the abstract tree a checkpoint holds: the state, of the params the trained ones only."""
+        return self.saved_part(self.abstract)
+
+    def saved_part(self, state: dict) -> dict:
+        """Returns what a checkpoint keeps of `state` (or an abstract one): the base of a LoRA run and DPO's
+        reference are left to their source (model.init_from, or run.seed)."""
+        return {**{name: part for name, part in state.items() if name != REFERENCE},
+                "params": self.trained_part(state["params"])}
+
+    @property
+    def from_source(self) -> bool:
+        """Returns whether a restore reads part of the state from the run's source (`with_base`)."""
+        return self.trained is not None or REFERENCE in self.shardings
+
+
+REFERENCE = "reference"  # DPO without LoRA: a frozen copy of the params the run started from
+
+
+def subtree(tree: dict, template: dict) -> dict:
+    """Returns the part of the nested dict `tree` at the keys of `template` (a subtree of it)."""
+    return {key: subtree(tree[key], value) if isinstance(value, dict) else tree[key] for key, value in template.items()}
+
+
+def joined(tree: dict, part: dict) -> dict:
+    """Returns a copy of the nested dict `tree` with the leaves of `part` (a subtree of it) in place of its own."""
+    return {key: (joined(value, part[key]) if isinstance(value, dict) else part[key]) if key in part else value
+            for key, value in tree.items()}
+
+
+def _adapters(state: nnx.State, logical: dict) -> dict | None:
+    """Returns the logical-axes tree of the model's LoRA adapters (models.lora.Adapter), or None without."""
+    paths = [tuple(path) for path, var in nnx.to_flat_state(state) if isinstance(var, Adapter)]
+    if not paths:
+        return None
+    trained: dict = {}
+    for path in paths:
+        node, source = trained, logical
+        for part in path[:-1]:
+            node, source = node.setdefault(part, {}), source[part]
+        node[path[-1]] = source[path[-1]]
+    return trained
 
 
 def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
@@ -240,8 +299,16 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     if checked:
         logical = _unpipelined_stacks_whole(config, abstract_model, logical)
     bias_logical, bias_shape = _logical_and_values(abstract_bias)
-    optimizer = make_optimizer(config, logical)
-    opt_shape = jax.eval_shape(optimizer.init, params_shape)
+    trained = _adapters(abstract_params, logical)
+    adapter_scale = 0.0
+    if checked and config.lora.rank:  # a model of the user's: adapters beside its params (job.user_lora)
+        adapter_logical, adapter_shapes = user_lora.adapter_layout(config, logical, params_shape)
+        logical, params_shape = {**logical, user_lora.KEY: adapter_logical}, {**params_shape,
+                                                                              user_lora.KEY: adapter_shapes}
+        trained, adapter_scale = {user_lora.KEY: adapter_logical}, config.lora.alpha / config.lora.rank
+    trained_logical = logical if trained is None else trained
+    optimizer = make_optimizer(config, trained_logical)
+    opt_shape = jax.eval_shape(optimizer.init, subtree(params_shape, trained_logical))
 
     param_shardings = tree_shardings(logical, mesh, rules)
     update_shardings = None
@@ -251,7 +318,8 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     replicated = NamedSharding(mesh, PartitionSpec())
     # the moments live where their parameter is updated: sharded with it under `optimizer.shard_update`
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, opt_shape, update_shardings or param_shardings,
+        optimizer, lambda _, sharding: sharding, opt_shape, subtree(update_shardings or param_shardings,
+                                                                    trained_logical),
         transform_non_params=lambda _: replicated,
     )
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
@@ -261,33 +329,97 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         shardings["expert_bias"] = tree_shardings(bias_logical, mesh, rules)
         shapes["expert_bias"] = bias_shape
         bias_update_rate = _bias_update_rate(abstract_bias)
+    if config.train.objective == "dpo" and trained is None:  # DPO's reference: the start, frozen
+        shardings[REFERENCE], shapes[REFERENCE] = param_shardings, params_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate)
+    return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
+                       trained, adapter_scale)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
     """Returns the train state initialised directly into its shardings (no full copy anywhere): fresh
     parameters, or with `model.init_from` a Hugging Face checkpoint's (orchestrator.hf.load), each process
-    reading only its slices; the optimizer starts fresh either way."""
-    if config.model.init_from:
-        params, _ = load_params(config, layout.abstract["params"])
+    reading only its slices, and with `lora.init_from` a PEFT adapter's (orchestrator.hf.peft); the
+    optimizer starts fresh either way."""
+    loaded = _loaded(config, layout)
 
-        def from_params(params: dict) -> dict:
-            state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
-            if "expert_bias" in layout.shardings:  # auxiliary-loss-free balancing starts unbiased
-                state["expert_bias"] = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype),
-                                                    layout.abstract["expert_bias"])
-            return state
-
-        return jax.jit(from_params, out_shardings=layout.shardings, donate_argnums=0)(params)
-
-    def init() -> dict:
+    def init(loaded: dict) -> dict:
         _, bias, params = split_model(build_model(config, config.run.seed))
-        params = nnx.to_pure_dict(params)
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": layout.optimizer.init(params)}
+        params = joined(_with_user_adapters(config, layout, nnx.to_pure_dict(params)), loaded)  # what was loaded
+        state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                 "opt_state": layout.optimizer.init(layout.trained_part(params))}
+        if REFERENCE in layout.shardings:
+            state[REFERENCE] = params
         return {**state, "expert_bias": nnx.to_pure_dict(bias)} if "expert_bias" in layout.shardings else state
 
-    return jax.jit(init, out_shardings=layout.shardings)()
+    return jax.jit(init, out_shardings=layout.shardings, donate_argnums=0)(loaded)
+
+
+def _with_user_adapters(config: Config, layout: StateLayout, params: dict) -> dict:
+    """Returns a model of the user's `params` with its fresh LoRA adapters (job.user_lora) when it has them."""
+    if not layout.adapter_scale:
+        return params
+    return {**params, user_lora.KEY: user_lora.init_adapters(config, layout.abstract["params"][user_lora.KEY],
+                                                             layout.logical[user_lora.KEY])}
+
+
+def _loaded(config: Config, layout: StateLayout, base_only: bool = False) -> dict:
+    """Returns the params read from `model.init_from` (the base) and, unless `base_only`, `lora.init_from`
+    (the adapters), laid out as `layout` holds them; {} where neither is set."""
+    loaded: dict = {}
+    if config.model.init_from:
+        base = layout.abstract["params"]
+        if layout.trained is not None:  # the checkpoint holds no adapters
+            base = _without(base, layout.trained)
+        loaded, _ = load_params(config, base)
+    if config.lora.init_from and not base_only and layout.trained is not None:
+        from nestor.orchestrator.hf.peft import load_adapters
+
+        loaded = _merged(loaded, load_adapters(config, subtree(layout.abstract["params"], layout.trained)))
+    return loaded
+
+
+def _without(tree: dict, part: dict) -> dict:
+    """Returns the nested dict `tree` without the leaves of `part` (nor dicts left empty)."""
+    result = {}
+    for key, value in tree.items():
+        if key not in part:
+            result[key] = value
+        elif isinstance(value, dict) and isinstance(part[key], dict):
+            if rest := _without(value, part[key]):
+                result[key] = rest
+    return result
+
+
+def _merged(first: dict, second: dict) -> dict:
+    """Returns the union of two nested dicts with disjoint leaves."""
+    result = dict(first)
+    for key, value in second.items():
+        result[key] = _merged(result[key], value) if key in result and isinstance(value, dict) else value
+    return result
+
+
+def initial_params(config: Config, layout: StateLayout, base_only: bool = False) -> dict:
+    """Returns the params a fresh run starts from, laid out as `layout` holds them: those read from
+    `model.init_from` and `lora.init_from` (not with `base_only`), the rest initialised from run.seed."""
+    def params(loaded: dict) -> dict:
+        _, _, params = split_model(build_model(config, config.run.seed))
+        # what was loaded is not initialised (XLA drops it)
+        return joined(_with_user_adapters(config, layout, nnx.to_pure_dict(params)), loaded)
+
+    return jax.jit(params, out_shardings=layout.shardings["params"], donate_argnums=0)(
+        _loaded(config, layout, base_only))
+
+
+def with_base(config: Config, layout: StateLayout, saved: dict) -> dict:
+    """Returns the whole state of a checkpoint's `saved` one (`StateLayout.saved`): a LoRA run's frozen
+    base read again from `model.init_from` (or initialised from run.seed without one) under its adapters, or
+    DPO's reference read again so."""
+    if REFERENCE in layout.shardings:
+        return {**saved, REFERENCE: initial_params(config, layout)}
+    if layout.trained is None:
+        return saved
+    return {**saved, "params": joined(initial_params(config, layout, base_only=True), saved["params"])}
 
 
 def per_device_bytes(leaf: jax.ShapeDtypeStruct) -> int:

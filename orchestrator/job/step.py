@@ -22,9 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nestor.backend import Backend, BackendError, BackendRequest, backend_of_devices
 from nestor.models import ops, stack, task
+from nestor.models.dpo import preference_loss
 from nestor.models.axes import activation_sharding
 from nestor.models.moe import EXPERT_LOAD, expert_parallelism
-from nestor.models.stack import RematPolicy, StackRunner, scan_layers, unrolled_layers
+from nestor.models.stack import LayerFn, RematPolicy, StackRunner, scan_layers, unrolled_layers
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.job.context_wiring import ATTENTION_AXES, sequence_layout, with_context_attention
 from nestor.orchestrator.data.batches import Field, batch_fields, shardings
@@ -33,7 +34,8 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.moe_wiring import EXPERT_BIAS, balanced_expert_bias, dropless_exchange, routing_key
 from nestor.orchestrator.job.optimizer import learning_rate
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.job.state import StateLayout
+from nestor.orchestrator.job import user_lora
+from nestor.orchestrator.job.state import REFERENCE, StateLayout, joined, subtree
 from nestor.parallel.context import context_degree
 from nestor.parallel.pipeline import Schedule, pipeline_runner, to_microbatches
 from nestor.parallel.pipeline_1f1b import one_f_one_b
@@ -41,7 +43,8 @@ from nestor.parallel.rules import Rules, activation_constrainer, resolve_rules
 
 Metrics = dict[str, jax.Array]
 Batch = dict[str, jax.Array]
-# grad_fn(params, batch, key=None, expert_bias=None) -> ((loss, metrics), grads), as value_and_grad(loss_fn)
+# grad_fn(params, batch, key=None, expert_bias=None, frozen=None) -> ((loss, metrics), grads), as
+# value_and_grad(loss_fn): grads of the trained `params` only (with `frozen`, the whole params they update)
 GradFn = Callable[..., tuple[tuple[jax.Array, Metrics], Any]]
 
 
@@ -83,19 +86,49 @@ def model_context(backend: Backend, mesh: Mesh, rules: Rules) -> Callable[[], co
     return context
 
 
+# (model, batch, reference model or None) -> (loss, metrics)
+Objective = Callable[[nnx.Module, Batch, nnx.Module | None], tuple[jax.Array, Metrics]]
+
+
+def objective_of(config: Config) -> Objective | None:
+    """Returns what the step minimises when it is not the model's own loss (`train.objective: dpo`: DPO on
+    preference pairs, models.dpo, against the reference model, or the model with its adapters off), else
+    None."""
+    if config.train.objective != "dpo":
+        return None
+    beta = config.dpo.beta
+
+    def forward_of(model: nnx.Module) -> Callable[[jax.Array], jax.Array]:
+        return lambda tokens: model(tokens, train=task.training(), routing_key=task.step_key())[0]
+
+    def dpo(model: nnx.Module, batch: Batch, reference: nnx.Module | None = None) -> tuple[jax.Array, Metrics]:
+        return preference_loss(forward_of(model), batch, beta, None if reference is None else forward_of(reference))
+
+    return dpo
+
+
 def make_loss_fn(layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend,
                  runners: dict[str | None, StackRunner] | None = None,
-                 train: bool = True) -> Callable[..., tuple[jax.Array, Metrics]]:
-    """Returns loss(params, batch, key=None, expert_bias=None) -> (loss, metrics): the model's task contract
-    (models.task) traced in `model_context(backend, mesh, rules)`, its stacks run by `runners` (models.stack;
-    default: scans), `train=False` tracing it for evaluation, `key` the micro-batch's random key."""
+                 train: bool = True, objective: Objective | None = None) -> Callable[..., tuple[jax.Array, Metrics]]:
+    """Returns loss(params, batch, key=None, expert_bias=None, frozen=None) -> (loss, metrics): the model's
+    task contract (models.task) traced in `model_context(backend, mesh, rules)`, its stacks run by `runners`
+    (models.stack; default: scans), `train=False` tracing it for evaluation, `key` the micro-batch's random
+    key; with `frozen` (all params) `params` are the trained ones (LoRA's adapters), put in its place;
+    `objective` (objective_of) replaces the model's loss, `reference` (params) the model it compares with."""
     context = model_context(backend, mesh, rules)
 
-    def loss_fn(params: dict, batch: Batch, key: jax.Array | None = None,
-                expert_bias: dict | None = None) -> tuple[jax.Array, Metrics]:
-        model = nnx.merge(layout.graphdef, expert_bias or {}, params)
+    def loss_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None,
+                frozen: dict | None = None, reference: dict | None = None) -> tuple[jax.Array, Metrics]:
+        whole = params if frozen is None else joined(frozen, params)
+        if layout.adapter_scale:  # a model of the user's: its adapters' update merged into the weights
+            whole = user_lora.merged(whole, layout.adapter_scale)
+        model = nnx.merge(layout.graphdef, expert_bias or {}, whole)
         with context(), stack.runners(runners or {}), task.step_info(train, key):
-            result = getattr(model, task.LOSS_METHOD)(batch)
+            if objective:
+                result = objective(model, batch, None if reference is None else
+                                   nnx.merge(layout.graphdef, expert_bias or {}, reference))
+            else:
+                result = getattr(model, task.LOSS_METHOD)(batch)
         return checked_loss(model, result)
 
     return loss_fn
@@ -194,16 +227,23 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
     backend = backend or backend_for(config, mesh)
     schedule = pipeline_schedule(config, mesh)
     if schedule is None or not schedule.one_f_one_b:
-        loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend))
+        loss_fn = make_loss_fn(layout, mesh, rules, backend, stack_runners(config, mesh, rules, backend),
+                               objective=objective_of(config))
         return jax.value_and_grad(loss_fn, has_aux=True)
     policy = backend.compiled_here().remat_policy()
     other_stacks = {None: layer_runner(config, policy)}  # the stacks outside the pipeline: on every stage
     context = model_context(backend, mesh, rules)
     name = config.pipeline.stack
 
-    def grad_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None):
+    def grad_fn(params: dict, batch: Batch, key: jax.Array | None = None, expert_bias: dict | None = None,
+                frozen: dict | None = None, reference: dict | None = None):
+        del reference  # an objective of its own (DPO's) runs under gpipe or circular (the config's checks)
         # The model split around its pipelined stack (models.task's pipeline methods): the schedule computes the
         # stack's gradients itself, and those of the rest through pipeline_input and pipeline_output.
+        trained = params
+        if frozen is not None:  # LoRA: the schedule differentiates every parameter it is given, so the frozen
+            params = joined(frozen, params)  # ones pass through stop_gradient: no weight gradient is computed
+
         def model(params: dict) -> nnx.Module:
             return nnx.merge(layout.graphdef, expert_bias or {}, params)
 
@@ -212,12 +252,17 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
             path, layer_fn, stacked = pipelined_units(whole, name)
             stack_params = nested_get(params, path)
             rest = nested_without(params, path)
+            if frozen is not None:
+                layer_fn = frozen_except(layer_fn, nested_get(trained, path))
+            outer_trained = nested_without(trained, path) if frozen is not None else None
 
             def input_fn(rest: dict, micro: Batch) -> jax.Array:  # the first stage
+                rest = rest if outer_trained is None else stop_gradient_except(rest, outer_trained)
                 with stack.runners(other_stacks), task.step_info(True, key):
                     return model(nested_with(rest, path, stack_params)).pipeline_input(micro)
 
             def head_fn(rest: dict, y: jax.Array, micro: Batch) -> tuple[jax.Array, Metrics]:  # the last stage
+                rest = rest if outer_trained is None else stop_gradient_except(rest, outer_trained)
                 with stack.runners(other_stacks), task.step_info(True, key):
                     return model(nested_with(rest, path, stack_params)).pipeline_output(y, micro)
 
@@ -233,9 +278,28 @@ def make_grad_fn(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules,
         unit_grads = stacked_grads[0] if isinstance(stacked, tuple) else stacked_grads  # (params, keys)
         # the units may carry untrained variables (an expert bias) beside their weights: their gradients drop
         grads = nested_with(rest_grads, path, like(unit_grads, stack_params))
-        return (loss + stats_part, {**metrics, **stats_metrics}), grads
+        return (loss + stats_part, {**metrics, **stats_metrics}), subtree(grads, trained)
 
     return grad_fn
+
+
+def stop_gradient_except(tree: dict, trained: dict) -> dict:
+    """Returns the nested dict `tree` with every leaf outside `trained` (a subtree of it) through stop_gradient."""
+    return {key: (stop_gradient_except(value, trained[key]) if isinstance(value, dict) else value)
+            if key in trained else jax.lax.stop_gradient(value) for key, value in tree.items()}
+
+
+def frozen_except(layer_fn: LayerFn, trained: dict) -> LayerFn:
+    """Returns `layer_fn` with the unit's parameters outside `trained` (the stack's trained part) frozen
+    (`stop_gradient_except`); a unit's inputs are its parameters or (parameters, random key)."""
+    def unit_fn(unit_inputs: Any, x: jax.Array, rows: Any) -> tuple[jax.Array, Metrics]:
+        if isinstance(unit_inputs, tuple):
+            unit_inputs = (stop_gradient_except(unit_inputs[0], trained), *unit_inputs[1:])
+        else:
+            unit_inputs = stop_gradient_except(unit_inputs, trained)
+        return layer_fn(unit_inputs, x, rows)
+
+    return unit_fn
 
 
 def pipelined_units(model: nnx.Module, name: str) -> tuple[tuple[str, ...], Any, Any]:
@@ -284,9 +348,11 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
     accum = config.train.grad_accum
 
     def step(state: dict, batch: Batch) -> tuple[dict, Metrics]:
-        params = state["params"]
+        params = layout.trained_part(state["params"])  # LoRA: the adapters; the base is frozen
+        frozen = None if layout.trained is None else state["params"]
         key = routing_key(config.run.seed, state["step"])
-        grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias")), params,
+        grads, metrics = _accumulated_grads(functools.partial(grad_fn, expert_bias=state.get("expert_bias"),
+                                                              frozen=frozen, reference=state.get(REFERENCE)), params,
                                             task.normalized_weights(batch), key, accum,
                                             lambda micro: constrain_batch(micro, fields, constrain))
         # under optimizer.shard_update each replica of the batch updates its share only (ZeRO stage 1); the
@@ -294,9 +360,13 @@ def make_train_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rule
         grads, params = layout.update_shares(grads), layout.update_shares(params)
         updates, opt_state = layout.optimizer.update(grads, state["opt_state"], params)
         params = layout.update_shares(optax.apply_updates(params, updates))
+        if frozen is not None:
+            params = joined(frozen, params)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(params),
                    "lr": schedule(state["step"])}
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if REFERENCE in state:
+            new_state[REFERENCE] = state[REFERENCE]
         if "expert_bias" in state:  # auxiliary-loss-free balancing: outside the optimizer
             if EXPERT_LOAD not in metrics:
                 raise ConfigError([("model.class", f"a model with ExpertBias variables returns the metric "

@@ -20,6 +20,8 @@ from nestor.orchestrator.config.schema import _set_dotted, key_table  # noqa: F4
 from nestor.orchestrator.data.shards import METADATA, VOCAB_MULTIPLE
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.architectures import sections
+from nestor.orchestrator.hf.peft_config import lora_sections
+from nestor.models.lora_names import canonical as canonical_targets
 from nestor.orchestrator.data.tokenizer import BYTES
 from nestor.orchestrator.loader.validation import validate
 from nestor.orchestrator.config.yaml_files import override_value, read_yaml
@@ -152,7 +154,31 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra), run_dir))
     tree = _merge(_merge(tree, user), extra)
     tree = _merge(tree, shards_tokenizer(tree, (user, extra), bool(init_from)))
+    adapter = next((layer["lora"].get("init_from") for layer in (extra, user)
+                    if isinstance(layer.get("lora"), dict) and layer["lora"].get("init_from")), None)
+    if adapter:
+        tree = _merge(tree, adapter_sections(adapter, (user, extra)))
     return _validated(from_dict(tree))
+
+
+def adapter_sections(init_from: Any, layers: tuple[dict, ...]) -> dict:
+    """Returns the lora keys a PEFT adapter's adapter_config.json implies (orchestrator.hf.peft); raises
+    ConfigError when a key of `layers` (the run YAML, the overrides) sets one to another value."""
+    if not isinstance(init_from, str):
+        raise ConfigError([("lora.init_from", f"expected a directory, got {init_from!r}")])
+    derived = lora_sections(Path(_absolute(init_from, Path.cwd())))
+    problems = []
+    for name, value in derived["lora"].items():
+        for layer in layers:
+            keys = layer.get("lora")
+            given = keys.get(name, value) if isinstance(keys, dict) else value
+            if given != value and not (isinstance(given, list) and
+                                       list(canonical_targets(tuple(given))) == value):
+                problems.append((f"lora.{name}", f"{given!r} conflicts with {init_from}, whose adapter_config.json "
+                                                 f"makes it {value!r}"))
+    if problems:
+        raise ConfigError(problems)
+    return derived
 
 
 def _given(layers: tuple[dict, ...], section: str, name: str) -> bool:
@@ -258,6 +284,8 @@ def resolve_paths(config: Config, base: Path) -> Config:
         config,
         model=dataclasses.replace(config.model, init_from=config.model.init_from and
                                   _absolute(config.model.init_from, base)),
+        lora=dataclasses.replace(config.lora, init_from=config.lora.init_from and
+                                 _absolute(config.lora.init_from, base)),
         run=dataclasses.replace(run, dir=_absolute(run.dir, base),
                                 compile_cache=run.compile_cache and _absolute(run.compile_cache, base)),
         data=dataclasses.replace(data, paths=tuple(_absolute(p, base) for p in data.paths),

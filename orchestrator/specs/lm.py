@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from nestor.backend.mosaic_gpu import TILE, tiles
-from nestor.models import axes
+from nestor.models import axes, lora_names
+from nestor.models.lora import LoraConfig
 from nestor.models.moe import MoELayerConfig, expert_capacity
 from nestor.models.transformer import STACK, RopeScaling, Transformer, TransformerConfig
 from nestor.orchestrator.config.keys import ARRAY_SOURCES, INT32_MAX, key_table
@@ -67,7 +68,7 @@ class LanguageModel(ModelSpec):
             problems.append(("model.dtype", "float16 needs a GPU (cluster.accelerator=gpu): XLA:CPU, which compiles "
                                             "for cluster.accelerator=cpu (explain's too), has no float16 matmul "
                                             "with float32 sums; use bfloat16 or float32"))
-        return problems + product_problems(config) + _data_problems(config)
+        return problems + product_problems(config) + _data_problems(config) + _lora_problems(config)
 
     def mesh_problems(self, config: Config, degrees: dict[str, int] | None) -> Problems:
         return _moe_problems(config, degrees)
@@ -131,7 +132,15 @@ def lm_config(config: Config) -> TransformerConfig:
         mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
         rope_scaling=rope_scaling(m.rope_scaling), qkv_bias=m.qkv_bias, out_bias=m.out_bias, qk_norm=m.qk_norm,
         norm_eps=m.norm_eps, init_std=m.init_std, dtype=m.dtype, moe=moe_layer_config(config),
+        lora=lora_config(config),
     )
+
+
+def lora_config(config: Config) -> LoraConfig:
+    """Returns the LM's adapters from the run config's `lora` section (none when lora.rank is 0)."""
+    section = config.lora
+    return LoraConfig(rank=section.rank, alpha=section.alpha, targets=lora_names.canonical(section.targets),
+                      dropout=section.dropout)
 
 
 def moe_layer_config(config: Config) -> MoELayerConfig:
@@ -182,6 +191,28 @@ def _rope_scaling_problems(scaling: dict | None) -> list[tuple[str, str]]:
 TOKENS_KEY = "train.global_batch, train.seq_len"
 
 
+def _lora_problems(config: Config) -> list[tuple[str, str]]:
+    """Returns the problems of the `lora` keys: adapters on nothing, or on experts a dense model lacks."""
+    section = config.lora
+    if config.train.objective == "dpo":
+        if config.pipeline.schedule not in ("gpipe", "circular") and config.mesh.pipeline != 1:
+            return [("pipeline.schedule", f"train.objective=dpo runs under gpipe or circular; "
+                                          f"{config.pipeline.schedule} runs the model's own loss in its loop")]
+    if not section.rank:
+        return []
+    if unknown := [target for target in section.targets if target not in lora_names.ALL]:
+        return [("lora.targets", f"{', '.join(map(repr, unknown))}: nestor's LM adapts "
+                                 f"{', '.join(lora_names.TARGETS)} (or peft's {', '.join(lora_names.PEFT_NAMES)})")]
+    targets = lora_names.canonical(section.targets)
+    if not targets:
+        return [("lora.targets", "lora.rank > 0 adapts the weights named here; name at least one")]
+    experts = [target for target in targets if target in lora_names.EXPERTS]
+    if experts and not _moe_on(config.to_dict()["moe"]):
+        return [("lora.targets", f"{', '.join(experts)} adapt routed experts, and the model is dense "
+                                 "(moe.num_experts and moe.every are 0)")]
+    return []
+
+
 def product_problems(config: Config) -> list[tuple[str, str]]:
     """Returns (key path, message) for each product of keys past INT32_MAX in a step of nestor's LM: its
     tokens, and its MoE layers' routed tokens and slots."""
@@ -221,9 +252,13 @@ def _data_problems(config: Config) -> list[tuple[str, str]]:
     """data.mixture is for prepared token shards; each entry is {paths: [dirs], weight: w > 0}; the
     tokens source needs directories from data.paths or data.mixture."""
     data = config.data
+    if config.train.objective == "dpo":
+        return [] if data.source == "arrays" else [
+            ("data.source", "train.objective=dpo reads preference pairs: data.source=arrays with data.paths the "
+                            ".npz files `nestor data prepare` writes from prompt/chosen/rejected JSONL")]
     if data.source in ARRAY_SOURCES:
         return [("data.source", "named arrays feed a model.class of your own; nestor's language model (model.class: "
-                                "lm) reads synthetic, text or tokens")]
+                                "lm) reads synthetic, text or tokens, and preference pairs with train.objective=dpo")]
     if data.mixture and data.source != "tokens":
         return [("data.mixture", f"mixes prepared token shards; set data.source=tokens (it is {data.source})")]
     if data.source == "tokens" and not data.paths and not data.mixture:

@@ -66,6 +66,14 @@ class UserModel(ModelSpec):
         if config.moe.num_experts:
             problems.append(("moe.num_experts", "the moe section configures nestor's language model; a model of your "
                                                 "own builds its expert layers itself (docs/models.md)"))
+        if config.train.objective != "lm":
+            problems.append(("train.objective", f"{config.train.objective} trains nestor's language model; a model "
+                                                "of your own returns its loss from loss(batch)"))
+        if config.lora.rank and config.pipeline.schedule not in ("gpipe", "circular") and config.mesh.pipeline != 1:
+            problems.append(("pipeline.schedule", f"LoRA on a model of your own runs under gpipe or circular; "
+                                                  f"{config.pipeline.schedule} runs its stack's own weights"))
+        if config.lora.init_from:
+            problems.append(("lora.init_from", "a PEFT adapter adapts nestor's language model (model.class: lm)"))
         return problems
 
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
