@@ -34,19 +34,10 @@ from nestor.orchestrator.config.degrees import schedule_for
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import user_lora
+from nestor.orchestrator.job.user_lora import nest
 from nestor.orchestrator.job.optimizer import make_optimizer
 from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
-
-
-def _nest(flat: dict[tuple, Any]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +124,7 @@ def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
     for path, var in flat:
         names = logical_axes_of(var)
         logical[tuple(path)] = names if names is not None else (None,) * len(var.get_value().shape)
-    return _nest(logical), _nest({tuple(path): var.get_value() for path, var in flat})
+    return nest(logical), nest({tuple(path): var.get_value() for path, var in flat})
 
 
 SHARDING_AXES = ("fsdp", "tensor")  # the mesh axes that split a model's weight matrices

@@ -36,7 +36,8 @@ def _flat(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], obj
     return flat
 
 
-def _nest(flat: dict[tuple[str, ...], object]) -> dict:
+def nest(flat: dict[tuple, object]) -> dict:
+    """Returns the nested dicts of a {path tuple: leaf} mapping."""
     tree: dict = {}
     for path, value in flat.items():
         node = tree
@@ -75,7 +76,7 @@ def adapter_layout(config: Config, logical: dict, shapes: dict) -> tuple[dict, d
                                     "b": jax.ShapeDtypeStruct((*shape[:lead], rank, shape[-1]), jnp.float32)}
     if problems:
         raise ConfigError(problems)
-    return _nest(adapter_axes), _nest(adapter_shapes)
+    return nest(adapter_axes), nest(adapter_shapes)
 
 
 def init_adapters(config: Config, adapter_shapes: dict, adapter_logical: dict) -> dict:
@@ -91,7 +92,7 @@ def init_adapters(config: Config, adapter_shapes: dict, adapter_logical: dict) -
         salt = zlib.crc32("/".join(path).encode()) & 0x7FFFFFFF
         return jax.random.uniform(jax.random.fold_in(key, salt), leaf.shape, leaf.dtype, -bound, bound)
 
-    return _nest({path: init(path, leaf) for path, leaf in _flat(adapter_shapes).items()})
+    return nest({path: init(path, leaf) for path, leaf in _flat(adapter_shapes).items()})
 
 
 def merged(params: dict, scale: float) -> dict:
@@ -103,5 +104,5 @@ def merged(params: dict, scale: float) -> dict:
     for path in {path[:-1] for path in adapters}:
         a, b = adapters[(*path, "a")], adapters[(*path, "b")]
         flat[path] = flat[path] + update(a, b, scale, b.ndim - 2)
-    return _nest(flat)
+    return nest(flat)
 
