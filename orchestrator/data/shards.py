@@ -243,37 +243,38 @@ class TokenStream:
                   for file, start in zip(self.files, self.starts[:-1])]
         return np.concatenate([*pieces, self.starts[-1:]]).astype(np.int64)
 
-    def read_weights(self, begin: int, end: int) -> np.ndarray:
-        """Returns the loss weights of tokens [begin, end) of the stream as float32 (shards with weights)."""
-        pieces, position = [], begin
+    def _weight_map(self, shard: int) -> np.memmap:
+        if shard not in self._weight_maps:
+            self._weight_maps[shard] = np.memmap(self.files[shard].with_suffix(".weights"), WEIGHTS_DTYPE, mode="r")
+        return self._weight_maps[shard]
+
+    def _spans(self, begin: int, end: int) -> list[tuple[int, int, int]]:
+        """Returns (shard, start, stop) within each shard of stream positions [begin, end), in order."""
+        spans, position = [], begin
         shard = bisect.bisect_right(self.starts, begin) - 1
         while position < end:
-            if shard not in self._weight_maps:
-                self._weight_maps[shard] = np.memmap(self.files[shard].with_suffix(".weights"), WEIGHTS_DTYPE,
-                                                     mode="r")
             stop = min(end, int(self.starts[shard + 1]))
-            pieces.append(self._weight_maps[shard][position - int(self.starts[shard]):stop - int(self.starts[shard])])
-            position = stop
-            shard += 1
-        return np.concatenate(pieces).astype(np.float32)
+            spans.append((shard, position - int(self.starts[shard]), stop - int(self.starts[shard])))
+            position, shard = stop, shard + 1
+        return spans
+
+    def read_weights(self, begin: int, end: int) -> np.ndarray:
+        """Returns the loss weights of tokens [begin, end) of the stream as float32 (shards with weights)."""
+        return np.concatenate([self._weight_map(shard)[start:stop]
+                               for shard, start, stop in self._spans(begin, end)]).astype(np.float32)
 
     def read(self, begin: int, end: int) -> np.ndarray:
         """Returns tokens [begin, end) of the stream as int32 (crossing shard boundaries as needed).
 
         Raises ConfigError naming the shard when an id lies outside its tokenizer's vocabulary (a damaged or
         foreign file: it trained to NaN)."""
-        pieces, position = [], begin
-        shard = bisect.bisect_right(self.starts, begin) - 1
-        while position < end:
-            offset = position - int(self.starts[shard])
-            stop = min(end, int(self.starts[shard + 1])) - int(self.starts[shard])
-            pieces.append(self._map(shard)[offset:stop])
+        pieces = []
+        for shard, start, stop in self._spans(begin, end):
+            pieces.append(self._map(shard)[start:stop])
             if (largest := int(pieces[-1].max())) >= self.vocab_sizes[shard]:
                 raise ConfigError([(self.key, f"{self.files[shard]} holds token id {largest}, outside its "
                                               f"tokenizer's {self.vocab_sizes[shard]} ids (a damaged or foreign "
                                               f"file); prepare {self.files[shard].parent} again")])
-            position = int(self.starts[shard]) + stop
-            shard += 1
         self.windows_read += 1
         self.tokens_read += end - begin
         return np.concatenate(pieces).astype(np.int32)

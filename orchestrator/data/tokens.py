@@ -149,7 +149,7 @@ class TokenSource:
         shards as {"tokens", "loss_weights" float32 [len(rows), seq_len]} (the targets'); reads only them."""
         positions = step * self.global_batch + np.arange(rows.start, rows.stop, dtype=np.int64)
         out = np.empty((len(rows), self.width), np.int32)
-        weights = np.empty((len(rows), self.width), np.float32)
+        weights = np.zeros((len(rows), self.width), np.float32) if self.weighted else None
         for i, (position, index) in enumerate(zip(positions, self.source_of(positions))):
             source = self.sources[index]
             window = source.order(int(position))
