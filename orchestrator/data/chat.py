@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.data.separator import read_json
 from nestor.orchestrator.data.tokenizer import BYTES, encode_bytes
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -74,12 +75,7 @@ def special_tokens_config(tokenizer_path: str | None) -> dict:
     """Returns the tokenizer_config.json beside a tokenizer file ({} when there is none)."""
     if tokenizer_path in (None, BYTES):
         return {}
-    file = Path(tokenizer_path).expanduser().parent / CONFIG_FILE
-    try:
-        found = json.loads(file.read_text()) if file.is_file() else {}
-    except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
+    return read_json(Path(tokenizer_path).expanduser().parent / CONFIG_FILE)
 
 
 def _special_token_variables(config: dict) -> dict:

@@ -26,7 +26,8 @@ SPECIAL_TOKENS_FILE = "tokenizer_config.json"
 ID_FILES = ("generation_config.json", "config.json")  # the files whose eos_token_id names the end of text
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """Returns the JSON object in `path`, or {} when it is missing, unreadable or not an object."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -52,11 +53,11 @@ def special_token(directory: Path, tokenizer: TokenizerFile, name: str) -> int |
     """Returns the id of the special token `name` ("eos" or "bos") a checkpoint directory names: by text in
     tokenizer_config.json (`<name>_token`), else by id in generation_config.json or config.json
     (`<name>_token_id`); None when none names one."""
-    text = _token_text(_read_json(directory / SPECIAL_TOKENS_FILE).get(f"{name}_token"))
+    text = _token_text(read_json(directory / SPECIAL_TOKENS_FILE).get(f"{name}_token"))
     if text is not None and (found := tokenizer.token_id(text)) is not None:
         return found
     for file in ID_FILES:
-        if (found := _first_id(_read_json(directory / file).get(f"{name}_token_id"))) is not None:
+        if (found := _first_id(read_json(directory / file).get(f"{name}_token_id"))) is not None:
             return found
     return None
 
