@@ -161,3 +161,45 @@ def test_the_fast_tier_leaves_out_slow_ray_and_multiprocess_tests_and_knows_each
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     shares = dict(line.split() for line in Path(f"{notes}.files").read_text().splitlines())
     assert shares == {"test_a.py": "True", "test_files.py": "True"}
+
+
+class _Worker:
+    """What the scheduler asks of an xdist worker: the tests it is sent, and whether it was told to stop."""
+
+    def __init__(self, name: str):
+        self.gateway = type("Gateway", (), {"id": name})()
+        self.shutting_down, self.sent = False, []
+
+    def send_runtest_some(self, indexes):
+        self.sent.extend(indexes)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def test_a_replacement_worker_still_collecting_is_handed_no_work_until_it_has_collected():
+    """Two workers crashing close together leave one replacement collecting while the other's collection
+    reschedules every worker: the scheduler must wait for the first's collection (it raised KeyError, an
+    INTERNALERROR that ended the run)."""
+    from types import SimpleNamespace
+
+    from tests.xdist_groups import pytest_xdist_make_scheduler
+
+    options = {"tx": ["2*popen"], "dist": "loadscope", "numprocesses": 2, "maxworkerrestart": None}
+    config = SimpleNamespace(getvalue=options.get, option=SimpleNamespace(loadscopereorder=False), stash={})
+    scheduler = pytest_xdist_make_scheduler(config, log=None)
+    collection = [f"test_{file}.py::test_{i}" for file in "abcdef" for i in range(4)]
+    first, second, late, collected = (_Worker(f"gw{i}") for i in range(4))
+    for worker in (first, second):
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    assert first.sent and second.sent
+    for worker in (late, collected):  # two replacements start; `collected` finishes collecting first
+        scheduler.add_node(worker)
+    scheduler.add_node_collection(collected, collection)
+    scheduler.schedule()
+    assert late.sent == [] and collected.sent
+    scheduler.add_node_collection(late, collection)
+    scheduler.schedule()
+    assert late.sent

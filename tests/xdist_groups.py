@@ -78,6 +78,14 @@ def pytest_xdist_make_scheduler(config, log):
             self.config.option.loadscopereorder = False  # collection order: the Ray files first
             super().schedule()
 
+        def _reschedule(self, node) -> None:
+            """Gives `node` more work once it has collected. xdist's `schedule` reschedules every node when
+            a replacement worker finishes collecting, also a second replacement still collecting (after two
+            crashes close together), and raised KeyError for it (INTERNALERROR, the run ended with exit 3);
+            such a node is scheduled by the `schedule` its own collection calls."""
+            if node in self.registered_collections:
+                super()._reschedule(node)
+
         def remove_node(self, node) -> str | None:
             """Hands a crashed worker's unfinished tests to the others; returns the test it crashed in when that
             test has now crashed more than RERUNS_AFTER_A_CRASH times (xdist reports it failed), else None (it
