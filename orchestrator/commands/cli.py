@@ -169,7 +169,7 @@ def _goodput(args) -> int:
     from nestor.orchestrator.loop.goodput import FILE_NAME, read_records, report, run_goodput
 
     path = Path(args.run_dir).expanduser() / FILE_NAME
-    attempts = run_goodput(read_records(path))
+    attempts = run_goodput(read_records(path, log=lambda line: print(line, file=sys.stderr)))
     if not attempts:
         what = "holds no attempt" if path.is_file() else "does not exist"
         print(f"nestor: {shown(path)} {what}: name the run.dir of a run that trained (with this nestor or newer)",

@@ -263,7 +263,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
             return result
         if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
             (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        goodput.start(Path(config.run.dir), first_step, enabled=lead)
+        goodput.start(Path(config.run.dir), first_step, enabled=lead, log=log)
         restored = (first_step, checkpointer.record(first_step)) if first_step else None
         best = best_of(restored and restored[1].get("health"))
         with watchdog.paused():  # the norm compiles a program of its own
@@ -272,7 +272,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
             job.step_fn, compile_s = _compile(job, state, first_step, console)
         watchdog.beat(f"step {first_step + 1}")
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
-        writer = MetricsWriter(config, throughput, enabled=lead)
+        writer = MetricsWriter(config, throughput, enabled=lead, log=log)
         closing.callback(writer.close)
         writer.start(first_step, _sharding_text(job), _mesh_text(job))
         console.start(config.train.steps, first_step)
