@@ -13,6 +13,7 @@ import jax
 from nestor.models import ops
 from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
 from nestor.orchestrator.job.build import Job, abstract_batch, build_job, devices_here
 from nestor.orchestrator.loader.memory_fit import GIB, fit_report
@@ -144,7 +145,10 @@ def lora_report(config: Config, job: Job, memory: dict[str, int]) -> dict[str, A
 
 
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
-    """Returns the report `nestor explain --json` prints; the train step is compiled once."""
+    """Returns the report `nestor explain --json` prints; the train step is compiled once. Raises ConfigError
+    where `model.init_from`'s tensors are damaged or do not fit its config.json, as training would."""
+    if config.model.init_from:
+        checked_reader(config)[0].close()
     job = job or build_job(config, with_data=False)
     compiled, compile_s = timed_compile(job)
     params = param_table(job.layout)

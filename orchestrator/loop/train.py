@@ -129,6 +129,12 @@ class StepRecorder:
         if self.restored is not None and step == self.first_step + 1:  # its loss is the restored parameters'
             if self.health.restored_state_is_broken(float(values["loss"])):
                 broken = self.restored[0]
+        imported = self.config.model.init_from
+        if imported and self.restored is None and step == 1 and not np.isfinite(values["loss"]):
+            raise TrainingDiverged(f"loss is {float(values['loss'])} at step 1, computed on the weights of "
+                                   f"{shown(imported)} before any update (no learning rate is to blame): its values "
+                                   "make the model's loss overflow; check model.init_from (model.dtype "
+                                   f"{self.config.model.dtype}) before training from it")
         for name in ("loss", "param_norm"):
             if not np.isfinite(values[name]):
                 raise _diverged(f"{name} is {float(values[name])} at step {step}", self.checkpointer, broken)
