@@ -26,7 +26,7 @@ from nestor.orchestrator.loop.goodput import Goodput
 from nestor.orchestrator.loop.hang import HangWatchdog
 from nestor.orchestrator.loop.health import CALMER, StateHealth, best_of
 from nestor.orchestrator.hf.load import keep_source_files
-from nestor.orchestrator.job.build import Job, abstract_batch, build_job
+from nestor.orchestrator.job.build import Job, abstract_batch, build_job, traced_use, unsplit_rows_warning
 from nestor.orchestrator.loop.metrics import MetricsWriter, Throughput, sharding_table
 from nestor.orchestrator.job.optimizer import schedule_change
 from nestor.orchestrator.paths import shown
@@ -276,6 +276,8 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
             health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
         with goodput.charged("compile"), watchdog.paused():
             job.step_fn, compile_s = _compile(job, state, first_step, console)
+            if lead and job.mesh.shape["context"] > 1 and (warning := unsplit_rows_warning(job, traced_use(job)[1])):
+                log(warning)
         watchdog.beat(f"step {first_step + 1}")
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
         writer = MetricsWriter(config, throughput, enabled=lead, log=log)

@@ -109,11 +109,13 @@ class LanguageModel(ModelSpec):
         return ACTIVATION_AXES
 
     def idle_modes(self, config: Config) -> list[tuple[tuple[str, ...], str]]:
+        modes = [(("model.args",), "model.class=lm is built from the model.* keys; model.args is a model of "
+                                   "your own's")]
         if config.moe.num_experts:
-            return []
+            return modes
         moe_keys = tuple(path for path, *_ in key_table(type(config)) if path.startswith("moe.") and
                          path not in MOE_LAYOUT_KEYS)
-        return [(moe_keys + ("metrics.image_every",), "moe.num_experts=0: a dense model")]
+        return modes + [(moe_keys + ("metrics.image_every",), "moe.num_experts=0: a dense model")]
 
     def dropless_layers(self, config: Config) -> bool:
         return config.dropless_moe

@@ -56,6 +56,8 @@ class UserModel(ModelSpec):
         return [config.model.class_]
 
     def key_problems(self, config: Config) -> Problems:
+        if problem := _not_an_import_path(config.model.class_):  # what else is wrong follows from it
+            return [("model.class", problem)]
         problems = []
         if config.data.source not in ARRAY_SOURCES:
             problems.append(("data.source", f"model.class {config.model.class_} reads named arrays: use data.source="
@@ -74,6 +76,10 @@ class UserModel(ModelSpec):
                                                   f"{config.pipeline.schedule} runs its stack's own weights"))
         if config.lora.init_from:
             problems.append(("lora.init_from", "a PEFT adapter adapts nestor's language model (model.class: lm)"))
+        if config.model.init_from:
+            problems.append(("model.init_from", "a Hugging Face checkpoint holds the weights of nestor's language "
+                                                f"model (model.class: {LM}); a model of your own starts from "
+                                                "run.seed"))
         return problems
 
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
@@ -86,12 +92,19 @@ class UserModel(ModelSpec):
         return []
 
 
+def _not_an_import_path(path: str) -> str | None:
+    """Returns why `model.class` `path` names no model (neither nestor's nor module:Name), or None."""
+    if ":" in path:
+        return None
+    hint = f"; did you mean {LM!r}?" if path.strip().lower() == LM else ""
+    return f"{path!r} is neither {LM!r} nor an import path module:Name (e.g. mypackage.vit:ViT){hint}"
+
+
 def import_model_class(path: str) -> Callable[..., nnx.Module]:
     """Returns the callable `module:Name` names (orchestrator.user_code). Raises ConfigError (model.class)
     when it does not resolve."""
-    if ":" not in path:
-        raise ConfigError([("model.class", f"{path!r} is neither {LM!r} nor an import path module:Name "
-                                           "(e.g. mypackage.vit:ViT)")])
+    if problem := _not_an_import_path(path):
+        raise ConfigError([("model.class", problem)])
     return import_object(path, "model.class", "mypackage.vit:ViT")
 
 
