@@ -308,6 +308,12 @@ class Checkpointer:
         received = received_by_process_0(self._records_name(step), self.own_records.pop(step))
         write_manifest(step_dir, ITEMS, functools.reduce(dict.__or__, map(json.loads, received)))
 
+    def abandon_unfinished(self) -> None:
+        """Removes the temporary directories of saves in flight (process 0), for a process that ends without
+        finishing them (a hang): a run.dir keeps no `*.orbax-checkpoint-tmp` directory of a run that ended."""
+        if jax.process_index() == 0:
+            _remove_for_good(sorted(self.directory.glob(f"*{TEMPORARY}*")), limit_s=5.0)
+
     def _unfinished(self, step: int) -> list[Path]:
         return sorted(self.directory.glob(f"{step}{TEMPORARY}*"))
 

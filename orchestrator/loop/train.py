@@ -97,6 +97,7 @@ class StepRecorder:
     console: Console
     result: TrainResult
     timings: dict[str, float]
+    signals: StopSignals
 
     def __call__(self, pending: PendingStep, save: Callable[..., Any] | None = None) -> None:
         """Reads `pending`'s values, checks them, runs `save` (the step's checkpoint) and logs."""
@@ -109,19 +110,20 @@ class StepRecorder:
         finished_at = time.perf_counter() if finished is None else finished
         self._check_health(step, values)
         self.result.losses.append(float(values["loss"]))
-        if save is not None:
-            saving = time.perf_counter()
-            self.watchdog.beat(f"the save of checkpoint {step}")
-            with self.goodput.charged("checkpoint_save"):
-                save(health=self.health.record())
-            self.watchdog.beat(f"step {step + 1}")
-            self.timings["checkpoint_s"] = time.perf_counter() - saving
-        if logged:
-            record = self.writer.write(step, values, finished_at - started,
-                                       {**self.timings, **self.goodput.log(step)})
-            self.timings.clear()
-            self.result.history.append(record)
-            self.console.step(record)
+        with self.signals.deferred():  # a second Ctrl-C after the save would leave its step saved but unlogged
+            if save is not None:
+                saving = time.perf_counter()
+                self.watchdog.beat(f"the save of checkpoint {step}")
+                with self.goodput.charged("checkpoint_save"):
+                    save(health=self.health.record())
+                self.watchdog.beat(f"step {step + 1}")
+                self.timings["checkpoint_s"] = time.perf_counter() - saving
+            if logged:
+                record = self.writer.write(step, values, finished_at - started,
+                                           {**self.timings, **self.goodput.log(step)})
+                self.timings.clear()
+                self.result.history.append(record)
+                self.console.step(record)
 
     def _check_health(self, step: int, values: dict) -> None:
         """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
@@ -257,6 +259,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         watchdog = _watchdog(config)
         closing.callback(watchdog.close)
         checkpointer = Checkpointer(config, job.layout, log)
+        watchdog.before_exit = checkpointer.abandon_unfinished  # a hang in a save leaves no temporary directory
         closing.callback(goodput.charged("checkpoint_save")(checkpointer.close))  # it waits for saves in flight
         with goodput.charged("restore"):
             first_step, state = _start_state(config, job, checkpointer, log, watchdog)
@@ -286,7 +289,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         console.start(config.train.steps, first_step)
         closing.callback(console.close)
         recorder = StepRecorder(config, checkpointer, health, restored, first_step, watchdog, goodput, writer,
-                                console, result, timings={"compile_s": compile_s})
+                                console, result, timings={"compile_s": compile_s}, signals=signals)
         profiler = StepProfiler(config, enabled=lead, log=log)
         closing.callback(profiler.stop)
         started = time.perf_counter()
