@@ -427,7 +427,9 @@ def _main(args) -> int:
     from nestor.orchestrator.loader.config import load
     from nestor.orchestrator.errors import ConfigError, RunFailed
     from nestor.orchestrator.loader.idle_keys import idle_warning
+    from nestor.orchestrator.user_code import user_code_report
 
+    config = None
     try:
         if args.handler is None:
             return _job_command(args)
@@ -438,7 +440,7 @@ def _main(args) -> int:
             print(f"nestor: {warning}", file=sys.stderr)
         return args.handler(config, args)
     except ConfigError as error:
-        print(f"nestor: {error}", file=sys.stderr)
+        print(f"{getattr(error, 'frames', '')}nestor: {error}", file=sys.stderr)  # a user's code's frames first
         return 2
     except ClusterError as error:
         print(f"nestor: {error}", file=sys.stderr)
@@ -449,6 +451,21 @@ def _main(args) -> int:
     except KeyboardInterrupt as interrupt:
         print(f"nestor: {_interrupted(interrupt)}", file=sys.stderr)
         return 128 + getattr(interrupt, "signum", signal.SIGINT)
+    except Exception as error:  # the user's own code's: its frames and the key; nestor's own: a traceback
+        if config is None or (report := user_code_report(error, _user_code_keys(config))) is None:
+            raise
+        print(report, file=sys.stderr)
+        return 2
+
+
+def _user_code_keys(config) -> list[str]:
+    """Returns the keys that name the user's code in `config`, with their values (`model.class mlp:MLP`)."""
+    from nestor.orchestrator.specs.registry import spec_of
+
+    keys = [f"model.class {path}" for path in spec_of(config).user_code(config)]
+    if config.data.source == "python" and config.data.factory:
+        keys.append(f"data.factory {config.data.factory}")
+    return keys or ["the config"]
 
 
 def console_script() -> int:

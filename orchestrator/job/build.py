@@ -13,7 +13,7 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.config.degrees import mesh_axes_key
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job.eval_loss import Evaluator
+from nestor.orchestrator.job.eval_loss import Evaluator, check_eval_fields
 from nestor.orchestrator.loader.memory_fit import state_problems
 from nestor.orchestrator.job.state import StateLayout, param_table, per_device_bytes, state_layout
 from nestor.models import axes, ops
@@ -102,6 +102,7 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     rules = resolve_rules(config.mesh.rules)
     backend = backend_for(config, mesh)
     fields = batch_fields(config)
+    check_eval_fields(config, fields)
     layout = state_layout(config, mesh, rules, frozenset(name for field in fields.values()
                                                          for name in field.logical_axes if name))
     if with_data:  # a job that runs allocates its state: refused here, before anything is, if it cannot fit

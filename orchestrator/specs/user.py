@@ -23,7 +23,7 @@ from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.specs.base import ModelSpec, Problems
 from nestor.orchestrator.specs.lm import LM
-from nestor.orchestrator.user_code import import_object
+from nestor.orchestrator.user_code import UserCodeError, import_object
 from nestor.parallel.rules import resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
@@ -44,7 +44,10 @@ class UserModel(ModelSpec):
                 model = factory(dataclass(**args), rngs=rngs) if dataclass else factory(**args, rngs=rngs)
             except (TypeError, ValueError) as error:  # arguments the class does not take, or refuses
                 target = f"{path}'s {dataclass.__name__}" if dataclass else path
-                raise ConfigError([("model.args", f"{target} cannot be built from {args}: {error}")]) from None
+                raise UserCodeError("model.args", "", error, problems=[
+                    ("model.args", f"{target} cannot be built from {args}: {error}")]) from None
+            except Exception as error:  # noqa: BLE001 - the user's code raised: shown with its own frames
+                raise UserCodeError("model.class", f"building {path} from model.args {args}", error) from None
         if not isinstance(model, nnx.Module):
             raise ConfigError([("model.class", f"{path} returned a {type(model).__name__}, not a flax.nnx.Module")])
         if not callable(getattr(model, task.LOSS_METHOD, None)):
