@@ -14,7 +14,7 @@ import pytest
 from nestor.orchestrator.commands.cli import main
 from tests.test_hf import copy_of
 
-TINY_RUN = ("train.steps=1", "train.global_batch=8", "train.seq_len=16", "cluster.devices_per_host=1",
+TINY_RUN = ("train.steps=1", "train.global_batch=8", "train.seq_len=16", "cluster.devices_per_host=8",
             "cluster.launcher=inprocess", "metrics.tensorboard=false", "data.source=synthetic")
 
 
