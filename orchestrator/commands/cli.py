@@ -427,7 +427,7 @@ def _main(args) -> int:
     from nestor.orchestrator.loader.config import load
     from nestor.orchestrator.errors import ConfigError, RunFailed
     from nestor.orchestrator.loader.idle_keys import idle_warning
-    from nestor.orchestrator.user_code import user_code_report
+    from nestor.orchestrator.commands.user_errors import user_error_report
 
     config = None
     try:
@@ -452,20 +452,10 @@ def _main(args) -> int:
         print(f"nestor: {_interrupted(interrupt)}", file=sys.stderr)
         return 128 + getattr(interrupt, "signum", signal.SIGINT)
     except Exception as error:  # the user's own code's: its frames and the key; nestor's own: a traceback
-        if config is None or (report := user_code_report(error, _user_code_keys(config))) is None:
+        if config is None or (report := user_error_report(config, error)) is None:
             raise
         print(report, file=sys.stderr)
         return 2
-
-
-def _user_code_keys(config) -> list[str]:
-    """Returns the keys that name the user's code in `config`, with their values (`model.class mlp:MLP`)."""
-    from nestor.orchestrator.specs.registry import spec_of
-
-    keys = [f"model.class {path}" for path in spec_of(config).user_code(config)]
-    if config.data.source == "python" and config.data.factory:
-        keys.append(f"data.factory {config.data.factory}")
-    return keys or ["the config"]
 
 
 def console_script() -> int:
