@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nestor.orchestrator.config import schema as config_schema
-from nestor.orchestrator.config.keys import INT32_MAX, YAML_NAMES, Key  # noqa: F401 - INT32_MAX, Key: for callers
+from nestor.orchestrator.config.keys import INT32_MAX, YAML_NAMES, Key, moe_on  # noqa: F401 - INT32_MAX, Key: for callers
 from nestor.orchestrator.config.schema import _set_dotted, key_table  # noqa: F401 - key_table: for callers
 from nestor.orchestrator.data.shards import METADATA, VOCAB_MULTIPLE
 from nestor.orchestrator.errors import ConfigError
@@ -247,7 +247,7 @@ def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...], r
     derived = sections(directory)
     given = {section: {name: _given_last(layers, section, YAML_NAMES.get(name, name), value)
                        for name, value in keys.items()} for section, keys in derived.items()}
-    dense = not _moe_on(derived["moe"]) and not _moe_on(given["moe"])  # then no moe key shapes the model
+    dense = not moe_on(derived["moe"]) and not moe_on(given["moe"])  # then no moe key shapes the model
     problems = []
     for section, keys in derived.items():
         for name, value in keys.items():
@@ -277,11 +277,6 @@ def _given_last(layers: tuple[dict, ...], section: str, name: str, default: Any)
         if isinstance(layer.get(section), dict) and name in layer[section]:
             return layer[section][name]
     return default
-
-
-def _moe_on(section: dict) -> bool:
-    """Returns whether an moe section places expert layers (experts and an interval)."""
-    return bool(section.get("num_experts")) and bool(section.get("every"))
 
 
 def _absolute(path: str, base: Path) -> str:
