@@ -191,3 +191,16 @@ def test_a_nan_first_loss_of_a_fresh_import_names_the_checkpoint_not_the_learnin
     said = out.out + out.err
     assert code == 1 and "Traceback" not in said, said[-3000:]
     assert f"computed on the weights of {source} before any update" in said and "optimizer.lr" not in said, said
+
+
+@pytest.mark.parametrize("index, says", [
+    ('{"weight_map": ["model.safetensors"]}', "its weight_map is not a mapping of tensor names"),
+    ('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}', "its weight_map is not a mapping"),
+    ('{"weight_map": {"lm_head.weight": 5}}', "its weight_map is not a mapping"),
+    ("[1, 2", "has no readable weight_map"),
+])
+def test_a_broken_index_is_one_config_error_in_explain(tmp_path, capsys, index, says):
+    source = copy_of("llama3", tmp_path)
+    (source / "model.safetensors.index.json").write_text(index)
+    code, out = explain_error(source, tmp_path, capsys)
+    assert code == 2 and "Traceback" not in out and says in out, out

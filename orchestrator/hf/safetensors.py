@@ -142,6 +142,10 @@ class Reader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as error:
                 raise ConfigError([("model.init_from", f"{index} has no readable weight_map: {error}")]) from None
+            if not (isinstance(weight_map, dict) and all(isinstance(name, str) and name and "/" not in name
+                                                         for name in weight_map.values())):
+                raise ConfigError([("model.init_from", f"{index}: its weight_map is not a mapping of tensor names "
+                                                       "to file names in its directory")])
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(path.name for path in directory.glob("*.safetensors"))
