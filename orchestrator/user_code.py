@@ -114,12 +114,3 @@ class UserCodeError(ConfigError):
 
     def __reduce__(self):
         return UserCodeError, ("", "", None, self.frames, self.problems)
-
-
-def user_code_report(error: BaseException, keys: list[str]) -> str | None:
-    """Returns how to show an exception that the user's own code raised: its traceback with the user's frames
-    only, then one line naming the config `keys` that run that code (e.g. "model.class mlp:MLP"); None when
-    no frame of the traceback is the user's (nestor's own failure keeps its whole traceback)."""
-    if not user_frames(error):
-        return None
-    return f"{_traceback_text(error)}nestor: {type(error).__name__} raised in your code, which {' and '.join(keys)} names"

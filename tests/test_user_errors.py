@@ -154,8 +154,9 @@ def test_a_model_whose_constructor_or_loss_raises_shows_the_users_frames_and_nam
     for command in ("explain", "train"):
         code, err = run(command, capsys, "model.class=lossy:MLP")
         assert_users_frames_then_one_line(code, err, "lossy.py", 'batch["label"]', "which your code reads")
-        assert "KeyError: 'label'\nnestor: KeyError raised in your code, which model.class lossy:MLP names\n" in err
-        assert err.endswith("hold the fields x, y, not 'label', which your code reads\n"), err
+        assert "KeyError: 'label'\nnestor: invalid config:\n  model.class: your code (model.class lossy:MLP) " \
+               "raised KeyError: 'label'\n  data.paths: " in err, err
+        assert err.endswith("train.npz hold the fields x, y, not 'label', which your code reads\n"), err
 
 
 def test_an_empty_stack_is_a_model_args_error(project, capsys):

@@ -427,7 +427,7 @@ def _main(args) -> int:
     from nestor.orchestrator.loader.config import load
     from nestor.orchestrator.errors import ConfigError, RunFailed
     from nestor.orchestrator.loader.idle_keys import idle_warning
-    from nestor.orchestrator.commands.user_errors import user_error_report
+    from nestor.orchestrator.commands.user_errors import user_code_error
 
     config = None
     try:
@@ -452,9 +452,9 @@ def _main(args) -> int:
         print(f"nestor: {_interrupted(interrupt)}", file=sys.stderr)
         return 128 + getattr(interrupt, "signum", signal.SIGINT)
     except Exception as error:  # the user's own code's: its frames and the key; nestor's own: a traceback
-        if config is None or (report := user_error_report(config, error)) is None:
+        if config is None or (converted := user_code_error(config, error)) is None:
             raise
-        print(report, file=sys.stderr)
+        print(f"{converted.frames}nestor: {converted}", file=sys.stderr)
         return 2
 
 

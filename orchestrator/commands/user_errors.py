@@ -1,4 +1,4 @@
-"""How the CLI shows an exception the user's own code raised (`model.class`, `data.factory`): the user's frames
+"""An exception the user's own code raised (`model.class`, `data.factory`) as a config error: the user's frames
 (orchestrator.user_code), the keys that name that code and, for a field the batches lack, the fields they hold."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.user_code import user_code_report
+from nestor.orchestrator.user_code import UserCodeError, user_frames
 
 
 def user_code_keys(config: Config) -> list[str]:
@@ -14,26 +14,31 @@ def user_code_keys(config: Config) -> list[str]:
     keys = [f"model.class {path}" for path in spec_of(config).user_code(config)]
     if config.data.source == "python" and config.data.factory:
         keys.append(f"data.factory {config.data.factory}")
-    return keys or ["the config"]
+    return keys or ["model.class"]
 
 
-def missing_field_line(config: Config, error: BaseException) -> str:
-    """Returns a line naming the fields the batches hold where `error` is a KeyError for a field they lack
-    (the model reads a field the data files or the factory do not give), else ""."""
+def missing_field(config: Config, error: BaseException) -> list[tuple[str, str]]:
+    """Returns the problem of a KeyError for a field the batches lack (the model reads a field the data files
+    or the factory do not give), naming the data key and the fields they hold; [] for any other error."""
     if not isinstance(error, KeyError) or config.data.source not in ARRAY_SOURCES or not error.args:
-        return ""
+        return []
     from nestor.orchestrator.data.batches import batch_fields
 
     fields = sorted(batch_fields(config))
     if error.args[0] in fields:
-        return ""
-    where = (f"data.paths: {', '.join(config.data.paths)} hold" if config.data.source == "arrays"
-             else f"data.factory: {config.data.factory} returns")
-    return f"\nnestor: {where} the fields {', '.join(fields)}, not {error.args[0]!r}, which your code reads"
+        return []
+    key, where = (("data.paths", f"{', '.join(config.data.paths)} hold") if config.data.source == "arrays"
+                  else ("data.factory", f"{config.data.factory} returns"))
+    return [(key, f"{where} the fields {', '.join(fields)}, not {error.args[0]!r}, which your code reads")]
 
 
-def user_error_report(config: Config, error: BaseException) -> str | None:
-    """Returns what the CLI prints for `error` when the user's own code raised it (`user_code_report`, and
-    `missing_field_line`), or None for an exception of nestor's own."""
-    report = user_code_report(error, user_code_keys(config))
-    return None if report is None else report + missing_field_line(config, error)
+def user_code_error(config: Config, error: BaseException) -> UserCodeError | None:
+    """Returns `error`, raised in the user's own code, as a UserCodeError (its frames, the key of the code,
+    `missing_field`), which the CLI shows and a Ray worker hands to the driver; None for an error of nestor's
+    own, which keeps its whole traceback."""
+    if not user_frames(error):
+        return None
+    keys = user_code_keys(config)
+    problem = (keys[0].split(" ")[0], f"your code ({' and '.join(keys)}) raised {type(error).__name__}: "
+                                      f"{str(error)[:300]}")
+    return UserCodeError(problem[0], "", error, problems=[problem, *missing_field(config, error)])
