@@ -204,3 +204,19 @@ def test_a_broken_index_is_one_config_error_in_explain(tmp_path, capsys, index, 
     (source / "model.safetensors.index.json").write_text(index)
     code, out = explain_error(source, tmp_path, capsys)
     assert code == 2 and "Traceback" not in out and says in out, out
+
+
+def test_explain_names_a_missing_surplus_or_misshapen_tensor(tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    source = copy_of("llama3", tmp_path)
+    tensors = load_file(source / WEIGHTS)
+    for name, changed, says in (
+            ("missing", {k: v for k, v in tensors.items() if k != "model.norm.weight"}, "lacks tensor model.norm.weight"),
+            ("surplus", {**tensors, "model.extra.weight": tensors["model.norm.weight"]},
+             "has no place for: model.extra.weight"),
+            ("misshapen", {**tensors, "model.norm.weight": tensors["model.norm.weight"][:32]},
+             "tensor model.norm.weight is [32], its config.json makes it [64]")):
+        save_file(changed, source / WEIGHTS)
+        code, out = explain_error(source, tmp_path, capsys)
+        assert code == 2 and "Traceback" not in out and says in out, (name, out)
