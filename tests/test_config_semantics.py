@@ -93,6 +93,10 @@ def test_a_context_mesh_on_a_model_that_splits_no_rows_is_warned_of(user_project
     assert main(["explain", "my.yaml", "mesh.context=2", "mesh.data=4", "cluster.devices_per_host=8"]) == 0
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: mesh.context=2")]
     assert len(warned) == 1 and "model.class mlp:MLP names no activation `length`" in warned[0], warned
+    assert main(["train", "my.yaml", "mesh.context=2", "mesh.data=4", "cluster.devices_per_host=8", "train.steps=1",
+                 "cluster.launcher=inprocess", "run.dir=runs/context"]) == 0
+    trained = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: mesh.context=2")]
+    assert trained == warned  # train says it too, once
     lm = build_job(config_lib.load(None, ["model.preset=tiny", "mesh.context=2", "mesh.data=4", "train.seq_len=32",
                                           "cluster.devices_per_host=8"]), with_data=False)
     assert unsplit_rows_warning(lm, traced_use(lm)[1]) is None  # nestor's LM reads its positions

@@ -36,6 +36,7 @@ from nestor.orchestrator.checkpoint.run_lock import claim_run_dir, holding_run_d
 from nestor.orchestrator.job.processes import check_shared_run_dir, every_process_says, wait_for_every_process
 from nestor.orchestrator.loop.signals import StopSignals, no_stop_request, stopping_line
 from nestor.orchestrator.job.state import init_state, param_table
+from nestor.orchestrator.specs.registry import spec_of
 
 
 class TrainingDiverged(RunFailed):
@@ -279,7 +280,8 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
             health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
         with goodput.charged("compile"), watchdog.paused():
             job.step_fn, compile_s = _compile(job, state, first_step, console)
-            if lead and job.mesh.shape["context"] > 1 and (warning := unsplit_rows_warning(job, traced_use(job)[1])):
+            if lead and job.mesh.shape["context"] > 1 and not spec_of(config).splits_rows and \
+                    (warning := unsplit_rows_warning(job, traced_use(job)[1])):  # one more trace: a model of yours
                 log(warning)
         watchdog.beat(f"step {first_step + 1}")
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)

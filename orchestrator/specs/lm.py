@@ -42,7 +42,7 @@ class LanguageModel(ModelSpec):
     """nestor's decoder LM: rows of tokens, analytic FLOPs, decoding, Hugging Face architectures, parameters
     laid out by construction."""
 
-    counts_tokens = decodes = hugging_face = True
+    counts_tokens = decodes = hugging_face = splits_rows = True
     layout_checked = False
 
     def build(self, config: Config, rngs: nnx.Rngs) -> nnx.Module:
