@@ -4,11 +4,14 @@
 people's clusters and runs. A head's processes are known by its GCS address instead: the GCS server
 listens on its port and every other daemon and worker of the cluster (raylet, dashboard, agents,
 monitors) names it as `--gcs-address=HOST:PORT` on its command line, and the workers and agents are
-their children. `stop_head` signals only those.
+their children. `stop_head` signals only those. A head started without `--node-ip-address` names the
+host's own IP there, whatever address the user knows it by: on this machine, the port is matched on any
+of its addresses (`127.0.0.1:PORT` stops a head whose daemons name `10.0.0.5:PORT`).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 
 import psutil
@@ -19,23 +22,45 @@ from nestor.cluster.rendezvous import ClusterError
 FLAGS = ("--gcs-address=", "--gcs_address=")  # how Ray's daemons name their cluster's GCS
 
 
-def _belongs(process: psutil.Process, address: str, port: str) -> bool:
+def local_hosts() -> set[str]:
+    """Returns the names and addresses this machine answers to: `localhost`, its host name and every
+    address of its network interfaces (a head started without `--node-ip-address` names the host's own)."""
+    hosts = {"localhost", socket.gethostname()}
+    for addresses in psutil.net_if_addrs().values():
+        hosts.update(entry.address.split("%")[0] for entry in addresses
+                     if entry.family in (socket.AF_INET, socket.AF_INET6))
+    return hosts
+
+
+def _hosts_of(host: str) -> set[str]:
+    """Returns the hosts a GCS address's `host` stands for: any of this machine's when it is one of them."""
+    local = local_hosts()
+    return local if host in local else {host}
+
+
+def _belongs(process: psutil.Process, hosts: set[str], port: str) -> bool:
     try:
         command = process.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-    if any(part == flag + address for part in command for flag in FLAGS):
-        return True
+    for part in command:
+        for flag in FLAGS:
+            if part.startswith(flag):
+                host, _, named_port = part[len(flag):].rpartition(":")
+                if named_port == port and host.strip("[]") in hosts:
+                    return True
     name = " ".join(command[:1])
     return "gcs_server" in name and f"--gcs_server_port={port}" in command
 
 
 def head_processes(address: str) -> list[psutil.Process]:
-    """Returns this machine's processes of the Ray cluster whose GCS is at `address` (HOST:PORT): its GCS
-    server, the daemons that name it, and their descendants (workers and agents retitle themselves
-    `ray::...`); never this process or one it runs under."""
-    _, _, port = address.rpartition(":")
-    found = {process.pid: process for process in psutil.process_iter() if _belongs(process, address, port)}
+    """Returns this machine's processes of the Ray cluster whose GCS is at `address` (HOST:PORT, the port
+    matched on any of this machine's addresses when HOST is one of them): its GCS server, the daemons that
+    name it, and their descendants (workers and agents retitle themselves `ray::...`); never this process
+    or one it runs under."""
+    host, _, port = address.rpartition(":")
+    hosts = _hosts_of(host.strip("[]"))
+    found = {process.pid: process for process in psutil.process_iter() if _belongs(process, hosts, port)}
     for process in list(found.values()):
         try:
             found.update((child.pid, child) for child in process.children(recursive=True))
@@ -54,8 +79,6 @@ def stop_head(address: str, grace_s: float = 10.0) -> int:
     if "://" in address or not host or not port.isdigit():
         raise ClusterError(f"--address {address}: give the head's GCS address HOST:PORT (ray start --port), not "
                            "its dashboard URL")
-    if host == "localhost":
-        address = f"127.0.0.1:{port}"
     processes = head_processes(address)
     if not processes:
         raise ClusterError(f"--address {address}: no Ray process of that head runs on this machine")

@@ -74,15 +74,38 @@ _layout: contextvars.ContextVar[SequenceLayout] = contextvars.ContextVar("sequen
 
 def sequence_layout() -> SequenceLayout:
     """Returns the installed layout of a row's positions (natural order by default)."""
+    if (named := _named.get()) is not None:
+        named.add(LAYOUT_READ)
     return _layout.get()
 
 _constrainer: contextvars.ContextVar[Constrainer | None] = contextvars.ContextVar("constrainer", default=None)
+_named: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("named", default=None)
+LAYOUT_READ = "sequence_layout()"  # what `recording` notes where a model reads the layout
 
 
 def constrain(x, logical_axes: tuple[str | None, ...]):
     """Returns `x` pinned to the layout of `logical_axes` under the installed constrainer."""
+    if (named := _named.get()) is not None:
+        named.update(name for name in logical_axes if name)
     constrainer = _constrainer.get()
     return x if constrainer is None else constrainer(x, logical_axes)
+
+
+@contextlib.contextmanager
+def collected(into: contextvars.ContextVar[set[str] | None]) -> Iterator[set[str]]:
+    """Yields a set that `into` holds inside the block, for the code it runs to note names in."""
+    names: set[str] = set()
+    token = into.set(names)
+    try:
+        yield names
+    finally:
+        into.reset(token)
+
+
+def recording() -> contextlib.AbstractContextManager[set[str]]:
+    """Returns a block that yields the logical axes the activations of the models traced inside it name
+    (`constrain`), and LAYOUT_READ where they read the `sequence_layout()`: whether a model's rows split."""
+    return collected(_named)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from nestor.models import remat_names
+from nestor.models.axes import collected
 
 # einsum(equation, x, weight, out_dtype=None) -> out: "x,weight->out" in x's dtype, or in out_dtype
 Einsum = Callable[..., jax.Array]
@@ -160,16 +161,10 @@ def installed(ops: Ops) -> Iterator[None]:
         _ops.reset(token)
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[set[str]]:
-    """Yields the names of the ops (einsum, attention, swiglu, grouped_matmul) the layers traced inside the
-    block call: which of the backend's choices apply to a model."""
-    called: set[str] = set()
-    token = _called.set(called)
-    try:
-        yield called
-    finally:
-        _called.reset(token)
+def recording() -> contextlib.AbstractContextManager[set[str]]:
+    """Returns a block that yields the names of the ops (einsum, attention, swiglu, grouped_matmul) the layers
+    traced inside it call: which of the backend's choices apply to a model."""
+    return collected(_called)
 
 
 def _installed(name: str) -> Ops:

@@ -120,6 +120,8 @@ class Stack(nnx.Module):
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
                  name: str = "blocks", axis: str = "layers"):
+        if count < 1:  # an empty stack has no layer for a runner to run
+            raise ValueError(f"Stack {name!r} needs a count of at least one block, got {count!r}")
         self.name = name
         self.count = count
         self.blocks = stacked(make_block, count, axis, rngs)

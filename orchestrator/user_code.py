@@ -3,15 +3,20 @@ nestor runs in, then in the installed packages."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.errors import ConfigError
+
+# nestor's rooms: frames in them are nestor's, wherever nestor is installed or checked out
+ROOMS = ("orchestrator", "models", "parallel", "cluster", "backend", "nestor")
 
 
 def user_code_root() -> Path:
@@ -67,3 +72,45 @@ def code_paths(import_paths: list[str]) -> tuple[str, ...]:
         if shipped.is_relative_to(root) and str(shipped) not in found:
             found.append(str(shipped))
     return tuple(found)
+
+
+@functools.cache
+def _nestor_dirs() -> tuple[Path, ...]:
+    import nestor
+
+    return tuple(Path(place).resolve() / room for place in nestor.__path__ for room in ROOMS) + \
+        (Path(nestor.__file__).resolve().parent,)
+
+
+def _is_users(filename: str) -> bool:
+    """Returns whether a frame's file is the user's: under `user_code_root()`, not nestor's nor a package's."""
+    path = Path(filename).resolve()
+    return (path.is_relative_to(user_code_root()) and "site-packages" not in path.parts
+            and not any(path.is_relative_to(room) for room in _nestor_dirs()))
+
+
+def user_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """Returns the frames of `error`'s traceback that run the user's own code (`_is_users`), outermost first."""
+    return [frame for frame in traceback.extract_tb(error.__traceback__) if _is_users(frame.filename)]
+
+
+def _traceback_text(error: BaseException) -> str:
+    """Returns Python's traceback of `error` with the user's frames only, ending in the exception's line."""
+    shown = user_frames(error)
+    head = "Traceback (your code's frames; nestor's left out):\n" + "".join(traceback.format_list(shown)) if shown else ""
+    said = str(error)  # without the notes libraries add (JAX's on the frames it filtered)
+    return f"{head}{type(error).__name__}{': ' + said if said else ''}\n"
+
+
+class UserCodeError(ConfigError):
+    """The user's own code (`model.class`, `data.factory`) raised `error` while nestor ran `what`: a
+    ConfigError naming `key`, whose `frames` (Python's traceback of the user's frames only, nestor's and the
+    libraries' left out) the CLI shows above it."""
+
+    def __init__(self, key: str, what: str, error: BaseException | None = None, frames: str | None = None,
+                 problems: list[tuple[str, str]] | None = None):
+        self.frames = frames if frames is not None else _traceback_text(error) if error is not None else ""
+        super().__init__(problems or [(key, f"{what} raised {type(error).__name__}: {str(error)[:300]}")])
+
+    def __reduce__(self):
+        return UserCodeError, ("", "", None, self.frames, self.problems)

@@ -8,8 +8,8 @@ import pytest
 
 from nestor.backend import ALL_GATHER, BackendError, RAGGED_ALL_TO_ALL, resolve_backend
 from nestor.models import ops
-from nestor.orchestrator.commands.explain import explain, format_report, ops_called
-from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.commands.explain import explain, format_report
+from nestor.orchestrator.job.build import build_job, traced_use
 from nestor.orchestrator.job.step import backend_request
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
 from tests.conftest import ROOT
@@ -126,5 +126,5 @@ def test_explains_trace_of_the_model_draws_as_the_step_does(tiny_config):
     """explain traces the model's forward pass to see which backend choices apply; a training trace has the
     step's key, which GShard's random second expert draws from."""
     config = tiny_config("moe.num_experts=4", "moe.every=1", "moe.top_k=2", "moe.second_expert_policy=random")
-    called = ops_called(build_job(config, with_data=False))
+    called, _ = traced_use(build_job(config, with_data=False))
     assert {"attention", "einsum", "swiglu"} <= called and "grouped_matmul" not in called  # capacity dispatch

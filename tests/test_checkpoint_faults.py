@@ -2,6 +2,7 @@
 kill -9 at every moment of an async save, a full disk and a read-only run.dir stopping the run in one line."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -120,9 +121,70 @@ def test_a_deleted_empty_or_partial_manifest_of_a_checkpoint_nestor_wrote_is_ref
         if files is None:
             (step_dir / manifest.MANIFEST).unlink()
         else:
-            (step_dir / manifest.MANIFEST).write_text(json.dumps({"files": files}))
+            (step_dir / manifest.MANIFEST).write_text(json.dumps({"files": files, manifest.SEALED: True}))
         step, warnings = restore_latest(run_dir, layout)
         assert step == 4 and len(warnings) == 1 and said in warnings[0], (name, warnings)
+
+
+def flip_byte(path: Path, offset: int, mask: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def test_the_manifest_lists_every_file_of_a_step_and_damage_to_orbax_metadata_moves_it_aside(saved, tmp_path):
+    layout = build_job(load(saved[0], *SAVED)).layout
+    for step in (2, 4, 6):  # sealed once each save was final: Orbax's own files are listed too
+        step_dir = checkpoint_dir(saved[0]) / str(step)
+        listed = json.loads((step_dir / manifest.MANIFEST).read_text())
+        on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()} - {manifest.MANIFEST}
+        assert listed[manifest.SEALED] is True and set(listed["files"]) == on_disk
+        assert {"_CHECKPOINT_METADATA", "commit_success.txt"} <= on_disk
+    metadata = "_CHECKPOINT_METADATA"
+    damages = {  # damage -> what the warning names
+        "a byte that is no UTF-8": (lambda d: flip_byte(d / metadata, 40, 0x80), "UnicodeDecodeError"),
+        "a digit changed": (lambda d: flip_byte(d / metadata, (d / metadata).read_text().index('"loss": 5') + 8, 1),
+                            f"{metadata} has another SHA-256"),
+        "a stray file": (lambda d: (d / "stray.bin").write_bytes(b"x"), "does not list 1 of its"),
+        "Orbax's commit marker": (lambda d: (d / "commit_success.txt").write_text("no"), "commit_success.txt has 2"),
+    }
+    for index, (damage, (do, said)) in enumerate(damages.items()):
+        run_dir = copy_of(saved, tmp_path, f"damage{index}")
+        do(checkpoint_dir(run_dir) / "6")
+        step, warnings = restore_latest(run_dir, layout)
+        assert step == 4 and len(warnings) == 1 and said in warnings[0] and "checkpoints/6 is unusable" in warnings[0], \
+            (damage, warnings)
+        assert [p.name.split("-")[0] for p in (run_dir / "torn_checkpoints").iterdir()] == ["6"]
+    unsealed = copy_of(saved, tmp_path, "unsealed")  # killed between Orbax's rename and the seal
+    step_dir = checkpoint_dir(unsealed) / "6"
+    listed = json.loads((step_dir / manifest.MANIFEST).read_text())
+    (step_dir / manifest.MANIFEST).write_text(json.dumps({"files": {name: record for name, record in listed["files"].items()
+                                                                    if "/" in name}}))
+    assert restore_latest(unsealed, layout) == (6, [])
+    flip_byte(step_dir / metadata, 40, 0x80)  # still read before anything restores
+    step, warnings = restore_latest(unsealed, layout)
+    assert step == 4 and "UnicodeDecodeError" in warnings[0], warnings
+
+
+@pytest.mark.slow
+def test_a_run_with_torn_jsonl_lines_and_a_damaged_metadata_file_resumes_through_the_console(saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path, "torn")
+    metrics, goodput = run_dir / "metrics.jsonl", run_dir / "goodput.jsonl"
+    os.truncate(metrics, metrics.stat().st_size - 150)  # a disk that filled mid-line
+    os.truncate(goodput, goodput.stat().st_size - 30)
+    flip_byte(checkpoint_dir(run_dir) / "6" / "_CHECKPOINT_METADATA", 40, 0x80)
+    out, err = ended(cli(run_dir, *SAVED, "train.steps=8"), 300)
+    assert "Traceback" not in out + err, err[-3000:]
+    said = [line for line in (out + err).splitlines() if line.startswith("warning: ")]
+    assert len(said) == 3, said  # one line for each file
+    for what in ("metrics.jsonl: cut off its last line", "goodput.jsonl: cut off its last line",
+                 "checkpoints/6 is unusable (CorruptCheckpoint: _CHECKPOINT_METADATA is unreadable"):
+        assert any(what in line for line in said), (what, said)
+    assert "resumed from checkpoint 4" in out + err
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # 5 and 6 again from checkpoint 4: the cut record came back
+    events = [json.loads(line)["event"] for line in goodput.read_text().splitlines()]  # every line whole
+    assert events[-1] == "end" and events.count("start") == 2
 
 
 def test_each_process_hashes_the_files_it_wrote_and_process_0_only_the_rest(tmp_path, monkeypatch):

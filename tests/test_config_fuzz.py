@@ -4,9 +4,12 @@ The bad values are generated from the key table (orchestrator.loader.config.key_
 so a new key is fuzzed as soon as it is declared. Every case is validated in
 process through `load`, the function the CLI calls (or, where the check needs the
 devices, through the job `train` builds before it allocates anything); a few go
-through the real console script to show exit code 2 and no traceback.
+through the real console script to show exit code 2 and no traceback. Issue 58 added seeded cases of
+damaged Hugging Face directories (25), broken arrays, data factories and raising user code (35): each exits 2,
+none with a traceback of nestor's.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -273,3 +276,157 @@ def test_the_console_script_exits_2_for_issue_41s_tracebacks_and_hangs(tmp_path)
                     (["train", QUICKSTART, inprocess, "model.dtype=float16"], "model.dtype"),
                     (["train", QUICKSTART, inprocess, "cluster.accelerator=gpu"], "cluster.accelerator"),
                     (["train", QUICKSTART, inprocess, "model.num_layers=1000000"], "model.num_layers")], tmp_path)
+
+
+# Issue 58's kinds: damaged Hugging Face directories, broken arrays, factories and the user's code raising. Each
+# case is generated from a seed and run through the CLI's `main` in process; each must exit 2 without a traceback
+# of nestor's (0 tracebacks, 0 silent accepts).
+FUZZ_RUN = ("cluster.launcher=inprocess", "cluster.devices_per_host=8", "train.steps=1", "train.global_batch=8",
+            "train.seq_len=16", "data.source=synthetic", "metrics.tensorboard=false")
+FIXTURES_HF = ROOT.parent / "shared" / "fixtures" / "hf"
+BAD_JSON = [None, -1, 0, 2.5, "abc", [], {}, True, float("nan"), 10**30]
+
+
+def _hf_damages(rng) -> list[tuple[str, object]]:
+    """Returns (name, damage(directory)) for seeded random damage to a copy of the llama3 fixture."""
+    from nestor.orchestrator.hf.architectures import FIELDS
+    from tests.test_hf_damage import WEIGHTS, edit_header, read_header, write_header
+
+    def config_field(field, value):
+        def damage(directory):
+            config = json.loads((directory / "config.json").read_text())
+            if value is None:
+                config.pop(field, None)
+                config.get("rope_parameters", {}).pop(field, None)
+            else:
+                config[field] = value
+            (directory / "config.json").write_text(json.dumps(config))
+        return damage
+
+    def header_field(tensor, field, value):
+        def damage(directory):
+            edit_header(directory / WEIGHTS, lambda h: {**h, tensor: {k: v for k, v in {**h[tensor], field: value}.items()
+                                                                      if v is not None}})
+        return damage
+
+    def cut(fraction):
+        return lambda directory: (directory / WEIGHTS).write_bytes(
+            (directory / WEIGHTS).read_bytes()[:int((directory / WEIGHTS).stat().st_size * fraction)])
+
+    def swapped_offsets(first, second):
+        def damage(directory):
+            header, data = read_header(directory / WEIGHTS)
+            header[first]["data_offsets"] = header[second]["data_offsets"]
+            write_header(directory / WEIGHTS, header, data)
+        return damage
+
+    required = [field for field, (needed, _, _) in FIELDS.items() if needed]
+    tensors = sorted(name for name in read_header(FIXTURES_HF / "llama3" / WEIGHTS)[0] if name != "__metadata__")
+    cases = []
+    for _ in range(12):
+        field = str(rng.choice(required))
+        value = BAD_JSON[int(rng.integers(len(BAD_JSON)))]
+        if value in (True,) or (value == 2.5 and field == "rms_norm_eps"):
+            value = "abc"
+        cases.append((f"config.json {field}={value!r}", config_field(field, value)))
+    for _ in range(8):
+        tensor = str(rng.choice(tensors))
+        field = str(rng.choice(["dtype", "shape", "data_offsets"]))
+        value = {"dtype": ["I64", "BOOL", "U8", "F7", 5, None], "shape": [[3], [-1], "x", None, [10**6]],
+                 "data_offsets": [[5, 1], [0], "x", None, [0, 10**12]]}[field][int(rng.integers(5))]
+        cases.append((f"{tensor} {field}={value!r}", header_field(tensor, field, value)))
+    for fraction in rng.uniform(0.0, 0.99, 4):
+        cases.append((f"cut to {fraction:.2f}", cut(float(fraction))))
+    first, second = rng.choice(tensors, 2, replace=False)
+    cases.append((f"{first} on {second}'s bytes", swapped_offsets(str(first), str(second))))
+    return cases
+
+
+def _assert_refused(code: int, err: str, case: str) -> None:
+    assert code == 2, (case, err[-2000:])  # a silent accept trains or explains: exit 0
+    assert "Traceback (most recent call last)" not in err, (case, err[-2000:])
+
+
+def test_damaged_hugging_face_directories_are_refused_by_explain_without_a_traceback(tmp_path, capsys):
+    import numpy as np
+
+    from tests.test_hf import copy_of
+
+    for index, (case, damage) in enumerate(_hf_damages(np.random.default_rng(58))):
+        source = copy_of("llama3", tmp_path / str(index))
+        damage(source)
+        code = cli.main(["explain", str(_run_yaml(tmp_path)), f"model.init_from={source}", *FUZZ_RUN])
+        _assert_refused(code, capsys.readouterr().err, case)
+
+
+def _run_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  seed: 0\n")
+    return path
+
+
+FUZZ_FACTORIES = '''
+import numpy as np
+
+def returns(split, kind):
+    return {"list": [1, 2], "none": None, "string": "rows", "empty": {}, "scalars": {"x": 1.0, "y": 2},
+            "ragged": {"x": [[1.0], [2.0, 3.0]], "y": [0, 1]}, "objects": {"x": np.array([{}, {}]), "y": [0, 1]},
+            "strings": {"x": np.array(["a", "b"]), "y": np.array([0, 1])}}[kind]
+
+def raises(split, kind):
+    raise {"runtime": RuntimeError, "index": IndexError, "key": KeyError, "os": OSError, "zero": ZeroDivisionError,
+           "assertion": AssertionError, "type": TypeError, "value": ValueError}[kind]("the user's bug")
+'''
+FACTORY_KINDS = {"returns": ["list", "none", "string", "empty", "scalars", "ragged", "objects", "strings"],
+                 "raises": ["runtime", "index", "key", "os", "zero", "assertion", "type", "value"]}
+
+
+def _user_project(tmp_path: Path, monkeypatch) -> Path:
+    from nestor.cluster.connect import USER_CODE_ENV
+    from tests.test_user_model import write_user_directory
+
+    directory = write_user_directory(tmp_path / "project")
+    for module in ("mlp", "fuzz_factories", "fuzz_model"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.chdir(directory)
+    monkeypatch.setenv(USER_CODE_ENV, str(directory))
+    (directory / "fuzz_factories.py").write_text(FUZZ_FACTORIES)
+    return directory
+
+
+def test_broken_arrays_factories_and_raising_user_code_exit_2_without_nestors_traceback(tmp_path, monkeypatch,
+                                                                                        capsys):
+    import numpy as np
+
+    from tests.test_user_model import MODEL, write_user_directory
+
+    project = _user_project(tmp_path, monkeypatch)
+    rng = np.random.default_rng(58)
+    good = (project / "train.npz").read_bytes()
+    runs = []
+    for index, cut in enumerate(rng.integers(0, len(good) - 1, 6)):  # an .npz cut short anywhere
+        (project / f"cut{index}.npz").write_bytes(good[:int(cut)])
+        runs.append((f"npz cut to {cut} bytes", [f"data.paths=[cut{index}.npz]"]))
+    for index, size in enumerate(rng.integers(1, 400, 3)):  # bytes that are no npz
+        (project / f"noise{index}.npz").write_bytes(rng.bytes(int(size)))
+        runs.append((f"{size} random bytes", [f"data.paths=[noise{index}.npz]"]))
+    for shape, dtype in (([64], np.float32), ([64, 15], np.float32), ([64, 16, 1], np.float32),
+                         ([63, 16], np.float64)):  # parts whose rows do not agree with train.npz's
+        name = f"other{'x'.join(map(str, shape))}.npz"
+        np.savez(project / name, x=np.zeros(shape, dtype), y=np.zeros(shape[:1], np.int32))
+        runs.append((f"a part of rows {shape} {np.dtype(dtype)}", [f"data.paths=[train.npz, {name}]"]))
+    for verb, kinds in FACTORY_KINDS.items():
+        runs += [(f"factory {verb} {kind}", ["data.source=python", f"data.factory=fuzz_factories:{verb}",
+                                             f"data.args={{kind: {kind}}}"]) for kind in kinds]
+    for kind in ("RuntimeError", "IndexError", "KeyError", "OSError", "AssertionError", "ZeroDivisionError"):
+        write_user_directory(project, f"fuzz_{kind.lower()}", MODEL.replace(
+            "        self.embed = dense(", f"        raise {kind}('the user\\'s bug')\n        self.embed = dense("))
+        runs.append((f"a constructor raising {kind}", [f"model.class=fuzz_{kind.lower()}:MLP"]))
+    for case, overrides in runs:
+        code = cli.main(["explain", "my.yaml", "cluster.launcher=inprocess", *overrides])
+        err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True)
+                      if not line.startswith("nestor: warning: "))  # data.paths with data.source=python
+        _assert_refused(code, err, case)
+        if "raising" in case or "raises" in case:  # the user's code raised: its frames, then the key
+            assert err.startswith("Traceback (your code's frames; nestor's left out):\n"), (case, err)
+            assert "orchestrator/" not in err and ("model.class" in err or "data.factory" in err), (case, err)

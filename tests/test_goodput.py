@@ -92,8 +92,23 @@ def test_steps_past_the_lowest_later_resume_are_lost_even_across_attempts():
 def test_a_line_cut_short_by_a_kill_is_skipped_and_a_missing_file_has_no_attempt(tmp_path):
     path = tmp_path / FILE_NAME
     path.write_text("".join(json.dumps(r) + "\n" for r in KILLED_THEN_RESUMED[:3]) + '{"event": "log", "att')
-    assert read_records(path) == KILLED_THEN_RESUMED[:3]
+    said = []
+    assert read_records(path, said.append) == KILLED_THEN_RESUMED[:3]
+    assert len(said) == 1 and "left out its last line of 21 bytes" in said[0]
     assert read_records(tmp_path / "nowhere" / FILE_NAME) == [] and run_goodput([]) == []
+
+
+def test_the_writer_cuts_a_torn_last_line_off_so_that_its_next_record_is_whole(tmp_path):
+    path = tmp_path / FILE_NAME
+    whole = "".join(json.dumps(r) + "\n" for r in KILLED_THEN_RESUMED[:3])
+    path.write_bytes(whole.encode() + b"\xff\x00{oops\n" + b'{"event": "log", "att')
+    said = []
+    assert read_records(path, said.append, cut=True) == KILLED_THEN_RESUMED[:3]
+    assert said == [f"warning: {path}: left out line 4 (not a JSON record); cut off its last line of 21 bytes, "
+                    "which a write that stopped (a kill, a full disk) cut short"]
+    with path.open("a") as f:
+        f.write(json.dumps(KILLED_THEN_RESUMED[3]) + "\n")
+    assert read_records(path, said.append) == KILLED_THEN_RESUMED[:4] and len(said) == 2  # line 4 said again
 
 
 def test_nested_charges_add_up_to_the_elapsed_time():

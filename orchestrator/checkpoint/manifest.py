@@ -6,7 +6,13 @@ the size and SHA-256 of each file of its items, and every file is checked
 against it before a restore reads any array. Each process hashes the array
 files it wrote itself, once they are on disk (`written_by`, `records`); process
 0 hashes the rest (what Orbax writes when it finalizes a save, a few small
-files) and writes the manifest (`write_manifest`).
+files) and writes the manifest (`write_manifest`). Orbax writes the step's own files
+(`_CHECKPOINT_METADATA`, `commit_success.txt`) once more when it finalizes the
+save, after the manifest is written: process 0 adds them to the manifest once
+the save is final (`seal`), and from then on the manifest lists every file of
+the step directory. A step directory whose save finished but whose manifest was
+not sealed yet (a kill in between) has its items checked and its step files
+only read (orchestrator/checkpoint/reader.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from pathlib import Path
 import jax
 
 MANIFEST = "nestor_manifest.json"
+# Set in a manifest once it lists every file of its step directory (`seal`).
+SEALED = "sealed"
 
 
 class CorruptCheckpoint(Exception):
@@ -58,13 +66,31 @@ def write_manifest(step_dir: Path, items: tuple[str, ...], recorded: dict[str, d
     recorded = recorded or {}
     unrecorded = [path for item in items for path in sorted((step_dir / item).rglob("*"))
                   if path.is_file() and str(path.relative_to(step_dir)) not in recorded]
-    files = records(step_dir, unrecorded) | recorded
+    _write(step_dir, {"files": records(step_dir, unrecorded) | recorded})
+
+
+def _write(step_dir: Path, manifest: dict) -> None:
+    """Writes `manifest` to a temporary name, synced, and renames it: the manifest is whole or absent."""
     partial = step_dir / f"{MANIFEST}.partial"
     with partial.open("w") as f:
-        json.dump({"files": files}, f, indent=0, sort_keys=True)
+        json.dump(manifest, f, indent=0, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, step_dir / MANIFEST)
+
+
+def _step_files(step_dir: Path, items: tuple[str, ...]) -> list[Path]:
+    """Returns the files of `step_dir` outside its `items` (Orbax's own), the manifest left out."""
+    return sorted(path for path in step_dir.iterdir()
+                  if path.is_file() and path.name not in items and not path.name.startswith(MANIFEST))
+
+
+def seal(step_dir: Path, items: tuple[str, ...]) -> None:
+    """Adds the files of `step_dir` outside its `items` (Orbax's metadata, final once the save is) to its
+    manifest and marks it sealed: from then on it lists every file of the directory (process 0)."""
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest["files"] |= records(step_dir, _step_files(step_dir, items))
+    _write(step_dir, manifest | {SEALED: True})
 
 
 def _file_problem(step_dir: Path, name: str, recorded: dict) -> str | None:
@@ -72,6 +98,8 @@ def _file_problem(step_dir: Path, name: str, recorded: dict) -> str | None:
     path = step_dir / name
     if not path.is_file():
         return f"{name} is missing"
+    if not {"bytes", "sha256"} <= set(recorded):
+        return f"{MANIFEST} is unreadable (its record of {name} lacks its size or digest)"
     if (size := path.stat().st_size) != recorded["bytes"]:
         return f"{name} has {size} bytes, {recorded['bytes']} when saved"
     if _sha256(path) != recorded["sha256"]:
@@ -80,22 +108,26 @@ def _file_problem(step_dir: Path, name: str, recorded: dict) -> str | None:
 
 
 def verify_manifest(step_dir: Path, items: tuple[str, ...]) -> None:
-    """Checks that the manifest of `step_dir` lists every file of its `items`, and this process's share
-    of them (every process_count-th) against it; raises CorruptCheckpoint naming the first that differs
-    or is not listed (an empty or partial manifest verifies nothing).
+    """Checks that the manifest of `step_dir` lists every file of its `items` (every file of the directory
+    once sealed), and this process's share of them (every process_count-th) against it; raises
+    CorruptCheckpoint naming the first that differs or is not listed (an empty or partial manifest
+    verifies nothing).
 
     Waits for no other process: the caller shares each process's verdict
     (`Checkpointer._judged`), so a mismatch seen by one process moves the
     checkpoint aside on all while each reads only its share.
     """
     try:
-        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+        files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({type(error).__name__}: {error})") from None
-    if not isinstance(files, dict):
-        raise CorruptCheckpoint(f"{MANIFEST} is unreadable (its files are not a mapping)")
+    if not isinstance(files, dict) or not all(isinstance(record, dict) for record in files.values()):
+        raise CorruptCheckpoint(f"{MANIFEST} is unreadable (its files are not a mapping of records)")
     present = {str(path.relative_to(step_dir)) for item in items for path in (step_dir / item).rglob("*")
                if path.is_file()}
+    if manifest.get(SEALED) is True:
+        present |= {path.name for path in _step_files(step_dir, items)}
     if unlisted := sorted(present - set(files)):
         raise CorruptCheckpoint(f"{MANIFEST} does not list {len(unlisted)} of its {len(present)} files "
                                 f"({unlisted[0]}{', ...' if len(unlisted) > 1 else ''})")

@@ -16,7 +16,8 @@ only once every item is on disk, so a process killed mid-write leaves a
 A step directory holds `nestor_manifest.json`, the checksums of its files
 (orchestrator/checkpoint/manifest.py): an asynchronous save writes it into
 the temporary directory just before Orbax's rename, a synchronous one
-(`checkpoint.async=false`) right after. Each process hashes the array files it
+(`checkpoint.async=false`) right after; once the save is final, the files
+Orbax wrote last (its `_CHECKPOINT_METADATA`) are added to it. Each process hashes the array files it
 wrote as soon as its writes are done, in Orbax's background save thread, and
 sends the digests to process 0, which hashes only the few files Orbax writes
 when it finalizes and writes the manifest. What a restore checks (the arrays
@@ -49,7 +50,7 @@ import orbax.checkpoint as ocp
 
 from nestor.orchestrator.checkpoint.files import (ITEMS, RECORD, TEMPORARY, finalized_steps,
                                                   quarantine, quarantine_incomplete)
-from nestor.orchestrator.checkpoint.manifest import MANIFEST, records, write_manifest, written_by
+from nestor.orchestrator.checkpoint.manifest import MANIFEST, records, seal, write_manifest, written_by
 from nestor.orchestrator.checkpoint.reader import BASE, CheckpointReader
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
@@ -307,6 +308,12 @@ class Checkpointer:
         received = received_by_process_0(self._records_name(step), self.own_records.pop(step))
         write_manifest(step_dir, ITEMS, functools.reduce(dict.__or__, map(json.loads, received)))
 
+    def abandon_unfinished(self) -> None:
+        """Removes the temporary directories of saves in flight (process 0), for a process that ends without
+        finishing them (a hang): a run.dir keeps no `*.orbax-checkpoint-tmp` directory of a run that ended."""
+        if jax.process_index() == 0:
+            _remove_for_good(sorted(self.directory.glob(f"*{TEMPORARY}*")), limit_s=5.0)
+
     def _unfinished(self, step: int) -> list[Path]:
         return sorted(self.directory.glob(f"{step}{TEMPORARY}*"))
 
@@ -344,6 +351,7 @@ class Checkpointer:
             if not self.config.checkpoint.async_save:
                 if jax.process_index() == 0:
                     self._write_manifest(step, self.directory / str(step))
+                    self._seal(step)
                 wait_for_every_process(f"manifest of checkpoint {step} written", VERDICT_TIMEOUT_S)
                 self.in_flight = None
         except Exception as error:  # noqa: BLE001 - whatever stopped the write, the run stops with it named
@@ -359,7 +367,16 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - see save
             self._failed(error)
+        if jax.process_index() == 0:
+            self._seal(self.in_flight)
         self.in_flight = None
+
+    def _seal(self, step: int) -> None:
+        """Adds the step files Orbax finalized (its metadata) to the manifest of checkpoint `step` (process 0)."""
+        try:
+            seal(self.directory / str(step), ITEMS)
+        except (OSError, ValueError):  # a full disk: the unsealed manifest still checks every item's file
+            pass
 
     def _failed(self, error: BaseException) -> None:
         """Removes what the failed save of the step in flight left (process 0) and raises CheckpointWriteError."""

@@ -128,31 +128,40 @@ class CheckpointReader:
         return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
 
     def record(self, step: int) -> dict:
-        """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records)."""
-        metadata = json.loads((self.directory / str(step) / METADATA_FILE).read_text())
-        return (metadata.get("custom_metadata") or {}).get(RECORD) or {}
+        """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records); raises
+        CorruptCheckpoint when Orbax's metadata, which holds it, does not read as JSON or holds no mapping."""
+        try:
+            metadata = json.loads((self.directory / str(step) / METADATA_FILE).read_bytes().decode("utf-8"))
+            record = (metadata.get("custom_metadata") or {}).get(RECORD) or {}
+        except (OSError, ValueError, AttributeError) as error:  # UnicodeDecodeError is a ValueError
+            raise CorruptCheckpoint(f"{METADATA_FILE} is unreadable ({type(error).__name__}: "
+                                    f"{str(error)[:200]})") from None
+        if not isinstance(record, dict):
+            raise CorruptCheckpoint(f"{METADATA_FILE} is unreadable (nestor's record in it is not a mapping)")
+        return record
 
     def check(self, step: int) -> None:
         """Raises ConfigError when checkpoint `step`'s arrays do not fit the current config (another
         model, MoE layout or optimizer chain); other settings, the mesh included, may change on resume.
 
-        Raises CorruptCheckpoint when this process's share of the files differs
+        Raises CorruptCheckpoint when Orbax's metadata is unreadable, when this process's share of the files differs
         from the manifest written at save, or when the manifest its record
         promises is missing; a step of an older nestor without one is not
         checked, and process 0 says so in one warning at each restore. Reads no
         array and waits for no other process.
         """
         step_dir = self.directory / str(step)
+        record = self.record(step)  # read before the manifest is: an unsealed one does not cover it
         if (step_dir / MANIFEST).is_file():
             verify_manifest(step_dir, ITEMS)
-        elif self.record(step).get("manifest"):
+        elif record.get("manifest"):
             raise CorruptCheckpoint(f"{MANIFEST} is missing (nestor wrote one with this checkpoint)")
         elif jax.process_index() == 0:
             self.log(f"warning: checkpoint {shown(step_dir)} has no {MANIFEST} (written by an older nestor, or a "
                      "synchronous save cut off before it); restored without checking its files")
         _check_fits(ocp.StandardCheckpointHandler().metadata(step_dir / "state"), self.saved_config(step), self.config,
                     self.layout, step_dir)
-        saved_base = self.record(step).get(BASE)
+        saved_base = record.get(BASE)
         if self.layout.from_source and saved_base and saved_base != self.base_fingerprint:
             was = self.saved_config(step)["model"].get("init_from") or "run.seed"
             now = self.config.model.init_from or "run.seed"

@@ -169,7 +169,7 @@ def _goodput(args) -> int:
     from nestor.orchestrator.loop.goodput import FILE_NAME, read_records, report, run_goodput
 
     path = Path(args.run_dir).expanduser() / FILE_NAME
-    attempts = run_goodput(read_records(path))
+    attempts = run_goodput(read_records(path, log=lambda line: print(line, file=sys.stderr)))
     if not attempts:
         what = "holds no attempt" if path.is_file() else "does not exist"
         print(f"nestor: {shown(path)} {what}: name the run.dir of a run that trained (with this nestor or newer)",
@@ -427,7 +427,9 @@ def _main(args) -> int:
     from nestor.orchestrator.loader.config import load
     from nestor.orchestrator.errors import ConfigError, RunFailed
     from nestor.orchestrator.loader.idle_keys import idle_warning
+    from nestor.orchestrator.commands.user_errors import user_code_error
 
+    config = None
     try:
         if args.handler is None:
             return _job_command(args)
@@ -438,7 +440,7 @@ def _main(args) -> int:
             print(f"nestor: {warning}", file=sys.stderr)
         return args.handler(config, args)
     except ConfigError as error:
-        print(f"nestor: {error}", file=sys.stderr)
+        print(f"{getattr(error, 'frames', '')}nestor: {error}", file=sys.stderr)  # a user's code's frames first
         return 2
     except ClusterError as error:
         print(f"nestor: {error}", file=sys.stderr)
@@ -449,6 +451,11 @@ def _main(args) -> int:
     except KeyboardInterrupt as interrupt:
         print(f"nestor: {_interrupted(interrupt)}", file=sys.stderr)
         return 128 + getattr(interrupt, "signum", signal.SIGINT)
+    except Exception as error:  # the user's own code's: its frames and the key; nestor's own: a traceback
+        if config is None or (converted := user_code_error(config, error)) is None:
+            raise
+        print(f"{converted.frames}nestor: {converted}", file=sys.stderr)
+        return 2
 
 
 def console_script() -> int:

@@ -10,18 +10,17 @@ from typing import Any
 
 import jax
 
-from nestor.models import ops
 from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
-from nestor.orchestrator.job.build import Job, abstract_batch, build_job, devices_here
+from nestor.orchestrator.job.build import Job, abstract_batch, build_job, devices_here, traced_use, unsplit_rows_warning
 from nestor.orchestrator.loader.memory_fit import GIB, fit_report
 from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.job.state import param_table, per_device_bytes
-from nestor.orchestrator.job.step import (make_loss_fn, make_train_step, objective_of, pipeline_schedule,
-                                          stack_runners)
+from nestor.orchestrator.job.step import make_train_step, pipeline_schedule
 from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
 
 
@@ -71,24 +70,11 @@ OP_ENTRIES = {"attention": ("attention",), "einsum": ("matmuls",), "swiglu": ("s
               "grouped_matmul": ("grouped_matmul", "exchange")}
 
 
-def ops_called(job: Job) -> set[str]:
-    """Returns the ops (models.ops) the model's forward pass calls, traced abstractly: those of the backend's
-    choices that apply to the model."""
-    loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
-                           stack_runners(job.config, job.mesh, job.rules, job.backend), objective=objective_of(job.config))
-    abstract = job.layout.abstract
-    key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
-    with ops.recording() as called:  # a fresh function: traced anew, never a cached trace
-        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, key, bias), abstract["params"],
-                       abstract_batch(job), abstract.get("expert_bias"))
-    return called
-
-
-def backend_report(job: Job) -> dict[str, Any]:
+def backend_report(job: Job, called: set[str]) -> dict[str, Any]:
     """Returns the backend's report with the choices that do not apply to the model as None: the ops it
-    never calls (an expert exchange where no grouped matmul runs), the pipeline loop without a pipeline."""
+    never `called` (`traced_use`; an expert exchange where no grouped matmul runs), the pipeline loop
+    without a pipeline."""
     report = job.backend.report()
-    called = ops_called(job)
     for op, entries in OP_ENTRIES.items():
         if op not in called:
             report.update(dict.fromkeys(entries))
@@ -144,7 +130,10 @@ def lora_report(config: Config, job: Job, memory: dict[str, int]) -> dict[str, A
 
 
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
-    """Returns the report `nestor explain --json` prints; the train step is compiled once."""
+    """Returns the report `nestor explain --json` prints; the train step is compiled once. Raises ConfigError
+    where `model.init_from`'s tensors are damaged or do not fit its config.json, as training would."""
+    if config.model.init_from:
+        checked_reader(config)[0].close()
     job = job or build_job(config, with_data=False)
     compiled, compile_s = timed_compile(job)
     params = param_table(job.layout)
@@ -158,9 +147,10 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     widened = float_normalization_flops(counted.as_text()) if job.backend.widens_what_the_target_does_not() else 0.0
     xla_flops -= widened
     analytic = spec_of(config).flops_per_step(config)
+    called, named = traced_use(job)
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
-        "backend": backend_report(job),
+        "backend": backend_report(job, called),
         "speed_settings": [{"key": key, "value": value, "from": where} for key, value, where in speed_key_sources(config)],
         "remat": job.backend.remat,
         "params": params,
@@ -182,6 +172,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
         "model_flops_per_step": analytic[0] if analytic else None,
         "executed_flops_per_step": analytic[1] if analytic else None,
+        "warnings": [warning for warning in (unsplit_rows_warning(job, named),) if warning],
     }
 
 
@@ -278,4 +269,4 @@ def format_report(report: dict[str, Any]) -> str:
                   f"state (optimizer, norms)" + (f"; model FLOPs {report['model_flops_per_step']:.4g} (analytic)"
                                                  if report["model_flops_per_step"] is not None else ""),
               f"compiled in {report['compile_s']:.1f} s"]
-    return "\n".join(lines)
+    return "\n".join(lines + report["warnings"])

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -128,12 +129,28 @@ def _side_files(config: Config, out: Path, hf_config: dict) -> None:
     generation.write_text(json.dumps({**before, **tokens}, indent=2) + "\n")
 
 
+def _out_problem(out: Path) -> str | None:
+    """Creates directory `out` where it is missing; returns why export cannot write into it (a file, a
+    directory that holds files, a place this process cannot create or write a file in), or None."""
+    if out.is_dir() and any(out.iterdir()):
+        return f"{out} holds files; export writes into a new or empty directory"
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        return f"{out} is a file; export writes a directory: name a new or empty one"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        return f"cannot write into {out}: {error.strerror or error}"
+    return None
+
+
 def export(config: Config, out: Path, step: int | None = None, dtype: str = "float32",
            max_shard_gb: float = 5.0, adapters: bool = False) -> Written:
     """Writes checkpoint `step` (default: the newest) of the run `config` describes to `out` as a Hugging Face
     checkpoint in `dtype`, a LoRA run's adapters merged into its weights, or with `adapters` as a PEFT
     adapter directory (orchestrator.hf.peft); returns what was written. Raises ConfigError for a model no
-    supported architecture computes, an `out` that holds files, a run without that checkpoint, or
+    supported architecture computes, an `out` it cannot write into (`_out_problem`), a run without that checkpoint, or
     `adapters` of a run without LoRA."""
     if adapters and not config.lora.rank:
         raise ConfigError([("--adapters", f"{config.run.dir} trained no adapters (lora.rank is 0); export the "
@@ -141,8 +158,8 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
     if not spec_of(config).hugging_face:
         raise ConfigError([("model.class", f"export writes nestor's LM; {config.model.class_} has no Hugging Face "
                                            "architecture")])
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError([("--out", f"{out} holds files; export writes into a new or empty directory")])
+    if problem := _out_problem(out):
+        raise ConfigError([("--out", problem)])
     wait_for_every_process("export target checked")  # before process 0 writes into it
     saved = Path(config.run.dir) / SOURCE_DIR / CONFIG
     base = json.loads(saved.read_text()) if saved.is_file() else None

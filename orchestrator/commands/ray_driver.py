@@ -14,6 +14,7 @@ from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.commands.launch_checks import check_before_launch
+from nestor.orchestrator.commands.user_errors import user_code_error
 from nestor.orchestrator.paths import show_relative_to, user_directory
 from nestor.orchestrator.loop.console import Console, ForwardingConsole, replay
 from nestor.orchestrator.checkpoint.run_lock import RunDirLock
@@ -81,7 +82,12 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     enable_compile_cache(config)
     console = ForwardingConsole(send) if jax.process_index() == 0 else Console.silent()
     # The driver holds run.dir's lock (train_on_ray).
-    result = train(config, console=console, lock=False, stop_requested=stop_requested)
+    try:
+        result = train(config, console=console, lock=False, stop_requested=stop_requested)
+    except Exception as error:  # the user's code's: a config error with its frames, which the driver shows
+        if (converted := user_code_error(config, error)) is None:
+            raise
+        raise converted from None
     if result.stopped_by is None:
         return
     if stop_requested(now=True) is not None:

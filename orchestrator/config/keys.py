@@ -13,6 +13,11 @@ INT32_MAX = 2**31 - 1  # steps, sizes and counts live in int32 on the device
 ARRAY_SOURCES = ("arrays", "python")  # the data sources of named arrays, for a model.class of the user's
 
 
+def moe_on(section: dict) -> bool:
+    """Returns whether an `moe` section (plain data) places expert layers: experts, and an interval."""
+    return bool(section.get("num_experts")) and bool(section.get("every"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Key:
     """What one config key may hold, declared beside its default.

@@ -19,6 +19,7 @@ MAX_VALUES = 100_000    # scalars, sequences and mappings, each alias counted as
 # libyaml's loader where PyYAML was built with it: the same safe YAML 1.1, ~10x faster.
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _MERGE = "tag:yaml.org,2002:merge"
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
 class _Refused(Exception):
@@ -77,7 +78,7 @@ def override_value(text: str, key: str) -> Any:
 
 def _load(text: str) -> Any:
     """Returns the data of one YAML document (safe tags only). Raises yaml.YAMLError for text that is not
-    YAML and _Refused for a key written twice in a mapping or more than MAX_VALUES values."""
+    YAML and _Refused for what `_check_nodes` refuses."""
     loader = _SAFE_LOADER(text)
     try:
         node = loader.get_single_node()
@@ -90,8 +91,9 @@ def _load(text: str) -> Any:
 
 
 def _check_nodes(root: yaml.Node) -> None:
-    """Raises _Refused for a mapping that writes a key twice or a document of more than MAX_VALUES nodes,
-    an alias counted as often as it is used (a recursive alias never ends: it is over the bound too)."""
+    """Raises _Refused for a mapping that writes a key twice, a document of more than MAX_VALUES nodes (an
+    alias counted as often as it is used: a recursive alias never ends, it is over the bound too) or a
+    base-60 number (`1:30`, which YAML 1.1 reads as 90)."""
     # Each entry is (node, its place): a place is None for the root, else (the parent's place, a name).
     pending: list[tuple[yaml.Node, tuple | None]] = [(root, None)]
     visited = 0
@@ -101,6 +103,11 @@ def _check_nodes(root: yaml.Node) -> None:
         if visited > MAX_VALUES:
             raise _Refused(f"expands to more than {MAX_VALUES:,} values (YAML aliases that repeat each other?); "
                            "write the config out")
+        if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBERS and ":" in node.value:
+            number = yaml.safe_load(node.value)
+            where = f"{_dotted(place)}: " if place is not None else ""
+            raise _Refused(f"{where}{node.value} reads as {number} in YAML 1.1 (a base-60 number, as in a clock "
+                           f"time); write {number}, or quote '{node.value}' for text")
         if isinstance(node, yaml.SequenceNode):
             pending += [(item, (place, f"[{index}]")) for index, item in enumerate(node.value)]
         elif isinstance(node, yaml.MappingNode):

@@ -9,6 +9,8 @@ read. A field that would make the model differ from what nestor computes is a Co
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +68,78 @@ def read(directory: Path) -> dict:
 def architecture(config: dict, path: Path) -> str:
     """Returns the config's architecture (`architectures[0]`); raises ConfigError unless nestor maps it."""
     names = config.get("architectures") or []
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise ConfigError([(KEY, f"{path / CONFIG}: architectures: {names!r} is not a list of class names")])
     name = names[0] if names else None
     if name not in ARCHITECTURES:
         raise ConfigError([(KEY, f"{path / CONFIG}: architecture {name!r} is not supported; nestor imports "
                                  f"{', '.join(sorted(ARCHITECTURES))}")])
     return name
+
+
+def _count(value) -> bool:
+    return type(value) is int and value > 0
+
+
+def _positive(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value > 0
+
+
+def _list_of(kind) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(kind(item) for item in value)
+
+
+# Every field nestor reads: (whether it must be there, the check its value passes, what the check says).
+FIELDS = {
+    "vocab_size": (True, _count, "a positive integer"), "hidden_size": (True, _count, "a positive integer"),
+    "num_hidden_layers": (True, _count, "a positive integer"),
+    "num_attention_heads": (True, _count, "a positive integer"),
+    "intermediate_size": (True, _count, "a positive integer"),
+    "num_key_value_heads": (False, _count, "a positive integer"), "head_dim": (False, _count, "a positive integer"),
+    "tie_word_embeddings": (False, lambda v: isinstance(v, bool), "true or false"),
+    "attention_bias": (False, lambda v: isinstance(v, bool), "true or false"),
+    "norm_topk_prob": (False, lambda v: isinstance(v, bool), "true or false"),
+    "rms_norm_eps": (False, _positive, "a positive number"), "rope_theta": (False, _positive, "a positive number"),
+    "rope_scaling": (False, lambda v: isinstance(v, dict), "a mapping"),
+    "rope_parameters": (False, lambda v: isinstance(v, dict), "a mapping"),
+    "layer_types": (False, _list_of(lambda item: isinstance(item, str)), "a list of names"),
+    "num_local_experts": (False, _count, "a positive integer"), "num_experts": (False, _count, "a positive integer"),
+    "num_experts_per_tok": (False, _count, "a positive integer"),
+    "moe_intermediate_size": (False, _count, "a positive integer"),
+    "decoder_sparse_step": (False, _count, "a positive integer"),
+    "mlp_only_layers": (False, _list_of(lambda item: type(item) is int and item >= 0), "a list of layer numbers"),
+}
+# The fields of a RoPE mapping (rope_parameters, rope_scaling) nestor reads.
+ROPE_FIELDS = {"rope_theta": (_positive, "a positive number"), "rope_type": (lambda v: isinstance(v, str), "a name"),
+               "type": (lambda v: isinstance(v, str), "a name"),
+               **{name: (_positive, "a positive number") for name in LLAMA3_KEYS}}
+
+
+def field_problems(config: dict, moe: bool) -> list[tuple[str, str]]:
+    """Returns (field, what is wrong) for each field of a config.json that nestor reads and whose value is
+    missing where required (the MoE fields only of an MoE architecture) or of the wrong type or range."""
+    problems = []
+    for field, (required, check, what) in FIELDS.items():
+        value = config.get(field)
+        if value is None:
+            if required:
+                problems.append((field, f"is missing; nestor needs {what}"))
+        elif not check(value):
+            problems.append((field, f"{value!r} is not {what}"))
+    if moe and not (config.get("num_local_experts") or config.get("num_experts")):
+        problems.append(("num_experts", "is missing (or num_local_experts); nestor needs a positive integer"))
+    if moe and config.get("num_experts_per_tok") is None:
+        problems.append(("num_experts_per_tok", "is missing; nestor needs a positive integer"))
+    if config.get("architectures") == ["Qwen3MoeForCausalLM"] and config.get("moe_intermediate_size") is None:
+        problems.append(("moe_intermediate_size", "is missing; nestor needs a positive integer"))
+    for mapping in ("rope_parameters", "rope_scaling"):
+        parameters = config.get(mapping)
+        if isinstance(parameters, dict) and isinstance(parameters.get("full_attention"), dict):
+            parameters = parameters["full_attention"]
+        for field, (check, what) in ROPE_FIELDS.items():
+            if isinstance(parameters, dict) and parameters.get(field) is not None and not check(parameters[field]):
+                problems.append((f"{mapping}.{field}", f"{parameters[field]!r} is not {what}"))
+    return problems
 
 
 def _rope(config: dict, problem) -> tuple[float, dict | None]:
@@ -106,6 +175,8 @@ def sections(directory: Path) -> dict:
         problems.append((KEY, f"{directory / CONFIG}: {field}: {message}"))
 
     family = ARCHITECTURES[name]
+    if wrong := field_problems(config, name in MOE):  # each field nestor reads, before any is used
+        raise ConfigError([(KEY, f"{directory / CONFIG}: {field}: {message}") for field, message in wrong])
     for field, value in config.items():
         if field in DESCRIPTIVE or field in MAPPED:
             continue

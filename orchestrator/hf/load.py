@@ -61,24 +61,66 @@ def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     return tuple(s.indices(size)[:2] for s, size in zip(index, shape))
 
 
+# tensors for which zeros everywhere cannot be right: a norm's weight zeroes its layer, an embedding every token
+NEVER_ZERO = ("norm.weight", "embed_tokens.weight")
+
+
+def _checked_values(reader: Reader, name: str, values: np.ndarray) -> np.ndarray:
+    """Returns `values` (a box of tensor `name`) once finite; raises ConfigError naming the tensor and its file
+    when one is NaN or infinite. A norm weight or embedding that is zeros (a file still being downloaded,
+    preallocated to its size) is noted in `reader.zeros`."""
+    if not np.isfinite(values).all():
+        bad = int(values.size - np.isfinite(values).sum())
+        raise ConfigError([(KEY, f"{reader.tensors[name].file}: tensor {name} holds {bad} NaN or infinite "
+                                 f"value{'s' if bad > 1 else ''}: the checkpoint is damaged")])
+    if values.size and name.endswith(NEVER_ZERO) and not values.any():
+        reader.zeros.add(name)
+    return values
+
+
+def _warn_of_zeros(reader: Reader, log) -> None:
+    """Says in one `log` line per file which norm weights and embeddings read as zeros."""
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(reader.zeros):
+        by_file.setdefault(reader.tensors[name].file, []).append(name)
+    for file, names in by_file.items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        log(f"warning: {file}: tensor{'s' if len(names) > 1 else ''} {shown} {'are' if len(names) > 1 else 'is'} "
+            "all zeros, which no trained model holds (a file still being written or downloaded?)")
+
+
 def read_box(reader: Reader, entry: Entry, box: Box) -> np.ndarray:
-    """Returns the float32 values of `box` of nestor's parameter `entry`, read from its tensors' slices."""
+    """Returns the float32 values of `box` of nestor's parameter `entry`, read from its tensors' slices, each
+    checked (`_checked_values`)."""
     stack, per_layer = box[:len(entry.stack)], box[len(entry.stack):]
     hf_box, _ = entry.hf_box(per_layer, exact=False)
     blocks = []
     for index in np.ndindex(*(stop - start for start, stop in stack)):
         name = entry.name(*(start + i for (start, _), i in zip(stack, index)))
-        blocks.append(entry.to_nestor(reader.read(name, hf_box), per_layer).astype(np.float32))
+        values = entry.to_nestor(reader.read(name, hf_box), per_layer).astype(np.float32)
+        blocks.append(_checked_values(reader, name, values))
     shape = [stop - start for start, stop in box]
     return np.stack(blocks).reshape(shape) if stack else blocks[0]
 
 
-def load_params(config: Config, abstract_params: dict) -> tuple[dict, int]:
-    """Returns (the parameters of `config.model.init_from` laid out as `abstract_params` (a tree of sharded
-    jax.ShapeDtypeStruct), the tensor bytes this process read)."""
+def checked_reader(config: Config) -> tuple[Reader, list[Entry]]:
+    """Returns (a reader of `model.init_from`, the run's entries) once every header and tensor is checked
+    against config.json (`safetensors.tensors_of`, `check_tensors`); raises ConfigError naming what is not."""
     reader = Reader(Path(config.model.init_from))
     model_entries = checkpoint_entries(config)
-    check_tensors(reader, model_entries, config.model.tie_embeddings)
+    try:
+        check_tensors(reader, model_entries, config.model.tie_embeddings)
+    except ConfigError:
+        reader.close()
+        raise
+    return reader, model_entries
+
+
+def load_params(config: Config, abstract_params: dict, log=print) -> tuple[dict, int]:
+    """Returns (the parameters of `config.model.init_from` laid out as `abstract_params` (a tree of sharded
+    jax.ShapeDtypeStruct), the tensor bytes this process read). Raises ConfigError naming the tensor and file
+    of a damaged checkpoint (`checked_reader`, a NaN or infinite value)."""
+    reader, model_entries = checked_reader(config)
     by_path = {entry.path: entry for entry in model_entries}
 
     def load(path, leaf: jax.ShapeDtypeStruct) -> jax.Array:
@@ -97,6 +139,7 @@ def load_params(config: Config, abstract_params: dict) -> tuple[dict, int]:
         params = jax.tree_util.tree_map_with_path(load, abstract_params)
     finally:
         reader.close()
+    _warn_of_zeros(reader, log)
     return params, reader.bytes_read
 
 

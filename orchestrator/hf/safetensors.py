@@ -16,6 +16,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -76,6 +77,59 @@ def _header(path: Path) -> tuple[dict, int]:
         raise ConfigError([("model.init_from", f"{path} is not a readable safetensors file: {error}")]) from None
 
 
+def _problem(path: Path, message: str) -> ConfigError:
+    return ConfigError([("model.init_from", f"{path}: {message}")])
+
+
+def _checked_entry(path: Path, tensor: str, entry: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """Returns (dtype, shape, start, stop) of one header entry; raises ConfigError naming the tensor and the
+    file when it is no mapping, lacks a field, or holds a dtype other than a float's or a byte range other
+    than its shape's."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise _problem(path, f"tensor {tensor}'s header entry is not a mapping of dtype, shape and data_offsets "
+                             f"({str(entry)[:100]})")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPES:
+        raise _problem(path, f"tensor {tensor} has dtype {dtype!r}, which nestor does not read")
+    if not np.issubdtype(DTYPES[dtype], np.floating):
+        raise _problem(path, f"tensor {tensor} has dtype {dtype}, not a float type: the weights of a model are "
+                             "floats (a dtype label written wrong would read its bytes as other numbers)")
+    if not (isinstance(shape, list) and all(type(size) is int and size >= 0 for size in shape)):
+        raise _problem(path, f"tensor {tensor} has shape {shape!r}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise _problem(path, f"tensor {tensor} has data_offsets {offsets!r}, not [start, stop] with start <= stop")
+    start, stop = offsets
+    if stop - start != math.prod(shape) * DTYPES[dtype].itemsize:
+        raise _problem(path, f"tensor {tensor} spans {stop - start} bytes, its shape {shape} of {dtype} makes it "
+                             f"{math.prod(shape) * DTYPES[dtype].itemsize}")
+    return DTYPES[dtype], tuple(shape), start, stop
+
+
+def tensors_of(path: Path) -> dict[str, Tensor]:
+    """Returns where each tensor of safetensors file `path` lies, once its header is checked: each entry
+    whole (`_checked_entry`), and the tensors' bytes inside the file without overlapping. Raises ConfigError
+    naming the file and the tensor otherwise."""
+    header, data_start = _header(path)
+    if not isinstance(header, dict):
+        raise _problem(path, f"its header is a JSON {type(header).__name__}, not a mapping of tensors")
+    size = os.path.getsize(path)
+    spans = []
+    for tensor, entry in header.items():
+        if tensor != "__metadata__":
+            spans.append((*_checked_entry(path, tensor, entry), tensor))
+    tensors, end, before = {}, 0, None
+    for dtype, shape, start, stop, tensor in sorted(spans, key=lambda span: span[2:4]):
+        if start < end:
+            raise _problem(path, f"tensors {before} and {tensor} overlap (bytes {start}..{end} of its data)")
+        if data_start + stop > size:
+            raise _problem(path, f"truncated: {size} bytes, its header places tensor {tensor} up to byte "
+                                 f"{data_start + stop}")
+        tensors[tensor] = Tensor(path, dtype, shape, data_start + start)
+        end, before = max(end, stop), tensor
+    return tensors
+
+
 class Reader:
     """The tensors of a directory's safetensors files (sharded with `model.safetensors.index.json`, or not),
     read by box; `bytes_read` counts the tensor bytes this reader has read."""
@@ -88,6 +142,10 @@ class Reader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as error:
                 raise ConfigError([("model.init_from", f"{index} has no readable weight_map: {error}")]) from None
+            if not (isinstance(weight_map, dict) and all(isinstance(name, str) and name and "/" not in name
+                                                         for name in weight_map.values())):
+                raise ConfigError([("model.init_from", f"{index}: its weight_map is not a mapping of tensor names "
+                                                       "to file names in its directory")])
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(path.name for path in directory.glob("*.safetensors"))
@@ -98,21 +156,9 @@ class Reader:
             path = directory / name
             if not path.is_file():
                 raise ConfigError([("model.init_from", f"{path} is missing ({INDEX} lists it)")])
-            header, data_start = _header(path)
-            end = data_start
-            for tensor, entry in header.items():
-                if tensor == "__metadata__":
-                    continue
-                if entry.get("dtype") not in DTYPES:
-                    raise ConfigError([("model.init_from", f"{path}: tensor {tensor} has dtype {entry.get('dtype')}, "
-                                                           f"which nestor does not read")])
-                start, stop = entry["data_offsets"]
-                self.tensors[tensor] = Tensor(path, DTYPES[entry["dtype"]], tuple(entry["shape"]), data_start + start)
-                end = max(end, data_start + stop)
-            if os.path.getsize(path) < end:
-                raise ConfigError([("model.init_from", f"{path} is truncated: {os.path.getsize(path)} bytes, its "
-                                                       f"header places tensors up to byte {end}")])
+            self.tensors |= tensors_of(path)
         self.bytes_read = 0
+        self.zeros: set[str] = set()  # tensors read as zeros that should not be (orchestrator.hf.load)
         self._files: dict[Path, int] = {}
 
     def read(self, name: str, box: Box | None = None) -> np.ndarray:

@@ -13,10 +13,12 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.config.degrees import mesh_axes_key
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job.eval_loss import Evaluator
+from nestor.orchestrator.job.eval_loss import Evaluator, check_eval_fields
 from nestor.orchestrator.loader.memory_fit import state_problems
 from nestor.orchestrator.job.state import StateLayout, param_table, per_device_bytes, state_layout
-from nestor.orchestrator.job.step import backend_for, make_train_step
+from nestor.models import axes, ops
+from nestor.orchestrator.job.step import (backend_for, make_loss_fn, make_train_step, objective_of,
+                                          stack_runners)
 from nestor.parallel.mesh import MeshError, build_mesh
 from nestor.parallel.rules import Rules, resolve_rules
 
@@ -100,6 +102,7 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     rules = resolve_rules(config.mesh.rules)
     backend = backend_for(config, mesh)
     fields = batch_fields(config)
+    check_eval_fields(config, fields)
     layout = state_layout(config, mesh, rules, frozenset(name for field in fields.values()
                                                          for name in field.logical_axes if name))
     if with_data:  # a job that runs allocates its state: refused here, before anything is, if it cannot fit
@@ -113,3 +116,27 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
 def abstract_batch(job: Job) -> dict[str, jax.ShapeDtypeStruct]:
     """Returns the shapes, dtypes and shardings of one global batch: what the step compiles for, no data read."""
     return abstract(batch_fields(job.config), job.mesh, job.rules)
+
+
+def traced_use(job: Job) -> tuple[set[str], set[str]]:
+    """Returns (the ops (models.ops) the model's forward pass calls, the logical axes its activations name
+    and models.axes.LAYOUT_READ where it reads the sequence layout), from one abstract trace of its loss."""
+    loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
+                           stack_runners(job.config, job.mesh, job.rules, job.backend), objective=objective_of(job.config))
+    state = job.layout.abstract
+    key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
+    with ops.recording() as called, axes.recording() as named:  # a fresh function: traced anew, never cached
+        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, key, bias), state["params"],
+                       abstract_batch(job), state.get("expert_bias"))
+    return called, named
+
+
+def unsplit_rows_warning(job: Job, named: set[str]) -> str | None:
+    """Returns a warning where mesh.context splits rows but the model (its activations `named`, `traced_use`)
+    neither names the `length` axis nor reads the sequence layout: its context devices compute replicas."""
+    if job.mesh.shape.get("context", 1) == 1 or named & {axes.LENGTH, axes.LAYOUT_READ}:
+        return None
+    return (f"warning: mesh.context={job.mesh.shape['context']} splits the `{axes.LENGTH}` axis of rows, but "
+            f"model.class {job.config.model.class_} names no activation `{axes.LENGTH}` and reads no positions "
+            "(models.axes.sequence_layout): its context devices compute the same thing; set mesh.context=1, or "
+            "name the sequence axis of its activations (docs/models.md, 'Rows split over context devices')")

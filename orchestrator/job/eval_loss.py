@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nestor.backend import Backend
 from nestor.models import task
 from nestor.orchestrator.config.schema import Config
+from nestor.orchestrator.data.arrays import ArraySource
 from nestor.orchestrator.data.batches import DataPipeline, Field, batch_fields, make_source, shardings
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.state import REFERENCE, StateLayout
@@ -70,6 +71,30 @@ def eval_fields(config: Config) -> dict[str, Field]:
     if config.eval.source == "heldout":
         return batch_fields(config, config.data.source)
     return batch_fields(config, config.eval.source, config.eval.paths, "eval.paths")
+
+
+def check_eval_fields(config: Config, train_fields: dict[str, Field]) -> None:
+    """Raises ConfigError (eval.paths, data.factory) where the eval batches of named arrays (eval.paths, or a
+    factory's eval split) would hold other fields, or rows of another shape or dtype, than the training
+    batches `train_fields`: before anything compiles, not at the first evaluation."""
+    if not config.eval.every:
+        return
+    if config.eval.source == "arrays":
+        key, where = "eval.paths", ", ".join(config.eval.paths)
+        rows = {name: (field.shape[1:], field.dtype) for name, field in eval_fields(config).items()}
+    elif config.eval.source == "heldout" and config.data.source == "python":
+        key, where = "data.factory", f"{config.data.factory}(split='eval')"
+        rows = ArraySource.from_factory(config, "eval").example_shapes()
+    else:
+        return
+    wanted = {name: (field.shape[1:], field.dtype) for name, field in train_fields.items()}
+    if sorted(rows) != sorted(wanted):
+        raise ConfigError([(key, f"{where} holds the fields {sorted(rows)}, the training data {sorted(wanted)}: "
+                                 "the model reads the same fields in both")])
+    for name, (shape, dtype) in rows.items():
+        if (shape, dtype) != wanted[name]:
+            raise ConfigError([(key, f"field {name} of {where} has rows of {shape} {dtype}, the training "
+                                     f"data's of {wanted[name][0]} {wanted[name][1]}")])
 
 
 def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nestor.orchestrator.config import schema as config_schema
-from nestor.orchestrator.config.keys import INT32_MAX, YAML_NAMES, Key  # noqa: F401 - INT32_MAX, Key: for callers
+from nestor.orchestrator.config.keys import INT32_MAX, YAML_NAMES, Key, moe_on  # noqa: F401 - INT32_MAX, Key: for callers
 from nestor.orchestrator.config.schema import _set_dotted, key_table  # noqa: F401 - key_table: for callers
 from nestor.orchestrator.data.shards import METADATA, VOCAB_MULTIPLE
 from nestor.orchestrator.errors import ConfigError
@@ -142,23 +142,29 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
             user = _merge(user, read_yaml(Path(layer), layer, empty_ok=False))
         overrides = [item for item in overrides if not ("=" not in item and item.endswith((".yaml", ".yml")))]
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
-    preset = next((layer["model"].get("preset") for layer in (extra, user)
-                   if isinstance(layer.get("model"), dict) and layer["model"].get("preset")), None)
+    preset = _set_last(user, extra, "model", "preset")
     if preset:
         tree = _merge(tree, preset_sections(preset))
-    init_from = next((layer["model"].get("init_from") for layer in (extra, user)
-                      if isinstance(layer.get("model"), dict) and layer["model"].get("init_from")), None)
+    init_from = _set_last(user, extra, "model", "init_from")
     if init_from:
         run = _merge(_merge(tree, user), extra).get("run")
         run_dir = run.get("dir") if isinstance(run, dict) else None
         tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra), run_dir))
     tree = _merge(_merge(tree, user), extra)
     tree = _merge(tree, shards_tokenizer(tree, (user, extra), bool(init_from)))
-    adapter = next((layer["lora"].get("init_from") for layer in (extra, user)
-                    if isinstance(layer.get("lora"), dict) and layer["lora"].get("init_from")), None)
+    adapter = _set_last(user, extra, "lora", "init_from")
     if adapter:
         tree = _merge(tree, adapter_sections(adapter, (user, extra)))
     return _validated(from_dict(tree))
+
+
+def _set_last(user: dict, extra: dict, section: str, name: str) -> Any:
+    """Returns the value of `section.name` in the overrides `extra`, else in the run YAML `user` (None where
+    neither sets it): a later layer's null unsets what an earlier one set (`model.preset=null`)."""
+    for layer in (extra, user):
+        if isinstance(layer.get(section), dict) and name in layer[section]:
+            return layer[section][name]
+    return None
 
 
 def adapter_sections(init_from: Any, layers: tuple[dict, ...]) -> dict:
@@ -169,13 +175,10 @@ def adapter_sections(init_from: Any, layers: tuple[dict, ...]) -> dict:
     derived = lora_sections(Path(_absolute(init_from, Path.cwd())))
     problems = []
     for name, value in derived["lora"].items():
-        for layer in layers:
-            keys = layer.get("lora")
-            given = keys.get(name, value) if isinstance(keys, dict) else value
-            if given != value and not (isinstance(given, list) and
-                                       list(canonical_targets(tuple(given))) == value):
-                problems.append((f"lora.{name}", f"{given!r} conflicts with {init_from}, whose adapter_config.json "
-                                                 f"makes it {value!r}"))
+        given = _given_last(layers, "lora", name, value)
+        if given != value and not (isinstance(given, list) and list(canonical_targets(tuple(given))) == value):
+            problems.append((f"lora.{name}", f"{given!r} conflicts with {init_from}, whose adapter_config.json "
+                                             f"makes it {value!r}"))
     if problems:
         raise ConfigError(problems)
     return derived
@@ -242,17 +245,17 @@ def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...], r
     if not (directory / "config.json").is_file() and kept is not None and (kept / "config.json").is_file():
         directory = kept  # the run's copies (orchestrator.hf.load.keep_source_files)
     derived = sections(directory)
+    given = {section: {name: _given_last(layers, section, YAML_NAMES.get(name, name), value)
+                       for name, value in keys.items()} for section, keys in derived.items()}
+    dense = not moe_on(derived["moe"]) and not moe_on(given["moe"])  # then no moe key shapes the model
     problems = []
     for section, keys in derived.items():
         for name, value in keys.items():
-            if section == "moe" and name not in MOE_ARCHITECTURE:
+            if section == "moe" and (dense or name not in MOE_ARCHITECTURE):
                 continue  # a routing choice (capacity), the run's to make
-            for layer in layers:
-                keys = layer.get(section)
-                given = keys.get(YAML_NAMES.get(name, name), value) if isinstance(keys, dict) else value
-                if given != value:
-                    problems.append((f"{section}.{name}", f"{given!r} conflicts with {directory / 'config.json'}, "
-                                                          f"which makes it {value!r}"))
+            if given[section][name] != value:
+                problems.append((f"{section}.{name}", f"{given[section][name]!r} conflicts with "
+                                                      f"{directory / 'config.json'}, which makes it {value!r}"))
     if problems:
         raise ConfigError(problems)
     tokenizer = directory / "tokenizer.json"
@@ -265,6 +268,15 @@ def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...], r
                                                    f"vocab_size {vocab}: the tokenizer is not this model's")])
         derived["data"] = {"tokenizer": str(tokenizer)}
     return derived
+
+
+def _given_last(layers: tuple[dict, ...], section: str, name: str, default: Any) -> Any:
+    """Returns `section.name` as the last of `layers` (the run YAML, then the overrides) that sets it gives
+    it, else `default`: the merged config is judged, not each layer."""
+    for layer in reversed(layers):
+        if isinstance(layer.get(section), dict) and name in layer[section]:
+            return layer[section][name]
+    return default
 
 
 def _absolute(path: str, base: Path) -> str:

@@ -36,6 +36,8 @@ import signal
 import time
 from pathlib import Path
 
+from nestor.orchestrator.loop.records import read_records
+
 ATTEMPT_CATEGORIES = ("step", "compile", "data_wait", "checkpoint_save", "restore", "eval", "idle")
 RUN_CATEGORIES = (*ATTEMPT_CATEGORIES, "lost", "recovery")
 FILE_NAME = "goodput.jsonl"
@@ -80,15 +82,16 @@ class Goodput:
         self._switch(self._current)
         return dict(self._seconds)
 
-    def start(self, run_dir: Path, resumed_from: int, enabled: bool) -> None:
+    def start(self, run_dir: Path, resumed_from: int, enabled: bool, log=print) -> None:
         """Opens the attempt in `run_dir`'s goodput.jsonl (process 0, `enabled`): writes its `start` record
-        after the earlier attempts' and takes their share of the run, lost work and recovery included."""
+        after the earlier attempts' and takes their share of the run, lost work and recovery included (a last
+        line a kill cut short is cut off, said in one `log` line)."""
         self._step = resumed_from
         if not enabled:
             return
         self.path = Path(run_dir) / FILE_NAME
-        earlier = read_records(self.path)
-        self.attempt = 1 + sum(record["event"] == "start" for record in earlier)
+        earlier = read_records(self.path, log, cut=True)
+        self.attempt = 1 + sum(record.get("event") == "start" for record in earlier)
         started = self._write("start", time=self.started_wall, resumed_from=resumed_from)
         self._before = total(run_goodput(earlier + [started])[:-1]).seconds
 
@@ -121,7 +124,7 @@ class Goodput:
         returns the run's goodput in one line, every attempt so far included (None off process 0, or when
         the attempt never started: nothing to train)."""
         self._write("end", ended=COMPLETED if stopped_by is None else signal.Signals(stopped_by).name)
-        return summary_line(run_goodput(read_records(self.path))) if self.path is not None else None
+        return summary_line(run_goodput(read_records(self.path, log=lambda _: None))) if self.path is not None else None
 
     @contextlib.contextmanager
     def ending_on_error(self):
@@ -154,20 +157,6 @@ class AttemptGoodput:
     def goodput(self) -> float:
         """Productive step time over wall time (0 for no time)."""
         return self.seconds["step"] / self.wall if self.wall > 0 else 0.0
-
-
-def read_records(path: Path) -> list[dict]:
-    """Returns the records of goodput.jsonl `path` ([] when it does not exist); a line a kill cut short is
-    skipped."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def _kept_step_seconds(records: list[dict], resumed_from: int) -> float:

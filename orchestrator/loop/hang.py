@@ -150,6 +150,7 @@ class HangWatchdog:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self.before_exit: Callable[[], None] = lambda: None  # what to clean up as a hung process ends
         if watch and timeout_s != 0:  # 0: never
             self._thread = threading.Thread(target=self._watch, name="nestor-hang-watchdog", daemon=True)
             self._thread.start()
@@ -202,7 +203,7 @@ class HangWatchdog:
                 return
 
     def _stop(self, why: str) -> None:
-        """Writes this process's stacks, says why, waits for the others' native files,
+        """Writes this process's stacks, says why, waits for the others' native files, runs `before_exit`
         and ends the process, whatever of that fails (a full disk, a driver that does not answer); not once
         `close` was called (the attempt ended as the hang was seen)."""
         with self._lock:
@@ -224,6 +225,8 @@ class HangWatchdog:
         except Exception as error:  # the process ends all the same: it is stuck
             why = f"{why} ({type(error).__name__}: {error})"
         finally:
+            with contextlib.suppress(Exception):  # the process ends all the same
+                self.before_exit()
             self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread {where}")
             os._exit(HANG_EXIT_CODE)
 

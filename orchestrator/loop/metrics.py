@@ -29,6 +29,7 @@ from nestor.models.moe import EXPERT_LOAD
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.job.moe_wiring import EXPERT_BIAS
 from nestor.orchestrator.loop.peak_flops import peak_tflops
+from nestor.orchestrator.loop.records import read_records
 from nestor.orchestrator.specs.registry import spec_of
 # What Throughput measures, and the loop's one-off times: compiling the step, blocking in checkpoint saves,
 # evaluating.
@@ -152,8 +153,9 @@ class Throughput:
 class MetricsWriter:
     """Writes metrics.jsonl and TensorBoard events (process 0 only); on resume both views drop what a killed attempt wrote past the checkpoint."""
 
-    def __init__(self, config: Config, throughput: Throughput, enabled: bool):
+    def __init__(self, config: Config, throughput: Throughput, enabled: bool, log=print):
         self.config = config
+        self.log = log
         self.throughput = throughput
         self.enabled = enabled
         self.resumed_from: int | None = None
@@ -163,7 +165,8 @@ class MetricsWriter:
         self.tensorboard = None  # opened by start(), which knows where a resumed run continues
 
     def start(self, resumed_step: int, sharding_table: str, mesh: str) -> None:
-        """Drops records after `resumed_step` (a killed run logged them; the resume logs them again),
+        """Drops records after `resumed_step` (a killed run logged them; the resume logs them again) and
+        lines that hold no record (a last one cut short: `records.read_records`),
         and writes the config and sharding table as text. The first record
         after a resume carries `resumed_from` (the checkpoint's step); the first of every start, `mesh` (the
         mesh this attempt's steps run on, e.g. "data 2 x fsdp 2 x tensor 2 over 2 processes")."""
@@ -176,9 +179,9 @@ class MetricsWriter:
             # purge_step hides the events a killed attempt wrote past the checkpoint, as the jsonl is trimmed
             self.tensorboard = SummaryWriter(str(self.run_dir / "tb"), purge_step=resumed_step + 1 if resumed_step else None)
         if self.jsonl.exists():
-            kept = [line for line in self.jsonl.read_text().splitlines()
-                    if line and json.loads(line)["step"] <= resumed_step]
-            self.jsonl.write_text("".join(line + "\n" for line in kept))
+            kept = [record for record in read_records(self.jsonl, self.log, cut=True)
+                    if isinstance(record.get("step"), int) and record["step"] <= resumed_step]
+            self.jsonl.write_text("".join(json.dumps(record) + "\n" for record in kept))
         if self.tensorboard is not None:
             self.tensorboard.add_text("config", "```\n" + yaml.safe_dump(self.config.to_dict(), sort_keys=False)
                                       + "```", resumed_step)

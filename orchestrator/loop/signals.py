@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 
@@ -39,6 +40,8 @@ class StopSignals:
         self._passed_on = False  # a request handed to the preemption sync manager
         self._kept: int | None = None  # a signal kept before the run handled signals, taken as a request
         self._previous: dict[int, object] = {}
+        self._deferring = False  # inside `deferred`: a second Ctrl-C waits for the block's end
+        self._cut: int | None = None  # the second Ctrl-C that came inside `deferred`
 
     def __enter__(self) -> "StopSignals":
         # Handlers can only be installed from the main thread; elsewhere the caller owns signals.
@@ -53,8 +56,23 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
+            if self._deferring:
+                self._cut = signum
+                return
             raise Interrupted(signum)  # a second Ctrl-C: stop now, without the save
         self.received = signum
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block that a second Ctrl-C does not cut: it raises Interrupted as the block ends (a save and
+        the record of its step are written together, or neither)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._cut is not None:
+            raise Interrupted(self._cut)
 
     @staticmethod
     def _forward(signum, frame) -> None:

@@ -26,7 +26,7 @@ from nestor.orchestrator.loop.goodput import Goodput
 from nestor.orchestrator.loop.hang import HangWatchdog
 from nestor.orchestrator.loop.health import CALMER, StateHealth, best_of
 from nestor.orchestrator.hf.load import keep_source_files
-from nestor.orchestrator.job.build import Job, abstract_batch, build_job
+from nestor.orchestrator.job.build import Job, abstract_batch, build_job, traced_use, unsplit_rows_warning
 from nestor.orchestrator.loop.metrics import MetricsWriter, Throughput, sharding_table
 from nestor.orchestrator.job.optimizer import schedule_change
 from nestor.orchestrator.paths import shown
@@ -36,6 +36,7 @@ from nestor.orchestrator.checkpoint.run_lock import claim_run_dir, holding_run_d
 from nestor.orchestrator.job.processes import check_shared_run_dir, every_process_says, wait_for_every_process
 from nestor.orchestrator.loop.signals import StopSignals, no_stop_request, stopping_line
 from nestor.orchestrator.job.state import init_state, param_table
+from nestor.orchestrator.specs.registry import spec_of
 
 
 class TrainingDiverged(RunFailed):
@@ -97,6 +98,7 @@ class StepRecorder:
     console: Console
     result: TrainResult
     timings: dict[str, float]
+    signals: StopSignals
 
     def __call__(self, pending: PendingStep, save: Callable[..., Any] | None = None) -> None:
         """Reads `pending`'s values, checks them, runs `save` (the step's checkpoint) and logs."""
@@ -109,19 +111,20 @@ class StepRecorder:
         finished_at = time.perf_counter() if finished is None else finished
         self._check_health(step, values)
         self.result.losses.append(float(values["loss"]))
-        if save is not None:
-            saving = time.perf_counter()
-            self.watchdog.beat(f"the save of checkpoint {step}")
-            with self.goodput.charged("checkpoint_save"):
-                save(health=self.health.record())
-            self.watchdog.beat(f"step {step + 1}")
-            self.timings["checkpoint_s"] = time.perf_counter() - saving
-        if logged:
-            record = self.writer.write(step, values, finished_at - started,
-                                       {**self.timings, **self.goodput.log(step)})
-            self.timings.clear()
-            self.result.history.append(record)
-            self.console.step(record)
+        with self.signals.deferred():  # a second Ctrl-C after the save would leave its step saved but unlogged
+            if save is not None:
+                saving = time.perf_counter()
+                self.watchdog.beat(f"the save of checkpoint {step}")
+                with self.goodput.charged("checkpoint_save"):
+                    save(health=self.health.record())
+                self.watchdog.beat(f"step {step + 1}")
+                self.timings["checkpoint_s"] = time.perf_counter() - saving
+            if logged:
+                record = self.writer.write(step, values, finished_at - started,
+                                           {**self.timings, **self.goodput.log(step)})
+                self.timings.clear()
+                self.result.history.append(record)
+                self.console.step(record)
 
     def _check_health(self, step: int, values: dict) -> None:
         """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
@@ -129,6 +132,12 @@ class StepRecorder:
         if self.restored is not None and step == self.first_step + 1:  # its loss is the restored parameters'
             if self.health.restored_state_is_broken(float(values["loss"])):
                 broken = self.restored[0]
+        imported = self.config.model.init_from
+        if imported and self.restored is None and step == 1 and not np.isfinite(values["loss"]):
+            raise TrainingDiverged(f"loss is {float(values['loss'])} at step 1, computed on the weights of "
+                                   f"{shown(imported)} before any update (no learning rate is to blame): its values "
+                                   "make the model's loss overflow; check model.init_from (model.dtype "
+                                   f"{self.config.model.dtype}) before training from it")
         for name in ("loss", "param_norm"):
             if not np.isfinite(values[name]):
                 raise _diverged(f"{name} is {float(values[name])} at step {step}", self.checkpointer, broken)
@@ -251,6 +260,7 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
         watchdog = _watchdog(config)
         closing.callback(watchdog.close)
         checkpointer = Checkpointer(config, job.layout, log)
+        watchdog.before_exit = checkpointer.abandon_unfinished  # a hang in a save leaves no temporary directory
         closing.callback(goodput.charged("checkpoint_save")(checkpointer.close))  # it waits for saves in flight
         with goodput.charged("restore"):
             first_step, state = _start_state(config, job, checkpointer, log, watchdog)
@@ -263,22 +273,25 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
             return result
         if lead:  # only once the checkpoint is known to fit: a rejected resume leaves run.dir as it was
             (Path(config.run.dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        goodput.start(Path(config.run.dir), first_step, enabled=lead)
+        goodput.start(Path(config.run.dir), first_step, enabled=lead, log=log)
         restored = (first_step, checkpointer.record(first_step)) if first_step else None
         best = best_of(restored and restored[1].get("health"))
         with watchdog.paused():  # the norm compiles a program of its own
             health = StateHealth(config.checkpoint.health_factor, best, None if best else _norm(job, state))
         with goodput.charged("compile"), watchdog.paused():
             job.step_fn, compile_s = _compile(job, state, first_step, console)
+            if lead and job.mesh.shape["context"] > 1 and not spec_of(config).splits_rows and \
+                    (warning := unsplit_rows_warning(job, traced_use(job)[1])):  # one more trace: a model of yours
+                log(warning)
         watchdog.beat(f"step {first_step + 1}")
         throughput = Throughput(config, job.mesh.devices.size, job.mesh.devices.flat[0].device_kind)
-        writer = MetricsWriter(config, throughput, enabled=lead)
+        writer = MetricsWriter(config, throughput, enabled=lead, log=log)
         closing.callback(writer.close)
         writer.start(first_step, _sharding_text(job), _mesh_text(job))
         console.start(config.train.steps, first_step)
         closing.callback(console.close)
         recorder = StepRecorder(config, checkpointer, health, restored, first_step, watchdog, goodput, writer,
-                                console, result, timings={"compile_s": compile_s})
+                                console, result, timings={"compile_s": compile_s}, signals=signals)
         profiler = StepProfiler(config, enabled=lead, log=log)
         closing.callback(profiler.stop)
         started = time.perf_counter()

@@ -25,6 +25,7 @@ class ModelSpec:
     decodes = False         # `nestor sample` and `nestor logits` run it
     hugging_face = False    # `nestor export` and `model.init_from` map its parameters
     layout_checked = True   # its parameters' names and shapes are checked against the mesh once built
+    splits_rows = False     # known to read the sequence layout where mesh.context splits rows (else traced to see)
 
     def build(self, config: Config, rngs: nnx.Rngs) -> nnx.Module:
         """Returns the model, freshly initialised. Raises ConfigError naming the keys that cannot build it."""

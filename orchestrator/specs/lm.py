@@ -14,7 +14,7 @@ from nestor.models import axes, lora_names
 from nestor.models.lora import LoraConfig
 from nestor.models.moe import MoELayerConfig, expert_capacity
 from nestor.models.transformer import STACK, RopeScaling, Transformer, TransformerConfig
-from nestor.orchestrator.config.keys import ARRAY_SOURCES, INT32_MAX, key_table
+from nestor.orchestrator.config.keys import ARRAY_SOURCES, INT32_MAX, key_table, moe_on
 from nestor.orchestrator.config.degrees import moe_tokens_per_device
 from nestor.orchestrator.specs.base import ModelSpec, Problems
 from nestor.orchestrator.specs.lm_flops import executed_flops_per_step, model_flops_per_step
@@ -42,7 +42,7 @@ class LanguageModel(ModelSpec):
     """nestor's decoder LM: rows of tokens, analytic FLOPs, decoding, Hugging Face architectures, parameters
     laid out by construction."""
 
-    counts_tokens = decodes = hugging_face = True
+    counts_tokens = decodes = hugging_face = splits_rows = True
     layout_checked = False
 
     def build(self, config: Config, rngs: nnx.Rngs) -> nnx.Module:
@@ -100,8 +100,8 @@ class LanguageModel(ModelSpec):
         if saved.get("model", {}).get("class", LM) != LM:
             return None  # another model's checkpoint: the workers' restore names what differs
         keys = [("model", key) for key in SHAPING]
-        if _moe_on(saved.get("moe", {})) or _moe_on(current["moe"]):
-            both = _moe_on(saved.get("moe", {})) and _moe_on(current["moe"])
+        if moe_on(saved.get("moe", {})) or moe_on(current["moe"]):
+            both = moe_on(saved.get("moe", {})) and moe_on(current["moe"])
             keys += [("moe", key) for key in (MOE_SHAPING if both else ("num_experts", "every"))]
         return keys
 
@@ -109,18 +109,16 @@ class LanguageModel(ModelSpec):
         return ACTIVATION_AXES
 
     def idle_modes(self, config: Config) -> list[tuple[tuple[str, ...], str]]:
+        modes = [(("model.args",), "model.class=lm is built from the model.* keys; model.args is a model of "
+                                   "your own's")]
         if config.moe.num_experts:
-            return []
+            return modes
         moe_keys = tuple(path for path, *_ in key_table(type(config)) if path.startswith("moe.") and
                          path not in MOE_LAYOUT_KEYS)
-        return [(moe_keys + ("metrics.image_every",), "moe.num_experts=0: a dense model")]
+        return modes + [(moe_keys + ("metrics.image_every",), "moe.num_experts=0: a dense model")]
 
     def dropless_layers(self, config: Config) -> bool:
         return config.dropless_moe
-
-
-def _moe_on(section: dict) -> bool:
-    return bool(section.get("num_experts")) and bool(section.get("every"))
 
 
 def lm_config(config: Config) -> TransformerConfig:
@@ -207,7 +205,7 @@ def _lora_problems(config: Config) -> list[tuple[str, str]]:
     if not targets:
         return [("lora.targets", "lora.rank > 0 adapts the weights named here; name at least one")]
     experts = [target for target in targets if target in lora_names.EXPERTS]
-    if experts and not _moe_on(config.to_dict()["moe"]):
+    if experts and not moe_on(config.to_dict()["moe"]):
         return [("lora.targets", f"{', '.join(experts)} adapt routed experts, and the model is dense "
                                  "(moe.num_experts and moe.every are 0)")]
     return []

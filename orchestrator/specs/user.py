@@ -23,7 +23,7 @@ from nestor.orchestrator.config.keys import ARRAY_SOURCES
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.specs.base import ModelSpec, Problems
 from nestor.orchestrator.specs.lm import LM
-from nestor.orchestrator.user_code import import_object
+from nestor.orchestrator.user_code import UserCodeError, import_object
 from nestor.parallel.rules import resolve_rules, split_degree
 
 if TYPE_CHECKING:  # the config is read, never built, here
@@ -44,7 +44,10 @@ class UserModel(ModelSpec):
                 model = factory(dataclass(**args), rngs=rngs) if dataclass else factory(**args, rngs=rngs)
             except (TypeError, ValueError) as error:  # arguments the class does not take, or refuses
                 target = f"{path}'s {dataclass.__name__}" if dataclass else path
-                raise ConfigError([("model.args", f"{target} cannot be built from {args}: {error}")]) from None
+                raise UserCodeError("model.args", "", error, problems=[
+                    ("model.args", f"{target} cannot be built from {args}: {error}")]) from None
+            except Exception as error:  # noqa: BLE001 - the user's code raised: shown with its own frames
+                raise UserCodeError("model.class", f"building {path} from model.args {args}", error) from None
         if not isinstance(model, nnx.Module):
             raise ConfigError([("model.class", f"{path} returned a {type(model).__name__}, not a flax.nnx.Module")])
         if not callable(getattr(model, task.LOSS_METHOD, None)):
@@ -56,6 +59,8 @@ class UserModel(ModelSpec):
         return [config.model.class_]
 
     def key_problems(self, config: Config) -> Problems:
+        if problem := _not_an_import_path(config.model.class_):  # what else is wrong follows from it
+            return [("model.class", problem)]
         problems = []
         if config.data.source not in ARRAY_SOURCES:
             problems.append(("data.source", f"model.class {config.model.class_} reads named arrays: use data.source="
@@ -74,6 +79,10 @@ class UserModel(ModelSpec):
                                                   f"{config.pipeline.schedule} runs its stack's own weights"))
         if config.lora.init_from:
             problems.append(("lora.init_from", "a PEFT adapter adapts nestor's language model (model.class: lm)"))
+        if config.model.init_from:
+            problems.append(("model.init_from", "a Hugging Face checkpoint holds the weights of nestor's language "
+                                                f"model (model.class: {LM}); a model of your own starts from "
+                                                "run.seed"))
         return problems
 
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
@@ -86,12 +95,19 @@ class UserModel(ModelSpec):
         return []
 
 
+def _not_an_import_path(path: str) -> str | None:
+    """Returns why `model.class` `path` names no model (neither nestor's nor module:Name), or None."""
+    if ":" in path:
+        return None
+    hint = f"; did you mean {LM!r}?" if path.strip().lower() == LM else ""
+    return f"{path!r} is neither {LM!r} nor an import path module:Name (e.g. mypackage.vit:ViT){hint}"
+
+
 def import_model_class(path: str) -> Callable[..., nnx.Module]:
     """Returns the callable `module:Name` names (orchestrator.user_code). Raises ConfigError (model.class)
     when it does not resolve."""
-    if ":" not in path:
-        raise ConfigError([("model.class", f"{path!r} is neither {LM!r} nor an import path module:Name "
-                                           "(e.g. mypackage.vit:ViT)")])
+    if problem := _not_an_import_path(path):
+        raise ConfigError([("model.class", problem)])
     return import_object(path, "model.class", "mypackage.vit:ViT")
 
 

@@ -1,0 +1,166 @@
+"""The user's code and data fail with their own error: arrays checked against each other and against the train
+fields before anything compiles (explain included), and an exception raised in the user's code shown with
+the user's frames only, then one line naming the key, exit 2."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nestor.cluster.connect import USER_CODE_ENV
+from nestor.orchestrator.commands.cli import main
+from tests.test_user_model import MODEL, write_user_directory
+
+MESH = ("cluster.launcher=inprocess", "cluster.devices_per_host=8", "train.steps=2")
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    """The user's model of tests/test_user_model.py (a classifier of named arrays x, y) in a fresh directory."""
+    directory = write_user_directory(tmp_path / "project")
+    for module in ("mlp", "factories", "broken", "lossy"):  # another test's project imported them
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.chdir(directory)
+    monkeypatch.setenv(USER_CODE_ENV, str(directory))
+    return directory
+
+
+def run(command: str, capsys, *overrides: str) -> tuple[int, str]:
+    code = main([command, "my.yaml", *MESH, *overrides])
+    said = capsys.readouterr().err
+    return code, "".join(line for line in said.splitlines(keepends=True) if not line.startswith("nestor: warning: "))
+
+
+def one_config_line(code: int, err: str, key: str, says: str) -> None:
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.startswith("nestor: invalid config:\n") and f"  {key}: " in err and says in err, err
+
+
+def rows(n: int = 64, features: int = 16) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"x": rng.normal(size=(n, features)).astype(np.float32), "y": rng.integers(0, 4, n).astype(np.int32)}
+
+
+def truncated(path: Path) -> None:
+    np.savez(path, **rows())
+    path.write_bytes(path.read_bytes()[:300])
+
+
+def pickled(path: Path) -> None:
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", b"\x93NUMPY\x01\x00v\x00{'descr': '|O', 'fortran_order': False, 'shape': (64,), }"
+                                  .ljust(127) + b"\n" + pickle.dumps(np.array([{}] * 64, dtype=object)))
+        archive.writestr("y.npy", b"")
+
+
+ARRAY_DAMAGES = {  # how extra.npz is written -> (what the error says)
+    "garbage": (lambda p: p.write_bytes(b"not a zip file at all" * 10), "does not read as numpy arrays"),
+    "truncated": (truncated, "does not read as numpy arrays"),
+    "pickled objects": (pickled, "does not read as numpy arrays"),
+    "0-d fields": (lambda p: np.savez(p, x=np.float32(1), y=np.int32(2)), "is a single value ()"),
+    "strings": (lambda p: np.savez(p, x=np.array(["a"] * 64), y=rows()["y"]), "holds <U1 values"),
+    "other trailing shapes": (lambda p: np.savez(p, **rows(features=8)), "has rows of (8,) float32"),
+    "another field": (lambda p: np.savez(p, x=rows()["x"], z=rows()["y"]), "holds the fields ['x', 'z']"),
+}
+
+
+@pytest.mark.parametrize("damage", ARRAY_DAMAGES)
+def test_damaged_array_files_are_one_config_error_naming_the_file_in_explain_and_train(project, capsys, damage):
+    write, says = ARRAY_DAMAGES[damage]
+    write(project / "extra.npz")
+    for command in ("explain", "train"):
+        code, err = run(command, capsys, "data.paths=[train.npz, extra.npz]")
+        one_config_line(code, err, "data.paths", says)
+        assert "extra.npz" in err, err
+
+
+def test_eval_arrays_of_other_fields_or_shapes_are_refused_before_anything_compiles(project, capsys):
+    np.savez(project / "eval_fields.npz", x=rows()["x"], label=rows()["y"])
+    np.savez(project / "eval_shapes.npz", **rows(features=12))
+    for path, says in (("eval_fields.npz", "holds the fields ['label', 'x'], the training data ['x', 'y']"),
+                       ("eval_shapes.npz", "eval_shapes.npz has rows of (12,) float32, the training data's of (16,) float32")):
+        code, err = run("explain", capsys, "eval.every=1", "eval.source=arrays", f"eval.paths=[{path}]")
+        one_config_line(code, err, "eval.paths", says)
+
+
+FACTORIES = '''
+import numpy as np
+
+def raises(split):
+    return load(split)
+
+def load(split):
+    raise FileNotFoundError(f"/data/{split}.bin")
+
+def a_list(split):
+    return [1, 2, 3]
+
+def scalars(split):
+    return {"x": 1.0, "y": 2}
+
+def ragged(split):
+    return {"x": [[1.0, 2.0], [3.0]], "y": [0, 1]}
+
+def no_eval(split):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    return {"x": x, "y": (x[:, 0] > 0).astype(np.int32)} if split == "train" else {"x": x}
+'''
+
+
+@pytest.mark.parametrize("factory, key, says", [
+    ("a_list", "data.factory", "returned list; it must return a dict of named arrays"),
+    ("scalars", "data.paths", ""),  # named below: 0-d fields
+    ("ragged", "data.factory", "makes no array"),
+    ("no_eval", "data.factory", "no_eval(split='eval') holds the fields ['x'], the training data ['x', 'y']"),
+])
+def test_a_factory_returning_no_rows_of_numbers_is_one_config_error(project, capsys, factory, key, says):
+    (project / "factories.py").write_text(FACTORIES)
+    extra = ("eval.every=1",) if factory == "no_eval" else ()
+    code, err = run("explain", capsys, "data.source=python", f"data.factory=factories:{factory}", *extra)
+    if factory == "scalars":
+        one_config_line(code, err, "data.factory", "field x of factories:scalars(split='train') is a single value")
+    else:
+        one_config_line(code, err, key, says)
+
+
+def assert_users_frames_then_one_line(code: int, err: str, file: str, line: str, names: str) -> None:
+    lines = err.splitlines()
+    assert code == 2 and lines[0] == "Traceback (your code's frames; nestor's left out):", err
+    assert f'{file}", line' in err and line in err, err
+    assert "orchestrator" not in err.replace(names, "") and "site-packages" not in err, err  # nestor's left out
+    assert names in lines[-1] and "Traceback" not in "\n".join(lines[1:]), lines[-1]  # one key line ends it
+
+
+def test_a_factory_that_raises_shows_the_users_frames_and_names_data_factory(project, capsys):
+    (project / "factories.py").write_text(FACTORIES)
+    code, err = run("train", capsys, "data.source=python", "data.factory=factories:raises")
+    assert_users_frames_then_one_line(code, err, "factories.py", 'raise FileNotFoundError(f"/data/{split}.bin")',
+                                      "data.factory")
+    assert "return load(split)" in err and "FileNotFoundError: /data/train.bin" in err
+
+
+def test_a_model_whose_constructor_or_loss_raises_shows_the_users_frames_and_names_model_class(project, capsys):
+    write_user_directory(project, "broken", MODEL.replace(
+        "        self.embed = dense(", "        open('/nonexistent/weights.bin')\n        self.embed = dense("))
+    code, err = run("train", capsys, "model.class=broken:MLP")
+    assert_users_frames_then_one_line(code, err, "broken.py", "open('/nonexistent/weights.bin')", "model.class")
+    write_user_directory(project, "lossy", MODEL.replace('batch["y"]).mean()', 'batch["label"]).mean()'))
+    for command in ("explain", "train"):
+        code, err = run(command, capsys, "model.class=lossy:MLP")
+        assert_users_frames_then_one_line(code, err, "lossy.py", 'batch["label"]', "which your code reads")
+        assert "KeyError: 'label'\nnestor: invalid config:\n  model.class: your code (model.class lossy:MLP) " \
+               "raised KeyError: 'label'\n  data.paths: " in err, err
+        assert err.endswith("train.npz hold the fields x, y, not 'label', which your code reads\n"), err
+
+
+def test_an_empty_stack_is_a_model_args_error(project, capsys):
+    code, err = run("explain", capsys, "model.args={depth: 0}")
+    assert code == 2 and "model.args: mlp:MLP's MLPConfig cannot be built from {'width': 32, 'hidden': 64, " \
+                         "'depth': 0}" in err, err
+    assert "Stack 'blocks' needs a count of at least one block, got 0" in err
