@@ -184,6 +184,10 @@ class Backend:
             changes["grouped_matmul"] = "xla"
             notes.append("grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot, FLOPs counted as "
                          "the kernels run them")
+        elif self.grouped_matmul in ("mosaic_gpu", "mosaic_gpu_or_xla") and self.deviceless:
+            changes["grouped_matmul"] = "xla"  # the weights' gradient kernel asks jax.devices() for its SM count
+            notes.append("grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot (they read the "
+                         "device's SM count)")
         if self.exchange == RAGGED_ALL_TO_ALL and self.platform not in ACCELERATORS:
             changes["exchange"] = ALL_GATHER
             notes.append(f"expert exchange: {RAGGED_ALL_TO_ALL} compiled as {ALL_GATHER}")

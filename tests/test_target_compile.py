@@ -79,8 +79,14 @@ def test_the_1f1b_pipeline_compiles_for_8_h100s_with_its_permutes(tiny_config):
 
 @needs_gpu_compile
 def test_the_expert_exchange_is_a_ragged_all_to_all_on_h100s(tiny_config):
-    job, compiled = compiled_for_target(tiny_config(*H100, *DROPLESS, "mesh.data=2", "mesh.expert=4"))
-    assert job.backend.exchange == job.backend.compiled_here().exchange == RAGGED_ALL_TO_ALL
+    # experts 128 x 256 on each device: the Mosaic GPU kernels' tiles, which cannot trace without the device
+    job, compiled = compiled_for_target(tiny_config(*H100, *DROPLESS, "model.embed_dim=128", "moe.expert_mlp_dim=256",
+                                                    "mesh.data=2", "mesh.expert=4"))
+    here = job.backend.compiled_here()
+    assert job.backend.exchange == here.exchange == RAGGED_ALL_TO_ALL
+    assert job.backend.grouped_matmul == "mosaic_gpu_or_xla" and here.grouped_matmul == "xla"
+    assert "grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot (they read the device's SM count)" in (
+        here.substitutions)
     hlo = compiled.as_text()
     # asynchronous on GPU: a start and a done each; out to the experts and back, forward and backward
     assert len(re.findall(r" ragged-all-to-all-start\(", hlo)) >= 4
@@ -117,3 +123,14 @@ def test_a_v5p_slice_compiles_with_xla_tpu(tiny_config):
     assert report["compiler"].startswith("XLA:TPU (libtpu ") and "tpu-v5p x8" in report["compiler"]
     assert report["mesh"]["platform"] == "tpu" and report["fit"]["fits"]
     assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers each layer's weights
+
+
+@needs_tpu_compile
+def test_mesh_dcn_splits_a_tpu_target_into_slices(tiny_config):
+    config = tiny_config("cluster.device_kind=tpu-v5p", "model.dtype=bfloat16", "cluster.hosts=4",
+                         "cluster.devices_per_host=4", "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=8")
+    job, compiled = compiled_for_target(config)
+    assert {device.slice_index for device in job.mesh.devices.flat} == {0, 1}  # two v5:2x2x2 slices of 8 chips
+    # the data axis crosses the slices: each row of the mesh's data axis is one slice
+    assert [{device.slice_index for device in row.flat} for row in job.mesh.devices.reshape(2, -1)] == [{0}, {1}]
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
