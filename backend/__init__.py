@@ -174,12 +174,15 @@ class Backend:
         the plain op of the same math, each replacement named in `substitutions`."""
         if self.platform == self.target and not self.deviceless:
             return self
+        from nestor.backend.targets import cudnn_installed  # it imports BackendError from here
+
         changes: dict[str, Any] = {}
         notes = []
-        if self.attention == "cudnn" and (self.platform != "gpu" or self.deviceless):
-            changes["attention"] = "xla"  # cuDNN's attention asks the library for its version as it lowers
-            notes.append("attention: cudnn compiled as xla" + (" (no cuDNN without the device)" if self.deviceless
-                                                               else ""))
+        # cuDNN's attention asks the library for its version as it lowers: without a GPU, from cuDNN's wheel
+        if self.attention == "cudnn" and (self.platform != "gpu" or self.deviceless and not cudnn_installed()):
+            changes["attention"] = "xla"
+            notes.append("attention: cudnn compiled as xla" + (" (cuDNN is not installed: nvidia-cudnn-cu12)"
+                                                               if self.platform == "gpu" else ""))
         if self.grouped_matmul in ("mosaic_gpu", "mosaic_gpu_or_xla") and self.platform != "gpu":
             changes["grouped_matmul"] = "xla"
             notes.append("grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot, FLOPs counted as "

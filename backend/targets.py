@@ -10,6 +10,7 @@ axlearn's AOT tool build it. Without the extra the caller compiles with XLA:CPU 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ from nestor.backend import BackendError, entry_named
 
 GPU_TARGET_DIR = Path(__file__).parent / "gpu_targets"
 GPU_TARGETS = ("h100", "h200", "b200", "a100")  # gpu_targets/<name>.textproto
-GPU_PACKAGE, TPU_PACKAGE = "jax-cuda12-plugin", "libtpu"
+GPU_PACKAGE, TPU_PACKAGE, CUDNN_PACKAGE = "jax-cuda12-plugin", "libtpu", "nvidia-cudnn-cu12"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,16 @@ def compiler_version(target: str) -> str | None:
         return importlib.metadata.version(_extra(target)[1])
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+@functools.cache
+def cudnn_installed() -> bool:
+    """Whether cuDNN's wheel is installed: deviceless XLA:GPU lowers cuDNN's attention only with it (it asks
+    the library for its version)."""
+    try:
+        return bool(importlib.metadata.version(CUDNN_PACKAGE))
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def standing_in(target: str) -> str:

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from nestor.backend.targets import GPU_TARGET_DIR, GPU_TARGETS, compiler_version, standing_in, target_name
+from nestor.backend.targets import (GPU_TARGET_DIR, GPU_TARGETS, compiler_version, cudnn_installed, standing_in,
+                                    target_name)
 from nestor.orchestrator.commands.explain import compile_step, explain
 from nestor.orchestrator.job.build import build_job, compile_target
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
@@ -56,16 +57,30 @@ def test_without_the_target_compiler_explain_names_xla_cpu_standing_in(tiny_conf
 
 
 @needs_gpu_compile
-def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides_the_fit(tiny_config):
-    config = tiny_config(*H100, "mesh.data=8")
-    report = explain(config)
+def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides_the_fit(tiny_config, monkeypatch):
+    import nestor.backend.targets as targets
+
+    # cuDNN's attention cannot lower without cuDNN's library: substituted, and said so
+    monkeypatch.setattr(targets, "cudnn_installed", lambda: False)
+    report = explain(tiny_config(*H100, "mesh.data=8"))
     compiler = report["compiler"]
     assert compiler.startswith("XLA:GPU (jax-cuda12-plugin ") and compiler.endswith(", deviceless, h100 target)")
     assert report["mesh"]["platform"] == "gpu" and report["fit"]["compiler"] == report["compiler"]
     assert report["fit"]["fits"] and report["fit"]["device_memory_bytes"] == 80 * 2**30
-    # cuDNN's attention cannot lower without the library: substituted, and said so
-    assert report["backend"]["substitutions"] == ["attention: cudnn compiled as xla (no cuDNN without the device)"]
+    assert report["backend"]["substitutions"] == [
+        "attention: cudnn compiled as xla (cuDNN is not installed: nvidia-cudnn-cu12)"]
     assert report["flops_per_step"] is None and report["model_flops_per_step"] > 0  # no cost analysis deviceless
+
+
+@needs_gpu_compile
+@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN's attention lowers without a GPU only with cuDNN's wheel: "
+                                                  "pip install -e '.[gpu-compile-cudnn]'")
+def test_with_cudnn_installed_the_h100_program_runs_cudnns_flash_attention(tiny_config):
+    job, compiled = compiled_for_target(tiny_config(*H100, "mesh.data=8"))
+    assert job.backend.attention == job.backend.compiled_here().attention == "cudnn"
+    assert job.backend.compiled_here().substitutions == ()
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', compiled.as_text())
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(calls)  # forward and backward
 
 
 @needs_gpu_compile
