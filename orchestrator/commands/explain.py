@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from nestor.backend.targets import TargetDevices, standing_in
+from nestor.backend.targets import TargetDevices
 from nestor.models import ops
 from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
@@ -149,9 +149,10 @@ def compiler_name(job: Job, target: TargetDevices) -> str:
     job was built on its devices, else the XLA of the job's own devices."""
     if job.backend.deviceless == (target.devices is not None):
         return target.compiler
+    name = f"XLA:{job.backend.platform.upper()}"
     if job.backend.platform == "cpu" and job.backend.target != "cpu":
-        return standing_in(target.target)
-    return f"XLA:{job.backend.platform.upper()} (the devices present)"
+        return f"{name} standing in for {target.target} (the job's devices)"
+    return f"{name} (the job's devices)"
 
 
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
