@@ -8,8 +8,9 @@ import re
 
 import pytest
 
+from nestor.backend import BackendError
 from nestor.backend.targets import (GPU_TARGET_DIR, GPU_TARGETS, compiler_version, cudnn_installed, standing_in,
-                                    target_name)
+                                    target_devices, target_name)
 from nestor.orchestrator.commands.explain import compile_step, explain
 from nestor.orchestrator.job.build import build_job, compile_target
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
@@ -54,6 +55,21 @@ def test_without_the_target_compiler_explain_names_xla_cpu_standing_in(tiny_conf
     assert target.devices is None
     assert target.compiler == standing_in("h100") == (
         "XLA:CPU standing in for h100: install nestor[gpu-compile] for the target's compiler")
+
+
+def test_a_target_size_the_compiler_cannot_build_names_the_key_to_change(monkeypatch):
+    import nestor.backend.targets as targets
+
+    monkeypatch.setattr(targets, "compiler_version", lambda target: "installed")
+    with pytest.raises(BackendError) as error:
+        target_devices("tpu-v5p", "cpu", hosts=3, devices_per_host=4)  # 12 chips: no v5p slice has 12
+    assert error.value.key == "cluster.hosts" and "one of [4, 8, 16, 32, 64, 128, 256, 512] chips" in str(error.value)
+    with pytest.raises(BackendError) as error:
+        target_devices("tpu-v5e", "cpu", hosts=8, devices_per_host=2)
+    assert error.value.key == "cluster.devices_per_host"
+    with pytest.raises(BackendError) as error:
+        target_devices("h100", "cpu", hosts=1, devices_per_host=-1)
+    assert error.value.key == "cluster.devices_per_host"
 
 
 @needs_gpu_compile
