@@ -100,6 +100,17 @@ def test_with_cudnn_installed_the_h100_program_runs_cudnns_flash_attention(tiny_
 
 
 @needs_gpu_compile
+@pytest.mark.parametrize(("kind", "device", "capability"), [("h200", "NVIDIA H200 141GB HBM3e", "9.0"),
+                                                            ("b200", "NVIDIA B200", "10.0"),
+                                                            ("a100-80gb", "NVIDIA A100-SXM4-80GB", "8.0")])
+def test_each_shipped_gpu_target_compiles_the_step_for_its_device(tiny_config, kind, device, capability):
+    job, compiled = compiled_for_target(tiny_config(f"cluster.device_kind={kind}", *H100[1:], "mesh.data=8"))
+    first = job.mesh.devices.flat[0]
+    assert (first.device_kind, first.compute_capability) == (device, capability)
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@needs_gpu_compile
 def test_the_1f1b_pipeline_compiles_for_8_h100s_with_its_permutes(tiny_config):
     job, compiled = compiled_for_target(tiny_config(*H100, "mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b",
                                                     "pipeline.microbatches=4"))
