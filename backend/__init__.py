@@ -117,6 +117,15 @@ def _words(device_kind: str | None) -> set[str]:
     return set(re.split(r"[\s_-]+", (device_kind or "").lower()))
 
 
+def entry_named(device_kind: str | None, table) -> str | None:
+    """Returns the entry of `table` ((words, entry) pairs) whose words are all words of `device_kind` (as a
+    user writes it, "a100-80gb", or as jax reports it, "NVIDIA A100-SXM4-80GB"), the one with most words
+    winning, or None."""
+    words = _words(device_kind)
+    matches = [(len(needed), entry) for needed, entry in table if set(needed) <= words]
+    return max(matches)[1] if matches else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """The platform-dependent choices of one run, for its `target` (cpu | gpu | tpu); `platform` is the
@@ -136,6 +145,7 @@ class Backend:
     context_attention: str = "all_gather"  # parallel.context.STRATEGIES, where mesh.context splits rows
     context_balance: bool = True  # parallel.context.SequenceLayout.balanced
     substitutions: tuple[str, ...] = ()  # what `compiled_here` changed, for reports
+    deviceless: bool = False  # compiled for a target's topology without its devices (backend.targets)
 
     def ops(self) -> model_ops.Ops:
         """Returns the ops the model's layers get (install with models.ops.installed)."""
@@ -162,17 +172,25 @@ class Backend:
     def compiled_here(self) -> Backend:
         """Returns this backend with each kernel the compiling devices (`platform`) cannot lower replaced by
         the plain op of the same math, each replacement named in `substitutions`."""
-        if self.platform == self.target:
+        if self.platform == self.target and not self.deviceless:
             return self
+        from nestor.backend.targets import cudnn_installed  # it imports BackendError from here
+
         changes: dict[str, Any] = {}
         notes = []
-        if self.attention == "cudnn" and self.platform != "gpu":
+        # cuDNN's attention asks the library for its version as it lowers: without a GPU, from cuDNN's wheel
+        if self.attention == "cudnn" and (self.platform != "gpu" or self.deviceless and not cudnn_installed()):
             changes["attention"] = "xla"
-            notes.append("attention: cudnn compiled as xla")
+            notes.append("attention: cudnn compiled as xla" + (" (cuDNN is not installed: nvidia-cudnn-cu12)"
+                                                               if self.platform == "gpu" else ""))
         if self.grouped_matmul in ("mosaic_gpu", "mosaic_gpu_or_xla") and self.platform != "gpu":
             changes["grouped_matmul"] = "xla"
             notes.append("grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot, FLOPs counted as "
                          "the kernels run them")
+        elif self.grouped_matmul in ("mosaic_gpu", "mosaic_gpu_or_xla") and self.deviceless:
+            changes["grouped_matmul"] = "xla"  # the weights' gradient kernel asks jax.devices() for its SM count
+            notes.append("grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot (they read the "
+                         "device's SM count)")
         if self.exchange == RAGGED_ALL_TO_ALL and self.platform not in ACCELERATORS:
             changes["exchange"] = ALL_GATHER
             notes.append(f"expert exchange: {RAGGED_ALL_TO_ALL} compiled as {ALL_GATHER}")
@@ -326,8 +344,11 @@ def resolve_backend(request: BackendRequest, platform: str, device_kind: str | N
 
 def backend_of_devices(request: BackendRequest, devices, context_devices: int = 1) -> Backend:
     """Returns `resolve_backend` for the jax `devices` a run compiles on (their platform, device kind and,
-    for GPUs, compute capability), rows split over `context_devices`. Raises BackendError as resolve_backend
-    does."""
+    for GPUs, compute capability; deviceless where they are a target's topology), rows split over
+    `context_devices`. Raises BackendError as resolve_backend does."""
+    from nestor.backend.targets import is_deviceless  # it imports BackendError from here
+
     device = devices[0]
-    return resolve_backend(request, device.platform, device.device_kind, getattr(device, "compute_capability", None),
-                           context_devices)
+    backend = resolve_backend(request, device.platform, device.device_kind,
+                              getattr(device, "compute_capability", None), context_devices)
+    return dataclasses.replace(backend, deviceless=is_deviceless(device))

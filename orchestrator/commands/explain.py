@@ -10,11 +10,13 @@ from typing import Any
 
 import jax
 
+from nestor.backend.targets import TargetDevices
 from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
-from nestor.orchestrator.job.build import Job, abstract_batch, build_job, devices_here, traced_use, unsplit_rows_warning
+from nestor.orchestrator.job.build import (Job, abstract_batch, build_job, compile_target, devices_here, traced_use,
+                                           unsplit_rows_warning)
 from nestor.orchestrator.loader.memory_fit import GIB, fit_report
 from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
@@ -129,27 +131,46 @@ def lora_report(config: Config, job: Job, memory: dict[str, int]) -> dict[str, A
             "saved_per_device_bytes": {part: full[part] - memory[part] for part in MEMORY_PARTS}}
 
 
+def compiler_name(job: Job, target: TargetDevices) -> str:
+    """Returns the report's name of the compiler of `job`'s step: the target's (`compile_target`) where the
+    job was built on its devices, else the XLA of the job's own devices."""
+    if job.backend.deviceless == (target.devices is not None):
+        return target.compiler
+    name = f"XLA:{job.backend.platform.upper()}"
+    if job.backend.platform == "cpu" and job.backend.target != "cpu":
+        return f"{name} standing in for {target.target} (the job's devices)"
+    return f"{name} (the job's devices)"
+
+
 def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
-    """Returns the report `nestor explain --json` prints; the train step is compiled once. Raises ConfigError
-    where `model.init_from`'s tensors are damaged or do not fit its config.json, as training would."""
+    """Returns the report `nestor explain --json` prints; the train step is compiled once, for the target's
+    devices by its own compiler where it is installed (`compile_target`), else on the devices here. Raises
+    ConfigError where `model.init_from`'s tensors are damaged or do not fit its config.json, as training would."""
     if config.model.init_from:
         checked_reader(config)[0].close()
-    job = job or build_job(config, with_data=False)
+    target = compile_target(config)
+    job = job or build_job(config, devices=target.devices, with_data=False)
     compiled, compile_s = timed_compile(job)
     params = param_table(job.layout)
     memory = memory_per_device(job, compiled)
     params_bytes, optimizer_bytes, peak_bytes = memory["params"], memory["optimizer"], memory["peak_estimate"]
     devices = job.mesh.devices.size
-    counted = counted_step(job, compiled)
-    xla_flops = step_flops(counted)
-    phases = flops_by_phase(counted.as_text())
-    # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
-    widened = float_normalization_flops(counted.as_text()) if job.backend.widens_what_the_target_does_not() else 0.0
-    xla_flops -= widened
+    # XLA:GPU compiling without the device has no cost analysis: its FLOPs are left uncounted (None)
+    counted = counted_step(job, compiled) if compiled.cost_analysis() is not None else None
+    xla_flops = phases = None
+    widened = 0.0
+    if counted is not None:
+        phases = flops_by_phase(counted.as_text())
+        # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
+        if job.backend.widens_what_the_target_does_not():
+            widened = float_normalization_flops(counted.as_text())
+        xla_flops = step_flops(counted) - widened
     analytic = spec_of(config).flops_per_step(config)
     called, named = traced_use(job)
+    compiler = compiler_name(job, target)
     return {
         "mesh": {"shape": dict(job.mesh.shape), "devices": devices, "platform": job.backend.platform},
+        "compiler": compiler,
         "backend": backend_report(job, called),
         "speed_settings": [{"key": key, "value": value, "from": where} for key, value, where in speed_key_sources(config)],
         "remat": job.backend.remat,
@@ -158,17 +179,17 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "memory_per_device_bytes": memory,
         "lora": lora_report(config, job, memory),
         "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory["temporaries"], peak_bytes,
-                          devices_here(job.mesh), job.mesh.shape["pipeline"]),
+                          devices_here(job.mesh), job.mesh.shape["pipeline"]) | {"compiler": compiler},
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
         "context": context_report(config, job.backend, job.mesh, job.rules),
-        "flops_per_step": xla_flops * devices,
-        "grouped_matmuls_counted_as_target_runs_them": counted is not compiled,
+        "flops_per_step": None if xla_flops is None else xla_flops * devices,
+        "grouped_matmuls_counted_as_target_runs_them": counted is not None and counted is not compiled,
         "flops_per_step_per_device": xla_flops,
         "float32_widening_flops_left_out": widened * devices,
-        "update_flops_per_step": phases["update"] * devices,
+        "update_flops_per_step": None if phases is None else phases["update"] * devices,
         # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
         "model_flops_per_step": analytic[0] if analytic else None,
         "executed_flops_per_step": analytic[1] if analytic else None,
@@ -202,6 +223,7 @@ def fit_line(fit: dict[str, Any]) -> str:
         device = {None: "cluster.device_memory_gb", "cpu": "cpu: the host's RAM over its devices"}.get(
             fit["device_kind"], fit["device_kind"])
         line = f"per device: {parts} of {memory:.{0 if memory >= 10 else 1}f} GiB ({device}): {fit['verdict']}"
+    line += f"\n  (memory analysis of {fit['compiler']})" if fit.get("compiler") else ""
     return line + (f"\nnote: {fit['caveat']}" if fit.get("caveat") else "")
 
 
@@ -225,7 +247,8 @@ def format_report(report: dict[str, Any]) -> str:
     """Returns the human-readable form of an explain report."""
     mesh = report["mesh"]
     lines = [f"mesh: {' x '.join(f'{k}{v}' for k, v in mesh['shape'].items())} "
-             f"({mesh['devices']} {mesh['platform']} devices)", "", *backend_lines(report["backend"]),
+             f"({mesh['devices']} {mesh['platform']} devices)", f"compiled by {report['compiler']}", "",
+             *backend_lines(report["backend"]),
              "settings chosen for speed: " + "; ".join(
                  f"{s['key']}={_yaml_value(s['value'])} ({s['from']})" for s in report["speed_settings"]), "",
              f"parameters: {report['param_count']:,}"]
@@ -264,9 +287,14 @@ def format_report(report: dict[str, Any]) -> str:
     if report["float32_widening_flops_left_out"]:
         counted_note += (f", less {report['float32_widening_flops_left_out']:.4g} in this compile's converts to and "
                          "from float32 that the target does not run")
-    lines += ["", f"FLOPs per step: {report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, "
-                  f"all devices{counted_note}), of which {report['update_flops_per_step']:.4g} update the "
-                  f"state (optimizer, norms)" + (f"; model FLOPs {report['model_flops_per_step']:.4g} (analytic)"
-                                                 if report["model_flops_per_step"] is not None else ""),
+    analytic = (f"model FLOPs {report['model_flops_per_step']:.4g} (analytic)"
+                if report["model_flops_per_step"] is not None else None)
+    if report["flops_per_step"] is None:
+        counted = f"not counted ({report['compiler']} has no cost analysis without the device)"
+    else:
+        counted = (f"{report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, all devices"
+                   f"{counted_note}), of which {report['update_flops_per_step']:.4g} update the state (optimizer, "
+                   "norms)")
+    lines += ["", f"FLOPs per step: {counted}" + (f"; {analytic}" if analytic else ""),
               f"compiled in {report['compile_s']:.1f} s"]
     return "\n".join(lines + report["warnings"])

@@ -310,9 +310,11 @@ class ClusterConfig:
     dashboard: bool = key(True, "embedded cluster: serve Ray's dashboard and state API on 127.0.0.1")
     worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
     device_kind: str | None = key(None, "the memory checks of explain and train: a device in its table (h100, h200, "
-                                  "a100-40gb, a100-80gb, tpu-v4, tpu-v5e, tpu-v5p); null = the accelerators present "
-                                  "(CPU: the host's RAM over its devices); also the target the backend's choices are "
-                                  "made for")
+                                  "b200, a100-40gb, a100-80gb, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e); null = the "
+                                  "accelerators present (CPU: the host's RAM over its devices); also the target the "
+                                  "backend's choices are made for, and explain compiles for with the target's own "
+                                  "compiler where nestor[gpu-compile] or nestor[tpu-compile] is installed (h100, h200, "
+                                  "b200, a100-80gb, tpu-v5e, tpu-v5p, tpu-v6e)")
     device_memory_gb: float | None = key(None, "the memory checks of explain and train: GiB per device, overrides "
                                          "the table", above=0)
 

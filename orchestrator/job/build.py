@@ -4,11 +4,13 @@ step, data and evaluation. Training (orchestrator.loop.train), explain and the e
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import Mesh
 
-from nestor.backend import ACCELERATORS, Backend, platform_family
+from nestor.backend import ACCELERATORS, Backend, BackendError, platform_family
+from nestor.backend.targets import TargetDevices, target_devices
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
 from nestor.orchestrator.config.degrees import mesh_axes_key
@@ -50,6 +52,19 @@ def select_devices(config: Config) -> list[jax.Device]:
                                 f"({devices[0].platform}); lower it or use -1 for all")])
         selected += devices if wanted == -1 else devices[:wanted]
     return selected
+
+
+def compile_target(config: Config) -> TargetDevices:
+    """Returns the devices a compile-only command (explain, its fit check) compiles `config` for and the
+    compiler's name: the deviceless topology of the target `cluster.device_kind` names, `cluster.hosts` x
+    `cluster.devices_per_host` devices, where its compiler is installed (backend.targets), else None (the
+    devices present, `select_devices`). Raises ConfigError for a TPU slice libtpu does not know."""
+    cluster = config.cluster
+    try:
+        return target_devices(cluster.device_kind, platform_family(jax.devices()[0].platform), cluster.hosts,
+                              cluster.devices_per_host, math.prod(config.mesh.dcn_shape().values()))
+    except BackendError as error:
+        raise ConfigError([(error.key, error.message)]) from None
 
 
 def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:

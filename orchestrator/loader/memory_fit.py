@@ -10,12 +10,11 @@ meant for CPUs has the host's RAM, shared by the devices it simulates.
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from nestor.backend import Backend
+from nestor.backend import Backend, entry_named
 from nestor.orchestrator.specs.registry import spec_of
 
 if TYPE_CHECKING:  # the config is read, never built, here
@@ -23,26 +22,25 @@ if TYPE_CHECKING:  # the config is read, never built, here
 
 GIB = 2**30
 
-# GiB of memory per device, from vendor datasheets: NVIDIA H100 SXM/PCIe 80, H200 141,
-# A100 40 or 80; Google Cloud TPU pages: v4 32, v5e 16, v5p 95 (HBM per chip).
-DEVICE_MEMORY_GIB = {"h100": 80.0, "h200": 141.0, "a100-40gb": 40.0, "a100-80gb": 80.0,
-                     "tpu-v4": 32.0, "tpu-v5e": 16.0, "tpu-v5p": 95.0}
+# GiB of memory per device, from vendor datasheets: NVIDIA H100 SXM/PCIe 80, H200 141, B200 180 (HGX B200),
+# A100 40 or 80; Google Cloud TPU pages: v4 32, v5e 16, v5p 95, v6e 32 (HBM per chip).
+DEVICE_MEMORY_GIB = {"h100": 80.0, "h200": 141.0, "b200": 180.0, "a100-40gb": 40.0, "a100-80gb": 80.0,
+                     "tpu-v4": 32.0, "tpu-v5e": 16.0, "tpu-v5p": 95.0, "tpu-v6e": 32.0}
 
 # The words that identify each table entry in a device kind, as a user writes it ("a100-80gb") or as
 # jax reports it ("NVIDIA A100-SXM4-80GB", "TPU v5 lite"); the entry with most matching words wins.
 _KIND_WORDS = [
-    (("h100",), "h100"), (("h200",), "h200"), (("a100",), "a100-40gb"), (("a100", "80gb"), "a100-80gb"),
-    (("tpu", "v4"), "tpu-v4"), (("tpu", "v5e"), "tpu-v5e"), (("tpu", "v5", "lite"), "tpu-v5e"),
-    (("tpu", "v5p"), "tpu-v5p"), (("tpu", "v5"), "tpu-v5p"),
+    (("h100",), "h100"), (("h200",), "h200"), (("b200",), "b200"), (("a100",), "a100-40gb"),
+    (("a100", "80gb"), "a100-80gb"), (("tpu", "v4"), "tpu-v4"), (("tpu", "v5e"), "tpu-v5e"),
+    (("tpu", "v5", "lite"), "tpu-v5e"), (("tpu", "v5p"), "tpu-v5p"), (("tpu", "v5"), "tpu-v5p"),
+    (("tpu", "v6e"), "tpu-v6e"), (("tpu", "v6", "lite"), "tpu-v6e"),
 ]
 
 
 def table_entry(device_kind: str) -> str | None:
     """Returns the DEVICE_MEMORY_GIB entry `device_kind` names (case, `-`, `_` and spaces ignored),
     or None when it names none (CPU, an accelerator not in the table)."""
-    words = set(re.split(r"[\s_-]+", device_kind.lower()))
-    matches = [(len(needed), entry) for needed, entry in _KIND_WORDS if set(needed) <= words]
-    return max(matches)[1] if matches else None
+    return entry_named(device_kind, _KIND_WORDS)
 
 
 def host_memory_gib() -> float:

@@ -1,0 +1,178 @@
+"""The GPU and TPU programs compiled on this CPU machine by the targets' own compilers (backend.targets):
+XLA:GPU from nestor[gpu-compile] for an 8-GPU H100 host, XLA:TPU from nestor[tpu-compile] for a v5p slice.
+Nothing here needs a device; without an extra its tests are skipped (CI installs both, .ci/run)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nestor.backend import BackendError
+from nestor.backend.targets import (GPU_TARGET_DIR, GPU_TARGETS, compiler_version, cudnn_installed, standing_in,
+                                    target_devices, target_name)
+from nestor.orchestrator.commands.explain import compile_step, explain
+from nestor.orchestrator.job.build import build_job, compile_target
+from nestor.parallel.experts import RAGGED_ALL_TO_ALL
+from nestor.parallel.hlo import collectives
+
+needs_gpu_compile = pytest.mark.skipif(
+    compiler_version("h100") is None,
+    reason="XLA:GPU's deviceless compile needs the gpu-compile extra: pip install -e '.[gpu-compile]'")
+needs_tpu_compile = pytest.mark.skipif(
+    compiler_version("tpu-v5p") is None,
+    reason="XLA:TPU's deviceless compile needs the tpu-compile extra: pip install -e '.[tpu-compile]'")
+
+H100 = ("cluster.device_kind=h100", "model.dtype=bfloat16", "cluster.hosts=1", "cluster.devices_per_host=8")
+DROPLESS = ("moe.num_experts=4", "moe.every=1", "moe.top_k=2", "moe.capacity_factor=0", "moe.expert_mlp_dim=128")
+# a Triton GEMM fusion's computation and the dtypes of its dot's two operands
+GEMM_FUSION_OPERANDS = re.compile(r"^%gemm_fusion\S* \(parameter_0\S*: (\w+)\[[^\]]*\], parameter_1\S*: (\w+)\[", re.M)
+
+
+def compiled_for_target(config):
+    """Returns (the job built on the target's deviceless devices, its compiled train step)."""
+    target = compile_target(config)
+    assert target.devices is not None, target.compiler
+    job = build_job(config, devices=target.devices, with_data=False)
+    return job, compile_step(job)
+
+
+def test_each_shipped_gpu_target_names_its_device_and_each_device_kind_its_target():
+    for name in GPU_TARGETS:
+        proto = (GPU_TARGET_DIR / f"{name}.textproto").read_text()
+        described = re.search(r'device_description_str: "([^"]+)"', proto)[1]
+        assert target_name(described) == name, described  # jax's device_kind of the compiled devices
+        assert re.search(r"core_count: \d+", proto) and re.search(r"device_memory_size: \d+", proto)
+    assert [target_name(kind) for kind in ("h100", "a100-80gb", "tpu-v5p", "TPU v5 lite", "tpu-v6e", "a100-40gb")] == [
+        "h100", "a100", "tpu-v5p", "tpu-v5e", "tpu-v6e", None]
+
+
+def test_without_the_target_compiler_explain_names_xla_cpu_standing_in(tiny_config, monkeypatch):
+    import nestor.backend.targets as targets
+
+    monkeypatch.setattr(targets, "compiler_version", lambda target: None)
+    target = compile_target(tiny_config("cluster.device_kind=h100"))
+    assert target.devices is None
+    assert target.compiler == standing_in("h100") == (
+        "XLA:CPU standing in for h100: install nestor[gpu-compile] for the target's compiler")
+
+
+def test_a_target_size_the_compiler_cannot_build_names_the_key_to_change(monkeypatch):
+    import nestor.backend.targets as targets
+
+    monkeypatch.setattr(targets, "compiler_version", lambda target: "installed")
+    with pytest.raises(BackendError) as error:
+        target_devices("tpu-v5p", "cpu", hosts=3, devices_per_host=4)  # 12 chips: no v5p slice has 12
+    assert error.value.key == "cluster.hosts" and "one of [4, 8, 16, 32, 64, 128, 256, 512] chips" in str(error.value)
+    with pytest.raises(BackendError) as error:
+        target_devices("tpu-v5e", "cpu", hosts=8, devices_per_host=2)
+    assert error.value.key == "cluster.devices_per_host"
+    with pytest.raises(BackendError) as error:
+        target_devices("h100", "cpu", hosts=1, devices_per_host=-1)
+    assert error.value.key == "cluster.devices_per_host"
+
+
+@needs_gpu_compile
+def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides_the_fit(tiny_config, monkeypatch):
+    import nestor.backend.targets as targets
+
+    # cuDNN's attention cannot lower without cuDNN's library: substituted, and said so
+    monkeypatch.setattr(targets, "cudnn_installed", lambda: False)
+    report = explain(tiny_config(*H100, "mesh.data=8"))
+    compiler = report["compiler"]
+    assert compiler.startswith("XLA:GPU (jax-cuda12-plugin ") and compiler.endswith(", deviceless, h100 target)")
+    assert report["mesh"]["platform"] == "gpu" and report["fit"]["compiler"] == report["compiler"]
+    assert report["fit"]["fits"] and report["fit"]["device_memory_bytes"] == 80 * 2**30
+    assert report["backend"]["substitutions"] == [
+        "attention: cudnn compiled as xla (cuDNN is not installed: nvidia-cudnn-cu12)"]
+    assert report["flops_per_step"] is None and report["model_flops_per_step"] > 0  # no cost analysis deviceless
+
+
+@needs_gpu_compile
+@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN's attention lowers without a GPU only with cuDNN's wheel: "
+                                                  "pip install -e '.[gpu-compile-cudnn]'")
+def test_with_cudnn_installed_the_h100_program_runs_cudnns_flash_attention(tiny_config):
+    job, compiled = compiled_for_target(tiny_config(*H100, "mesh.data=8"))
+    assert job.backend.attention == job.backend.compiled_here().attention == "cudnn"
+    assert job.backend.compiled_here().substitutions == ()
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', compiled.as_text())
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(calls)  # forward and backward
+
+
+@needs_gpu_compile
+@pytest.mark.parametrize(("kind", "device", "capability"), [("h200", "NVIDIA H200 141GB HBM3e", "9.0"),
+                                                            ("b200", "NVIDIA B200", "10.0"),
+                                                            ("a100-80gb", "NVIDIA A100-SXM4-80GB", "8.0")])
+def test_each_shipped_gpu_target_compiles_the_step_for_its_device(tiny_config, kind, device, capability):
+    job, compiled = compiled_for_target(tiny_config(f"cluster.device_kind={kind}", *H100[1:], "mesh.data=8"))
+    first = job.mesh.devices.flat[0]
+    assert (first.device_kind, first.compute_capability) == (device, capability)
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@needs_gpu_compile
+def test_the_1f1b_pipeline_compiles_for_8_h100s_with_its_permutes(tiny_config):
+    job, compiled = compiled_for_target(tiny_config(*H100, "mesh.pipeline=2", "mesh.data=4", "pipeline.schedule=1f1b",
+                                                    "pipeline.microbatches=4"))
+    assert job.backend.deviceless and job.mesh.shape["pipeline"] == 2
+    assert collectives(compiled.as_text())["collective-permute"]["count"] > 0
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@needs_gpu_compile
+def test_the_expert_exchange_is_a_ragged_all_to_all_on_h100s(tiny_config):
+    # experts 128 x 256 on each device: the Mosaic GPU kernels' tiles, which cannot trace without the device
+    job, compiled = compiled_for_target(tiny_config(*H100, *DROPLESS, "model.embed_dim=128", "moe.expert_mlp_dim=256",
+                                                    "mesh.data=2", "mesh.expert=4"))
+    here = job.backend.compiled_here()
+    assert job.backend.exchange == here.exchange == RAGGED_ALL_TO_ALL
+    assert job.backend.grouped_matmul == "mosaic_gpu_or_xla" and here.grouped_matmul == "xla"
+    assert "grouped matmuls: Mosaic GPU kernels compiled as jax.lax.ragged_dot (they read the device's SM count)" in (
+        here.substitutions)
+    hlo = compiled.as_text()
+    # asynchronous on GPU: a start and a done each; out to the experts and back, forward and backward
+    assert len(re.findall(r" ragged-all-to-all-start\(", hlo)) >= 4
+    assert collectives(hlo)["all-to-all"]["count"] >= 4  # explain counts them as all-to-alls
+
+
+@needs_gpu_compile
+def test_the_context_ring_compiles_for_h100s(tiny_config):
+    _, compiled = compiled_for_target(tiny_config(*H100, "mesh.context=4", "mesh.data=2",
+                                                  "model.context_attention=ring"))
+    assert collectives(compiled.as_text())["collective-permute"]["count"] > 0
+
+
+@needs_gpu_compile
+def test_fp8_dots_are_float8_gemms_in_xla_gpus_program(tiny_config):
+    _, compiled = compiled_for_target(tiny_config(*H100, "mesh.data=8", "model.matmul_precision=fp8"))
+    hlo = compiled.as_text()
+    # XLA:GPU runs a GEMM as cuBLAS (Lt's float8 call) or as a Triton GEMM fusion; at the tiny model's sizes,
+    # without autotuning, it picks Triton: the fusions' dots take float8 operands
+    cublas = re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo)
+    triton = GEMM_FUSION_OPERANDS.findall(hlo)
+    float8 = [pair for pair in triton if all(dtype.startswith("f8") for dtype in pair)]
+    # the 7 weight matmuls of a block (query, key, value, out, gate, up, down) forward (e4m3 x e4m3) and their
+    # two gradients (e5m2 gradients x e4m3)
+    assert len(cublas) + len(float8) >= 3 * 7, (len(cublas), triton)
+    assert {("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")} <= set(float8) or cublas
+
+
+@needs_tpu_compile
+def test_a_v5p_slice_compiles_with_xla_tpu(tiny_config):
+    config = tiny_config("cluster.device_kind=tpu-v5p", "model.dtype=bfloat16", "cluster.hosts=2",
+                         "cluster.devices_per_host=4", "mesh.data=2", "mesh.fsdp=4")
+    report = explain(config)
+    assert report["compiler"].startswith("XLA:TPU (libtpu ") and "tpu-v5p x8" in report["compiler"]
+    assert report["mesh"]["platform"] == "tpu" and report["fit"]["fits"]
+    assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers each layer's weights
+
+
+@needs_tpu_compile
+def test_mesh_dcn_splits_a_tpu_target_into_slices(tiny_config):
+    config = tiny_config("cluster.device_kind=tpu-v5p", "model.dtype=bfloat16", "cluster.hosts=4",
+                         "cluster.devices_per_host=4", "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=8")
+    job, compiled = compiled_for_target(config)
+    assert {device.slice_index for device in job.mesh.devices.flat} == {0, 1}  # two v5:2x2x2 slices of 8 chips
+    # the data axis crosses the slices: each row of the mesh's data axis is one slice
+    assert [{device.slice_index for device in row.flat} for row in job.mesh.devices.reshape(2, -1)] == [{0}, {1}]
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
