@@ -14,7 +14,7 @@ from nestor.backend.targets import (GPU_TARGET_DIR, GPU_TARGETS, compiler_versio
 from nestor.orchestrator.commands.explain import compile_step, explain
 from nestor.orchestrator.job.build import build_job, compile_target
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
-from nestor.parallel.hlo import collectives
+from nestor.parallel.hlo import collective_lines, collectives
 
 needs_gpu_compile = pytest.mark.skipif(
     compiler_version("h100") is None,
@@ -133,6 +133,34 @@ def test_the_expert_exchange_is_a_ragged_all_to_all_on_h100s(tiny_config):
     # asynchronous on GPU: a start and a done each; out to the experts and back, forward and backward
     assert len(re.findall(r" ragged-all-to-all-start\(", hlo)) >= 4
     assert collectives(hlo)["all-to-all"]["count"] >= 4  # explain counts them as all-to-alls
+
+
+def gathered_layer_weights(report, hlo: str) -> set[tuple[int, ...]]:
+    """Returns the shapes of the layers' weights (stacked, or one layer's) that the program all-gathers."""
+    layers = {shape for row in report["params"] if row["name"].startswith("blocks/")
+              for shape in (tuple(row["shape"]), tuple(row["shape"][1:]))}
+    # every array of the result (XLA:GPU combines all-gathers into one start of tuples: operands, results)
+    gathered = {tuple(int(size) for size in dims.split(",") if size)
+                for line in collective_lines(hlo, "all-gather")
+                for dims in re.findall(r"\w+\[([\d,]*)\]", line.split("=", 1)[1].split(" all-gather")[0])}
+    return gathered & layers
+
+
+@needs_gpu_compile
+def test_on_h100s_each_mesh_axis_brings_its_own_collectives_and_explain_reports_xla_gpus(tiny_config):
+    # fsdp: each layer's weights gathered forward, their gradients reduce-scattered backward
+    fsdp = explain(tiny_config(*H100, "mesh.fsdp=8"))
+    assert fsdp["compiler"].startswith("XLA:GPU")
+    assert fsdp["collectives"]["all-gather"]["count"] > 0 and fsdp["collectives"]["reduce-scatter"]["count"] > 0
+    assert gathered_layer_weights(fsdp, compiled_for_target(tiny_config(*H100, "mesh.fsdp=8"))[1].as_text())
+    # tensor: activations summed over the axis in every layer (attention and MLP outputs), no weight gathered
+    config = tiny_config(*H100, "model.num_kv_heads=4", "mesh.tensor=4", "mesh.data=2")
+    report = explain(config)
+    assert report["collectives"]["all-reduce"]["count"] >= 2 * config.model.num_layers
+    assert report["collectives"]["reduce-scatter"]["count"] == 0
+    job, compiled = compiled_for_target(config)
+    assert not gathered_layer_weights(report, compiled.as_text())
+    assert collectives(compiled.as_text()) == report["collectives"]  # explain's figures are this program's
 
 
 @needs_gpu_compile
