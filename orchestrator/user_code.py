@@ -15,8 +15,8 @@ from typing import Any
 from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.errors import ConfigError
 
-# nestor's rooms: frames in them are nestor's, wherever nestor is installed or checked out
-ROOMS = ("orchestrator", "models", "parallel", "cluster", "backend", "nestor")
+# nestor's rooms beside its own package: frames in them are nestor's, wherever nestor is installed or checked out
+ROOMS = ("orchestrator", "models", "parallel", "cluster", "backend")
 
 
 def user_code_root() -> Path:
@@ -75,18 +75,28 @@ def code_paths(import_paths: list[str]) -> tuple[str, ...]:
 
 
 @functools.cache
-def _nestor_dirs() -> tuple[Path, ...]:
+def _not_users_dirs() -> tuple[Path, ...]:
+    """Returns the directories whose code is never the user's: each of nestor's rooms where it is imported from
+    (an editable install maps `nestor.orchestrator` to the checkout's `orchestrator/`, not `nestor/orchestrator`),
+    and Python's own library and the installed packages (cwd may hold them: `$HOME` with a pyenv Python)."""
+    import sysconfig
+
     import nestor
 
-    return tuple(Path(place).resolve() / room for place in nestor.__path__ for room in ROOMS) + \
-        (Path(nestor.__file__).resolve().parent,)
+    # nestor's own __path__ holds the checkout's root too (nestor/__init__.py), where a user's model may live
+    rooms = [Path(nestor.__file__).parent] + [Path(place) for room in ROOMS
+                                              for place in importlib.util.find_spec(f"nestor.{room}")
+                                              .submodule_search_locations or ()]
+    python = [Path(sysconfig.get_paths()[name]) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
+    return tuple(dict.fromkeys(path.resolve() for path in [*rooms, *python, Path(sys.base_prefix), Path(sys.prefix)]))
 
 
 def _is_users(filename: str) -> bool:
-    """Returns whether a frame's file is the user's: under `user_code_root()`, not nestor's nor a package's."""
+    """Returns whether a frame's file is the user's: under `user_code_root()`, not nestor's, Python's or a
+    package's."""
     path = Path(filename).resolve()
     return (path.is_relative_to(user_code_root()) and "site-packages" not in path.parts
-            and not any(path.is_relative_to(room) for room in _nestor_dirs()))
+            and not any(path.is_relative_to(place) for place in _not_users_dirs()))
 
 
 def user_frames(error: BaseException) -> list[traceback.FrameSummary]:

@@ -68,7 +68,7 @@ HEADER_DAMAGES = {  # name -> (damage to llama3's model.safetensors, what the er
     "an int32 label on float bytes": (
         lambda p: edit_header(p, entry_edit("lm_head.weight", dtype="I32")), "has dtype I32, not a float type"),
     "a bool label on a norm weight": (
-        lambda p: edit_header(p, entry_edit("model.norm.weight", dtype="BOOL")), "has dtype BOOL, not a float type"),
+        lambda p: edit_header(p, entry_edit("model.norm.weight", dtype="BOOL")), "of BOOL makes it"),
     "an unknown dtype": (lambda p: edit_header(p, entry_edit("model.norm.weight", dtype="F7")), "'F7'"),
     "a list-shaped header": (lambda p: write_header(p, list(read_header(p)[0].items()), read_header(p)[1]),
                              "its header is a JSON list, not a mapping of tensors"),
@@ -105,6 +105,30 @@ def run_yaml(tmp_path: Path) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  seed: 0\n")
     return path
+
+
+def to_bfloat16(path: Path) -> None:
+    """Rewrites every float32 tensor of `path` in bfloat16, as most published checkpoints hold them."""
+    import ml_dtypes
+
+    header, data = read_header(path)
+    out, parts, offset = {}, [], 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            out[name] = entry
+            continue
+        start, stop = entry["data_offsets"]
+        parts.append(np.frombuffer(data[start:stop], np.float32).astype(ml_dtypes.bfloat16).tobytes())
+        out[name] = {"dtype": "BF16", "shape": entry["shape"], "data_offsets": [offset, offset + len(parts[-1])]}
+        offset += len(parts[-1])
+    write_header(path, out, b"".join(parts))
+
+
+def test_a_bfloat16_checkpoint_is_read(tmp_path, capsys):
+    source = copy_of("llama3", tmp_path)
+    to_bfloat16(source / WEIGHTS)
+    code, out = explain_error(source, tmp_path, capsys)
+    assert code == 0 and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("damage", HEADER_DAMAGES)

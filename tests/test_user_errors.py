@@ -164,3 +164,23 @@ def test_an_empty_stack_is_a_model_args_error(project, capsys):
     assert code == 2 and "model.args: mlp:MLP's MLPConfig cannot be built from {'width': 32, 'hidden': 64, " \
                          "'depth': 0}" in err, err
     assert "Stack 'blocks' needs a count of at least one block, got 0" in err
+
+
+def test_from_the_checkout_or_beside_pythons_library_only_the_users_own_files_are_the_users(monkeypatch, tmp_path):
+    """Run from the checkout (the README's cwd, where an editable install maps `nestor.orchestrator` to
+    `orchestrator/`), nestor's frames are nestor's and a model file beside them the user's; run from a
+    directory that holds Python's library, its frames are not the user's."""
+    import contextlib
+    import importlib.util
+
+    from nestor.orchestrator import user_code
+    from tests.conftest import ROOT
+
+    monkeypatch.setenv(USER_CODE_ENV, str(ROOT))
+    assert not user_code._is_users(str(ROOT / "orchestrator" / "loop" / "train.py"))
+    assert not user_code._is_users(str(ROOT / "nestor" / "__init__.py"))
+    assert user_code._is_users(str(ROOT / "my_model.py"))
+    library = Path(contextlib.__file__).resolve()
+    monkeypatch.setenv(USER_CODE_ENV, str(library.parent.parent))
+    assert not user_code._is_users(str(library))
+    assert importlib.util.find_spec("nestor.orchestrator").submodule_search_locations  # what the rooms come from

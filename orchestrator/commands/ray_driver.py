@@ -12,7 +12,7 @@ from nestor.cluster.interrupts import Interrupted, kept_signal
 from nestor.cluster.worker import Preempted, Stopped
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config.schema import Config
-from nestor.orchestrator.errors import RunFailed
+from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.commands.launch_checks import check_before_launch
 from nestor.orchestrator.commands.user_errors import user_code_error
 from nestor.orchestrator.paths import show_relative_to, user_directory
@@ -84,6 +84,8 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
     # The driver holds run.dir's lock (train_on_ray).
     try:
         result = train(config, console=console, lock=False, stop_requested=stop_requested)
+    except ConfigError:
+        raise  # nestor's own, naming its key (also one raised under the user's frames), as the CLI shows it
     except Exception as error:  # the user's code's: a config error with its frames, which the driver shows
         if (converted := user_code_error(config, error)) is None:
             raise

@@ -15,6 +15,7 @@ import hashlib
 import zipfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from nestor.models import axes
@@ -53,11 +54,15 @@ def _loaded(path: Path, key: str, read):
                                  f"{str(error)[:200]}); write it with numpy.save or numpy.savez")]) from None
 
 
+# numpy kind "V": jax's bfloat16 and float8 types (ml_dtypes), numbers all the same
+_ML_FLOATS = {np.dtype(getattr(ml_dtypes, name)) for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")}
+
+
 def _field_problem(where: str, name: str, array: np.ndarray) -> str | None:
     """Returns what makes field `name` of `where` no field of examples (a 0-d value, objects, strings), or None."""
     if array.ndim == 0:
         return f"field {name} of {where} is a single value {array.shape}; a field holds one row per example"
-    if array.dtype.kind not in "biuf":
+    if array.dtype.kind not in "biuf" and array.dtype not in _ML_FLOATS:
         return (f"field {name} of {where} holds {array.dtype} values; a field holds numbers (bool, int, float) "
                 "in rows of one shape")
     return None

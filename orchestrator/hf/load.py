@@ -18,7 +18,7 @@ import numpy as np
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.architectures import ARCHITECTURES, KEY, architecture, read
-from nestor.orchestrator.hf.safetensors import Box, Reader
+from nestor.orchestrator.hf.safetensors import FLOATS, NAMES, Box, Reader
 from nestor.orchestrator.hf.tensors import IGNORED_SUFFIXES, Entry, entries
 from nestor.orchestrator.specs.lm import lm_config
 
@@ -46,6 +46,10 @@ def check_tensors(reader: Reader, model_entries: list[Entry], tied: bool) -> Non
         elif tensor.shape != shape:
             problems.append((KEY, f"{reader.directory}: tensor {name} is {list(tensor.shape)}, its config.json "
                                   f"makes it {list(shape)}"))
+        elif tensor.dtype not in FLOATS:
+            problems.append((KEY, f"{tensor.file}: tensor {name} has dtype {NAMES[tensor.dtype]}, not a float "
+                                  "type: the weights of a model are floats (a dtype label written wrong would read "
+                                  "its bytes as other numbers)"))
     surplus = sorted(name for name in reader.tensors if name not in expected and not name.endswith(IGNORED_SUFFIXES)
                      and not (tied and name == "lm_head.weight"))
     if surplus:

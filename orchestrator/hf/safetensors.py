@@ -30,6 +30,7 @@ DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+FLOATS = {DTYPES[name] for name in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")}  # what weights are
 INDEX = "model.safetensors.index.json"
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop)
 
@@ -83,17 +84,14 @@ def _problem(path: Path, message: str) -> ConfigError:
 
 def _checked_entry(path: Path, tensor: str, entry: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
     """Returns (dtype, shape, start, stop) of one header entry; raises ConfigError naming the tensor and the
-    file when it is no mapping, lacks a field, or holds a dtype other than a float's or a byte range other
-    than its shape's."""
+    file when it is no mapping, lacks a field, or holds an unknown dtype or a byte range other than its
+    shape's."""
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
         raise _problem(path, f"tensor {tensor}'s header entry is not a mapping of dtype, shape and data_offsets "
                              f"({str(entry)[:100]})")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in DTYPES:
         raise _problem(path, f"tensor {tensor} has dtype {dtype!r}, which nestor does not read")
-    if not np.issubdtype(DTYPES[dtype], np.floating):
-        raise _problem(path, f"tensor {tensor} has dtype {dtype}, not a float type: the weights of a model are "
-                             "floats (a dtype label written wrong would read its bytes as other numbers)")
     if not (isinstance(shape, list) and all(type(size) is int and size >= 0 for size in shape)):
         raise _problem(path, f"tensor {tensor} has shape {shape!r}, not a list of sizes")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)

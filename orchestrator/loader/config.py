@@ -142,29 +142,20 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
             user = _merge(user, read_yaml(Path(layer), layer, empty_ok=False))
         overrides = [item for item in overrides if not ("=" not in item and item.endswith((".yaml", ".yml")))]
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
-    preset = _set_last(user, extra, "model", "preset")
+    preset = _given_last((user, extra), "model", "preset", None)
     if preset:
         tree = _merge(tree, preset_sections(preset))
-    init_from = _set_last(user, extra, "model", "init_from")
+    init_from = _given_last((user, extra), "model", "init_from", None)
     if init_from:
         run = _merge(_merge(tree, user), extra).get("run")
         run_dir = run.get("dir") if isinstance(run, dict) else None
         tree = _merge(tree, checkpoint_sections(init_from, preset, (user, extra), run_dir))
     tree = _merge(_merge(tree, user), extra)
     tree = _merge(tree, shards_tokenizer(tree, (user, extra), bool(init_from)))
-    adapter = _set_last(user, extra, "lora", "init_from")
+    adapter = _given_last((user, extra), "lora", "init_from", None)
     if adapter:
         tree = _merge(tree, adapter_sections(adapter, (user, extra)))
     return _validated(from_dict(tree))
-
-
-def _set_last(user: dict, extra: dict, section: str, name: str) -> Any:
-    """Returns the value of `section.name` in the overrides `extra`, else in the run YAML `user` (None where
-    neither sets it): a later layer's null unsets what an earlier one set (`model.preset=null`)."""
-    for layer in (extra, user):
-        if isinstance(layer.get(section), dict) and name in layer[section]:
-            return layer[section][name]
-    return None
 
 
 def adapter_sections(init_from: Any, layers: tuple[dict, ...]) -> dict:
@@ -272,7 +263,8 @@ def checkpoint_sections(init_from: Any, preset: Any, layers: tuple[dict, ...], r
 
 def _given_last(layers: tuple[dict, ...], section: str, name: str, default: Any) -> Any:
     """Returns `section.name` as the last of `layers` (the run YAML, then the overrides) that sets it gives
-    it, else `default`: the merged config is judged, not each layer."""
+    it, else `default`: the merged config is judged, not each layer, and a later layer's null unsets what an
+    earlier one set (`model.preset=null`)."""
     for layer in reversed(layers):
         if isinstance(layer.get(section), dict) and name in layer[section]:
             return layer[section][name]

@@ -40,6 +40,7 @@ NATIVE_TIMEOUT_S = 60.0  # the most one tool (py-spy, gdb) may take for its dump
 GRACE_S = 15.0 + 2 * NATIVE_TIMEOUT_S  # how long a hung process waits for the others' stacks before it ends
 POLL_S = 1.0
 HANG_EXIT_CODE = 1
+BEFORE_EXIT_S = 10.0  # how long a hung process gives `before_exit` (removing a hung save's temporary files)
 _INTERVALS = 20  # the step intervals the automatic limit takes the median of
 
 
@@ -225,9 +226,13 @@ class HangWatchdog:
         except Exception as error:  # the process ends all the same: it is stuck
             why = f"{why} ({type(error).__name__}: {error})"
         finally:
-            with contextlib.suppress(Exception):  # the process ends all the same
-                self.before_exit()
             self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread {where}")
+            # in a thread of its own, for at most BEFORE_EXIT_S: a save that hung may sit on a file system that
+            # hangs too, and the process must end all the same
+            cleanup = threading.Thread(target=_quietly, args=(self.before_exit,), name="nestor-before-exit",
+                                       daemon=True)
+            cleanup.start()
+            cleanup.join(BEFORE_EXIT_S)
             os._exit(HANG_EXIT_CODE)
 
     def write_stacks(self, why: str) -> Path:
@@ -253,3 +258,8 @@ class HangWatchdog:
             stopping = self._stopping
         if stopping:
             threading.Event().wait()  # the watchdog's os._exit comes
+
+
+def _quietly(action: Callable[[], None]) -> None:
+    with contextlib.suppress(Exception):  # a hung process ends all the same
+        action()

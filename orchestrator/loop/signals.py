@@ -74,6 +74,16 @@ class StopSignals:
         if self._cut is not None:
             raise Interrupted(self._cut)
 
+    @contextlib.contextmanager
+    def cuttable(self) -> Iterator[None]:
+        """Inside `deferred`: a block that a second Ctrl-C does stop at once (a save in progress: the user who
+        presses it again wants out, and an unfinished save leaves an older checkpoint to resume)."""
+        deferring, self._deferring = self._deferring, False
+        try:
+            yield
+        finally:
+            self._deferring = deferring
+
     @staticmethod
     def _forward(signum, frame) -> None:
         os.kill(os.getpid(), signal.SIGTERM)

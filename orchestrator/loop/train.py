@@ -17,6 +17,7 @@ import optax
 import yaml
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nestor.cluster.interrupts import Interrupted
 from nestor.cluster.worker import last_words
 from nestor.orchestrator.checkpoint.owner import Checkpointer
 from nestor.orchestrator.checkpoint.files import finalized_steps
@@ -111,20 +112,28 @@ class StepRecorder:
         finished_at = time.perf_counter() if finished is None else finished
         self._check_health(step, values)
         self.result.losses.append(float(values["loss"]))
-        with self.signals.deferred():  # a second Ctrl-C after the save would leave its step saved but unlogged
+        # A second Ctrl-C stops a save at once and never leaves a saved step unlogged: a save it cut logs its
+        # step first (a resume drops records past the checkpoint it restores), and after a save it waits for the log.
+        with self.signals.deferred():
             if save is not None:
                 saving = time.perf_counter()
                 self.watchdog.beat(f"the save of checkpoint {step}")
-                with self.goodput.charged("checkpoint_save"):
-                    save(health=self.health.record())
+                try:
+                    with self.goodput.charged("checkpoint_save"), self.signals.cuttable():
+                        save(health=self.health.record())
+                except Interrupted:
+                    self._log(step, values, finished_at - started)
+                    raise
                 self.watchdog.beat(f"step {step + 1}")
                 self.timings["checkpoint_s"] = time.perf_counter() - saving
             if logged:
-                record = self.writer.write(step, values, finished_at - started,
-                                           {**self.timings, **self.goodput.log(step)})
-                self.timings.clear()
-                self.result.history.append(record)
-                self.console.step(record)
+                self._log(step, values, finished_at - started)
+
+    def _log(self, step: int, values: dict, seconds: float) -> None:
+        record = self.writer.write(step, values, seconds, {**self.timings, **self.goodput.log(step)})
+        self.timings.clear()
+        self.result.history.append(record)
+        self.console.step(record)
 
     def _check_health(self, step: int, values: dict) -> None:
         """Raises TrainingDiverged when the state of `step` is not finite or blew up (health.StateHealth)."""
