@@ -35,7 +35,7 @@ from nestor.orchestrator.hf.load import SIDE_FILES, SOURCE_DIR, box_of
 from nestor.orchestrator.hf.peft import write_adapter
 from nestor.orchestrator.hf.tensors import Entry, entries
 from nestor.orchestrator.job.build import make_mesh
-from nestor.orchestrator.job.processes import wait_for_every_process
+from nestor.orchestrator.job.processes import every_process_says, wait_for_every_process
 from nestor.orchestrator.specs.lm import lm_config
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.job.state import state_layout
@@ -158,9 +158,11 @@ def export(config: Config, out: Path, step: int | None = None, dtype: str = "flo
     if not spec_of(config).hugging_face:
         raise ConfigError([("model.class", f"export writes nestor's LM; {config.model.class_} has no Hugging Face "
                                            "architecture")])
-    if problem := _out_problem(out):
+    # Process 0 writes the files and checks `out`: another process's look could see its probe file (a file
+    # system without anonymous temporary files) and refuse alone, leaving the others at a barrier.
+    problem = every_process_says("export target", (_out_problem(out) or "") if jax.process_index() == 0 else "")[0]
+    if problem:
         raise ConfigError([("--out", problem)])
-    wait_for_every_process("export target checked")  # before process 0 writes into it
     saved = Path(config.run.dir) / SOURCE_DIR / CONFIG
     base = json.loads(saved.read_text()) if saved.is_file() else None
     keys = config.to_dict()
