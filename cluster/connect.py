@@ -76,6 +76,7 @@ class ClusterSpec:
     dashboard: bool = True  # embedded cluster: serve the dashboard (and the state API) on 127.0.0.1
     worker_logs: bool = False  # stream every worker's raw output to the driver (Ray-prefixed)
     user_code: tuple[str, ...] = ()  # the user's modules and packages a remote cluster's workers import
+    collective_timeout_s: int | None = None  # CPU workers: XLA:CPU's collective timeouts at least this (cpu_devices)
 
     def worker_resources(self) -> dict[str, float]:
         """Returns the Ray resources one worker reserves."""

@@ -17,11 +17,28 @@ def without_device_count(xla_flags: str) -> str:
     return " ".join(re.sub(r"--xla_force_host_platform_device_count=\d+", "", xla_flags).split())
 
 
-def simulate_cpu_devices(jax, devices: int) -> None:
+# XLA:CPU's collective timeouts: past the first (40 s by default) it ends the process with no more than
+# "Aborted" when a collective's participants have not all arrived, and the second bounds a collective's run.
+COLLECTIVE_TIMEOUTS = ("xla_cpu_collective_call_terminate_timeout_seconds", "xla_cpu_collective_timeout_seconds")
+
+
+def with_collective_timeouts(xla_flags: str, seconds: int) -> str:
+    """Returns XLA_FLAGS with XLA:CPU's collective timeouts at least `seconds` (a larger one kept)."""
+    for flag in COLLECTIVE_TIMEOUTS:
+        given = [int(value) for value in re.findall(rf"--{flag}=(\d+)", xla_flags)]
+        xla_flags = re.sub(rf"--{flag}=\d+", "", xla_flags)
+        xla_flags += f" --{flag}={max([seconds, *given])}"
+    return " ".join(xla_flags.split())
+
+
+def simulate_cpu_devices(jax, devices: int, collective_timeout_s: int | None = None) -> None:
     """Makes this process's jax use the CPU and show `devices` devices (0: jax's default, one), with the
-    threads they need; must run before jax starts its backend."""
+    threads they need, and XLA:CPU's collective timeouts at least `collective_timeout_s` (None: XLA's own);
+    must run before jax starts its backend (which reads XLA_FLAGS)."""
     # A device count inherited through XLA_FLAGS (tests set 8) would override the config.
     os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
+    if collective_timeout_s is not None:
+        os.environ["XLA_FLAGS"] = with_collective_timeouts(os.environ["XLA_FLAGS"], collective_timeout_s)
     jax.config.update("jax_platforms", "cpu")
     one_program_at_a_time(jax)
     if devices > 0:

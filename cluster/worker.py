@@ -102,7 +102,7 @@ def run_worker(config: dict) -> None:
         import jax
 
         rank, world = context.get_world_rank(), context.get_world_size()
-        simulate_cpu_devices(jax, spec.devices_per_host)
+        simulate_cpu_devices(jax, spec.devices_per_host, spec.collective_timeout_s)
         host = ray.util.get_node_ip_address()
         # Every start of the worker group (first or restart) gets its own placement group.
         group = ray.util.get_current_placement_group()

@@ -487,7 +487,9 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     says so, the driver continues the stopped worker (SIGCONT), which writes its own, and the group is
     restarted from the newest checkpoint and finishes."""
     run_dir = tmp_path / "run"
-    limit = 10
+    # past XLA:CPU's own 40 s, after which it ended the waiting peer with "Aborted" and no stacks until
+    # nestor set its collective timeouts past the watchdog's limit (processes.collective_timeout_s)
+    limit = 45
     with Driver(*TINY, *TWO_HOSTS, "train.steps=40", "checkpoint.every=5", f"run.hang_timeout_s={limit}",
                 f"run.dir={run_dir}", env=child_env()) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))

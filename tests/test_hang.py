@@ -3,6 +3,7 @@ The Ray launcher's case (a worker stopped with SIGSTOP) is tests/test_cluster.py
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -194,3 +195,28 @@ def test_a_step_past_hang_timeout_ends_the_run_with_its_stacks_in_run_dir_hangs(
     if shutil.which("gdb"):  # every thread's backtrace, XLA's pool threads among them
         assert "=== gdb" in native
         assert len(re.findall(r"^Thread \d+ \(Thread ", native, re.M)) > 8, native[-3000:]
+
+
+def test_xla_cpus_collective_timeouts_are_set_past_the_watchdogs_limit(tiny_config, monkeypatch):
+    """XLA:CPU ends a process whose collective waits 40 s ("Aborted", no stacks): a run's CPU processes wait
+    past run.hang_timeout_s so that the watchdog reports the hang; XLA's own limits where the watchdog is off."""
+    from nestor.cluster.cpu_devices import simulate_cpu_devices, with_collective_timeouts
+    from nestor.orchestrator.commands.ray_driver import cluster_spec
+    from nestor.orchestrator.job.processes import AUTO_LIMIT_COLLECTIVE_S, WATCHDOG_MARGIN_S, collective_timeout_s
+
+    assert collective_timeout_s(tiny_config("run.hang_timeout_s=45")) == 45 + WATCHDOG_MARGIN_S
+    assert collective_timeout_s(tiny_config("run.hang_timeout_s=null")) == AUTO_LIMIT_COLLECTIVE_S
+    assert collective_timeout_s(tiny_config("run.hang_timeout_s=0")) is None
+    assert cluster_spec(tiny_config("run.hang_timeout_s=45")).collective_timeout_s == 45 + WATCHDOG_MARGIN_S
+    flags = with_collective_timeouts("--a=1 --xla_cpu_collective_timeout_seconds=9000", 645)
+    assert flags == ("--a=1 --xla_cpu_collective_call_terminate_timeout_seconds=645 "
+                     "--xla_cpu_collective_timeout_seconds=9000")  # a larger one set before is kept
+
+    class Jax:  # what simulate_cpu_devices asks of jax
+        config = type("Config", (), {"update": staticmethod(lambda name, value: None)})
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("PJRT_NPROC", os.environ.get("PJRT_NPROC", "1"))  # restored after: it sizes the pool
+    monkeypatch.setattr("nestor.cluster.cpu_devices.one_program_at_a_time", lambda jax: None)
+    simulate_cpu_devices(Jax, 4, 645)
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=645" in os.environ["XLA_FLAGS"]

@@ -13,6 +13,7 @@ from nestor.cluster.worker import Preempted, Stopped
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
+from nestor.orchestrator.job.processes import collective_timeout_s
 from nestor.orchestrator.commands.launch_checks import check_before_launch
 from nestor.orchestrator.commands.user_errors import user_code_error
 from nestor.orchestrator.paths import show_relative_to, user_directory
@@ -29,7 +30,8 @@ def cluster_spec(config: Config) -> ClusterSpec:
                        address=c.address, max_failures=c.max_failures, min_hosts=c.min_hosts,
                        restart_timeout_s=c.restart_timeout_s, init_timeout_s=c.init_timeout_s,
                        tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard,
-                       worker_logs=c.worker_logs, user_code=user_code_paths(config) if c.address else ())
+                       worker_logs=c.worker_logs, user_code=user_code_paths(config) if c.address else (),
+                       collective_timeout_s=collective_timeout_s(config))
 
 
 def config_on_hosts(config: Config, hosts: int) -> Config | None:

@@ -26,8 +26,24 @@ def configure_jax(config: Config) -> None:
     import jax
 
     if config.cluster.accelerator == "cpu":
-        simulate_cpu_devices(jax, config.cluster.hosts * config.cluster.devices_per_host)
+        simulate_cpu_devices(jax, config.cluster.hosts * config.cluster.devices_per_host, collective_timeout_s(config))
     enable_compile_cache(config)
+
+
+# How long past run.hang_timeout_s XLA:CPU may let a collective wait: the watchdog's stacks, native ones
+# included, take a few minutes at worst (loop/hang.py).
+WATCHDOG_MARGIN_S = 600
+AUTO_LIMIT_COLLECTIVE_S = 86_400  # the watchdog's automatic limit grows with the steps: XLA:CPU waits a day
+
+
+def collective_timeout_s(config: Config) -> int | None:
+    """Returns the least XLA:CPU collective timeout for the run: past `run.hang_timeout_s`, so that a collective
+    that never completes (a stopped peer, a deadlock) is reported by the hang watchdog with every thread's stacks
+    rather than ended by XLA at 40 s with "Aborted"; None (XLA's own) where the watchdog is off (0)."""
+    limit = config.run.hang_timeout_s
+    if limit == 0:
+        return None
+    return AUTO_LIMIT_COLLECTIVE_S if limit is None else int(limit) + WATCHDOG_MARGIN_S
 
 
 def enable_compile_cache(config: Config) -> None:
