@@ -136,7 +136,8 @@ def target_devices(device_kind: str | None, present: str, hosts: int, devices_pe
     if family is None or family == present:
         named = f"XLA:{present.upper()} (the devices present)"
         if device_kind and present == "cpu" and not device_kind.lower().startswith("cpu"):
-            named = (f"XLA:CPU standing in for {device_kind}: nestor ships targets for {', '.join(GPU_TARGETS)}, "
+            named = (f"XLA:CPU standing in for {device_kind}: nestor ships targets for "
+                     f"{', '.join('a100-80gb' if name == 'a100' else name for name in GPU_TARGETS)}, "
                      f"{', '.join(TPU_SLICES)}")
         return TargetDevices(target or present, None, named)
     version = compiler_version(target)
