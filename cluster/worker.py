@@ -6,6 +6,7 @@ the driver's mailbox: phases, last words, the ends `Preempted` and `Stopped`, st
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import threading
@@ -110,8 +111,13 @@ def run_worker(config: dict) -> None:
             raise ClusterError("a Ray Train worker runs outside a placement group; cannot tell restarts apart")
         address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
         # Bind the coordinator to the node's Ray address, not every interface.
+        # A stopped process misses its heartbeats too: past jax's 100 s its peers were ended before the hang
+        # watchdog's limit (a process that dies is Ray's to notice, at once)
+        patience = {"heartbeat_timeout_seconds": max(100, spec.collective_timeout_s or 0)}
+        if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
+            patience = {}  # a jax without the setting: its own
         jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
-                                   initialization_timeout=max(int(spec.init_timeout_s), 1))
+                                   initialization_timeout=max(int(spec.init_timeout_s), 1), **patience)
         if _on_one_machine(jax, group):
             share_compiled_programs(jax)  # process 0 compiles for all
     import jax  # on GPU and TPU Ray Train's JaxTrainer has joined jax.distributed before this function
