@@ -174,9 +174,11 @@ def start_ray_node(env: dict, address: str, log: Path) -> subprocess.Popen:
 def alive_cpus(env: dict, address: str) -> int:
     """Returns the CPUs of the cluster's live nodes (a child process asks: this one never joins Ray)."""
     script = (f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
-              "print(int(ray.cluster_resources().get('CPU', 0)))")
+              "print(f\"alive CPUs: {int(ray.cluster_resources().get('CPU', 0))}\")")
     done = subprocess.run([PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else -1
+    # Ray prints lines of its own to stdout too (once a masked auth token, `***...`, after the count)
+    said = re.findall(r"^alive CPUs: (\d+)$", done.stdout, re.M) if done.returncode == 0 else []
+    return int(said[-1]) if said else -1
 
 
 def stop_ray_head(head: subprocess.Popen) -> None:
