@@ -17,17 +17,19 @@ def without_device_count(xla_flags: str) -> str:
     return " ".join(re.sub(r"--xla_force_host_platform_device_count=\d+", "", xla_flags).split())
 
 
-# XLA:CPU's collective timeouts: past the first (40 s by default) it ends the process with no more than
+# XLA:CPU's collective timeouts and their defaults: past the first it ends the process with no more than
 # "Aborted" when a collective's participants have not all arrived, and the second bounds a collective's run.
-COLLECTIVE_TIMEOUTS = ("xla_cpu_collective_call_terminate_timeout_seconds", "xla_cpu_collective_timeout_seconds")
+COLLECTIVE_TIMEOUTS = {"xla_cpu_collective_call_terminate_timeout_seconds": 40,
+                       "xla_cpu_collective_timeout_seconds": 30 * 60}
 
 
 def with_collective_timeouts(xla_flags: str, seconds: int) -> str:
-    """Returns XLA_FLAGS with XLA:CPU's collective timeouts at least `seconds` (a larger one kept)."""
-    for flag in COLLECTIVE_TIMEOUTS:
+    """Returns XLA_FLAGS with XLA:CPU's collective timeouts at least `seconds` (a larger one, given or XLA's
+    default, kept)."""
+    for flag, default in COLLECTIVE_TIMEOUTS.items():
         given = [int(value) for value in re.findall(rf"--{flag}=(\d+)", xla_flags)]
         xla_flags = re.sub(rf"--{flag}=\d+", "", xla_flags)
-        xla_flags += f" --{flag}={max([seconds, *given])}"
+        xla_flags += f" --{flag}={max([seconds, default, *given])}"
     return " ".join(xla_flags.split())
 
 

@@ -78,7 +78,8 @@ def code_paths(import_paths: list[str]) -> tuple[str, ...]:
 def _not_users_dirs() -> tuple[Path, ...]:
     """Returns the directories whose code is never the user's: each of nestor's rooms where it is imported from
     (an editable install maps `nestor.orchestrator` to the checkout's `orchestrator/`, not `nestor/orchestrator`),
-    and Python's own library and the installed packages (cwd may hold them: `$HOME` with a pyenv Python)."""
+    and Python's own library and the installed packages (cwd may hold them: `$HOME` with a pyenv Python), not
+    all of sys.prefix, where a project may live (/usr/local/app under Python's Docker images)."""
     import sysconfig
 
     import nestor
@@ -88,7 +89,7 @@ def _not_users_dirs() -> tuple[Path, ...]:
                                               for place in importlib.util.find_spec(f"nestor.{room}")
                                               .submodule_search_locations or ()]
     python = [Path(sysconfig.get_paths()[name]) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
-    return tuple(dict.fromkeys(path.resolve() for path in [*rooms, *python, Path(sys.base_prefix), Path(sys.prefix)]))
+    return tuple(dict.fromkeys(path.resolve() for path in [*rooms, *python]))
 
 
 def _is_users(filename: str) -> bool:

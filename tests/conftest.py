@@ -18,8 +18,11 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters
 FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 # XLA:CPU aborts the process when a collective's participants do not all arrive within its timeouts; with
 # 8 simulated devices' threads on 2 cores beside the other worker's Ray tests, a device can be starved that
-# long (a worker aborted in pipeline4 x fsdp2 1F1B, which passes alone in 9 s): the suite waits longer.
-PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900"
+# long (a worker aborted in pipeline4 x fsdp2 1F1B, which passes alone in 9 s): the suite waits as long as a
+# run with its watchdog on does (orchestrator.job.processes.AUTO_LIMIT_COLLECTIVE_S), so that a run in this
+# process leaves its XLA_FLAGS, which processes it starts inherit, as they are.
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=86400 "
+                       "--xla_cpu_collective_timeout_seconds=86400")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE, PATIENT_COLLECTIVES]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent

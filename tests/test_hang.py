@@ -204,13 +204,17 @@ def test_xla_cpus_collective_timeouts_are_set_past_the_watchdogs_limit(tiny_conf
     from nestor.orchestrator.commands.ray_driver import cluster_spec
     from nestor.orchestrator.job.processes import AUTO_LIMIT_COLLECTIVE_S, WATCHDOG_MARGIN_S, collective_timeout_s
 
-    assert collective_timeout_s(tiny_config("run.hang_timeout_s=45")) == 45 + WATCHDOG_MARGIN_S
-    assert collective_timeout_s(tiny_config("run.hang_timeout_s=null")) == AUTO_LIMIT_COLLECTIVE_S
+    # one value up to a day (XLA_FLAGS key jax's compilation cache: a resume with another limit loads its programs)
+    for limit in ("45", "null", "3600"):
+        assert collective_timeout_s(tiny_config(f"run.hang_timeout_s={limit}")) == AUTO_LIMIT_COLLECTIVE_S
+    assert collective_timeout_s(tiny_config("run.hang_timeout_s=90000")) == 90000 + WATCHDOG_MARGIN_S
+    assert collective_timeout_s(tiny_config("run.hang_timeout_s=1e12")) == 2**31 - 1  # XLA's flags are int32
     assert collective_timeout_s(tiny_config("run.hang_timeout_s=0")) is None
-    assert cluster_spec(tiny_config("run.hang_timeout_s=45")).collective_timeout_s == 45 + WATCHDOG_MARGIN_S
+    assert cluster_spec(tiny_config("run.hang_timeout_s=45")).collective_timeout_s == AUTO_LIMIT_COLLECTIVE_S
     flags = with_collective_timeouts("--a=1 --xla_cpu_collective_timeout_seconds=9000", 645)
     assert flags == ("--a=1 --xla_cpu_collective_call_terminate_timeout_seconds=645 "
                      "--xla_cpu_collective_timeout_seconds=9000")  # a larger one set before is kept
+    assert "--xla_cpu_collective_timeout_seconds=1800" in with_collective_timeouts("", 645)  # XLA's default kept
 
     class Jax:  # what simulate_cpu_devices asks of jax
         config = type("Config", (), {"update": staticmethod(lambda name, value: None)})

@@ -78,6 +78,9 @@ def load_adapters(config: Config, abstract: dict) -> dict:
                         found = "lacks it" if tensor is None else f"holds it as {list(tensor.shape)}"
                         raise ConfigError([(KEY, f"{directory / WEIGHTS}: tensor {name} {list(shape)}: the file "
                                                  f"{found}")])
+                    if tensor.dtype not in safetensors.FLOATS:
+                        raise ConfigError([(KEY, f"{directory / WEIGHTS}: tensor {name} has dtype "
+                                                 f"{safetensors.NAMES[tensor.dtype]}, not a float type")])
                     used.add(name)
                 a_blocks.append(reader.read(names[0]).astype(np.float32).T.reshape(*in_shape, rank))
                 b_blocks.append(reader.read(names[1]).astype(np.float32).T.reshape(rank, *out_shape))

@@ -33,7 +33,10 @@ def configure_jax(config: Config) -> None:
 # How long past run.hang_timeout_s XLA:CPU may let a collective wait: the watchdog's stacks, native ones
 # included, take a few minutes at worst (loop/hang.py).
 WATCHDOG_MARGIN_S = 600
-AUTO_LIMIT_COLLECTIVE_S = 86_400  # the watchdog's automatic limit grows with the steps: XLA:CPU waits a day
+# One value for every limit up to a day (the automatic limit grows with the steps): XLA_FLAGS are part of
+# jax's compilation-cache key, so a resume with another limit still loads its programs.
+AUTO_LIMIT_COLLECTIVE_S = 86_400
+INT32_MAX = 2**31 - 1  # XLA's flags are int32
 
 
 def collective_timeout_s(config: Config) -> int | None:
@@ -43,7 +46,7 @@ def collective_timeout_s(config: Config) -> int | None:
     limit = config.run.hang_timeout_s
     if limit == 0:
         return None
-    return AUTO_LIMIT_COLLECTIVE_S if limit is None else int(limit) + WATCHDOG_MARGIN_S
+    return min(max(AUTO_LIMIT_COLLECTIVE_S, int(limit or 0) + WATCHDOG_MARGIN_S), INT32_MAX)
 
 
 def enable_compile_cache(config: Config) -> None:

@@ -36,7 +36,6 @@ from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import user_lora
 from nestor.orchestrator.job.user_lora import nest
 from nestor.orchestrator.job.optimizer import make_optimizer
-from nestor.orchestrator.job.processes import every_process_says
 from nestor.orchestrator.specs.registry import build_model, spec_of
 from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
 
@@ -363,14 +362,7 @@ def _loaded(config: Config, layout: StateLayout, base_only: bool = False) -> dic
         base = layout.abstract["params"]
         if layout.trained is not None:  # the checkpoint holds no adapters
             base = _without(base, layout.trained)
-        # one process's damaged box (a NaN) fails every process, not that one alone while the rest wait
-        problem = ""
-        try:
-            loaded, _ = load_params(config, base)
-        except ConfigError as error:
-            problem = "; ".join(text for _, text in error.problems)
-        if found := next((said for said in every_process_says("init_from values", problem) if said), None):
-            raise ConfigError([("model.init_from", found)])
+        loaded, _ = load_params(config, base)
     if config.lora.init_from and not base_only and layout.trained is not None:
         from nestor.orchestrator.hf.peft import load_adapters
 

@@ -226,7 +226,8 @@ class HangWatchdog:
         except Exception as error:  # the process ends all the same: it is stuck
             why = f"{why} ({type(error).__name__}: {error})"
         finally:
-            self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread {where}")
+            with contextlib.suppress(Exception):  # a closed stderr: the process ends all the same
+                self.on_hang(f"nestor: process {self.process_index} {why}; the stacks of every thread {where}")
             # in a thread of its own, for at most BEFORE_EXIT_S: a save that hung may sit on a file system that
             # hangs too, and the process must end all the same
             cleanup = threading.Thread(target=_quietly, args=(self.before_exit,), name="nestor-before-exit",
