@@ -35,42 +35,58 @@ from nestor.orchestrator.job.state import StateLayout, with_base
 from nestor.orchestrator.paths import shown
 
 
+_CHECKPOINT_DIRS: set[str] = set()  # the checkpoints/ folders this process reads or writes
+
+
+def _is_orbax_noise(exception: BaseException | None, *places: str) -> bool:
+    """Whether an error report is Orbax's own: raised through Orbax's code, or naming its temporary
+    directories or a checkpoints/ folder this process reads (tensorstore's errors name the file only)."""
+    trace = exception.__traceback__ if exception is not None else None
+    places = (*places, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception))
+    marks = (f"{os.sep}orbax{os.sep}", TEMPORARY, *_CHECKPOINT_DIRS)
+    return any(mark in place for place in places for mark in marks)
+
+
 class _OrbaxErrorsAreOurs(logging.Filter):
-    """Drops ERROR records that Orbax logs, or whose exception runs through Orbax or names its
-    temporary directories (asyncio's "exception was never retrieved" of the writes a failed save
-    abandoned): a failed save or read is reported once by nestor instead, as CheckpointWriteError,
-    CheckpointUnreadable or a quarantine warning."""
+    """Drops ERROR records that are Orbax's (`_is_orbax_noise`), asyncio's "exception was never retrieved"
+    of the reads and writes a failed save or read abandoned included: a failed save or read is reported
+    once by nestor instead, as CheckpointWriteError, CheckpointUnreadable or a quarantine warning."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        _, exception, trace = record.exc_info or (None, None, None)
-        places = [record.pathname, *(frame.filename for frame in traceback.extract_tb(trace)), str(exception)]
-        return not any(f"{os.sep}orbax{os.sep}" in place or TEMPORARY in place for place in places)
+        return not _is_orbax_noise((record.exc_info or (None, None))[1], record.pathname, record.getMessage())
 
 
 _ORBAX_ERRORS = _OrbaxErrorsAreOurs()
 
 
-class _AbandonedWritesAreOurs:
-    """An unraisable-exception hook that drops the "Event loop is closed" errors of array writes Orbax
-    abandoned when a save failed (tensorstore finishes them after Orbax closed their event loop);
-    passes everything else to the hook it wraps."""
+class _AbandonedWorkIsOurs:
+    """An unraisable-exception hook that drops what Orbax's abandoned work raises once nobody waits for it:
+    "Event loop is closed" of array writes tensorstore finishes after a failed save closed their loop, and
+    the read coroutines left unfinished when a read failed, collected at exit. Passes the rest on."""
 
     def __init__(self, wrapped):
         self.wrapped = wrapped
 
     def __call__(self, unraisable) -> None:
-        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-            self.wrapped(unraisable)
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        coroutine_file = getattr(getattr(unraisable.object, "cr_code", None), "co_filename", "")
+        if _is_orbax_noise(error, coroutine_file):
+            return
+        self.wrapped(unraisable)
 
 
-def hold_back_orbax_noise() -> None:
-    """Keeps Orbax's own reports of a failed save or read off the terminal (once per process)."""
+def hold_back_orbax_noise(directory: Path) -> None:
+    """Keeps Orbax's own reports of a failed save or read of the checkpoints in `directory` off the
+    terminal."""
+    _CHECKPOINT_DIRS.add(str(Path(directory).resolve()))
     for logger in ("absl", "asyncio"):
-        logging.getLogger(logger).addFilter(_ORBAX_ERRORS)
-    if not isinstance(sys.unraisablehook, _AbandonedWritesAreOurs):
-        sys.unraisablehook = _AbandonedWritesAreOurs(sys.unraisablehook)
+        logging.getLogger(logger).addFilter(_ORBAX_ERRORS)  # a filter added twice is kept once
+    if not isinstance(sys.unraisablehook, _AbandonedWorkIsOurs):
+        sys.unraisablehook = _AbandonedWorkIsOurs(sys.unraisablehook)
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -121,7 +137,7 @@ class CheckpointReader:
         self.layout = layout
         self.log = log
         self.directory = checkpoint_dir(config.run.dir)
-        hold_back_orbax_noise()
+        hold_back_orbax_noise(self.directory)
 
     def saved_config(self, step: int) -> dict:
         """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
