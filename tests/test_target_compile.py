@@ -11,7 +11,7 @@ import pytest
 from nestor.backend import BackendError
 from nestor.backend.targets import (GPU_TARGET_DIR, GPU_TARGETS, compiler_version, cudnn_installed, standing_in,
                                     target_devices, target_name)
-from nestor.orchestrator.commands.explain import compile_step, explain
+from nestor.orchestrator.commands.explain import compile_step, explain, format_report
 from nestor.orchestrator.job.build import build_job, compile_target
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
 from nestor.parallel.hlo import collective_lines, collectives
@@ -85,7 +85,14 @@ def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides
     assert report["fit"]["fits"] and report["fit"]["device_memory_bytes"] == 80 * 2**30
     assert report["backend"]["substitutions"] == [
         "attention: cudnn compiled as xla (cuDNN is not installed: nvidia-cudnn-cu12)"]
-    assert report["flops_per_step"] is None and report["model_flops_per_step"] > 0  # no cost analysis deviceless
+    # no cost analysis deviceless: the HLO's instructions are counted, and come within 5% of XLA:CPU's cost
+    # analysis of the same program here (both saving the dots' outputs, the GPU's automatic remat)
+    assert report["flops_counted_by"] == "the HLO's instructions" and report["flops_left_out_in"] == []
+    assert "counted from the HLO: XLA:GPU" in format_report(report)
+    here = explain(tiny_config("model.dtype=bfloat16", "mesh.data=8", "model.remat=dots"))
+    assert here["flops_counted_by"] == "XLA cost analysis" and here["remat"] == report["remat"] == "dots"
+    assert abs(report["flops_per_step"] / here["flops_per_step"] - 1) < 0.05, (report["flops_per_step"],
+                                                                               here["flops_per_step"])
 
 
 @needs_gpu_compile

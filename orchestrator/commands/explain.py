@@ -5,6 +5,7 @@ the compiled HLO."""
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
@@ -23,7 +24,8 @@ from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
 from nestor.orchestrator.job.state import param_table, per_device_bytes
 from nestor.orchestrator.job.step import make_train_step, pipeline_schedule
-from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
+from nestor.parallel.hlo import (collectives, estimated_flops, float_normalization_flops, flops_by_phase,
+                                 flops_per_run)
 
 
 def compile_step(job: Job):
@@ -155,16 +157,17 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     memory = memory_per_device(job, compiled)
     params_bytes, optimizer_bytes, peak_bytes = memory["params"], memory["optimizer"], memory["peak_estimate"]
     devices = job.mesh.devices.size
-    # XLA:GPU compiling without the device has no cost analysis: its FLOPs are left uncounted (None)
-    counted = counted_step(job, compiled) if compiled.cost_analysis() is not None else None
-    xla_flops = phases = None
+    counted = counted_step(job, compiled)
+    phases = flops_by_phase(counted.as_text())
     widened = 0.0
-    if counted is not None:
-        phases = flops_by_phase(counted.as_text())
-        # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
-        if job.backend.widens_what_the_target_does_not():
-            widened = float_normalization_flops(counted.as_text())
-        xla_flops = step_flops(counted) - widened
+    # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
+    if job.backend.widens_what_the_target_does_not():
+        widened = float_normalization_flops(counted.as_text())
+    # XLA:GPU compiling without the device has no cost analysis: its FLOPs are counted from its HLO as XLA counts
+    # them, its custom calls (cuDNN's attention) left out
+    cost_analysis = counted.cost_analysis() is not None
+    xla_flops = (step_flops(counted) if cost_analysis else estimated_flops(counted.as_text())) - widened
+    uncounted_calls = sorted(set(re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', counted.as_text())))
     analytic = spec_of(config).flops_per_step(config)
     called, named = traced_use(job)
     compiler = compiler_name(job, target)
@@ -185,11 +188,13 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
         "context": context_report(config, job.backend, job.mesh, job.rules),
-        "flops_per_step": None if xla_flops is None else xla_flops * devices,
-        "grouped_matmuls_counted_as_target_runs_them": counted is not None and counted is not compiled,
+        "flops_per_step": xla_flops * devices,
+        "flops_counted_by": "XLA cost analysis" if cost_analysis else "the HLO's instructions",
+        "flops_left_out_in": uncounted_calls,
+        "grouped_matmuls_counted_as_target_runs_them": counted is not compiled,
         "flops_per_step_per_device": xla_flops,
         "float32_widening_flops_left_out": widened * devices,
-        "update_flops_per_step": None if phases is None else phases["update"] * devices,
+        "update_flops_per_step": phases["update"] * devices,
         # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
         "model_flops_per_step": analytic[0] if analytic else None,
         "executed_flops_per_step": analytic[1] if analytic else None,
@@ -289,12 +294,13 @@ def format_report(report: dict[str, Any]) -> str:
                          "from float32 that the target does not run")
     analytic = (f"model FLOPs {report['model_flops_per_step']:.4g} (analytic)"
                 if report["model_flops_per_step"] is not None else None)
-    if report["flops_per_step"] is None:
-        counted = f"not counted ({report['compiler']} has no cost analysis without the device)"
-    else:
-        counted = (f"{report['flops_per_step']:.4g} (XLA cost analysis, loop bodies x trip count, all devices"
-                   f"{counted_note}), of which {report['update_flops_per_step']:.4g} update the state (optimizer, "
-                   "norms)")
+    if report["flops_counted_by"] != "XLA cost analysis":  # a deviceless XLA:GPU compile has none
+        counted_note += f"; counted from the HLO: {report['compiler']} has no cost analysis without the device"
+    if report["flops_left_out_in"]:
+        counted_note += f", {', '.join(report['flops_left_out_in'])} not counted"
+    counted = (f"{report['flops_per_step']:.4g} ({report['flops_counted_by']}, loop bodies x trip count, all devices"
+               f"{counted_note}), of which {report['update_flops_per_step']:.4g} update the state (optimizer, "
+               "norms)")
     lines += ["", f"FLOPs per step: {counted}" + (f"; {analytic}" if analytic else ""),
               f"compiled in {report['compile_s']:.1f} s"]
     return "\n".join(lines + report["warnings"])
