@@ -197,7 +197,8 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
     the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
     (`batch_axes`) nor nestor's activations use."""
     problems = _pipelined_stack_problems(config, model, mesh)  # the stages' split, said once per stack
-    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    split_by = [axis for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in split_by]
     names: set[str] = set()
     for path, var in nnx.to_flat_state(state):
         where = "/".join(map(str, path))
@@ -216,7 +217,7 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
         if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
             problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
                                             f"rule maps any of those names while {', '.join(splitting)} would "
-                                            "split it: map them with mesh.rules (e.g. {model: tensor}) or use "
+                                            f"split it: map them with mesh.rules (e.g. {{{own[-1]}: {split_by[-1]}}}) or use "
                                             "nestor's names (docs/models.md)"))
         spec = partition_spec(logical, rules)
         for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
