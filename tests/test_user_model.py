@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -320,3 +322,29 @@ def test_the_users_code_a_remote_cluster_receives_is_what_the_run_imports_from_i
     vit = user_config("model.class=nestor.models.vit:ViT", "data.source=python",
                       "data.factory=nestor.orchestrator.data.examples:digits")
     assert user_code_paths(vit) == ()  # nestor's own models travel with nestor
+
+
+REGRESSION = MODEL.replace(  # a mean squared error: its exponential is no perplexity
+    'loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()',
+    'loss = jnp.mean((logits[:, 0] - batch["y"]) ** 2)')
+TOKEN_LOSS = MODEL.replace("class MLP(nnx.Module):\n", "class MLP(nnx.Module):\n    token_cross_entropy = True\n")
+
+
+@pytest.mark.parametrize("module,source,perplexity", [("regression", REGRESSION, False), ("tokens", TOKEN_LOSS, True)])
+def test_eval_reports_a_perplexity_only_for_a_model_that_declares_a_token_cross_entropy(user_dir, module, source,
+                                                                                        perplexity):
+    from nestor.orchestrator.job.eval_loss import Evaluator
+    from nestor.orchestrator.job.state import state_layout
+    from nestor.orchestrator.job.build import make_mesh
+    from nestor.parallel.rules import resolve_rules
+
+    write_user_directory(user_dir, module, source)
+    config = user_config(f"model.class={module}:MLP", *EVAL, **ONE_DEVICE)
+    mesh, rules = make_mesh(config), resolve_rules(config.mesh.rules)
+    layout = state_layout(config, mesh, rules)
+    assert layout.perplexity is perplexity
+    state = {"params": jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), layout.abstract["params"])}
+    evaluated = Evaluator(config, layout, mesh, rules)(state)
+    assert ("eval_perplexity" in evaluated) is perplexity and "eval_accuracy" in evaluated
+    if perplexity:
+        assert float(evaluated["eval_perplexity"]) == pytest.approx(np.exp(float(evaluated["eval_loss"])), rel=1e-6)

@@ -106,10 +106,11 @@ def _eval(config, args) -> int:
     result = evaluate_checkpoint(config)
     others = "".join(f" {name} {value:.4f}" for name, value in result.items()
                      if name not in ("step", "eval_loss", "eval_perplexity"))
+    perplexity = f" eval_perplexity {result['eval_perplexity']:.3f}" if "eval_perplexity" in result else ""
     rows = (f"{config.train.global_batch} x {config.train.seq_len} tokens" if spec_of(config).counts_tokens
             else f"{config.train.global_batch} rows")
-    print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f} eval_perplexity "
-          f"{result['eval_perplexity']:.3f}{others} ({config.eval.steps} batches of {rows}, "
+    print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f}{perplexity}{others} "
+          f"({config.eval.steps} batches of {rows}, "
           f"eval.source={config.eval.source})")
     return 0
 
@@ -337,7 +338,8 @@ def parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model, or resume it from run.dir")
     explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
-    evaluate = commands.add_parser("eval", help="eval loss and perplexity of run.dir's newest checkpoint")
+    evaluate = commands.add_parser("eval", help="eval loss (and perplexity, for a token cross-entropy) of "
+                                                "run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
     given = sample.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the text to continue")

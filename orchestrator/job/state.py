@@ -53,6 +53,7 @@ class StateLayout:
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
     trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
     adapter_scale: float = 0.0  # LoRA on a model of the user's: alpha / rank of its adapters (0: none)
+    perplexity: bool = False  # its eval loss is a token cross-entropy (models.task.TOKEN_CROSS_ENTROPY), not DPO's
 
     def update_shares(self, tree: dict) -> dict:
         """Returns the params-like `tree` (all params or the trained ones) constrained to where the optimizer
@@ -324,8 +325,9 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     if config.train.objective == "dpo" and trained is None:  # DPO's reference: the start, frozen
         shardings[REFERENCE], shapes[REFERENCE] = param_shardings, params_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    perplexity = task.token_cross_entropy(abstract_model) and config.train.objective == "lm"
     return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
-                       trained, adapter_scale)
+                       trained, adapter_scale, perplexity)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
