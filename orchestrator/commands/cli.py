@@ -35,9 +35,11 @@ def where_results_are(config) -> list[str]:
 
     run_dir = config.run.dir
     kept = finalized_steps(checkpoint_dir(run_dir))
-    files = ["config.yaml", "metrics.jsonl", "checkpoints/"]
+    files = ["config.yaml", "metrics.jsonl", "goodput.jsonl", "checkpoints/"]
     if config.metrics.tensorboard:
         files.append("tb/")
+    if config.cluster.launcher == "ray":  # Ray Train's own storage for the worker group
+        files.append("ray/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
