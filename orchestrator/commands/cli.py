@@ -442,6 +442,8 @@ def _main(args) -> int:
         config = load(args.config, args.overrides)
         if warning := idle_warning(config):
             print(f"nestor: {warning}", file=sys.stderr)
+        for line in config.chosen:
+            print(f"nestor: {line}")
         return args.handler(config, args)
     except ConfigError as error:
         print(f"{getattr(error, 'frames', '')}nestor: {error}", file=sys.stderr)  # a user's code's frames first
