@@ -218,8 +218,8 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
         if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
             problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
                                             f"rule maps any of those names while {', '.join(splitting)} would "
-                                            f"split it: map them with mesh.rules (e.g. {{{own[-1]}: {split_by[-1]}}}) or use "
-                                            "nestor's names (docs/models.md)"))
+                                            "split it: map them with mesh.rules (e.g. "
+                                            f"{{{own[-1]}: {split_by[-1]}}}) or use nestor's names (docs/models.md)"))
         spec = partition_spec(logical, rules)
         for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
             mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -79,12 +79,13 @@ def validate(config: Config) -> Config:
 
 
 def _with_chosen_keys(config: Config, chosen: list[tuple[str, Any, str]]) -> Config:
-    """Returns `config` with each (dotted key, value, why) of `chosen` set, and a line for each in `chosen`."""
+    """Returns `config` with each (dotted key, value, why) of `chosen` set, and each said in `config.chosen`."""
     if not chosen:
         return config
     for key, value, _ in chosen:
         section, name = key.split(".")
-        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{name: value})})
+        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section),
+                                                                             **{name: value})})
     object.__setattr__(config, "chosen", tuple(f"{key}={value} {why}; set {key} to choose another"
                                                for key, value, why in chosen))  # not a key: never written
     return config

@@ -74,7 +74,7 @@ class LanguageModel(ModelSpec):
         return _moe_problems(config, degrees)
 
     def chosen_keys(self, config: Config, degrees: dict[str, int]) -> list[tuple[str, int, str]]:
-        size = chosen_group_size(config, degrees)
+        size = _chosen_group_size(config, degrees)
         if size is None:
             return []
         context = split_degree("length", resolve_rules(config.mesh.rules), degrees)
@@ -331,7 +331,7 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
     return problems
 
 
-def chosen_group_size(config: Config, degrees: dict[str, int]) -> int | None:
+def _chosen_group_size(config: Config, degrees: dict[str, int]) -> int | None:
     """Returns the tokens per routing group nestor chooses where the run left moe.group_size unset (0) and
     mesh.context splits the rows of an MoE model that drops tokens (which routes pieces of a chunk, so that
     every mesh routes the same groups): the largest divisor of the chunk a device holds that also divides
@@ -367,7 +367,7 @@ def _context_problems(config: Config, degrees: dict[str, int] | None) -> list[tu
         problems.append(("moe.second_expert_policy", f"random draws by a token's place in the row, and with rows "
                                                      f"split by mesh.context={context} the places hold other "
                                                      "positions than on other meshes; use all"))
-    if moe.group_size and chunk % moe.group_size:  # 0 is a row when dropless, else chosen (chosen_group_size)
+    if moe.group_size and chunk % moe.group_size:  # 0 is a row when dropless, else chosen (_chosen_group_size)
         problems.append(("moe.group_size", f"{moe.group_size} tokens per routing group: with rows split by "
                                            f"mesh.context={context}, a group is a divisor of the {chunk}-token chunk "
                                            "a device holds, so that every mesh routes the same groups; use a "
