@@ -146,6 +146,7 @@ class Seq2Seq(nnx.Module):
     """Source bytes -> target bytes; the loss is the target tokens' cross-entropy (PAD excluded; each row's
     mean, averaged over rows) plus the MoE layers' weighted load-balancing (and z) losses."""
 
+    token_cross_entropy = True  # outside training, the target tokens' cross-entropy (models.task)
     pipeline_stack = "encoder"  # the stack its split wraps (models.task): the decoder pipelines with GPipe only
 
     def __init__(self, cfg: Seq2SeqConfig, rngs: nnx.Rngs):

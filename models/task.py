@@ -26,6 +26,9 @@ LOSS_METHOD = "loss"  # the method the step calls: loss(batch) -> (loss, metrics
 # rows of each row's weighted sum of per-target losses trains on the mean over every weighted target of the
 # global batch, however its rows are split (micro-batches, pipeline micro-batches, devices).
 LOSS_WEIGHTS = "loss_weights"
+# An optional class attribute: True where the loss outside training is a mean cross-entropy over tokens (nestor's
+# LM), so that its exponential is a perplexity, which evaluation then reports as eval_perplexity beside eval_loss.
+TOKEN_CROSS_ENTROPY = "token_cross_entropy"
 # A model that a schedule running the backward pass inside its loop (1F1B and its kin) pipelines also splits
 # its loss around the pipelined stack (docs/models.md), so that on a micro-batch
 #   loss(batch) == pipeline_output(stack(pipeline_input(batch), pipeline_rows(batch)), batch)
@@ -71,6 +74,11 @@ def step_key() -> jax.Array | None:
     """Returns the random key of this micro-batch (a function of the run's seed, the step and the
     micro-batch), or None where nothing random runs; split or fold it in per use."""
     return _info.get().key
+
+
+def token_cross_entropy(model: object) -> bool:
+    """Returns whether `model` declares its loss a mean cross-entropy over tokens (TOKEN_CROSS_ENTROPY)."""
+    return getattr(model, TOKEN_CROSS_ENTROPY, False) is True
 
 
 def normalized_weights(batch: Batch) -> Batch:

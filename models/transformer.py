@@ -351,6 +351,8 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array | 
 class Transformer(nnx.Module):
     """Decoder-only LM: tokens [batch, length] -> float32 logits [batch, length, vocab]."""
 
+    token_cross_entropy = True  # its loss is the next tokens' mean cross-entropy: a perplexity (models.task)
+
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = param(rngs, (cfg.vocab_size, cfg.embed_dim), (axes.VOCAB, axes.EMBED), cfg.init_std)

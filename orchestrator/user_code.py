@@ -3,13 +3,16 @@ nestor runs in, then in the installed packages."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from nestor.cluster.connect import USER_CODE_ENV
@@ -43,10 +46,20 @@ def import_object(path: str, key: str, example: str) -> Any:
     except Exception as error:  # the user's module raised while importing: say what
         raise ConfigError([(key, f"importing {module_name!r} raised {type(error).__name__}: {error}")]) from None
     if not hasattr(module, name):
-        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        defined = _defined_names(module, name)
         raise ConfigError([(key, f"{module_name!r} ({module.__file__}) has no {name!r}; it defines "
-                                 f"{', '.join(public) or 'nothing public'}")])
+                                 f"{', '.join(defined) or 'no class or function'}")])
     return getattr(module, name)
+
+
+def _defined_names(module: ModuleType, wanted: str) -> list[str]:
+    """Returns the classes and functions `module` defines itself (not those it imports), the closest to
+    `wanted` first, then the rest in order of name."""
+    own = sorted(name for name, value in vars(module).items() if not name.startswith("_")
+                 and (inspect.isclass(value) or inspect.isfunction(value))
+                 and getattr(value, "__module__", None) == module.__name__)
+    closest = difflib.get_close_matches(wanted, own, n=1, cutoff=0.0)
+    return closest + [name for name in own if name not in closest]
 
 
 def code_paths(import_paths: list[str]) -> tuple[str, ...]:

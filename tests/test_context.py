@@ -340,7 +340,6 @@ def test_llama3_8b_at_128k_tokens_fits_an_h100_only_with_its_rows_split_over_con
     (("mesh.context=4", "mesh.data=2", "train.seq_len=36"), "train.seq_len"),
     (("mesh.context=2", "mesh.data=4", "model.attention=cudnn", "model.dtype=bfloat16",
       "cluster.device_kind=h100"), "model.attention"),
-    (("mesh.context=2", "mesh.data=4", "moe.num_experts=4", "moe.every=2"), "moe.group_size"),
     (("mesh.context=2", "mesh.data=4", "moe.num_experts=4", "moe.every=2", "moe.group_size=6"), "moe.group_size"),
     (("mesh.context=2", "mesh.data=4", "moe.num_experts=4", "moe.every=2", "moe.group_size=8",
       "moe.second_expert_policy=random"), "moe.second_expert_policy"),
@@ -350,6 +349,40 @@ def test_a_row_split_the_run_cannot_take_is_a_config_error_naming_the_key(tiny_c
         config = tiny_config(*overrides)
         backend_for(config, make_mesh(config))
     assert key in str(caught.value)
+
+
+MOE_ON_CONTEXT = ("mesh.context=2", "mesh.data=4", "moe.num_experts=4", "moe.every=2")  # seq_len 32: chunks of 8
+
+
+def test_an_unset_moe_group_size_on_context_devices_is_the_chunk_and_said(tiny_config):
+    chosen = tiny_config(*MOE_ON_CONTEXT)
+    assert chosen.moe.group_size == 8 and chosen.chosen == (
+        "moe.group_size=8 chosen for mesh.context=2: the largest routing group that divides the 8-token chunk a "
+        "device holds; set moe.group_size to choose another",)
+    assert backend_for(chosen, make_mesh(chosen)).context_attention == "all_gather"
+    assert validate(chosen) is chosen  # chosen once: a key set from then on
+    for kept, size in ((("moe.group_size=4",), 4), (("moe.capacity_factor=0",), 0),
+                         (("mesh.context=1", "mesh.data=8"), 0)):
+        config = tiny_config(*MOE_ON_CONTEXT, *kept)  # set by the run, dropless (whole rows), or no context
+        assert (config.moe.group_size, config.chosen) == (size, ())
+    with pytest.raises(ConfigError) as caught:  # set by the run to what the chunk cannot take: refused as before
+        tiny_config(*MOE_ON_CONTEXT, "moe.group_size=16")
+    assert caught.value.problems == [("moe.group_size", "16 tokens per routing group: with rows split by "
+                                      "mesh.context=2, a group is a divisor of the 8-token chunk a device holds, so "
+                                      "that every mesh routes the same groups; use a divisor of 8, or 0 to let "
+                                      "nestor choose")]
+
+
+def test_the_quickstarts_moe_on_two_context_devices_trains_without_a_group_size_and_the_cli_says_it(tmp_path,
+                                                                                                     capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    quickstart = ("mesh.context=2", "mesh.tensor=1", f"run.dir={tmp_path / 'none'}")
+    config = config_lib.load(config_lib.CONFIGS_DIR / "quickstart.yaml", list(quickstart))
+    assert config.moe.group_size == 16  # seq_len 64 on context 2: chunks of 16, 64 tokens per device
+    assert main(["eval", str(config_lib.CONFIGS_DIR / "quickstart.yaml"), *quickstart]) == 2  # nothing trained
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == (f"nestor: {config.chosen[0]}") and "run.dir" in err
 
 
 @pytest.mark.parametrize("routing", [("moe.capacity_factor=0", "moe.group_size=0"), ("moe.capacity_factor=0",

@@ -47,3 +47,22 @@ def test_submitted_job_from_the_cluster_doc_trains_and_its_driver_prints_each_st
     # no worker line reaches the job's log: the driver prints each step once
     assert len(re.findall(r"^step +2 +loss", out, re.M)) == 1, out[-3000:]
     assert "Traceback" not in out + err and "Gloo" not in out
+
+
+def test_the_models_doc_example_names_each_parameter_once_and_logs_every_20_steps(tmp_path, monkeypatch):
+    import importlib
+
+    import yaml
+    from flax import nnx
+
+    body = next(block for block in blocks() if block.id == "docs/models.md#0").body
+    files = dict(re.findall(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF", body, re.S))
+    (tmp_path / "classifier.py").write_text(files["classifier.py"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    classifier = importlib.import_module("classifier")
+    with nnx.use_eager_sharding(False):  # as the job builds it (orchestrator.specs.user)
+        model = nnx.eval_shape(lambda: classifier.Classifier(classifier.Config(), nnx.Rngs(0)))
+    paths = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    assert "trunk/blocks/down" in paths and all(len(set(path.split("/"))) == len(path.split("/")) for path in paths)
+    train = yaml.safe_load(files["my.yaml"])["train"]
+    assert train["steps"] // train["log_every"] == 10  # 200 steps, a line each 20th

@@ -117,3 +117,21 @@ def test_eval_after_the_quickstart_names_keys_to_paste_and_readers_leave_a_missi
     assert main(["sample", quickstart, "run.dir=nothere", "--prompt", "def "]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "nothere").exists()
+
+
+@pytest.mark.parametrize("objective,perplexity", [("lm", True), ("dpo", False)])
+def test_the_lms_next_token_loss_has_a_perplexity_and_dpos_loss_none(tiny_config, objective, perplexity):
+    from nestor.orchestrator.job.build import make_mesh
+    from nestor.orchestrator.job.state import state_layout
+    from nestor.parallel.rules import resolve_rules
+
+    data = ("data.source=arrays", "data.paths=[pairs.npz]") if objective == "dpo" else ()
+    config = tiny_config(f"train.objective={objective}", *data, *ONE_DEVICE_OVERRIDES)
+    assert state_layout(config, make_mesh(config), resolve_rules(config.mesh.rules)).perplexity is perplexity
+
+
+def test_the_console_shows_no_perplexity_for_a_loss_without_one():
+    lines = []
+    Console(log=lines.append).step({"step": 4, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "rows_per_s": 10.0,
+                                    "eval_loss": 0.25, "eval_accuracy": 0.5})
+    assert lines[0].endswith("rows/s  eval_loss 0.2500") and "perplexity" not in lines[0]

@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -254,6 +256,8 @@ GUIDE_NAMES = MODEL.replace('("embed", "classes"))', '("model", "classes"))')  #
 UNSPLIT = MODEL.replace("def pipeline_input(self, batch):", "def embed_batch(self, batch):").replace(
     "self.pipeline_input(batch)", "self.embed_batch(batch)")
 LOGITS = MODEL.replace("        return loss, {", "        return logits\n        return loss, {")
+PER_ROW = MODEL.replace('batch["y"]).mean()', 'batch["y"])')  # a loss per row, not their mean
+SWAPPED = MODEL.replace("        return loss, {", "        return {'loss': loss}, loss\n        return loss, {")
 
 
 @pytest.mark.parametrize("overrides,module,source,key,says", [
@@ -264,7 +268,14 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("mesh.rules={heads: tensor, cls: tensor}",), "mlp", MODEL, "mesh.rules.cls",
      "the model never names 'cls'; its parameters' logical axes are classes, embed, layers, mlp"),
     (("model.class=noloss:MLP",), "noloss", NO_LOSS, "model.class", "has no method loss(batch)"),
-    (("model.class=logits:MLP",), "logits", LOGITS, "model.class", "returned an array (16, 4); it must return"),
+    (("model.class=logits:MLP",), "logits", LOGITS, "model.class",
+     "returned an array float32 (16, 4); it must return"),
+    (("model.class=perrow:MLP",), "perrow", PER_ROW, "model.class",
+     "returned a tuple of 2 (an array float32 (16,), a dict); it must return (a float scalar loss, a dict"),
+    (("model.class=swapped:MLP",), "swapped", SWAPPED, "model.class",
+     "returned a tuple of 2 (a dict, an array float32 ()); it must return"),
+    (("model.class=mlp:MPL",), "mlp", MODEL, "model.class",
+     "has no 'MPL'; it defines MLP, Block, MLPConfig, dense"),  # its imports (Stack, constrain, ...) left out
     (("model.args={hidden: 63}",), "mlp", MODEL, "model.class", "'mlp' dimension of 63 does not split over"),
     (("mesh.pipeline=2", "pipeline.schedule=1f1b", "model.class=unsplit:MLP"), "unsplit", UNSPLIT, "pipeline.schedule",
      "1f1b runs the backward pass inside its loop, which needs the model split around its stack: MLP has no "
@@ -279,6 +290,8 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("model.class=dropout:MLP",), "dropout", DROPOUT, "model.class", "the step trains nnx.Param"),
     (("model.class=guide:MLP",), "guide", GUIDE_NAMES, "model.class",
      "is named ('model', 'classes'), and no rule maps any of those names"),
+    (("model.class=guide:MLP",), "guide", GUIDE_NAMES, "model.class",
+     "map them with mesh.rules (e.g. {classes: tensor})"),  # a name of the parameter's own
     (("data.source=python",), "mlp", MODEL, "data.factory", "data.source=python needs module:function"),
     (("data.source=python", "data.factory=mlp:MLPConfig"), "mlp", MODEL, "data.args", "cannot be called"),
     (("eval.every=2", "eval.source=text", "eval.paths=[my.yaml]"), "mlp", MODEL, "eval.source",
@@ -309,3 +322,29 @@ def test_the_users_code_a_remote_cluster_receives_is_what_the_run_imports_from_i
     vit = user_config("model.class=nestor.models.vit:ViT", "data.source=python",
                       "data.factory=nestor.orchestrator.data.examples:digits")
     assert user_code_paths(vit) == ()  # nestor's own models travel with nestor
+
+
+REGRESSION = MODEL.replace(  # a mean squared error: its exponential is no perplexity
+    'loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()',
+    'loss = jnp.mean((logits[:, 0] - batch["y"]) ** 2)')
+TOKEN_LOSS = MODEL.replace("class MLP(nnx.Module):\n", "class MLP(nnx.Module):\n    token_cross_entropy = True\n")
+
+
+@pytest.mark.parametrize("module,source,perplexity", [("regression", REGRESSION, False), ("tokens", TOKEN_LOSS, True)])
+def test_eval_reports_a_perplexity_only_for_a_model_that_declares_a_token_cross_entropy(user_dir, module, source,
+                                                                                        perplexity):
+    from nestor.orchestrator.job.eval_loss import Evaluator
+    from nestor.orchestrator.job.state import state_layout
+    from nestor.orchestrator.job.build import make_mesh
+    from nestor.parallel.rules import resolve_rules
+
+    write_user_directory(user_dir, module, source)
+    config = user_config(f"model.class={module}:MLP", *EVAL, **ONE_DEVICE)
+    mesh, rules = make_mesh(config), resolve_rules(config.mesh.rules)
+    layout = state_layout(config, mesh, rules)
+    assert layout.perplexity is perplexity
+    state = {"params": jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), layout.abstract["params"])}
+    evaluated = Evaluator(config, layout, mesh, rules)(state)
+    assert ("eval_perplexity" in evaluated) is perplexity and "eval_accuracy" in evaluated
+    if perplexity:
+        assert float(evaluated["eval_perplexity"]) == pytest.approx(np.exp(float(evaluated["eval_loss"])), rel=1e-6)

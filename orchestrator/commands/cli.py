@@ -35,9 +35,11 @@ def where_results_are(config) -> list[str]:
 
     run_dir = config.run.dir
     kept = finalized_steps(checkpoint_dir(run_dir))
-    files = ["config.yaml", "metrics.jsonl", "checkpoints/"]
+    files = ["config.yaml", "metrics.jsonl", "goodput.jsonl", "checkpoints/"]
     if config.metrics.tensorboard:
         files.append("tb/")
+    if config.cluster.launcher == "ray":  # Ray Train's own storage for the worker group
+        files.append("ray/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
@@ -106,10 +108,11 @@ def _eval(config, args) -> int:
     result = evaluate_checkpoint(config)
     others = "".join(f" {name} {value:.4f}" for name, value in result.items()
                      if name not in ("step", "eval_loss", "eval_perplexity"))
+    perplexity = f" eval_perplexity {result['eval_perplexity']:.3f}" if "eval_perplexity" in result else ""
     rows = (f"{config.train.global_batch} x {config.train.seq_len} tokens" if spec_of(config).counts_tokens
             else f"{config.train.global_batch} rows")
-    print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f} eval_perplexity "
-          f"{result['eval_perplexity']:.3f}{others} ({config.eval.steps} batches of {rows}, "
+    print(f"step {result['step']}: eval_loss {result['eval_loss']:.4f}{perplexity}{others} "
+          f"({config.eval.steps} batches of {rows}, "
           f"eval.source={config.eval.source})")
     return 0
 
@@ -337,7 +340,8 @@ def parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model, or resume it from run.dir")
     explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
-    evaluate = commands.add_parser("eval", help="eval loss and perplexity of run.dir's newest checkpoint")
+    evaluate = commands.add_parser("eval", help="eval loss (and perplexity, for a token cross-entropy) of "
+                                                "run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
     given = sample.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the text to continue")
@@ -438,6 +442,8 @@ def _main(args) -> int:
         config = load(args.config, args.overrides)
         if warning := idle_warning(config):
             print(f"nestor: {warning}", file=sys.stderr)
+        for line in config.chosen:
+            print(f"nestor: {line}")
         return args.handler(config, args)
     except ConfigError as error:
         print(f"{getattr(error, 'frames', '')}nestor: {error}", file=sys.stderr)  # a user's code's frames first

@@ -211,7 +211,8 @@ class MoEConfig:
     capacity_factor: float = key(1.25, "training capacity factor; 0 = dropless (no token dropped, in training or eval: "
                                  "grouped matmuls over tokens sorted by expert)", minimum=0)
     eval_capacity_factor: float = key(2.0, "capacity factor outside training (unused when dropless)", above=0)
-    group_size: int = key(0, "tokens per routing group (divides the tokens per device); 0 = one per sequence",
+    group_size: int = key(0, "tokens per routing group (divides the tokens per device); 0 = one per sequence, "
+                          "or with mesh.context and capacity the largest divisor of a device's chunk (chosen, said)",
                           minimum=0)
     second_expert_policy: str = key("all", "all | random (GShard's random routing of the 2nd expert; pipeline "
                                     "micro-batches share one draw)", choices=("all", "random"))
@@ -338,6 +339,8 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
     cluster: ClusterConfig = ClusterConfig()
+    # not a key: a line for each value validation chose where the run left a key unset (loader.validation)
+    chosen: typing.ClassVar[tuple[str, ...]] = ()
 
     @property
     def moe_layers(self) -> int:

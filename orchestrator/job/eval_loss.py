@@ -133,13 +133,15 @@ def make_eval_step(config: Config, layout: StateLayout, mesh: Mesh, rules: Rules
 
 
 class Evaluator:
-    """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity and
-    the model's scalar metrics as eval_<name>."""
+    """Evaluates a train state on the fixed eval batches: `evaluator(state)` -> eval_loss, eval_perplexity
+    (where the loss is a token cross-entropy: `StateLayout.perplexity`) and the model's scalar metrics as
+    eval_<name>."""
 
     def __init__(self, config: Config, layout: StateLayout, mesh: Mesh, rules: Rules, backend: Backend | None = None):
         self.config = config
         self.data = DataPipeline(config, mesh, rules, eval_source(config), eval_fields(config))
         self.step_fn = make_eval_step(config, layout, mesh, rules, backend)
+        self.perplexity = layout.perplexity
 
     def due(self, step: int) -> bool:
         """Returns whether training evaluates after `step`: every eval.every-th step and the last."""
@@ -147,13 +149,15 @@ class Evaluator:
         return bool(every) and (step % every == 0 or step == self.config.train.steps)
 
     def __call__(self, state: dict) -> dict[str, jax.Array]:
-        """Returns {eval_loss, eval_perplexity, eval_<metric> for each scalar metric of the model} (device
-        scalars) of `state`'s parameters (and expert bias) over the eval.steps batches."""
+        """Returns {eval_loss, eval_perplexity (a token cross-entropy's only), eval_<metric> for each scalar
+        metric of the model} (device scalars) of `state`'s parameters (and expert bias) over the eval.steps
+        batches."""
         results = [self.step_fn(state["params"], state.get("expert_bias"), state.get(REFERENCE), self.data.batch(index))
                    for index in range(self.config.eval.steps)]
         weights = jnp.stack([weight for *_, weight in results])
         share = weights / jnp.where(weights.sum() > 0, weights.sum(), 1.0)  # chat data: every answer token alike
         loss, metrics = jax.tree.map(lambda *values: jnp.sum(jnp.stack(values) * share),
                                      *[result[:2] for result in results])
+        perplexity = {"eval_perplexity": jnp.exp(loss)} if self.perplexity else {}
         return {**{f"eval_{name}": value for name, value in metrics.items()},
-                "eval_loss": loss, "eval_perplexity": jnp.exp(loss)}  # a metric of the model's never hides them
+                "eval_loss": loss, **perplexity}  # a metric of the model's never hides them

@@ -53,6 +53,7 @@ class StateLayout:
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
     trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
     adapter_scale: float = 0.0  # LoRA on a model of the user's: alpha / rank of its adapters (0: none)
+    perplexity: bool = False  # its eval loss is a token cross-entropy (models.task.TOKEN_CROSS_ENTROPY), not DPO's
 
     def update_shares(self, tree: dict) -> dict:
         """Returns the params-like `tree` (all params or the trained ones) constrained to where the optimizer
@@ -197,7 +198,8 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
     the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
     (`batch_axes`) nor nestor's activations use."""
     problems = _pipelined_stack_problems(config, model, mesh)  # the stages' split, said once per stack
-    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    split_by = [axis for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in split_by]
     names: set[str] = set()
     for path, var in nnx.to_flat_state(state):
         where = "/".join(map(str, path))
@@ -216,8 +218,8 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
         if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
             problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
                                             f"rule maps any of those names while {', '.join(splitting)} would "
-                                            "split it: map them with mesh.rules (e.g. {model: tensor}) or use "
-                                            "nestor's names (docs/models.md)"))
+                                            "split it: map them with mesh.rules (e.g. "
+                                            f"{{{own[-1]}: {split_by[-1]}}}) or use nestor's names (docs/models.md)"))
         spec = partition_spec(logical, rules)
         for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
             mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -323,8 +325,9 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     if config.train.objective == "dpo" and trained is None:  # DPO's reference: the start, frozen
         shardings[REFERENCE], shapes[REFERENCE] = param_shardings, params_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    perplexity = task.token_cross_entropy(abstract_model) and config.train.objective == "lm"
     return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
-                       trained, adapter_scale)
+                       trained, adapter_scale, perplexity)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:

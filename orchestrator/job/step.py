@@ -140,10 +140,17 @@ def checked_loss(model: nnx.Module, result: Any) -> tuple[jax.Array, Metrics]:
     if (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)
             and jnp.ndim(result[0]) == 0 and jnp.issubdtype(jnp.result_type(result[0]), jnp.floating)):
         return result
-    shown = (f"a tuple of {len(result)}" if isinstance(result, tuple) else
-             f"an array {tuple(jnp.shape(result))}" if hasattr(result, "shape") else type(result).__name__)
+    shown = (f"a tuple of {len(result)} ({', '.join(map(_described, result))})" if isinstance(result, tuple)
+             else _described(result))
     raise ConfigError([("model.class", f"{type(model).__name__}.{task.LOSS_METHOD}(batch) returned {shown}; it "
                                        "must return (a float scalar loss, a dict of metrics) (docs/models.md)")])
+
+
+def _described(value: Any) -> str:
+    """Returns what a value a model returned is, in a few words: `an array float32 (32,)`, `a dict`."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array {value.dtype} {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def micro_batches(batch: Batch, count: int) -> Batch:

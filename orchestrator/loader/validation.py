@@ -6,10 +6,11 @@ over the product of the mesh axes its logical name maps to.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nestor.backend.remat import NAMED_POLICIES
 from nestor.orchestrator.config.keys import ARRAY_SOURCES, INT32_MAX, key_table
@@ -42,7 +43,9 @@ def table_problems(config: Config) -> list[tuple[str, str]]:
 
 
 def validate(config: Config) -> Config:
-    """Returns `config` unchanged if it is consistent; otherwise raises ConfigError listing every problem.
+    """Returns `config` if it is consistent, with the values the model chooses for the mesh where the run
+    left a key unset (`ModelSpec.chosen_keys`, each said in `config.chosen`); otherwise raises ConfigError
+    listing every problem.
 
     First every key against its own range and choices (the key table in
     orchestrator.config.schema); only when all hold, the checks across keys, which
@@ -62,6 +65,8 @@ def validate(config: Config) -> Config:
     problems += _profile_problems(config)
     problems += _schedule_problems(config)
     problems += _mesh_problems(config, spec.rule_axes())
+    if not problems and (degrees := _known_degrees(config)) is not None:
+        config = _with_chosen_keys(config, spec.chosen_keys(config, degrees))
     problems += spec.mesh_problems(config, None if problems else _known_degrees(config))
     if not problems:
         problems += _repeats_problems(config)  # the device count may still be unknown
@@ -70,6 +75,19 @@ def validate(config: Config) -> Config:
             problems += _pipeline_problems(config, spec, degrees)
     if problems:
         raise ConfigError(problems)
+    return config
+
+
+def _with_chosen_keys(config: Config, chosen: list[tuple[str, Any, str]]) -> Config:
+    """Returns `config` with each (dotted key, value, why) of `chosen` set, and each said in `config.chosen`."""
+    if not chosen:
+        return config
+    for key, value, _ in chosen:
+        section, name = key.split(".")
+        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section),
+                                                                             **{name: value})})
+    object.__setattr__(config, "chosen", tuple(f"{key}={value} {why}; set {key} to choose another"
+                                               for key, value, why in chosen))  # not a key: never written
     return config
 
 

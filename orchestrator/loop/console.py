@@ -19,6 +19,7 @@ from typing import Any
 
 # The Console methods a ForwardingConsole sends and `replay` accepts.
 EVENTS = ("log", "compiling", "compiled", "start", "step", "close")
+EVALUATED = (("eval_loss", ".4f"), ("eval_perplexity", ".2f"))  # shown beside a step that evaluated
 
 
 class Console:
@@ -84,8 +85,7 @@ class Console:
     def step(self, record: dict) -> None:
         """Shows one logged step (a metrics.jsonl record); a step that evaluated adds its eval loss on the bar's
         terminal as a line of its own."""
-        evaluated = (f"eval_loss {record['eval_loss']:.4f}  eval_perplexity {record['eval_perplexity']:.2f}"
-                     if "eval_loss" in record else "")
+        evaluated = "  ".join(f"{name} {record[name]:{shown}}" for name, shown in EVALUATED if name in record)
         rate = (f"{record['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in record
                 else f"{record.get('rows_per_s', math.nan):.0f} rows/s")
         if self.bar is not None:

@@ -44,6 +44,11 @@ class ModelSpec:
         device count, or while other keys have problems): asked after the mesh's own checks."""
         return []
 
+    def chosen_keys(self, config: Config, degrees: dict[str, int]) -> list[tuple[str, Any, str]]:
+        """Returns (dotted key, value, why) for each key the run left unset that the model chooses for the mesh
+        `degrees` (asked once the mesh's own checks hold); none by default."""
+        return []
+
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
         """Returns the problems of splitting its dimensions and the batch over the known mesh `degrees`."""
         return []

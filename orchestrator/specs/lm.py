@@ -73,6 +73,15 @@ class LanguageModel(ModelSpec):
     def mesh_problems(self, config: Config, degrees: dict[str, int] | None) -> Problems:
         return _moe_problems(config, degrees)
 
+    def chosen_keys(self, config: Config, degrees: dict[str, int]) -> list[tuple[str, int, str]]:
+        size = _chosen_group_size(config, degrees)
+        if size is None:
+            return []
+        context = split_degree("length", resolve_rules(config.mesh.rules), degrees)
+        chunk = config.train.seq_len // (2 * context)
+        return [("moe.group_size", size, f"chosen for mesh.context={context}: the largest routing group that "
+                                         f"divides the {chunk}-token chunk a device holds")]
+
     def split_problems(self, config: Config, degrees: dict[str, int]) -> Problems:
         return _divisibility_problems(config, degrees) + _context_problems(config, degrees)
 
@@ -322,6 +331,20 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
     return problems
 
 
+def _chosen_group_size(config: Config, degrees: dict[str, int]) -> int | None:
+    """Returns the tokens per routing group nestor chooses where the run left moe.group_size unset (0) and
+    mesh.context splits the rows of an MoE model that drops tokens (which routes pieces of a chunk, so that
+    every mesh routes the same groups): the largest divisor of the chunk a device holds that also divides
+    its tokens, the most tokens routed together. None where nothing is chosen."""
+    moe, t = config.moe, config.train
+    if moe.group_size or not (moe.num_experts and moe.every) or config.dropless_moe:
+        return None
+    context = split_degree("length", resolve_rules(config.mesh.rules), degrees)
+    if context == 1 or t.seq_len % (2 * context):  # an uneven split is train.seq_len's problem
+        return None
+    return math.gcd(t.seq_len // (2 * context), moe_tokens_per_device(config, degrees))
+
+
 def _context_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[str, str]]:
     """Where mesh.context splits the rows of nestor's LM: the sequence into 2 x context chunks, and MoE routing
     that takes the same tokens together on every mesh (groups of whole rows when dropless, else whole pieces
@@ -344,11 +367,11 @@ def _context_problems(config: Config, degrees: dict[str, int] | None) -> list[tu
         problems.append(("moe.second_expert_policy", f"random draws by a token's place in the row, and with rows "
                                                      f"split by mesh.context={context} the places hold other "
                                                      "positions than on other meshes; use all"))
-    if chunk % moe.group_size if moe.group_size else not config.dropless_moe:
-        problems.append(("moe.group_size", f"{moe.group_size or t.seq_len} tokens per routing group: with rows "
-                                           f"split by mesh.context={context}, a group is a divisor of the "
-                                           f"{chunk}-token chunk a device holds (or, dropless, 0: one per row), so "
-                                           f"that every mesh routes the same groups; use a divisor of {chunk}"))
+    if moe.group_size and chunk % moe.group_size:  # 0 is a row when dropless, else chosen (_chosen_group_size)
+        problems.append(("moe.group_size", f"{moe.group_size} tokens per routing group: with rows split by "
+                                           f"mesh.context={context}, a group is a divisor of the {chunk}-token chunk "
+                                           "a device holds, so that every mesh routes the same groups; use a "
+                                           f"divisor of {chunk}, or 0 to let nestor choose"))
     return problems
 
 
