@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -275,6 +276,14 @@ def _bias_update_rate(bias: nnx.State) -> float:
     return float(rates.pop())
 
 
+def _traced(make: Callable[[], Any]) -> Any:
+    """Returns make() run inside an abstract trace, so that the arrays it creates on the way (optax's
+    placeholder state) touch no device; what it returns must hold no array."""
+    made = []
+    jax.eval_shape(lambda: made.append(make()))
+    return made[0]
+
+
 def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset[str] = frozenset()) -> StateLayout:
     """Returns the abstract, sharded layout of the train state for `mesh`; `batch_axes` are the logical names
     of the batch's fields (for the checks of a model of the user's). Raises ConfigError where a model of
@@ -308,11 +317,11 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
                                         param_shardings, params_shape)
     replicated = NamedSharding(mesh, PartitionSpec())
     # the moments live where their parameter is updated: sharded with it under `optimizer.shard_update`
-    opt_shardings = optax.tree_map_params(
+    opt_shardings = _traced(lambda: optax.tree_map_params(
         optimizer, lambda _, sharding: sharding, opt_shape, subtree(update_shardings or param_shardings,
                                                                     trained_logical),
         transform_non_params=lambda _: replicated,
-    )
+    ))
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_shape, "opt_state": opt_shape}
     bias_update_rate = 0.0
