@@ -54,6 +54,7 @@ class StateLayout:
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
     trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
     adapter_scale: float = 0.0  # LoRA on a model of the user's: alpha / rank of its adapters (0: none)
+    replicated: tuple[str, ...] = ()  # the params the model gave no name the rules map (`replicated_params`)
 
     def update_shares(self, tree: dict) -> dict:
         """Returns the params-like `tree` (all params or the trained ones) constrained to where the optimizer
@@ -119,7 +120,8 @@ def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
 
 def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
     """Returns (tree of logical-axes tuples, tree of values) of a model state's variables; a variable
-    without names gets (None, ...) (replicated), which `layout_problems` reports where that matters."""
+    without names gets (None, ...): replicated, as GSPMD and Flax's get_partition_spec leave it
+    (`replicated_params` names them)."""
     flat = nnx.to_flat_state(state)
     logical = {}
     for path, var in flat:
@@ -193,35 +195,22 @@ def trained_variable_problems(state: nnx.State) -> list[tuple[str, str]]:
 
 def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: Mesh, rules: Rules,
                     batch_axes: set[str]) -> list[tuple[str, str]]:
-    """Returns config problems of a model of the user's (`model`, its parameters `state`) on `mesh`: a matrix
-    without logical names where the mesh splits parameters, a dimension its mesh axes do not divide, a stack
-    the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
-    (`batch_axes`) nor nestor's activations use."""
+    """Returns config problems of a model of the user's (`model`, its parameters `state`) on `mesh`: a
+    dimension the rules map to mesh axes that do not divide it, a stack the pipeline cannot split, and a
+    `mesh.rules` entry for a name neither the parameters nor the batch (`batch_axes`) nor nestor's
+    activations use. A parameter without names the rules map is replicated, not refused
+    (`replicated_params`)."""
     problems = _pipelined_stack_problems(config, model, mesh)  # the stages' split, said once per stack
-    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in SHARDING_AXES if mesh.shape[axis] > 1]
     names: set[str] = set()
     for path, var in nnx.to_flat_state(state):
-        where = "/".join(map(str, path))
-        shape = var.get_value().shape
         logical = logical_axes_of(var)
-        if not named_by_model(var):
-            stacked = 0 if logical is None else sum(name is not None for name in logical)  # a stack's axes
-            if len(shape) - stacked >= 2 and splitting:
-                problems.append(("model.class", f"parameter {where} {list(shape)} has no logical axis names, and "
-                                                f"{', '.join(splitting)} would split it; name its dimensions "
-                                                "(nnx.with_partitioning(init, ('embed', 'mlp')), docs/models.md)"))
+        if logical is None:
             continue
         names.update(name for name in logical if name)
-        dims = [name for name in logical if name != axes.LAYERS]  # a stack's leading dimension aside
-        own = [name for name in dims if name]
-        if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
-            problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
-                                            f"rule maps any of those names while {', '.join(splitting)} would "
-                                            "split it: map them with mesh.rules (e.g. {model: tensor}) or use "
-                                            "nestor's names (docs/models.md)"))
+        where, shape = "/".join(map(str, path)), var.get_value().shape
         spec = partition_spec(logical, rules)
         for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
-            mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            mesh_axes = _entry_axes(entry)
             shards = math.prod(mesh.shape[axis] for axis in mesh_axes)
             if size % shards and "pipeline" not in mesh_axes:
                 problems.append(("model.class", f"parameter {where} {list(shape)}: its {name!r} dimension of {size} "
@@ -233,6 +222,18 @@ def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: M
             problems.append((f"mesh.rules.{name}", f"the model never names {name!r}; its parameters' logical axes "
                                                    f"are {', '.join(sorted(names)) or 'none'}"))
     return problems
+
+
+def replicated_params(state: nnx.State, rules: Rules) -> tuple[str, ...]:
+    """Returns the paths of the parameters that every device holds whole because the model gave them no name
+    the rules map: none at all (Flax's own nnx.Linear bias and nnx.LayerNorm scale), only a stack's
+    leading one, or only names `rules` does not know. A dimension named None on purpose is not counted."""
+    paths = []
+    for path, var in nnx.to_flat_state(state):
+        own = [name for name in logical_axes_of(var) or () if name and name != axes.LAYERS]
+        if not named_by_model(var) or (own and not any(name in rules for name in own)):
+            paths.append("/".join(map(str, path)))
+    return tuple(paths)
 
 
 def _entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -333,7 +334,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
         shardings[REFERENCE], shapes[REFERENCE] = param_shardings, params_shape
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
-                       trained, adapter_scale)
+                       trained, adapter_scale, replicated_params(abstract_params, rules))
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
@@ -450,3 +451,39 @@ def param_table(layout: StateLayout) -> list[dict[str, Any]]:
             "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
         })
     return rows
+
+
+def bytes_text(n: float) -> str:
+    """Returns `n` bytes in the largest binary unit under 1024 of it: `512 B`, `1.5 KiB`, `2.0 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def layout_warnings(layout: StateLayout, rules: Rules) -> list[str]:
+    """Returns the warning lines of a layout: the parameters replicated for want of a name the rules map
+    (`StateLayout.replicated`) with their bytes per device, where the mesh's fsdp or tensor split others,
+    and each of fsdp and tensor that splits no parameter at all."""
+    rows = param_table(layout)
+    mesh = layout.abstract["step"].sharding.mesh
+    splitting = [axis for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    warnings = []
+    replicated = [row for row in rows if row["name"] in layout.replicated]
+    if replicated and splitting:
+        listed = ", ".join(f"{row['name']} {row['shape']} {bytes_text(row['bytes_per_device'])}" for row in replicated)
+        held = bytes_text(sum(row["bytes_per_device"] for row in replicated))
+        warnings.append(f"warning: {len(replicated)} parameter(s) have no logical name the rules map, so every device "
+                        f"holds them whole ({held} per device, their optimizer state aside) while "
+                        f"{', '.join(f'mesh.{axis}={mesh.shape[axis]}' for axis in splitting)} split the others: "
+                        f"{listed}; name their dimensions (nnx.with_partitioning) or map their names with mesh.rules "
+                        "to split them (docs/models.md)")
+    used = {axis for row in rows for entry in row["spec"] for axis in _entry_axes(entry)}
+    for axis in splitting:
+        if axis not in used:
+            batch = ", only the batch" if axis in rules.get(axes.BATCH, ()) else ""
+            warnings.append(f"warning: mesh.{axis}={mesh.shape[axis]} splits no parameter{batch}: no logical name of "
+                            f"the parameters maps to {axis}; map one with mesh.rules (mesh.rules={{NAME: {axis}}}) or "
+                            "give its devices to another mesh axis")
+    return warnings
