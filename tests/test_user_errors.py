@@ -224,3 +224,16 @@ def test_the_abstract_build_before_a_launch_touches_no_device(project):
                                 capture_output=True, text=True, timeout=120)
         assert said in result.stdout + result.stderr and "Unable to initialize backend" not in result.stderr, \
             result.stderr[-3000:]
+
+
+def test_replicated_parameters_that_make_the_state_not_fit_are_refused_by_the_fit_check(project, capsys):
+    """A head of 32 x 4096 float32 (512 KiB) split over fsdp2 x tensor2 fits 1 MiB per device with AdamW's two
+    moments; replicated for want of names, the same head does not."""
+    from tests.test_user_model import UNNAMED
+
+    write_user_directory(project, "unnamed", UNNAMED)
+    sizes = ("model.args.classes=4096", "cluster.device_memory_gb=0.001", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    code, err = run("train", capsys, *sizes, "mesh.rules={classes: tensor}", "train.steps=1")
+    assert code == 0, err
+    code, err = run("train", capsys, *sizes, "model.class=unnamed:MLP", "run.dir=runs/unnamed")
+    one_config_line(code, err, "model.args", "its largest parameter, head [32, 4096], is 4,096 along a dimension without a logical name (replicated)")
