@@ -38,7 +38,7 @@ def abstract_mesh(config: Config) -> AbstractMesh | None:
 
 def check_abstractly(config: Config) -> None:
     """Raises ConfigError for what a run would refuse once its workers built the model: its layout on the
-    mesh (`state.layout_problems`) and a loss that breaks the task contract; the user's code's own
+    mesh (`layout_checks.layout_problems`) and a loss that breaks the task contract; the user's code's own
     exceptions pass through (the CLI shows them with their frames). Nothing is allocated or compiled and
     no device is touched."""
     mesh = abstract_mesh(config)
