@@ -15,7 +15,7 @@ import pytest
 
 from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.commands.cli import main
-from tests.test_user_model import MODEL, write_user_directory
+from tests.test_user_model import MODEL, UNNAMED, write_user_directory
 
 MESH = ("cluster.launcher=inprocess", "cluster.devices_per_host=8", "train.steps=2")
 
@@ -197,11 +197,14 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
     (("model.class=logits:MLP",), "MLP.loss(batch) returned an array (16, 4); it must return"),
     (("model.class=lossy:MLP",), "raised KeyError: 'label'"),
     (("mesh.rules={cls: tensor}",), "the model never names 'cls'"),
+    (("model.class=unnamed:MLP", "model.args.classes=4096", "cluster.device_memory_gb=0.001"),
+     "its largest parameter, head [32, 4096], is 4,096 along a dimension without a logical name (replicated)"),
 ])
 def test_a_mistake_in_the_users_model_is_refused_before_ray_starts(project, capsys, monkeypatch, overrides, says):
     from nestor.orchestrator.commands import ray_driver
 
     write_user_directory(project, "logits", LOGITS)
+    write_user_directory(project, "unnamed", UNNAMED)
     write_user_directory(project, "lossy", MODEL.replace('batch["y"]).mean()', 'batch["label"]).mean()'))
     monkeypatch.setattr(ray_driver, "launch", lambda *args, **kwargs: pytest.fail("Ray was started"))
     code = main(["train", "my.yaml", *RAY, *overrides])
@@ -229,8 +232,6 @@ def test_the_abstract_build_before_a_launch_touches_no_device(project):
 def test_replicated_parameters_that_make_the_state_not_fit_are_refused_by_the_fit_check(project, capsys):
     """A head of 32 x 4096 float32 (512 KiB) split over fsdp2 x tensor2 fits 1 MiB per device with AdamW's two
     moments; replicated for want of names, the same head does not."""
-    from tests.test_user_model import UNNAMED
-
     write_user_directory(project, "unnamed", UNNAMED)
     sizes = ("model.args.classes=4096", "cluster.device_memory_gb=0.001", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     code, err = run("train", capsys, *sizes, "mesh.rules={classes: tensor}", "train.steps=1")

@@ -10,7 +10,7 @@ from nestor.backend import BackendError, resolve_backend
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import batch_fields
 from nestor.orchestrator.errors import ConfigError
-from nestor.orchestrator.job.build import Job, batch_axes, mesh_error, traced_use
+from nestor.orchestrator.job.build import Job, batch_axes, check_state_fits, mesh_error, traced_use
 from nestor.orchestrator.job.eval_loss import check_eval_fields
 from nestor.orchestrator.job.state import state_layout
 from nestor.orchestrator.job.context_wiring import ATTENTION_AXES
@@ -38,9 +38,10 @@ def abstract_mesh(config: Config) -> AbstractMesh | None:
 
 def check_abstractly(config: Config) -> None:
     """Raises ConfigError for what a run would refuse once its workers built the model: its layout on the
-    mesh (`layout_checks.layout_problems`) and a loss that breaks the task contract; the user's code's own
-    exceptions pass through (the CLI shows them with their frames). Nothing is allocated or compiled and
-    no device is touched."""
+    mesh (`layout_checks.layout_problems`), a train state larger than the devices' memory
+    (`check_state_fits`, on CPU a host's RAM over `cluster.devices_per_host`) and a loss that breaks the
+    task contract; the user's code's own exceptions pass through (the CLI shows them with their frames).
+    Nothing is allocated or compiled and no device is touched."""
     mesh = abstract_mesh(config)
     if mesh is None:
         return
@@ -53,4 +54,5 @@ def check_abstractly(config: Config) -> None:
                                   context_degree(mesh, rules, ATTENTION_AXES))
     except BackendError as error:
         raise ConfigError([(error.key, error.message)]) from None
+    check_state_fits(config, backend, layout, config.cluster.devices_per_host)
     traced_use(Job(config, mesh, rules, backend, layout, step_fn=None, data=None))

@@ -92,14 +92,14 @@ def devices_here(mesh: Mesh) -> int:
     return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
 
 
-def check_state_fits(config: Config, backend: Backend, layout: StateLayout, mesh: Mesh) -> None:
+def check_state_fits(config: Config, backend: Backend, layout: StateLayout, devices_here: int) -> None:
     """Raises ConfigError naming the key that sizes the largest parameter when the train state alone, as
-    `layout` shards it, needs more than a device's memory (memory_fit.state_problems), before any of it
-    is allocated."""
+    `layout` shards it, needs more than a device's memory (memory_fit.state_problems; on CPU the host's RAM
+    over the `devices_here` devices of a process), before any of it is allocated."""
     params = param_table(layout)
     state_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(layout.abstract))
     largest = max(params, key=lambda row: row["bytes_total"])
-    if problems := state_problems(config, backend, state_bytes, largest, devices_here(mesh)):
+    if problems := state_problems(config, backend, state_bytes, largest, devices_here):
         raise ConfigError(problems)
 
 
@@ -130,7 +130,7 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     check_eval_fields(config, fields)
     layout = state_layout(config, mesh, rules, batch_axes(fields))
     if with_data:  # a job that runs allocates its state: refused here, before anything is, if it cannot fit
-        check_state_fits(config, backend, layout, mesh)
+        check_state_fits(config, backend, layout, devices_here(mesh))
     step_fn = make_train_step(config, layout, mesh, rules, backend, fields)
     data = DataPipeline(config, mesh, rules, fields=fields) if with_data else None
     evaluator = Evaluator(config, layout, mesh, rules, backend) if with_data and config.eval.every else None
