@@ -1,6 +1,7 @@
 """The checks an abstract build of a run makes with no device: the model built by `nnx.eval_shape`, its
-parameters laid out on a mesh of the run's shape (state.state_layout) and its loss traced on abstract
-inputs (the task contract). A launcher runs them in the user's process before any worker starts."""
+parameters laid out on a mesh of the run's shape (state.state_layout), the state held against the devices'
+memory and its loss traced on abstract inputs (the task contract). A launcher runs them in the user's
+process before any worker starts."""
 
 from __future__ import annotations
 
