@@ -5,6 +5,7 @@ the user's frames only, then one line naming the key, exit 2."""
 from __future__ import annotations
 
 import pickle
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.commands.cli import main
-from tests.test_user_model import MODEL, write_user_directory
+from tests.test_user_model import MODEL, UNNAMED, write_user_directory
 
 MESH = ("cluster.launcher=inprocess", "cluster.devices_per_host=8", "train.steps=2")
 
@@ -184,3 +185,56 @@ def test_from_the_checkout_or_beside_pythons_library_only_the_users_own_files_ar
     monkeypatch.setenv(USER_CODE_ENV, str(library.parent.parent))
     assert not user_code._is_users(str(library))
     assert importlib.util.find_spec("nestor.orchestrator").submodule_search_locations  # what the rooms come from
+
+
+RAY = ("cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_host=4", "mesh.data=2", "mesh.fsdp=2",
+       "mesh.tensor=2")
+LOGITS = MODEL.replace("        return loss, {", "        return logits\n        return loss, {")
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (("model.args.hidden=63",), "its 'mlp' dimension of 63 does not split over mesh.tensor (= 2)"),
+    (("model.class=logits:MLP",), "MLP.loss(batch) returned an array (16, 4); it must return"),
+    (("model.class=lossy:MLP",), "raised KeyError: 'label'"),
+    (("mesh.rules={cls: tensor}",), "the model never names 'cls'"),
+    (("model.class=unnamed:MLP", "model.args.classes=4096", "cluster.device_memory_gb=0.001"),
+     "its largest parameter, head [32, 4096], is 4,096 along a dimension without a logical name (replicated)"),
+])
+def test_a_mistake_in_the_users_model_is_refused_before_ray_starts(project, capsys, monkeypatch, overrides, says):
+    from nestor.orchestrator.commands import ray_driver
+
+    write_user_directory(project, "logits", LOGITS)
+    write_user_directory(project, "unnamed", UNNAMED)
+    write_user_directory(project, "lossy", MODEL.replace('batch["y"]).mean()', 'batch["label"]).mean()'))
+    monkeypatch.setattr(ray_driver, "launch", lambda *args, **kwargs: pytest.fail("Ray was started"))
+    code = main(["train", "my.yaml", *RAY, *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and "nestor: invalid config:\n" in err and says in err, err
+    assert not (project / "runs").exists()  # nothing written: run.dir is not even made
+
+
+def test_the_abstract_build_before_a_launch_touches_no_device(project):
+    """The checks run with JAX_PLATFORMS naming a platform this machine lacks: any device touched fails."""
+    from tests.conftest import ROOT
+    from tests.helpers import child_env
+
+    check = ("import sys\nfrom nestor.orchestrator.loader.config import load\n"
+             "from nestor.orchestrator.job.abstract_check import check_abstractly\n"
+             "check_abstractly(load('my.yaml', sys.argv[1:]))\nprint('checked')\n")
+    env = child_env(JAX_PLATFORMS="tpu", PYTHONPATH=str(ROOT))
+    for overrides, said in (((), "checked\n"), (("model.args.hidden=63",), "does not split over mesh.tensor")):
+        result = subprocess.run([sys.executable, "-c", check, *RAY[1:], *overrides], cwd=project, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert said in result.stdout + result.stderr and "Unable to initialize backend" not in result.stderr, \
+            result.stderr[-3000:]
+
+
+def test_replicated_parameters_that_make_the_state_not_fit_are_refused_by_the_fit_check(project, capsys):
+    """A head of 32 x 4096 float32 (512 KiB) split over fsdp2 x tensor2 fits 1 MiB per device with AdamW's two
+    moments; replicated for want of names, the same head does not."""
+    write_user_directory(project, "unnamed", UNNAMED)
+    sizes = ("model.args.classes=4096", "cluster.device_memory_gb=0.001", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    code, err = run("train", capsys, *sizes, "mesh.rules={classes: tensor}", "train.steps=1")
+    assert code == 0, err
+    code, err = run("train", capsys, *sizes, "model.class=unnamed:MLP", "run.dir=runs/unnamed")
+    one_config_line(code, err, "model.args", "its largest parameter, head [32, 4096], is 4,096 along a dimension without a logical name (replicated)")

@@ -163,6 +163,11 @@ def test_explain_prints_the_layout_of_the_users_parameters(user_dir):
     assert specs["embed"] == ([None, "embed"], [None, "fsdp"])
     assert specs["head"] == (["embed", "classes"], ["fsdp", None])  # a name without a rule is replicated
     assert specs["blocks/blocks/scale"][1] == ["pipeline", None]  # a vector without names is replicated
+    assert report["warnings"] == ["warning: 1 parameter(s) have no logical name the rules map, so every device holds "
+                                  "them whole (256 B per device, their optimizer state aside) while mesh.fsdp=2, "
+                                  "mesh.tensor=2 split the others: blocks/blocks/scale [2, 32] 256 B; name their "
+                                  "dimensions (nnx.with_partitioning) or map their names with mesh.rules to split "
+                                  "them (docs/models.md)"]
     assert report["model_flops_per_step"] is None and report["flops_per_step"] > 0
     # a model that calls none of models.ops and runs no pipeline gets none of those choices reported
     backend = report["backend"]
@@ -264,7 +269,6 @@ SWAPPED = MODEL.replace("        return loss, {", "        return {'loss': loss}
     (("model.class=nowhere.mlp:MLP",), "mlp", MODEL, "model.class", "cannot import 'nowhere.mlp'"),
     (("model.class=mlp:Missing",), "mlp", MODEL, "model.class", "has no 'Missing'; it defines"),
     (("model.args={depth: 2, colour: red}",), "mlp", MODEL, "model.args", "colour"),
-    (("model.class=unnamed:MLP",), "unnamed", UNNAMED, "model.class", "parameter head [32, 4] has no logical axis"),
     (("mesh.rules={heads: tensor, cls: tensor}",), "mlp", MODEL, "mesh.rules.cls",
      "the model never names 'cls'; its parameters' logical axes are classes, embed, layers, mlp"),
     (("model.class=noloss:MLP",), "noloss", NO_LOSS, "model.class", "has no method loss(batch)"),
@@ -288,10 +292,6 @@ SWAPPED = MODEL.replace("        return loss, {", "        return {'loss': loss}
     (("mesh.pipeline=2", "model.class=twostacks:MLP"), "twostacks", TWO_STACKS, "model.class",
      "two stacks are named 'blocks'"),
     (("model.class=dropout:MLP",), "dropout", DROPOUT, "model.class", "the step trains nnx.Param"),
-    (("model.class=guide:MLP",), "guide", GUIDE_NAMES, "model.class",
-     "is named ('model', 'classes'), and no rule maps any of those names"),
-    (("model.class=guide:MLP",), "guide", GUIDE_NAMES, "model.class",
-     "map them with mesh.rules (e.g. {classes: tensor})"),  # a name of the parameter's own
     (("data.source=python",), "mlp", MODEL, "data.factory", "data.source=python needs module:function"),
     (("data.source=python", "data.factory=mlp:MLPConfig"), "mlp", MODEL, "data.args", "cannot be called"),
     (("eval.every=2", "eval.source=text", "eval.paths=[my.yaml]"), "mlp", MODEL, "eval.source",
@@ -304,6 +304,19 @@ def test_each_mistake_in_a_users_model_is_one_config_error(user_dir, overrides, 
     with pytest.raises(ConfigError) as error:
         explain(user_config(*(o for o in overrides if o != "mesh.pipeline=2"), **mesh))
     assert error.value.problems[0][0] == key and says in error.value.problems[0][1], error.value.problems
+
+
+@pytest.mark.parametrize("module,source,head,entry", [("unnamed", UNNAMED, [None, None], "{NAME: tensor}"),
+                                                       ("guide", GUIDE_NAMES, ["model", "classes"], "{classes: tensor}")])
+def test_a_matrix_without_names_the_rules_map_is_replicated_and_named_in_one_warning(user_dir, module, source, head,
+                                                                                    entry):
+    write_user_directory(user_dir, module, source)
+    report = explain(user_config(f"model.class={module}:MLP", **mesh_overrides(data=2, fsdp=2, tensor=2)))
+    row = {row["name"]: row for row in report["params"]}["head"]
+    assert row["logical_axes"] == head and row["spec"] == [None, None] and row["bytes_per_device"] == 32 * 4 * 4
+    assert len(report["warnings"]) == 1 and "2 parameter(s) have no logical name the rules map" in report["warnings"][0]
+    assert "blocks/blocks/scale [2, 32] 256 B, head [32, 4] 512 B;" in report["warnings"][0], report["warnings"]
+    assert f"mesh.rules (e.g. mesh.rules={entry})" in report["warnings"][0]  # a name of the parameter's own
 
 
 @pytest.mark.timeout(300)

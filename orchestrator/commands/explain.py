@@ -22,7 +22,7 @@ from nestor.orchestrator.loader.memory_fit import GIB, fit_report
 from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.job.state import param_table, per_device_bytes
+from nestor.orchestrator.job.state import bytes_text, layout_warnings, param_table, per_device_bytes
 from nestor.orchestrator.job.step import make_train_step, pipeline_schedule
 from nestor.parallel.hlo import (collectives, estimated_flops, float_normalization_flops, flops_by_phase,
                                  flops_per_run)
@@ -198,16 +198,9 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
         "model_flops_per_step": analytic[0] if analytic else None,
         "executed_flops_per_step": analytic[1] if analytic else None,
-        "warnings": [warning for warning in (unsplit_rows_warning(job, named),) if warning],
+        "warnings": layout_warnings(job.layout, job.rules) + [warning for warning in (unsplit_rows_warning(job, named),)
+                                                             if warning],
     }
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
@@ -219,8 +212,8 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
 def fit_line(fit: dict[str, Any]) -> str:
     """Returns the line that answers "will it fit?" for explain's `fit` entry, and a `note:` line under it
     when the figures carry a caveat."""
-    parts = (f"parameters + optimizer {_fmt_bytes(fit['state_bytes'])}, temporaries "
-             f"{_fmt_bytes(fit['temporaries_bytes'])}, total {_fmt_bytes(fit['total_bytes'])}")
+    parts = (f"parameters + optimizer {bytes_text(fit['state_bytes'])}, temporaries "
+             f"{bytes_text(fit['temporaries_bytes'])}, total {bytes_text(fit['total_bytes'])}")
     if fit["device_memory_bytes"] is None:
         line = f"per device: {parts}; {fit['verdict']}"
     else:
@@ -259,33 +252,33 @@ def format_report(report: dict[str, Any]) -> str:
              f"parameters: {report['param_count']:,}"]
     lines += _aligned([("name", "shape", "logical axes", "spec", "per device")] + [
         (row["name"], str(tuple(row["shape"])), str(tuple(row["logical_axes"])), spec_text(row["spec"]),
-         _fmt_bytes(row["bytes_per_device"])) for row in report["params"]])
+         bytes_text(row["bytes_per_device"])) for row in report["params"]])
     lines += ["", f"memory per device (XLA memory analysis, remat {report['remat']}):"]
-    lines += [f"  {k:<14} {_fmt_bytes(v)}" for k, v in report["memory_per_device_bytes"].items()]
+    lines += [f"  {k:<14} {bytes_text(v)}" for k, v in report["memory_per_device_bytes"].items()]
     if (lora := report["lora"]) is not None:
         trainable, frozen = lora["trainable_params"], lora["frozen_params"]
         full, saved = lora["full_fine_tuning_per_device_bytes"], lora["saved_per_device_bytes"]
         lines += ["", f"LoRA: {trainable:,} trainable parameters ({trainable / (trainable + frozen):.3%}), "
                       f"{frozen:,} frozen; per device against full fine-tuning of this config (compiled too):"]
-        lines += [f"  {part:<14} {_fmt_bytes(full[part] - saved[part])} vs {_fmt_bytes(full[part])}: "
-                  f"{_fmt_bytes(abs(saved[part]))} {'saved' if saved[part] >= 0 else 'more'}" for part in MEMORY_PARTS]
+        lines += [f"  {part:<14} {bytes_text(full[part] - saved[part])} vs {bytes_text(full[part])}: "
+                  f"{bytes_text(abs(saved[part]))} {'saved' if saved[part] >= 0 else 'more'}" for part in MEMORY_PARTS]
     lines += ["", fit_line(report["fit"])]
     lines += ["", "collectives per step (compiled HLO):"]
-    lines += [f"  {k:<19} {v['count']:>5} x  {_fmt_bytes(v['bytes'])}" for k, v in report["collectives"].items()]
+    lines += [f"  {k:<19} {v['count']:>5} x  {bytes_text(v['bytes'])}" for k, v in report["collectives"].items()]
     if (p := report["pipeline"]) is not None:
         lines += ["", f"pipeline: {p['schedule']}, {p['stages']} stages x {p['repeats']} repeats, "
                       f"{p['microbatches']} micro-batches, {p['ticks']} ticks, bubble {p['bubble_fraction']:.1%}, "
                       f"micro-batches in flight per stage {'/'.join(map(str, p['in_flight']))}, "
-                      f"temporaries {_fmt_bytes(p['temporaries'])}"]
+                      f"temporaries {bytes_text(p['temporaries'])}"]
     if (d := report["dropless_moe"]) is not None:
         lines += ["", f"dropless MoE: exchange {d['exchange']}, grouped matmuls {d['grouped_matmul']}, "
                       f"worst-case buffer {d['buffer_rows']:,} rows, "
-                      f"{_fmt_bytes(d['buffer_bytes_per_device'])} per device per layer"]
+                      f"{bytes_text(d['buffer_bytes_per_device'])} per device per layer"]
     if (c := report["context"]) is not None:
         pairs = c["pairs_per_device"]
         lines += ["", f"context: rows split over {c['devices']} devices ({c['layout']}, "
                       f"{c['positions_per_device']:,} positions each), attention {c['attention']}: "
-                      f"{_fmt_bytes(c['exchange_bytes_per_layer'])} of keys and values received per device per "
+                      f"{bytes_text(c['exchange_bytes_per_layer'])} of keys and values received per device per "
                       f"layer (forward), (query, key) chunk pairs per device {min(pairs)}-{max(pairs)}"]
     counted_note = ", grouped matmuls as the target's kernels run them" if report[
         "grouped_matmuls_counted_as_target_runs_them"] else ""

@@ -1,5 +1,6 @@
 """What a launcher checks in the user's process before any worker starts: the user's code, the data
-sources and the newest checkpoint against the config. Each is a ConfigError naming the key, in seconds,
+sources, the model built abstractly (its layout on the mesh, its loss on abstract inputs) and the newest
+checkpoint against the config. Each is a ConfigError naming the key, in seconds,
 with nothing written; the workers check the same again where they run."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.data.batches import text_files
 from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
 from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.job.abstract_check import check_abstractly
 from nestor.orchestrator.specs.registry import resolve_user_code, spec_of
 
 
@@ -59,4 +61,6 @@ def check_before_launch(config: Config) -> None:
     """Raises ConfigError for what the user's process can find wrong before workers start (see the module)."""
     resolve_user_code(config)
     data_problems(config)
+    if not config.cluster.address:  # a cluster by address reads the data the model is checked on there
+        check_abstractly(config)
     checkpoint_misfit(config)

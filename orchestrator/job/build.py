@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from nestor.backend import ACCELERATORS, Backend, BackendError, platform_family
 from nestor.backend.targets import TargetDevices, target_devices
 from nestor.orchestrator.config.schema import Config
-from nestor.orchestrator.data.batches import DataPipeline, abstract, batch_fields
+from nestor.orchestrator.data.batches import DataPipeline, Field, abstract, batch_fields
 from nestor.orchestrator.config.degrees import mesh_axes_key
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.eval_loss import Evaluator, check_eval_fields
@@ -73,8 +73,18 @@ def make_mesh(config: Config, devices: list[jax.Device] | None = None) -> Mesh:
         return build_mesh(config.mesh.ici_shape(), config.mesh.dcn_shape(),
                           devices if devices is not None else select_devices(config))
     except MeshError as error:
-        key = mesh_axes_key(config) if error.key == "mesh" else error.key
-        raise ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")]) from None
+        raise mesh_error(config, error) from None
+
+
+def mesh_error(config: Config, error: MeshError) -> ConfigError:
+    """Returns the ConfigError of mesh degrees that do not fit the devices, naming the key to change."""
+    key = mesh_axes_key(config) if error.key == "mesh" else error.key
+    return ConfigError([(key, str(error).split(": ", 1)[1] + " (or change cluster.devices_per_host)")])
+
+
+def batch_axes(fields: dict[str, Field]) -> frozenset[str]:
+    """Returns the logical names the batch's `fields` give their dimensions."""
+    return frozenset(name for field in fields.values() for name in field.logical_axes if name)
 
 
 def devices_here(mesh: Mesh) -> int:
@@ -82,14 +92,14 @@ def devices_here(mesh: Mesh) -> int:
     return sum(device.process_index == jax.process_index() for device in mesh.devices.flat)
 
 
-def check_state_fits(config: Config, backend: Backend, layout: StateLayout, mesh: Mesh) -> None:
+def check_state_fits(config: Config, backend: Backend, layout: StateLayout, devices_here: int) -> None:
     """Raises ConfigError naming the key that sizes the largest parameter when the train state alone, as
-    `layout` shards it, needs more than a device's memory (memory_fit.state_problems), before any of it
-    is allocated."""
+    `layout` shards it, needs more than a device's memory (memory_fit.state_problems; on CPU the host's RAM
+    over the `devices_here` devices of a process), before any of it is allocated."""
     params = param_table(layout)
     state_bytes = sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(layout.abstract))
     largest = max(params, key=lambda row: row["bytes_total"])
-    if problems := state_problems(config, backend, state_bytes, largest, devices_here(mesh)):
+    if problems := state_problems(config, backend, state_bytes, largest, devices_here):
         raise ConfigError(problems)
 
 
@@ -118,10 +128,9 @@ def build_job(config: Config, devices: list[jax.Device] | None = None, with_data
     backend = backend_for(config, mesh)
     fields = batch_fields(config)
     check_eval_fields(config, fields)
-    layout = state_layout(config, mesh, rules, frozenset(name for field in fields.values()
-                                                         for name in field.logical_axes if name))
+    layout = state_layout(config, mesh, rules, batch_axes(fields))
     if with_data:  # a job that runs allocates its state: refused here, before anything is, if it cannot fit
-        check_state_fits(config, backend, layout, mesh)
+        check_state_fits(config, backend, layout, devices_here(mesh))
     step_fn = make_train_step(config, layout, mesh, rules, backend, fields)
     data = DataPipeline(config, mesh, rules, fields=fields) if with_data else None
     evaluator = Evaluator(config, layout, mesh, rules, backend) if with_data and config.eval.every else None
@@ -139,10 +148,10 @@ def traced_use(job: Job) -> tuple[set[str], set[str]]:
     loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend,
                            stack_runners(job.config, job.mesh, job.rules, job.backend), objective=objective_of(job.config))
     state = job.layout.abstract
-    key = jax.random.key(job.config.run.seed)  # a training trace has one: random routing, a user's dropout
+    seed = job.config.run.seed  # a training trace has a key (random routing, a user's dropout), made inside it
     with ops.recording() as called, axes.recording() as named:  # a fresh function: traced anew, never cached
-        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, key, bias), state["params"],
-                       abstract_batch(job), state.get("expert_bias"))
+        jax.eval_shape(lambda params, batch, bias: loss_fn(params, batch, jax.random.key(seed), bias),
+                       state["params"], abstract_batch(job), state.get("expert_bias"))
     return called, named
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,20 +25,21 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nestor.models import axes, task
+from nestor.models import axes
 from nestor.models.lora import Adapter
 from nestor.models.moe import ExpertBias
-from nestor.models.params import logical_axes_of, named_by_model
+from nestor.models.params import logical_axes_of
 from nestor.models.stack import Stack
 from nestor.orchestrator.config.schema import Config
-from nestor.orchestrator.config.degrees import schedule_for
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job import user_lora
 from nestor.orchestrator.job.user_lora import nest
+from nestor.orchestrator.job.layout_checks import (entry_axes, layout_problems, replicated_params,
+                                                   trained_variable_problems)
 from nestor.orchestrator.job.optimizer import make_optimizer
 from nestor.orchestrator.specs.registry import build_model, spec_of
-from nestor.parallel.rules import DEFAULT_RULES, Rules, is_logical_axes, partition_spec, tree_shardings
+from nestor.parallel.rules import Rules, is_logical_axes, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class StateLayout:
     bias_update_rate: float = 0.0  # how far the step moves the model's ExpertBias variables (auxiliary-loss-free)
     trained: dict | None = None  # LoRA: the logical axes of the trained params (the adapters); None: all of them
     adapter_scale: float = 0.0  # LoRA on a model of the user's: alpha / rank of its adapters (0: none)
+    replicated: tuple[str, ...] = ()  # the params the model gave no name the rules map (`replicated_params`)
     perplexity: bool = False  # its eval loss is a token cross-entropy (models.task.TOKEN_CROSS_ENTROPY), not DPO's
 
     def update_shares(self, tree: dict) -> dict:
@@ -119,7 +122,8 @@ def split_model(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
 
 def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
     """Returns (tree of logical-axes tuples, tree of values) of a model state's variables; a variable
-    without names gets (None, ...) (replicated), which `layout_problems` reports where that matters."""
+    without names gets (None, ...): replicated, as GSPMD and Flax's get_partition_spec leave it
+    (`replicated_params` names them)."""
     flat = nnx.to_flat_state(state)
     logical = {}
     for path, var in flat:
@@ -129,41 +133,6 @@ def _logical_and_values(state: nnx.State) -> tuple[dict, dict]:
 
 
 SHARDING_AXES = ("fsdp", "tensor")  # the mesh axes that split a model's weight matrices
-
-
-def _pipelined_stack_problems(config: Config, model: nnx.Module, mesh: Mesh) -> list[tuple[str, str]]:
-    """Returns the problems of pipelining the model's stack `pipeline.stack` over `mesh.pipeline` stages: no
-    stack of that name (or two), one whose blocks do not split into stages x repeats, and for a schedule that
-    runs the backward pass in its loop a model without the split around that stack (models.task)."""
-    if mesh.shape["pipeline"] == 1 or hasattr(model, "pipeline_units"):  # a model that gives its stack itself
-        return []
-    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]
-    names = [node.name for node in found]
-    if twice := sorted({name for name in names if names.count(name) > 1}):
-        return [("model.class", f"two stacks are named {', '.join(map(repr, twice))}: give each Stack a name= of "
-                                "its own")]
-    stacks = {node.name: node for node in found}
-    name = config.pipeline.stack
-    if name not in stacks:
-        return [("pipeline.stack", f"the model has no stack named {name!r} to pipeline; its stacks (models.stack."
-                                   f"Stack) are {', '.join(sorted(stacks)) or 'none'}")]
-    schedule = schedule_for(config, mesh.shape["pipeline"])
-    problems = [(f"pipeline.{what}" if what != "layers" else "pipeline.stack", f"stack {name!r}: {message}")
-                for what, message in schedule.problems(stacks[name].count)]
-    if not schedule.one_f_one_b:
-        return problems
-    missing = [method for method in task.PIPELINE_METHODS if not callable(getattr(model, method, None))]
-    split_stack = getattr(model, task.PIPELINE_STACK, name)
-    if missing:
-        problems.append(("pipeline.schedule", f"{config.pipeline.schedule} runs the backward pass inside its loop, "
-                                              f"which needs the model split around its stack: "
-                                              f"{type(model).__name__} has no {', '.join(missing)} (docs/models.md); "
-                                              "gpipe and circular need nothing more"))
-    elif split_stack != name:
-        problems.append(("pipeline.stack", f"{config.pipeline.schedule} runs {type(model).__name__}'s split around "
-                                           f"its stack {split_stack!r} (its {task.PIPELINE_STACK}), not {name!r}; "
-                                           f"pipeline {split_stack!r}, or {name!r} with gpipe or circular"))
-    return problems
 
 
 def _unpipelined_stacks_whole(config: Config, model: nnx.Module, logical: dict) -> dict:
@@ -179,67 +148,6 @@ def _unpipelined_stacks_whole(config: Config, model: nnx.Module, logical: dict) 
     return logical
 
 
-def trained_variable_problems(state: nnx.State) -> list[tuple[str, str]]:
-    """Returns a problem for each variable of a model of the user's that is neither a parameter nor an expert
-    bias: the step trains nnx.Param and keeps nothing else (RNG state, batch statistics)."""
-    problems = []
-    for path, var in nnx.to_flat_state(state):
-        if not isinstance(var, nnx.Param):
-            problems.append(("model.class", f"{'/'.join(map(str, path))} is an {type(var).__name__}; the step trains "
-                                            "nnx.Param variables and keeps no other state (use models.task.step_key "
-                                            "for randomness; no batch statistics)"))
-    return problems
-
-
-def layout_problems(config: Config, model: nnx.Module, state: nnx.State, mesh: Mesh, rules: Rules,
-                    batch_axes: set[str]) -> list[tuple[str, str]]:
-    """Returns config problems of a model of the user's (`model`, its parameters `state`) on `mesh`: a matrix
-    without logical names where the mesh splits parameters, a dimension its mesh axes do not divide, a stack
-    the pipeline cannot split, and a `mesh.rules` entry for a name neither the parameters nor the batch
-    (`batch_axes`) nor nestor's activations use."""
-    problems = _pipelined_stack_problems(config, model, mesh)  # the stages' split, said once per stack
-    split_by = [axis for axis in SHARDING_AXES if mesh.shape[axis] > 1]
-    splitting = [f"mesh.{axis}={mesh.shape[axis]}" for axis in split_by]
-    names: set[str] = set()
-    for path, var in nnx.to_flat_state(state):
-        where = "/".join(map(str, path))
-        shape = var.get_value().shape
-        logical = logical_axes_of(var)
-        if not named_by_model(var):
-            stacked = 0 if logical is None else sum(name is not None for name in logical)  # a stack's axes
-            if len(shape) - stacked >= 2 and splitting:
-                problems.append(("model.class", f"parameter {where} {list(shape)} has no logical axis names, and "
-                                                f"{', '.join(splitting)} would split it; name its dimensions "
-                                                "(nnx.with_partitioning(init, ('embed', 'mlp')), docs/models.md)"))
-            continue
-        names.update(name for name in logical if name)
-        dims = [name for name in logical if name != axes.LAYERS]  # a stack's leading dimension aside
-        own = [name for name in dims if name]
-        if own and splitting and len(dims) >= 2 and not any(name in rules for name in own):
-            problems.append(("model.class", f"parameter {where} {list(shape)} is named {tuple(logical)}, and no "
-                                            f"rule maps any of those names while {', '.join(splitting)} would "
-                                            "split it: map them with mesh.rules (e.g. "
-                                            f"{{{own[-1]}: {split_by[-1]}}}) or use nestor's names (docs/models.md)"))
-        spec = partition_spec(logical, rules)
-        for size, name, entry in zip(shape, logical, list(spec) + [None] * len(shape)):
-            mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            shards = math.prod(mesh.shape[axis] for axis in mesh_axes)
-            if size % shards and "pipeline" not in mesh_axes:
-                problems.append(("model.class", f"parameter {where} {list(shape)}: its {name!r} dimension of {size} "
-                                                f"does not split over {' x '.join(f'mesh.{a}' for a in mesh_axes)} "
-                                                f"(= {shards}); change mesh.rules.{name} or the mesh"))
-    known = names | batch_axes | set(DEFAULT_RULES)
-    for name in config.mesh.rules:
-        if name not in known:
-            problems.append((f"mesh.rules.{name}", f"the model never names {name!r}; its parameters' logical axes "
-                                                   f"are {', '.join(sorted(names)) or 'none'}"))
-    return problems
-
-
-def _entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def update_sharding(sharding: NamedSharding, shape: tuple[int, ...], batch_axes: tuple[str, ...]) -> NamedSharding:
     """Returns where a parameter of `shape` held as `sharding` is updated under ZeRO stage 1: split further
     over the `batch_axes` (those the batch is split on, of size > 1) it is not split over already, on the
@@ -247,7 +155,7 @@ def update_sharding(sharding: NamedSharding, shape: tuple[int, ...], batch_axes:
     one share and keeps that share's optimizer state. Where no dimension divides, the last of those axes are
     dropped until one does; `sharding` itself when none is left."""
     mesh = sharding.mesh
-    entries = [_entry_axes(entry) for entry in sharding.spec]
+    entries = [entry_axes(entry) for entry in sharding.spec]
     entries += [()] * (len(shape) - len(entries))
     used = {axis for entry in entries for axis in entry}
     free = tuple(axis for axis in batch_axes if axis not in used and mesh.shape[axis] > 1)
@@ -275,6 +183,14 @@ def _bias_update_rate(bias: nnx.State) -> float:
                                           f"experts] at one rate; the model holds {len(flat)} at rates "
                                           f"{sorted(rates)}: keep its MoE layers in one models.stack.Stack")])
     return float(rates.pop())
+
+
+def _traced(make: Callable[[], Any]) -> Any:
+    """Returns make() run inside an abstract trace, so that the arrays it creates on the way (optax's
+    placeholder state) touch no device; what it returns must hold no array."""
+    made = []
+    jax.eval_shape(lambda: made.append(make()))
+    return made[0]
 
 
 def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset[str] = frozenset()) -> StateLayout:
@@ -310,11 +226,11 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
                                         param_shardings, params_shape)
     replicated = NamedSharding(mesh, PartitionSpec())
     # the moments live where their parameter is updated: sharded with it under `optimizer.shard_update`
-    opt_shardings = optax.tree_map_params(
+    opt_shardings = _traced(lambda: optax.tree_map_params(
         optimizer, lambda _, sharding: sharding, opt_shape, subtree(update_shardings or param_shardings,
                                                                     trained_logical),
         transform_non_params=lambda _: replicated,
-    )
+    ))
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_shape, "opt_state": opt_shape}
     bias_update_rate = 0.0
@@ -327,7 +243,7 @@ def state_layout(config: Config, mesh: Mesh, rules: Rules, batch_axes: frozenset
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     perplexity = task.token_cross_entropy(abstract_model) and config.train.objective == "lm"
     return StateLayout(graphdef, logical, abstract, shardings, optimizer, update_shardings, bias_update_rate,
-                       trained, adapter_scale, perplexity)
+                       trained, adapter_scale, replicated_params(abstract_params, rules), perplexity)
 
 
 def init_state(config: Config, layout: StateLayout) -> dict:
@@ -444,3 +360,43 @@ def param_table(layout: StateLayout) -> list[dict[str, Any]]:
             "bytes_total": leaf.size * np.dtype(leaf.dtype).itemsize,
         })
     return rows
+
+
+def bytes_text(n: float) -> str:
+    """Returns `n` bytes in the largest binary unit under 1024 of it: `512 B`, `1.5 KiB`, `2.0 GiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def layout_warnings(layout: StateLayout, rules: Rules) -> list[str]:
+    """Returns the warning lines of a layout: the parameters replicated for want of a name the rules map
+    (`StateLayout.replicated`) with their bytes per device, where the mesh's fsdp or tensor split others,
+    and each of fsdp and tensor that splits no parameter at all."""
+    rows = param_table(layout)
+    mesh = layout.abstract["step"].sharding.mesh
+    splitting = [axis for axis in SHARDING_AXES if mesh.shape[axis] > 1]
+    warnings = []
+    replicated = [row for row in rows if row["name"] in layout.replicated]
+    if replicated and splitting:
+        listed = ", ".join(f"{row['name']} {row['shape']} {bytes_text(row['bytes_per_device'])}" for row in replicated)
+        held = bytes_text(sum(row["bytes_per_device"] for row in replicated))
+        # a name of the largest one's own, where it has one, for the mesh.rules entry the line suggests
+        largest = max(replicated, key=lambda row: row["bytes_per_device"])
+        own = [name for name in largest["logical_axes"] if name and name != axes.LAYERS]
+        entry = f"mesh.rules={{{own[-1] if own else 'NAME'}: {splitting[-1]}}}"
+        warnings.append(f"warning: {len(replicated)} parameter(s) have no logical name the rules map, so every device "
+                        f"holds them whole ({held} per device, their optimizer state aside) while "
+                        f"{', '.join(f'mesh.{axis}={mesh.shape[axis]}' for axis in splitting)} split the others: "
+                        f"{listed}; name their dimensions (nnx.with_partitioning) or map their names with mesh.rules "
+                        f"(e.g. {entry}) to split them (docs/models.md)")
+    used = {axis for row in rows for entry in row["spec"] for axis in entry_axes(entry)}
+    for axis in splitting:
+        if axis not in used:
+            batch = ", only the batch" if axis in rules.get(axes.BATCH, ()) else ""
+            warnings.append(f"warning: mesh.{axis}={mesh.shape[axis]} splits no parameter{batch}: no logical name of "
+                            f"the parameters maps to {axis}; map one with mesh.rules (mesh.rules={{NAME: {axis}}}) or "
+                            "give its devices to another mesh axis")
+    return warnings

@@ -74,12 +74,13 @@ def state_problems(config: Config, backend: Backend, state_bytes: int, largest: 
     dimension = max(range(len(largest["shape"])), key=lambda index: largest["shape"][index])
     axis = largest["logical_axes"][dimension]
     key = spec_of(config).size_key(axis)
+    along = repr(axis) if axis else "a dimension without a logical name (replicated)"
     memory = (f"the {capacity_gib:.1f} GiB each of this host's {devices_here} CPU devices has of its "
               f"{host_memory_gib():.1f} GiB of RAM" if kind == "cpu"
               else f"the {capacity_gib:g} GiB of {kind or 'cluster.device_memory_gb'}")
     return [(key, f"the train state needs {state_bytes / GIB:,.1f} GiB per device (float32 parameters and AdamW's "
                   f"two moments, as the mesh shards them), more than {memory}; its largest parameter, "
-                  f"{largest['name']} {largest['shape']}, is {largest['shape'][dimension]:,} along {axis!r}: make "
+                  f"{largest['name']} {largest['shape']}, is {largest['shape'][dimension]:,} along {along}: make "
                   f"{key} smaller or shard the state over more devices")]
 
 

@@ -36,7 +36,7 @@ from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.checkpoint.run_lock import claim_run_dir, holding_run_dir
 from nestor.orchestrator.job.processes import check_shared_run_dir, every_process_says, wait_for_every_process
 from nestor.orchestrator.loop.signals import StopSignals, no_stop_request, stopping_line
-from nestor.orchestrator.job.state import init_state, param_table
+from nestor.orchestrator.job.state import init_state, layout_warnings, param_table
 from nestor.orchestrator.specs.registry import spec_of
 
 
@@ -264,6 +264,8 @@ def _train(config: Config, job: Job, console: Console, signals: StopSignals, goo
     log = console.log
     lead = jax.process_index() == 0
     log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
+    for warning in layout_warnings(job.layout, job.rules) if lead else ():
+        log(warning)
     # Whatever fails, everything opened so far is closed, newest first (async saves are waited for).
     with contextlib.ExitStack() as closing:
         watchdog = _watchdog(config)
