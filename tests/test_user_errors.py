@@ -194,7 +194,7 @@ LOGITS = MODEL.replace("        return loss, {", "        return logits\n       
 
 @pytest.mark.parametrize("overrides, says", [
     (("model.args.hidden=63",), "its 'mlp' dimension of 63 does not split over mesh.tensor (= 2)"),
-    (("model.class=logits:MLP",), "MLP.loss(batch) returned an array (16, 4); it must return"),
+    (("model.class=logits:MLP",), "MLP.loss(batch) returned an array float32 (16, 4); it must return"),
     (("model.class=lossy:MLP",), "raised KeyError: 'label'"),
     (("mesh.rules={cls: tensor}",), "the model never names 'cls'"),
     (("model.class=unnamed:MLP", "model.args.classes=4096", "cluster.device_memory_gb=0.001"),

@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nestor.models import axes
+from nestor.models import axes, task
 from nestor.models.lora import Adapter
 from nestor.models.moe import ExpertBias
 from nestor.models.params import logical_axes_of
@@ -386,12 +386,12 @@ def layout_warnings(layout: StateLayout, rules: Rules) -> list[str]:
         # a name of the largest one's own, where it has one, for the mesh.rules entry the line suggests
         largest = max(replicated, key=lambda row: row["bytes_per_device"])
         own = [name for name in largest["logical_axes"] if name and name != axes.LAYERS]
-        entry = f"mesh.rules={{{own[-1] if own else 'NAME'}: {splitting[-1]}}}"
+        entry = f" (e.g. mesh.rules={{{own[-1]}: {splitting[-1]}}})" if own else ""
         warnings.append(f"warning: {len(replicated)} parameter(s) have no logical name the rules map, so every device "
                         f"holds them whole ({held} per device, their optimizer state aside) while "
                         f"{', '.join(f'mesh.{axis}={mesh.shape[axis]}' for axis in splitting)} split the others: "
-                        f"{listed}; name their dimensions (nnx.with_partitioning) or map their names with mesh.rules "
-                        f"(e.g. {entry}) to split them (docs/models.md)")
+                        f"{listed}; name their dimensions (nnx.with_partitioning) or map their names with mesh.rules"
+                        f"{entry} to split them (docs/models.md)")
     used = {axis for row in rows for entry in row["spec"] for axis in entry_axes(entry)}
     for axis in splitting:
         if axis not in used:
