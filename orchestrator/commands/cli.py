@@ -266,15 +266,16 @@ def _data_prepare(args) -> int:
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
               f"{len(counts['shards'])} shards")
-    # A command to paste, the user's config in place of CONFIG. The embedding is split over the mesh's
-    # tensor (and fsdp) axes, so the vocabulary is padded to a multiple of 128 as Megatron and MaxText do.
+    # A command to paste, the user's config in place of CONFIG. It names no model.vocab_size, which would
+    # conflict with a checkpoint's (model.init_from): the loader sizes the vocabulary from the shards
+    # (loader.config.shards_tokenizer), padded as Megatron and MaxText pad it for the mesh's tensor axis.
     ids = metadata["tokenizer"]["vocab_size"]
     padded = -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    print(f"train on it: nestor train CONFIG data.source=tokens data.paths=[{shown(options.out)}] "
-          f"model.vocab_size={padded}")
-    if padded != ids:
-        print(f"(model.vocab_size: the tokenizer's {ids:,} ids rounded up to a multiple of {VOCAB_MULTIPLE}, "
-              "so that any mesh splits the vocabulary)")
+    print(f"train on it: nestor train CONFIG data.source=tokens data.paths=[{shown(options.out)}]")
+    rounded = f", rounded up to {padded} (a multiple of {VOCAB_MULTIPLE}, so that any mesh splits it)" \
+        if padded != ids else ""
+    print(f"(model.vocab_size: the run grows it to hold the tokenizer's {ids:,} ids{rounded}, unless its config "
+          "or its model.init_from checkpoint sets it)")
     return 0
 
 
