@@ -51,5 +51,6 @@ def test_a_command_without_its_config_says_so_and_not_that_overrides_are_require
             main([command] + (["--tokens", "t.npy", "--out", "o.npy"] if command == "logits" else []))
         assert exited.value.code == 2
         error = capsys.readouterr().err
-        assert f"nestor {command} needs a run YAML: nestor {command} CONFIG [KEY=VALUE ...]" in error
+        given = ("", "") if command == "train" else (" or a run directory", "|RUN_DIR")  # eval, logits: a run's too
+        assert f"nestor {command} needs a run YAML{given[0]}: nestor {command} CONFIG{given[1]} [KEY=VALUE ...]" in error
         assert "KEY=VALUE|FILE.yaml" not in error.splitlines()[-1]

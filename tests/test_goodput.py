@@ -13,8 +13,10 @@ import pytest
 
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.commands.cli import main
-from nestor.orchestrator.loop.goodput import (ATTEMPT_CATEGORIES, FILE_NAME, RUN_CATEGORIES, Goodput, read_records, report,
-                                         run_goodput, summary_line, total)
+from nestor.cluster.interrupts import Interrupted
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.loop.goodput import (ATTEMPT_CATEGORIES, CONFIG_ERROR, FILE_NAME, RUN_CATEGORIES, USER_STOP,
+                                              Goodput, ending, read_records, report, run_goodput, summary_line, total)
 from nestor.orchestrator.loop.metrics import tensorboard_tag
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.train import train
@@ -62,18 +64,71 @@ def test_killed_attempt_loses_its_steps_past_the_resume_and_the_gap_is_recovery(
     assert (run.resumed_from, run.last_step) == (0, 20)
 
 
-def test_a_gap_after_a_completed_or_ctrl_c_attempt_is_a_pause_and_after_sigterm_recovery():
+def test_a_gap_after_an_attempt_the_user_ended_is_a_pause_and_after_sigterm_or_a_failure_recovery():
     def two_attempts(ended: str):
         return run_goodput([start(1, 0.0, 0), {**record("end", 1, 10, 5.0, step=4.0), "ended": ended},
                             start(2, 100.0, 10), record("log", 2, 20, 3.0, step=2.0)])
 
-    for ended in ("completed", "SIGINT"):
+    # completed, Ctrl-C, `nestor stop` (its driver's SIGTERM), a config error or the user's code's: the user's time
+    for ended in ("completed", "SIGINT", f"{USER_STOP}SIGTERM", f"{CONFIG_ERROR}ConfigError",
+                  f"{CONFIG_ERROR}KeyError"):
         first, second = two_attempts(ended)
-        assert (first.seconds["recovery"], first.paused_after) == (0.0, 95.0)
+        assert (first.seconds["recovery"], first.paused_after) == (0.0, 95.0), ended
         assert total([first, second]).wall == pytest.approx(5.0 + 3.0)
-    first, second = two_attempts("SIGTERM")  # preemption: the time until the restart is the run's
-    assert (first.seconds["recovery"], first.paused_after, first.seconds["lost"]) == (95.0, 0.0, 0.0)
-    assert total([first, second]).wall == pytest.approx(100.0 + 3.0)
+    # preemption, or a failure: the time until the restart is the run's
+    for ended in ("SIGTERM", "error: TrainingDiverged", "error: RuntimeError"):
+        first, second = two_attempts(ended)
+        assert (first.seconds["recovery"], first.paused_after, first.seconds["lost"]) == (95.0, 0.0, 0.0), ended
+        assert total([first, second]).wall == pytest.approx(100.0 + 3.0)
+
+
+def raised(error: BaseException, in_file: Path | None = None) -> BaseException:
+    """Returns `error` raised and caught, from code in `in_file` when given (a user's module), else from here."""
+    try:
+        if in_file is None:
+            raise error
+        in_file.write_text("def fail(error):\n    raise error\n")
+        namespace: dict = {}
+        exec(compile(in_file.read_text(), str(in_file), "exec"), namespace)
+        namespace["fail"](error)
+    except BaseException as caught:  # noqa: BLE001 - the test's own
+        return caught
+    raise AssertionError("not raised")
+
+
+def test_an_attempt_ends_in_a_config_error_as_the_cli_says_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the user's code is what runs from the directory nestor runs in
+    assert ending(raised(ConfigError([("data.paths", "no such directory")]))) == "config error: ConfigError"
+    assert ending(raised(KeyError("tokens"), tmp_path / "model.py")) == "config error: KeyError"
+    assert ending(raised(KeyError("tokens"))) == "error: KeyError"  # nestor's own (a test file is no user's here)
+    assert ending(raised(KeyboardInterrupt())) == "SIGINT"
+    assert ending(raised(Interrupted(signal.SIGTERM))) == "SIGTERM"
+
+
+def test_the_gap_after_a_config_error_or_a_launchers_stop_is_a_pause_in_goodput_jsonl(tmp_path):
+    # A config error after the start record (a user's model failing at its first trace, a data file at its
+    # first batch) charged the user's editing time to recovery: 387 s of it, and 0.1% goodput.
+    def attempt(at: float, body) -> Goodput:
+        goodput = Goodput()
+        goodput.started_wall = at
+        goodput.start(tmp_path, 0, enabled=True, log=print)
+        body(goodput)
+        return goodput
+
+    def config_error(goodput: Goodput) -> None:
+        with pytest.raises(ConfigError), goodput.ending_on_error():
+            raise ConfigError([("model.class", "your code raised KeyError")])
+
+    attempt(1000.0, config_error)
+    attempt(2000.0, lambda goodput: goodput.end(signal.SIGTERM, by_launcher=True))
+    attempt(3000.0, lambda goodput: goodput.end(None))
+    records = read_records(tmp_path / FILE_NAME)
+    assert [r["ended"] for r in records if r["event"] == "end"] == [
+        "config error: ConfigError", "stopped by its launcher: SIGTERM", "completed"]
+    attempts = run_goodput(records)
+    assert [a.seconds["recovery"] for a in attempts] == [0.0, 0.0, 0.0]
+    assert [round(a.paused_after) for a in attempts] == [1000, 1000, 0]
+    assert total(attempts).wall < 1.0 and "paused between attempts" in report(attempts)
 
 
 def test_steps_past_the_lowest_later_resume_are_lost_even_across_attempts():
@@ -161,6 +216,14 @@ def test_a_run_in_process_charges_its_whole_wall_time_and_logs_it(tiny_config):
         assert tensorboard_tag(name) == "goodput/" + name.removeprefix("goodput_")
         np.testing.assert_allclose([e.value for e in events.Scalars(tensorboard_tag(name))],
                                    [metrics[name] for metrics in logged], rtol=1e-6)
+
+
+def test_a_stop_that_its_launcher_asked_for_ends_the_attempt_as_the_users(tiny_config):
+    config = tiny_config("train.steps=4")
+    result = train(config, console=Console.silent(), stop_requested=lambda now=False: signal.SIGTERM)
+    assert result.stopped_by == signal.SIGTERM and not result.losses  # stopped before its first step
+    records = read_records(Path(config.run.dir) / FILE_NAME)
+    assert [r["event"] for r in records] == ["start", "end"] and records[-1]["ended"] == f"{USER_STOP}SIGTERM"
 
 
 def printed_rows(text: str) -> dict[str, list[str]]:

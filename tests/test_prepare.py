@@ -129,7 +129,8 @@ def test_inputs_that_do_not_fit_are_errors_naming_the_option(corpus, tmp_path, c
 
 def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkeypatch, capsys):
     # It printed the overrides with "(or more)" after them, which a shell refuses once pasted, and the
-    # tokenizer's own vocabulary (19 ids here), which the quickstart's tensor2 mesh cannot split.
+    # tokenizer's own vocabulary (19 ids here), which the quickstart's tensor2 mesh cannot split; then a
+    # model.vocab_size, which conflicts with a checkpoint's (model.init_from).
     import shlex
 
     from nestor.orchestrator.commands.cli import main
@@ -145,9 +146,12 @@ def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkey
     assert (nestor, train, config) == ("nestor", "train", "CONFIG")
     loaded = load(ROOT / "configs/quickstart.yaml", overrides)  # the user's config in place of CONFIG
     ids = json.loads((tmp_path / "runs" / "words" / METADATA).read_text())["tokenizer"]["vocab_size"]
-    assert loaded.data.paths == (str(tmp_path / "runs" / "words"),) and loaded.model.vocab_size == 128
-    assert printed[-1] == f"(model.vocab_size: the tokenizer's {ids} ids rounded up to a multiple of 128, so that " \
-                          "any mesh splits the vocabulary)"
+    assert loaded.data.paths == (str(tmp_path / "runs" / "words"),) and loaded.model.vocab_size == 256  # base's
+    assert printed[-1] == f"(model.vocab_size: the run grows it to hold the tokenizer's {ids} ids, rounded up to 128 " \
+                          "(a multiple of 128, so that any mesh splits it), unless its config or its model.init_from " \
+                          "checkpoint sets it)"
+    checkpoint = ROOT.parent / "shared" / "fixtures" / "hf" / "llama3"  # its config.json: vocab_size 512
+    assert load(ROOT / "configs/finetune.yaml", [*overrides, f"model.init_from={checkpoint}"]).model.vocab_size == 512
 
 
 def test_an_eval_source_leaves_no_empty_shard_in_either_split(corpus, tmp_path):

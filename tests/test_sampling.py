@@ -96,3 +96,38 @@ def test_nestor_sample_prints_the_prompt_and_its_greedy_continuation_on_any_mesh
     assert capsys.readouterr().out == expected + "\n"
     assert main([*command, "--top-k", "300"]) == 2
     assert "--top-k: 300 is more than model.vocab_size=256" in capsys.readouterr().err
+
+
+def test_sample_and_eval_take_a_run_directory_whose_config_names_the_data(checkpoints, capsys, tmp_path,
+                                                                         monkeypatch):
+    # `nestor sample CONFIG run.dir=...` asked for data.paths, which the run's config holds and sampling reads
+    # only for the separator: the run's directory (its config.yaml, else its checkpoint's config) is enough.
+    import shutil
+
+    import yaml
+
+    from nestor.orchestrator.data.prepare import Options, prepare
+    from nestor.orchestrator.evaluation.commands import evaluate_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    prepare([str(tmp_path / "text.txt")], Options(tokenizer="bytes", out=tmp_path / "shards", eval_fraction=0.0),
+            log=lambda line: None)
+    shutil.copytree(checkpoints["dense"].run.dir, tmp_path / "moved")  # a run directory that moved: run.dir is it
+    trained = checkpoints["dense"].replace(**{"run.dir": str(tmp_path / "moved"), "data.source": "tokens",
+                                              "data.paths": [str(tmp_path / "shards")], "eval.source": "synthetic"})
+    expected = sample_checkpoint(trained, "def ", 3)
+    here = ["cluster.devices_per_host=8", "mesh.data=-1"]  # this process's 8 devices (the run trained on one)
+    sample = ["sample", "moved", "--prompt", "def ", "--max-tokens", "3", *here]
+
+    assert main(sample) == 0  # no config.yaml: the config checkpoint 0 was written with (synthetic data)
+    assert capsys.readouterr().out == sample_checkpoint(trained.replace(**{"data.source": "synthetic"}), "def ", 3) + "\n"
+    (tmp_path / "moved" / "config.yaml").write_text(yaml.safe_dump(trained.to_dict(), sort_keys=False))
+    assert main(sample) == 0 and capsys.readouterr().out == expected + "\n" and expected.startswith("def ")
+    assert main(["eval", "moved", "eval.steps=2", *here]) == 0  # overrides still layer over the run's config
+    result = evaluate_checkpoint(trained.replace(**{"eval.steps": 2, "cluster.devices_per_host": 8, "mesh.data": -1}))
+    assert capsys.readouterr().out.startswith(f"step 0: eval_loss {result['eval_loss']:.4f} ")
+
+    (tmp_path / "empty").mkdir()
+    assert main(["sample", "empty", "--prompt", "def "]) == 2
+    assert "RUN_DIR: empty holds no config.yaml and no checkpoint" in capsys.readouterr().err

@@ -127,6 +127,17 @@ def _check_fits(saved_state, saved_config: dict, config: Config, layout: StateLa
 BASE = "base"  # a LoRA checkpoint's record: the fingerprint of the base its adapters adapt
 
 
+def saved_config(step_dir: Path) -> dict:
+    """Returns the resolved config (plain data) of the run that wrote the checkpoint in `step_dir`."""
+    return ocp.JsonCheckpointHandler().restore(step_dir / "config")
+
+
+def newest_saved_config(run_dir: str | Path) -> dict | None:
+    """Returns the resolved config (plain data) that wrote `run_dir`'s newest checkpoint; None when it has none."""
+    steps = finalized_steps(checkpoint_dir(run_dir))
+    return saved_config(checkpoint_dir(run_dir) / str(steps[-1])) if steps else None
+
+
 class CheckpointReader:
     """Reads a run's checkpoints one step at a time from the step's own files, through Orbax's item
     handlers: no manager (which reads every step's metadata when it opens, and fails on one being
@@ -141,7 +152,7 @@ class CheckpointReader:
 
     def saved_config(self, step: int) -> dict:
         """Returns the resolved config (plain data) of the run that wrote checkpoint `step`."""
-        return ocp.JsonCheckpointHandler().restore(self.directory / str(step) / "config")
+        return saved_config(self.directory / str(step))
 
     def record(self, step: int) -> dict:
         """Returns nestor's record of checkpoint `step` ({} for one of a nestor older than the records); raises

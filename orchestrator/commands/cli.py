@@ -16,6 +16,8 @@ from nestor.orchestrator.paths import shown
 from nestor.orchestrator.commands.preflight import check_dependencies
 
 STARTED = time.monotonic()  # when the command started: the whole run's time is counted from here
+# the commands that read a run's checkpoints: they take its directory for CONFIG too (`run_config`)
+OF_A_RUN = ("eval", "sample", "logits")
 
 
 def _tensorboard_command(log_dir: str) -> str:
@@ -156,7 +158,7 @@ def _export(args) -> int:
     from nestor.orchestrator.commands.hf_export import export
     from nestor.orchestrator.job.processes import configure_jax
 
-    config = export_config(args)
+    config = run_config(args.run_dir, args.overrides)
     configure_jax(config)
     written = export(config, Path(args.out).expanduser().resolve(), args.step, args.dtype, args.max_shard_gb,
                      adapters=args.adapters)
@@ -182,16 +184,23 @@ def _goodput(args) -> int:
     return 0
 
 
-def export_config(args):
-    """Returns the config of the run in `args.run_dir` (its config.yaml), with `args.overrides` (a mesh that
-    fits this machine, say) layered over it."""
+def run_config(run_dir: str, overrides: list[str]):
+    """Returns the config of the run in `run_dir`: its config.yaml (else the config its newest checkpoint was
+    written with), with run.dir made `run_dir` (a run directory that moved) and `overrides` (a mesh that fits
+    this machine, say) layered over it. Raises ConfigError (RUN_DIR) when it holds neither."""
     from nestor.orchestrator.loader.config import load
     from nestor.orchestrator.errors import ConfigError
 
-    saved = Path(args.run_dir).expanduser() / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError([("RUN_DIR", f"{shown(saved)} does not exist: name a run directory of nestor train")])
-    return load(saved, args.overrides)
+    directory = Path(run_dir).expanduser().resolve()
+    here = [f"run.dir={json.dumps(str(directory))}", *overrides]  # a JSON string is a YAML one
+    if (directory / "config.yaml").is_file():
+        return load(directory / "config.yaml", here)
+    from nestor.orchestrator.checkpoint.reader import newest_saved_config
+
+    if (saved := newest_saved_config(directory)) is None:
+        raise ConfigError([("RUN_DIR", f"{shown(directory)} holds no config.yaml and no checkpoint: name the run.dir "
+                                       "of a run that trained")])
+    return load(saved, here)
 
 
 def _submit(config, args) -> int:
@@ -260,15 +269,16 @@ def _data_prepare(args) -> int:
     for split, counts in metadata["splits"].items():
         print(f"{split}: {counts['tokens']:,} tokens in {counts['documents']:,} documents, "
               f"{len(counts['shards'])} shards")
-    # A command to paste, the user's config in place of CONFIG. The embedding is split over the mesh's
-    # tensor (and fsdp) axes, so the vocabulary is padded to a multiple of 128 as Megatron and MaxText do.
+    # A command to paste, the user's config in place of CONFIG. It names no model.vocab_size, which would
+    # conflict with a checkpoint's (model.init_from): the loader sizes the vocabulary from the shards
+    # (loader.config.shards_tokenizer), padded as Megatron and MaxText pad it for the mesh's tensor axis.
     ids = metadata["tokenizer"]["vocab_size"]
     padded = -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    print(f"train on it: nestor train CONFIG data.source=tokens data.paths=[{shown(options.out)}] "
-          f"model.vocab_size={padded}")
-    if padded != ids:
-        print(f"(model.vocab_size: the tokenizer's {ids:,} ids rounded up to a multiple of {VOCAB_MULTIPLE}, "
-              "so that any mesh splits the vocabulary)")
+    print(f"train on it: nestor train CONFIG data.source=tokens data.paths=[{shown(options.out)}]")
+    rounded = f", rounded up to {padded} (a multiple of {VOCAB_MULTIPLE}, so that any mesh splits it)" \
+        if padded != ids else ""
+    print(f"(model.vocab_size: the run grows it to hold the tokenizer's {ids:,} ids{rounded}, unless its config "
+          "or its model.init_from checkpoint sets it)")
     return 0
 
 
@@ -374,7 +384,8 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
     for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
                              (logits, _logits), (submit, _submit)):
-        command.add_argument("config", nargs="?", help="run YAML, e.g. configs/quickstart.yaml")
+        command.add_argument("config", nargs="?", help="run YAML, e.g. configs/quickstart.yaml" + (
+            ", or a run directory (its config.yaml; run.dir is it)" if command.prog.split()[-1] in OF_A_RUN else ""))
         command.add_argument("overrides", nargs="*", metavar="KEY=VALUE|FILE.yaml",
                              help="dotted overrides (mesh.tensor=2) or further YAML files layered in order; "
                                   "anywhere on the line")
@@ -400,8 +411,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     main = parser()
     args, extra = main.parse_known_args(argv)
     if getattr(args, "config", "") is None:  # argparse would name the optional overrides as required too
-        main.error(f"nestor {args.command} needs a run YAML: nestor {args.command} CONFIG [KEY=VALUE ...], e.g. "
-                   f"nestor {args.command} configs/quickstart.yaml")
+        run = (" or a run directory", "|RUN_DIR", " or runs/quickstart") if args.command in OF_A_RUN else ("",) * 3
+        main.error(f"nestor {args.command} needs a run YAML{run[0]}: nestor {args.command} CONFIG{run[1]} "
+                   f"[KEY=VALUE ...], e.g. nestor {args.command} configs/quickstart.yaml{run[2]}")
     if extra and getattr(args, "overrides", None) is not None:
         strays = [item for item in extra if item.startswith("-") or not ("=" in item or item.endswith((".yaml", ".yml")))]
         if strays:
@@ -439,7 +451,8 @@ def _main(args) -> int:
             return _job_command(args)
         if args.command in ("data", "export", "goodput"):
             return args.handler(args)
-        config = load(args.config, args.overrides)
+        given_run = args.command in OF_A_RUN and Path(args.config).expanduser().is_dir()
+        config = run_config(args.config, args.overrides) if given_run else load(args.config, args.overrides)
         if warning := idle_warning(config):
             print(f"nestor: {warning}", file=sys.stderr)
         for line in config.chosen:

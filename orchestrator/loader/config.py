@@ -125,8 +125,8 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
-def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
-    """Returns the validated Config for a run YAML plus overrides.
+def load(path: str | Path | dict | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Returns the validated Config for a run YAML (or its plain data: a checkpoint's config) plus overrides.
 
     `overrides` holds `key.path=value` strings and, layered first in order,
     paths of further YAML files (mesh presets, say).
@@ -135,7 +135,8 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
     override or the combination is invalid.
     """
     tree = read_yaml(CONFIGS_DIR / "base.yaml", "base.yaml")
-    user = read_yaml(Path(path), "CONFIG", empty_ok=False) if path is not None else {}
+    user = dict(path) if isinstance(path, dict) else read_yaml(Path(path), "CONFIG", empty_ok=False) \
+        if path is not None else {}
     if isinstance(overrides, list):
         # Further YAML files (e.g. configs/meshes/fsdp8.yaml) layer over CONFIG in order.
         for layer in [item for item in overrides if "=" not in item and item.endswith((".yaml", ".yml"))]:

@@ -22,9 +22,11 @@ were run again, or thrown away), taken out of `step`; and `recovery`, the wall
 time between an attempt's last record and the next attempt's start when the
 attempt did not end by itself (killed, failed, or stopped by SIGTERM, the
 signal of preemptions): the steps it ran after its last record fall there. A
-gap after an attempt that completed or was stopped by SIGINT (Ctrl-C) is a
-pause, not the run's time. The run's wall time is the sum of its attempts'
-and its recoveries', so the categories add up to it.
+gap after an attempt that the user ended is a pause, not the run's time: one
+that completed, was stopped by SIGINT (Ctrl-C) or by its launcher's driver
+(`nestor stop`, a Ctrl-C to the driver), or ended in a config error (the
+user's to fix, as the CLI's exit 2 says). The run's wall time is the sum of
+its attempts' and its recoveries', so the categories add up to it.
 """
 
 from __future__ import annotations
@@ -36,14 +38,33 @@ import signal
 import time
 from pathlib import Path
 
+from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.loop.records import read_records
+from nestor.orchestrator.user_code import user_frames
 
 ATTEMPT_CATEGORIES = ("step", "compile", "data_wait", "checkpoint_save", "restore", "eval", "idle")
 RUN_CATEGORIES = (*ATTEMPT_CATEGORIES, "lost", "recovery")
 FILE_NAME = "goodput.jsonl"
-# How an attempt that ended by itself says so in its `end` record; a gap after one of PAUSES is no recovery.
+# How an attempt that the user ended says so in its `end` record (`ended`); a gap after one is a pause.
 COMPLETED = "completed"
 PAUSES = (COMPLETED, signal.SIGINT.name)
+USER_STOP = "stopped by its launcher: "  # and the signal its driver got (`nestor stop`'s SIGTERM, a Ctrl-C)
+CONFIG_ERROR = "config error: "  # and the exception's type: a ConfigError, or an error raised in the user's code
+
+
+def is_pause(ended: str) -> bool:
+    """Returns whether the gap after an attempt that `ended` so is the user's time (a pause), not recovery."""
+    return ended in PAUSES or ended.startswith((USER_STOP, CONFIG_ERROR))
+
+
+def ending(error: BaseException) -> str:
+    """Returns how `error` ended an attempt, as its `end` record says it: a second Ctrl-C's (or a signal's)
+    name, CONFIG_ERROR and the type for what the CLI reports as a config error, else `error: <type>`."""
+    signum = getattr(error, "signum", signal.SIGINT if isinstance(error, KeyboardInterrupt) else None)
+    if signum:
+        return signal.Signals(signum).name
+    config_error = isinstance(error, ConfigError) or (isinstance(error, Exception) and user_frames(error))
+    return f"{CONFIG_ERROR if config_error else 'error: '}{type(error).__name__}"
 
 
 class Goodput:
@@ -119,22 +140,21 @@ class Goodput:
         return {"goodput_fraction": run["step"] / wall if wall > 0 else 0.0,
                 **{f"goodput_{name}": value for name, value in run.items()}}
 
-    def end(self, stopped_by: int | None) -> str | None:
-        """Writes the `end` record of an attempt that returned: COMPLETED, or the signal that stopped it;
-        returns the run's goodput in one line, every attempt so far included (None off process 0, or when
-        the attempt never started: nothing to train)."""
-        self._write("end", ended=COMPLETED if stopped_by is None else signal.Signals(stopped_by).name)
+    def end(self, stopped_by: int | None, by_launcher: bool = False) -> str | None:
+        """Writes the `end` record of an attempt that returned: COMPLETED, or the signal that stopped it
+        (after USER_STOP when it came `by_launcher`, its driver told); returns the run's goodput in one line,
+        every attempt so far included (None off process 0, or when the attempt never started: nothing to train)."""
+        how = None if stopped_by is None else signal.Signals(stopped_by).name
+        self._write("end", ended=COMPLETED if how is None else f"{USER_STOP}{how}" if by_launcher else how)
         return summary_line(run_goodput(read_records(self.path, log=lambda _: None))) if self.path is not None else None
 
     @contextlib.contextmanager
     def ending_on_error(self):
-        """Writes the `end` record of an attempt that an exception ends (a second Ctrl-C's signal, else
-        `error: <type>`), then lets it go on."""
+        """Writes the `end` record of an attempt that an exception ends (`ending`), then lets it go on."""
         try:
             yield
         except BaseException as error:
-            signum = getattr(error, "signum", signal.SIGINT if isinstance(error, KeyboardInterrupt) else None)
-            self._write("end", ended=signal.Signals(signum).name if signum else f"error: {type(error).__name__}")
+            self._write("end", ended=ending(error))
             raise
 
 
@@ -185,7 +205,7 @@ def run_goodput(records: list[dict]) -> list[AttemptGoodput]:
             share.seconds["lost"] = max(0.0, seconds["step"] - kept)
             share.seconds["step"] -= share.seconds["lost"]
             gap = max(0.0, later[0][0]["time"] - (start["time"] + last["elapsed_s"]))
-            if ended in PAUSES:
+            if is_pause(ended):
                 share.paused_after = gap
             else:
                 share.seconds["recovery"] = gap
@@ -227,6 +247,6 @@ def report(attempts: list[AttemptGoodput]) -> str:
                        in enumerate(zip(row, widths))).rstrip() for row in [columns, *rows]]
     lines.append(summary_line(attempts))
     if run.paused_after:
-        lines.append(f"paused between attempts (after one completed or was stopped by Ctrl-C; not counted): "
-                     f"{run.paused_after:.2f} s")
+        lines.append(f"paused between attempts (after one completed, was stopped by the user or ended in a config "
+                     f"error; not counted): {run.paused_after:.2f} s")
     return "\n".join(lines)

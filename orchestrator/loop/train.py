@@ -255,7 +255,9 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
         check_shared_run_dir(run_dir)
         with holding_run_dir(run_dir, lock, console.log), goodput.ending_on_error():
             result = _train(config, job, console, signals, goodput)
-            if summary := goodput.end(result.stopped_by):
+            # a stop its launcher's driver was told (`nestor stop`, a Ctrl-C there) is the user's, not a preemption
+            by_launcher = result.stopped_by is not None and stop_requested(now=True) is not None
+            if summary := goodput.end(result.stopped_by, by_launcher):
                 console.log(summary)
             return result
 
