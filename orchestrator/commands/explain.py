@@ -5,7 +5,6 @@ the compiled HLO."""
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import jax
@@ -15,56 +14,17 @@ from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
-from nestor.orchestrator.job.build import (Job, abstract_batch, build_job, compile_target, devices_here, traced_use,
+from nestor.orchestrator.job.build import (Job, build_job, compile_target, devices_here, traced_use,
                                            unsplit_rows_warning)
+from nestor.orchestrator.job.compiled import (MEMORY_PARTS, compile_step, memory_per_device, target_flops,
+                                              timed_compile)
 from nestor.orchestrator.loader.memory_fit import GIB, fit_report
 from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.job.state import param_table, per_device_bytes
-from nestor.orchestrator.job.step import make_train_step, pipeline_schedule
-from nestor.parallel.hlo import collectives, float_normalization_flops, flops_by_phase, flops_per_run
-
-
-def compile_step(job: Job):
-    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
-    return job.step_fn.lower(job.layout.abstract, abstract_batch(job)).compile()
-
-
-def timed_compile(job: Job):
-    """Returns (the compiled train step, seconds spent tracing, lowering and compiling it)."""
-    start = time.perf_counter()
-    compiled = compile_step(job)
-    return compiled, time.perf_counter() - start
-
-
-def counted_step(job: Job, compiled=None):
-    """Returns the compiled step whose FLOPs are the target's: `compiled` (default: compiled here), or a
-    second compile whose grouped matmuls multiply each row once, as the target's kernels do where this
-    compile's ragged_dot does not (`Backend.for_flop_count`)."""
-    counting = job.backend.for_flop_count()
-    if counting is None:
-        return compiled if compiled is not None else compile_step(job)
-    counted = make_train_step(job.config, job.layout, job.mesh, job.rules, counting)
-    return counted.lower(job.layout.abstract, abstract_batch(job)).compile()
-
-
-def cost_flops(compiled) -> float:
-    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
-
-    XLA counts a loop body once, whatever its trip count: `step_flops` counts
-    it once per iteration.
-    """
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost.get("flops", math.nan))
-
-
-def step_flops(compiled) -> float:
-    """Returns the FLOPs per device of one run of `compiled` with every loop body counted once per
-    iteration: XLA's cost analysis, its loop bodies scaled by their trip counts (parallel.hlo.flops_per_run)."""
-    return flops_per_run(compiled.as_text(), cost_flops(compiled))
+from nestor.orchestrator.job.state import param_table
+from nestor.orchestrator.job.step import pipeline_schedule
+from nestor.parallel.hlo import collectives
 
 
 # the backend report's entries that apply only where the model calls an op (models.ops)
@@ -95,25 +55,6 @@ def pipeline_report(job: Job, temporaries: int) -> dict[str, Any] | None:
     return {"schedule": schedule.name, "ticks": schedule.iterations, "microbatches": schedule.microbatches,
             "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction,
             "in_flight": schedule.in_flight(), "temporaries": temporaries}
-
-
-MEMORY_PARTS = ("params", "optimizer", "temporaries", "peak_estimate")  # what LoRA is compared on
-
-
-def memory_per_device(job: Job, compiled) -> dict[str, int]:
-    """Returns the bytes per device of `job`'s state (params, optimizer) and of its compiled step (XLA's
-    memory analysis: arguments, outputs, aliased, temporaries, and their peak estimate)."""
-    memory = compiled.memory_analysis()
-    return {
-        "params": sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["params"])),
-        "optimizer": sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"])),
-        "arguments": memory.argument_size_in_bytes,
-        "outputs": memory.output_size_in_bytes,
-        "aliased": memory.alias_size_in_bytes,
-        "temporaries": memory.temp_size_in_bytes,
-        "peak_estimate": (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-                          + memory.temp_size_in_bytes),
-    }
 
 
 def lora_report(config: Config, job: Job, memory: dict[str, int]) -> dict[str, Any] | None:
@@ -156,15 +97,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     params_bytes, optimizer_bytes, peak_bytes = memory["params"], memory["optimizer"], memory["peak_estimate"]
     devices = job.mesh.devices.size
     # XLA:GPU compiling without the device has no cost analysis: its FLOPs are left uncounted (None)
-    counted = counted_step(job, compiled) if compiled.cost_analysis() is not None else None
-    xla_flops = phases = None
-    widened = 0.0
-    if counted is not None:
-        phases = flops_by_phase(counted.as_text())
-        # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
-        if job.backend.widens_what_the_target_does_not():
-            widened = float_normalization_flops(counted.as_text())
-        xla_flops = step_flops(counted) - widened
+    flops = target_flops(job, compiled)
     analytic = spec_of(config).flops_per_step(config)
     called, named = traced_use(job)
     compiler = compiler_name(job, target)
@@ -185,11 +118,11 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
         "context": context_report(config, job.backend, job.mesh, job.rules),
-        "flops_per_step": None if xla_flops is None else xla_flops * devices,
-        "grouped_matmuls_counted_as_target_runs_them": counted is not None and counted is not compiled,
-        "flops_per_step_per_device": xla_flops,
-        "float32_widening_flops_left_out": widened * devices,
-        "update_flops_per_step": None if phases is None else phases["update"] * devices,
+        "flops_per_step": None if flops is None else flops["per_device"] * devices,
+        "grouped_matmuls_counted_as_target_runs_them": flops is not None and flops["regrouped"],
+        "flops_per_step_per_device": None if flops is None else flops["per_device"],
+        "float32_widening_flops_left_out": 0.0 if flops is None else flops["widened"] * devices,
+        "update_flops_per_step": None if flops is None else flops["phases"]["update"] * devices,
         # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
         "model_flops_per_step": analytic[0] if analytic else None,
         "executed_flops_per_step": analytic[1] if analytic else None,
