@@ -13,7 +13,7 @@ import pytest
 from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.planning import search as search_module
-from nestor.orchestrator.planning.candidates import candidates, pinned_keys, rule_problem
+from nestor.orchestrator.planning.candidates import candidates, free_mesh, pinned_keys, rule_problem
 from nestor.orchestrator.planning.cost import crosses_hosts, sent_bytes
 from nestor.orchestrator.planning.devices import calibration, device_for, provenance_problems
 from nestor.orchestrator.planning.report import format_plan, overlay, write_overlay
@@ -57,6 +57,23 @@ def test_candidates_keep_the_pins_and_the_global_batch_and_fill_every_device():
     # rungs go from the lightest on memory to the heaviest: remat, then the sharded update, then accumulation
     rungs = [(c.as_dict()["train.grad_accum"], c.as_dict()["optimizer.shard_update"]) for c in ladders[0]]
     assert rungs == sorted(rungs)
+
+
+def test_a_plan_loads_the_config_with_every_unpinned_degree_free():
+    assert free_mesh(["mesh.data=2", "mesh.dcn.data=2", "train.steps=3"]) == [
+        "mesh.pipeline=1", "mesh.fsdp=-1", "mesh.context=1", "mesh.expert=1", "mesh.tensor=1", "mesh.dcn.pipeline=1",
+        "mesh.dcn.fsdp=1", "mesh.dcn.context=1", "mesh.dcn.expert=1", "mesh.dcn.tensor=1"]
+
+
+def test_nestor_plan_prints_the_rejections_and_exits_1_when_nothing_was_ranked(capsys, tmp_path):
+    from nestor.orchestrator.commands.cli import main
+
+    code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.hosts=1", "cluster.devices_per_host=8",
+                 "run.compile_cache=null", "--budget-s", "0.001", "--out", str(tmp_path / "plan.yaml")])
+    out = capsys.readouterr().out
+    assert code == 1 and not (tmp_path / "plan.yaml").exists()
+    assert "plan for 1 x 8 cpu devices, global batch 16" in out and "no candidate fits" in out
+    assert "rejected, rules:" in out and "undecided:" in out
 
 
 def test_the_configs_rules_reject_a_candidate_with_the_key_and_the_reason():

@@ -466,8 +466,13 @@ def _main(args) -> int:
             return _job_command(args)
         if args.command in ("data", "export", "goodput"):
             return args.handler(args)
-        config = load(args.config, args.overrides)
-        if warning := idle_warning(config):
+        overrides = args.overrides
+        if args.command == "plan":  # CONFIG's own mesh may be for other devices: the plan searches it anew
+            from nestor.orchestrator.planning.candidates import free_mesh
+
+            overrides = free_mesh(overrides) + overrides
+        config = load(args.config, overrides)
+        if args.command != "plan" and (warning := idle_warning(config)):  # a plan sets the keys it searches
             print(f"nestor: {warning}", file=sys.stderr)
         return args.handler(config, args)
     except ConfigError as error:

@@ -48,6 +48,18 @@ def pinned_keys(overrides: list[str]) -> set[str]:
     return pins
 
 
+def free_mesh(overrides: list[str]) -> list[str]:
+    """Returns the overrides a plan loads CONFIG with before the user's: every mesh degree the command line
+    does not pin reset to 1 (across hosts too) and one of them to -1, so that a config written for other
+    devices loads for the target the plan is for."""
+    pins = pinned_keys(overrides)
+    free = [f"mesh.{axis}" for axis in MESH_AXES if f"mesh.{axis}" not in pins]
+    free += [f"mesh.dcn.{axis}" for axis in MESH_AXES if f"mesh.dcn.{axis}" not in pins]
+    fill = next((key for key in ("mesh.data", "mesh.fsdp", "mesh.pipeline", "mesh.context", "mesh.expert",
+                                 "mesh.tensor") if key in free), None)
+    return [f"{key}={-1 if key == fill else 1}" for key in free]
+
+
 def _factorizations(n: int, slots: int):
     """Yields every tuple of `slots` positive integers whose product is `n`."""
     if slots == 1:

@@ -18,7 +18,7 @@ REJECTIONS = (RULES, BOUND, COMPILED_OVER, COMPILE_ERROR)
 
 
 def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:.2f}"
+    return "-" if n is None else f"{n / GIB:.3g}"
 
 
 def row(config, judged: Judged) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def format_plan(config, plan: Plan, top: int) -> str:
                 by_key.setdefault(_reason_key(verdict, judged.reason), []).append(judged.reason or "")
         if by_key:
             lines.append(f"rejected, {verdict}: {sum(map(len, by_key.values()))}")
-            lines += [f"  {len(reasons):>5}  {key}, e.g. {_shortened(reasons[0])}"
+            lines += [f"  {len(reasons):>5}  {key}, e.g. {_shortened(reasons[0].removeprefix(key + ': '))}"
                       for key, reasons in sorted(by_key.items(), key=lambda item: -len(item[1]))]
     if undecided := plan.count(UNDECIDED):
         lines.append(f"undecided: {undecided} candidates not judged when the {plan.budget_s:.0f} s budget ran out "
