@@ -116,6 +116,17 @@ def test_every_layout_that_fits_is_ranked_by_its_predicted_step(roomy):
     assert text.count(" remat full") == 2  # the top 2 only
 
 
+def test_collectives_whose_groups_span_two_hosts_are_costed_over_the_network(roomy):
+    _, one_host = roomy
+    assert all(j.predicted["across_hosts_s"] == 0 for j in one_host.ranked)
+    overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "mesh.fsdp=1", "mesh.data=-1", "model.remat=full",
+                 "train.grad_accum=1", "optimizer.shard_update=false", "cluster.hosts=2", "cluster.devices_per_host=4"]
+    plan = search(tiny(*overrides), pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0)
+    (data8,) = plan.ranked
+    assert data8.candidate.as_dict()["mesh.dcn.data"] == 2  # the hosts' factor is data's
+    assert data8.predicted["across_hosts_s"] > 0  # the gradients' all-reduce joins both hosts
+
+
 def test_a_candidate_over_the_memory_less_headroom_is_never_ranked(roomy):
     config, plan = roomy
     peaks = sorted(j.memory["peak"] for j in plan.ranked)
