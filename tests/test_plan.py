@@ -211,4 +211,4 @@ def test_the_compile_cache_serves_a_second_search(roomy):
     config, _ = roomy
     assert len(search_module._COMPILED) >= 4
     again = search(config, pinned_keys(list(FOUR_LAYOUTS)), budget_s=600, memory_limit_gib=1.0)
-    assert again.count(RANKED) == 4 and again.elapsed_s < 30
+    assert again.count(RANKED) == 4 and again.compiles == 0

@@ -53,7 +53,7 @@ class Plan:
     device_memory_bytes: int | None
     usable_bytes: int | None
     compiler: str
-    compiles: int
+    compiles: int  # steps this search compiled (not those it found compiled already)
     elapsed_s: float
     budget_s: float
 
@@ -145,7 +145,9 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     ladders = candidates(config, pins)
     judged: list[Judged] = []
     valid = []
-    for ladder in ladders:  # a layout its own rules refuse refuses every rung
+    # a layout its rules refuse at its first rung refuses every rung: remat and the sharded update change no
+    # split, and accumulation only makes the micro-batches it splits smaller
+    for ladder in ladders:
         _, problem = rule_problem(config, ladder[0].as_dict())
         if problem:
             judged += [Judged(candidate, RULES, problem) for candidate in ladder]
@@ -160,7 +162,7 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     capacity = memory_limit_gib * GIB if memory_limit_gib is not None else capacity
     usable = None if capacity is None else int(capacity * (1 - HEADROOM))
     queue = deque((ladder, 0) for ladder in valid)
-    compiles = 0
+    compiled_before = len(_COMPILED)
     while queue:
         ladder, rung = queue.popleft()
         if time.monotonic() - start > budget_s:
@@ -170,14 +172,13 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
             progress(f"[{len(valid) - len(queue)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
                      f" {label(ladder[rung])}")
         verdict = _judge(config, ladder[rung], devices, usable, device)
-        compiles += verdict.verdict in (RANKED, COMPILED_OVER, COMPILE_ERROR)
         judged.append(verdict)
         if verdict.verdict == RANKED:
             judged += [Judged(candidate, DOMINATED, "a lighter rung of its layout fits") for candidate in ladder[rung + 1:]]
         elif rung + 1 < len(ladder):
             queue.appendleft((ladder, rung + 1))
-    return Plan(judged, device, None if capacity is None else int(capacity), usable, target.compiler, compiles,
-                time.monotonic() - start, budget_s)
+    return Plan(judged, device, None if capacity is None else int(capacity), usable, target.compiler,
+                len(_COMPILED) - compiled_before, time.monotonic() - start, budget_s)
 
 
 AXIS_LETTERS = {"pipeline": "pp", "data": "dp", "fsdp": "fsdp", "context": "cp", "expert": "ep", "tensor": "tp"}
