@@ -119,7 +119,7 @@ def routing_flop_share(config) -> float:
 
     from nestor.models.moe import expert_capacity, grouped_swiglu
     from nestor.models.transformer import moe_feed_forward
-    from nestor.orchestrator.commands.explain import cost_flops
+    from nestor.orchestrator.job.compiled import cost_flops
     from nestor.orchestrator.specs.lm import lm_config
 
     cfg = lm_config(config)

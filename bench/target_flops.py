@@ -37,7 +37,7 @@ def flops_by_op(*overrides: str) -> dict[tuple[str, str, str], float]:
     """Returns the FLOPs `nestor explain` counts for the overrides by (phase, HLO op, jax op), less this
     compile's float32 widening (parallel.hlo.flops_by_op)."""
     from nestor.orchestrator.loader.config import load
-    from nestor.orchestrator.commands.explain import counted_step
+    from nestor.orchestrator.job.compiled import counted_step
     from nestor.orchestrator.job.build import build_job
     from nestor.parallel.hlo import flops_by_op as by_op
 

@@ -10,7 +10,8 @@ import (tests/test_imports.py holds every import to it, TYPE_CHECKING ones inclu
 - `loader`: a config from files and overrides, validated;
 - `job`: the state, the step and the processes that run them;
 - `checkpoint`: saving and restoring; `loop`: training, watched;
-- `evaluation`: held-out loss commands and sampling; `commands`: the CLI and what it runs.
+- `evaluation`: held-out loss commands and sampling; `planning`: `nestor plan`, the layout searched for;
+- `commands`: the CLI and what it runs.
 
 Orchestrator rooms it may import: none (`__main__`, the entry point, runs commands.cli).
 """

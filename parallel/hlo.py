@@ -14,6 +14,8 @@ import re
 from collections import defaultdict
 from typing import NamedTuple
 
+import numpy as np
+
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _DTYPE_BYTES = {
@@ -135,6 +137,36 @@ def _multipliers(computations: dict[str, list[_Instruction]], entry: str, *,
     return multiplier
 
 
+class CollectiveOp(NamedTuple):
+    """One collective instruction of a module: its kind, bytes per device per run (for an async `-start`
+    tuple, the received buffer), runs per run of the module, and the groups of device ids it joins (the
+    partition ids of the program's device assignment; one group of all devices where the module names
+    none; a collective-permute's source-target pairs)."""
+
+    kind: str
+    bytes: int
+    runs: int
+    groups: tuple[tuple[int, ...], ...]
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+    """Returns every collective instruction run per run of the module (loop bodies once per iteration),
+    less those within groups of one device, which move nothing."""
+    computations, entry = _computations(hlo_text)
+    if entry is None:
+        return []
+    found = []
+    for name, factor in _multipliers(computations, entry).items():
+        for instruction in computations.get(name, ()):
+            kind = _collective_kind(instruction)
+            if kind is None or _SINGLETON_GROUPS.search(instruction.attributes):
+                continue
+            sizes = _array_bytes(instruction.shape)
+            size = sizes[-1] if instruction.op.endswith("-start") and sizes else sum(sizes)
+            found.append(CollectiveOp(kind, size, factor, _groups(instruction.attributes)))
+    return found
+
+
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Returns {kind: {"count": n, "bytes": b}} executed per run of the HLO module.
 
@@ -143,20 +175,56 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     the module are reported with zeros; a collective within groups of one
     device, which moves nothing, is left out.
     """
-    computations, entry = _computations(hlo_text)
     result = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVE_KINDS}
-    if entry is None:
-        return result
-    for name, factor in _multipliers(computations, entry).items():
-        for instruction in computations.get(name, ()):
-            kind = _collective_kind(instruction)
-            if kind is None or _SINGLETON_GROUPS.search(instruction.attributes):
-                continue
-            sizes = _array_bytes(instruction.shape)
-            size = sizes[-1] if instruction.op.endswith("-start") and sizes else sum(sizes)
-            result[kind]["count"] += factor
-            result[kind]["bytes"] += factor * size
+    for op in collective_ops(hlo_text):
+        result[op.kind]["count"] += op.runs
+        result[op.kind]["bytes"] += op.runs * op.bytes
     return result
+
+
+_LISTED_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+# the iota form: [groups, size]<=[dims] with an optional transpose T(perm) of the iota before the reshape
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+# the mesh form: mesh['axis_0'=2,'axis_1'=4][, device_ids=([dims]T(perm))] {'axis_0'}: the devices of a mesh of
+# those sizes (device_ids, an iota reshaped and transposed, else in order), grouped along the named axes
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}")
+
+
+def _iota(dims: list[int], perm: str | None) -> np.ndarray:
+    """Returns iota(prod(dims)) reshaped to `dims` and transposed by `perm` (HLO's `[dims]T(perm)`)."""
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def _mesh_groups(match: re.Match) -> tuple[tuple[int, ...], ...]:
+    """Returns the groups of a mesh-form replica_groups attribute (`_MESH_GROUPS`)."""
+    axes = [(name.strip(" '"), int(size)) for name, size in
+            (item.rsplit("=", 1) for item in match.group(1).split(","))]
+    sizes = [size for _, size in axes]
+    ids = (_iota([int(d) for d in match.group(2).split(",")], match.group(3)).reshape(sizes) if match.group(2)
+           else np.arange(math.prod(sizes)).reshape(sizes))
+    grouped = {name.strip(" '") for name in match.group(4).split(",") if name.strip()}
+    along = [index for index, (name, _) in enumerate(axes) if name in grouped]
+    kept = [index for index in range(len(axes)) if index not in along]
+    size = math.prod(sizes[index] for index in along)
+    return tuple(tuple(int(i) for i in row) for row in ids.transpose(kept + along).reshape(-1, size))
+
+
+def _groups(attributes: str) -> tuple[tuple[int, ...], ...]:
+    """Returns the device groups an instruction's attributes name (listed, in iota or in mesh form); () for
+    none."""
+    if mesh := _MESH_GROUPS.search(attributes):
+        return _mesh_groups(mesh)
+    if listed := _LISTED_GROUPS.search(attributes):
+        return tuple(tuple(int(i) for i in group.split(",") if i)
+                     for group in re.findall(r"\{([\d,]*)\}", listed.group(1)))
+    if iota := _IOTA_GROUPS.search(attributes):
+        ids = _iota([int(d) for d in iota.group(3).split(",")], iota.group(4))
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(int(iota.group(1)), int(iota.group(2))))
+    return ()
 
 
 # replica groups of one device each ({{0},{1},...} or the iota form [n,1]<=[n]): the collective moves nothing (a

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from nestor.orchestrator.commands.explain import cost_flops
+from nestor.orchestrator.job.compiled import cost_flops
 from nestor.parallel.hlo import (collectives, dot_operand_dtypes, estimated_flops, float_normalization_flops,
                                  flops_per_run)
 

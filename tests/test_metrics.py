@@ -13,7 +13,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nestor.orchestrator.loader import config as config_lib
-from nestor.orchestrator.commands.explain import compile_step, cost_flops, explain, format_report, step_flops
+from nestor.orchestrator.commands.explain import explain, format_report
+from nestor.orchestrator.job.compiled import compile_step, cost_flops, step_flops
 from nestor.orchestrator.loop.peak_flops import peak_tflops
 from nestor.orchestrator.specs.lm_flops import executed_flops_per_step, model_flops_per_step
 from nestor.orchestrator.loop.goodput import RUN_CATEGORIES

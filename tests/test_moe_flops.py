@@ -5,7 +5,7 @@ parameters. Grouped matmuls are counted as GPU and TPU run them (bench.moe.usefu
 import pytest
 
 from bench.moe import _config, moe_overrides, routing_flop_share, useful_ragged_dot
-from nestor.orchestrator.commands.explain import compile_step, step_flops
+from nestor.orchestrator.job.compiled import compile_step, step_flops
 from nestor.orchestrator.job.build import build_job
 
 EXPERT_COUNTS = (8, 32, 128)

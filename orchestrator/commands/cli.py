@@ -1,4 +1,4 @@
-"""The `nestor` command: train, explain, eval, sample, logits, export, goodput, submit, status, logs, stop, data
+"""The `nestor` command: train, explain, plan, eval, sample, logits, export, goodput, submit, status, logs, stop, data
 prepare."""
 
 from __future__ import annotations
@@ -99,6 +99,31 @@ def _explain(config, args) -> int:
     report = explain(config)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
+
+
+def _plan(config, args) -> int:
+    from nestor.orchestrator.job.processes import configure_jax
+    from nestor.orchestrator.planning.candidates import pinned_keys
+    from nestor.orchestrator.planning.report import format_plan, write_overlay
+    from nestor.orchestrator.planning.search import search
+
+    configure_jax(config)
+    pins = pinned_keys(args.overrides)
+    live = sys.stderr.isatty()
+
+    def progress(line: str) -> None:
+        print(f"\r\033[Kplanning {line}"[:200] if live else f"planning {line}", end="" if live else "\n",
+              file=sys.stderr, flush=True)
+
+    plan = search(config, pins, args.budget_s, progress)
+    if live:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    print(format_plan(config, plan, args.top))
+    if args.out and plan.ranked:
+        command = " ".join(["nestor plan", args.config, *args.overrides])
+        write_overlay(Path(args.out), plan, config, pins, command)
+        print(f"wrote the winner to {shown(args.out)}: nestor train {args.config} {shown(args.out)}")
+    return 0 if plan.ranked else 1
 
 
 def _eval(config, args) -> int:
@@ -350,6 +375,12 @@ def parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model, or resume it from run.dir")
     explain = commands.add_parser("explain", help="compile the train step and report layout, memory, collectives, FLOPs")
     explain.add_argument("--json", action="store_true", help="print one JSON object")
+    plan = commands.add_parser("plan", help="search meshes, schedules, remat and accumulation for the target; rank "
+                                            "what fits by a cost model; write the winner as a YAML overlay")
+    plan.add_argument("--top", type=_positive(int), default=5, help="candidates to print")
+    plan.add_argument("--out", metavar="PLAN.yaml", help="write the winner as an overlay: nestor train CONFIG PLAN.yaml")
+    plan.add_argument("--budget-s", type=_positive(float), default=300.0,
+                      help="seconds to spend judging candidates (compiling most); the rest is left undecided")
     evaluate = commands.add_parser("eval", help="eval loss (and perplexity, for a token cross-entropy) of "
                                                 "run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
@@ -382,7 +413,7 @@ def parser() -> argparse.ArgumentParser:
     goodput.set_defaults(handler=_goodput)
     submit = commands.add_parser("submit", help="submit a training job to a running Ray cluster (Jobs API)")
     submit.add_argument("--follow", action="store_true", help="stream the logs; exit non-zero if the job fails")
-    for command, handler in ((train, _train), (explain, _explain), (evaluate, _eval), (sample, _sample),
+    for command, handler in ((train, _train), (explain, _explain), (plan, _plan), (evaluate, _eval), (sample, _sample),
                              (logits, _logits), (submit, _submit)):
         command.add_argument("config", nargs="?", help="run YAML, e.g. configs/quickstart.yaml" + (
             ", or a run directory (its config.yaml; run.dir is it)" if command.prog.split()[-1] in OF_A_RUN else ""))
@@ -451,9 +482,14 @@ def _main(args) -> int:
             return _job_command(args)
         if args.command in ("data", "export", "goodput"):
             return args.handler(args)
+        overrides = args.overrides
+        if args.command == "plan":  # CONFIG's own mesh may be for other devices: the plan searches it anew
+            from nestor.orchestrator.planning.candidates import free_mesh
+
+            overrides = free_mesh(overrides) + overrides
         given_run = args.command in OF_A_RUN and Path(args.config).expanduser().is_dir()
-        config = run_config(args.config, args.overrides) if given_run else load(args.config, args.overrides)
-        if warning := idle_warning(config):
+        config = run_config(args.config, overrides) if given_run else load(args.config, overrides)
+        if args.command != "plan" and (warning := idle_warning(config)):  # a plan sets the keys it searches
             print(f"nestor: {warning}", file=sys.stderr)
         for line in config.chosen:
             print(f"nestor: {line}")

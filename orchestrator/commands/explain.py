@@ -5,8 +5,6 @@ the compiled HLO."""
 from __future__ import annotations
 
 import math
-import re
-import time
 from typing import Any
 
 import jax
@@ -16,57 +14,17 @@ from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
-from nestor.orchestrator.job.build import (Job, abstract_batch, build_job, compile_target, devices_here, traced_use,
+from nestor.orchestrator.job.build import (Job, build_job, compile_target, devices_here, traced_use,
                                            unsplit_rows_warning)
+from nestor.orchestrator.job.compiled import (MEMORY_PARTS, compile_step, memory_per_device, target_flops,
+                                              timed_compile)
 from nestor.orchestrator.loader.memory_fit import GIB, fit_report
 from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
-from nestor.orchestrator.job.state import bytes_text, layout_warnings, param_table, per_device_bytes
-from nestor.orchestrator.job.step import make_train_step, pipeline_schedule
-from nestor.parallel.hlo import (collectives, estimated_flops, float_normalization_flops, flops_by_phase,
-                                 flops_per_run)
-
-
-def compile_step(job: Job):
-    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
-    return job.step_fn.lower(job.layout.abstract, abstract_batch(job)).compile()
-
-
-def timed_compile(job: Job):
-    """Returns (the compiled train step, seconds spent tracing, lowering and compiling it)."""
-    start = time.perf_counter()
-    compiled = compile_step(job)
-    return compiled, time.perf_counter() - start
-
-
-def counted_step(job: Job, compiled=None):
-    """Returns the compiled step whose FLOPs are the target's: `compiled` (default: compiled here), or a
-    second compile whose grouped matmuls multiply each row once, as the target's kernels do where this
-    compile's ragged_dot does not (`Backend.for_flop_count`)."""
-    counting = job.backend.for_flop_count()
-    if counting is None:
-        return compiled if compiled is not None else compile_step(job)
-    counted = make_train_step(job.config, job.layout, job.mesh, job.rules, counting)
-    return counted.lower(job.layout.abstract, abstract_batch(job)).compile()
-
-
-def cost_flops(compiled) -> float:
-    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
-
-    XLA counts a loop body once, whatever its trip count: `step_flops` counts
-    it once per iteration.
-    """
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost.get("flops", math.nan))
-
-
-def step_flops(compiled) -> float:
-    """Returns the FLOPs per device of one run of `compiled` with every loop body counted once per
-    iteration: XLA's cost analysis, its loop bodies scaled by their trip counts (parallel.hlo.flops_per_run)."""
-    return flops_per_run(compiled.as_text(), cost_flops(compiled))
+from nestor.orchestrator.job.state import bytes_text, layout_warnings, param_table
+from nestor.orchestrator.job.step import pipeline_schedule
+from nestor.parallel.hlo import collectives
 
 
 # the backend report's entries that apply only where the model calls an op (models.ops)
@@ -97,25 +55,6 @@ def pipeline_report(job: Job, temporaries: int) -> dict[str, Any] | None:
     return {"schedule": schedule.name, "ticks": schedule.iterations, "microbatches": schedule.microbatches,
             "stages": schedule.stages, "repeats": schedule.repeats, "bubble_fraction": schedule.bubble_fraction,
             "in_flight": schedule.in_flight(), "temporaries": temporaries}
-
-
-MEMORY_PARTS = ("params", "optimizer", "temporaries", "peak_estimate")  # what LoRA is compared on
-
-
-def memory_per_device(job: Job, compiled) -> dict[str, int]:
-    """Returns the bytes per device of `job`'s state (params, optimizer) and of its compiled step (XLA's
-    memory analysis: arguments, outputs, aliased, temporaries, and their peak estimate)."""
-    memory = compiled.memory_analysis()
-    return {
-        "params": sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["params"])),
-        "optimizer": sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(job.layout.abstract["opt_state"])),
-        "arguments": memory.argument_size_in_bytes,
-        "outputs": memory.output_size_in_bytes,
-        "aliased": memory.alias_size_in_bytes,
-        "temporaries": memory.temp_size_in_bytes,
-        "peak_estimate": (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-                          + memory.temp_size_in_bytes),
-    }
 
 
 def lora_report(config: Config, job: Job, memory: dict[str, int]) -> dict[str, Any] | None:
@@ -157,17 +96,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     memory = memory_per_device(job, compiled)
     params_bytes, optimizer_bytes, peak_bytes = memory["params"], memory["optimizer"], memory["peak_estimate"]
     devices = job.mesh.devices.size
-    counted = counted_step(job, compiled)
-    phases = flops_by_phase(counted.as_text())
-    widened = 0.0
-    # XLA:CPU's converts around each 16-bit float op, which the target does not run (XLA's own names none)
-    if job.backend.widens_what_the_target_does_not():
-        widened = float_normalization_flops(counted.as_text())
-    # XLA:GPU compiling without the device has no cost analysis: its FLOPs are counted from its HLO as XLA counts
-    # them, its custom calls (cuDNN's attention) left out
-    cost_analysis = counted.cost_analysis() is not None
-    xla_flops = (step_flops(counted) if cost_analysis else estimated_flops(counted.as_text())) - widened
-    uncounted_calls = sorted(set(re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', counted.as_text())))
+    flops = target_flops(job, compiled)
     analytic = spec_of(config).flops_per_step(config)
     called, named = traced_use(job)
     compiler = compiler_name(job, target)
@@ -188,13 +117,13 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
         "context": context_report(config, job.backend, job.mesh, job.rules),
-        "flops_per_step": xla_flops * devices,
-        "flops_counted_by": "XLA cost analysis" if cost_analysis else "the HLO's instructions",
-        "flops_left_out_in": uncounted_calls,
-        "grouped_matmuls_counted_as_target_runs_them": counted is not compiled,
-        "flops_per_step_per_device": xla_flops,
-        "float32_widening_flops_left_out": widened * devices,
-        "update_flops_per_step": phases["update"] * devices,
+        "flops_per_step": flops["per_device"] * devices,
+        "flops_counted_by": flops["counted_by"],
+        "flops_left_out_in": flops["left_out_in"],
+        "grouped_matmuls_counted_as_target_runs_them": flops["regrouped"],
+        "flops_per_step_per_device": flops["per_device"],
+        "float32_widening_flops_left_out": flops["widened"] * devices,
+        "update_flops_per_step": flops["phases"]["update"] * devices,
         # the model's analytic counts, where its spec has them (XLA's count alone otherwise)
         "model_flops_per_step": analytic[0] if analytic else None,
         "executed_flops_per_step": analytic[1] if analytic else None,

@@ -1,0 +1,100 @@
+"""What a train step compiled without running says about itself: its memory per device (XLA's memory
+analysis beside the state's own bytes) and its FLOPs per device (XLA's count, each loop body once per
+iteration). `nestor explain` reports them; the planner ranks candidates with them."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import jax
+
+from nestor.orchestrator.job.build import Job, abstract_batch
+from nestor.orchestrator.job.state import per_device_bytes
+from nestor.orchestrator.job.step import make_train_step
+from nestor.parallel.hlo import estimated_flops, float_normalization_flops, flops_by_phase, flops_per_run
+
+
+def compile_step(job: Job):
+    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
+    return job.step_fn.lower(job.layout.abstract, abstract_batch(job)).compile()
+
+
+def timed_compile(job: Job):
+    """Returns (the compiled train step, seconds spent tracing, lowering and compiling it)."""
+    start = time.perf_counter()
+    compiled = compile_step(job)
+    return compiled, time.perf_counter() - start
+
+
+def counted_step(job: Job, compiled=None):
+    """Returns the compiled step whose FLOPs are the target's: `compiled` (default: compiled here), or a
+    second compile whose grouped matmuls multiply each row once, as the target's kernels do where this
+    compile's ragged_dot does not (`Backend.for_flop_count`)."""
+    counting = job.backend.for_flop_count()
+    if counting is None:
+        return compiled if compiled is not None else compile_step(job)
+    counted = make_train_step(job.config, job.layout, job.mesh, job.rules, counting)
+    return counted.lower(job.layout.abstract, abstract_batch(job)).compile()
+
+
+def cost_flops(compiled) -> float:
+    """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
+
+    XLA counts a loop body once, whatever its trip count: `step_flops` counts
+    it once per iteration.
+    """
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return float(cost.get("flops", math.nan))
+
+
+def step_flops(compiled) -> float:
+    """Returns the FLOPs per device of one run of `compiled` with every loop body counted once per
+    iteration: XLA's cost analysis, its loop bodies scaled by their trip counts (parallel.hlo.flops_per_run)."""
+    return flops_per_run(compiled.as_text(), cost_flops(compiled))
+
+
+def target_flops(job: Job, compiled) -> dict:
+    """Returns the FLOPs per device of `job`'s step as its target runs it: `per_device` (XLA's count with
+    loop bodies per iteration, grouped matmuls as the target's kernels run them, less XLA:CPU's converts
+    to and from float32 that the target does not run), `widened` (those converts), `phases`
+    (parallel.hlo.flops_by_phase), `regrouped` (whether a second compile counted the grouped matmuls),
+    `counted_by` and `left_out_in`. XLA:GPU compiling without the device has no cost analysis: its HLO's
+    instructions are counted as XLA counts them, its custom calls (cuDNN's attention, named) left out."""
+    counted = counted_step(job, compiled)
+    text = counted.as_text()
+    widened = 0.0
+    if job.backend.widens_what_the_target_does_not():
+        widened = float_normalization_flops(text)
+    cost_analysis = counted.cost_analysis() is not None
+    return {"per_device": (step_flops(counted) if cost_analysis else estimated_flops(text)) - widened,
+            "widened": widened, "phases": flops_by_phase(text), "regrouped": counted is not compiled,
+            "counted_by": "XLA cost analysis" if cost_analysis else "the HLO's instructions",
+            "left_out_in": sorted(set(re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', text)))}
+
+
+MEMORY_PARTS = ("params", "optimizer", "temporaries", "peak_estimate")  # what LoRA is compared on
+
+
+def state_bytes(job: Job) -> dict[str, int]:
+    """Returns the bytes per device of `job`'s parameters and optimizer state, as its layout shards them."""
+    abstract = job.layout.abstract
+    return {part: sum(per_device_bytes(leaf) for leaf in jax.tree.leaves(abstract[tree]))
+            for part, tree in (("params", "params"), ("optimizer", "opt_state"))}
+
+
+def memory_per_device(job: Job, compiled) -> dict[str, int]:
+    """Returns the bytes per device of `job`'s state (params, optimizer) and of its compiled step (XLA's
+    memory analysis: arguments, outputs, aliased, temporaries, and their peak estimate)."""
+    memory = compiled.memory_analysis()
+    return state_bytes(job) | {
+        "arguments": memory.argument_size_in_bytes,
+        "outputs": memory.output_size_in_bytes,
+        "aliased": memory.alias_size_in_bytes,
+        "temporaries": memory.temp_size_in_bytes,
+        "peak_estimate": (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                          + memory.temp_size_in_bytes),
+    }

@@ -1,0 +1,196 @@
+"""The search of a plan: each layout's rungs, lightest on memory first, are judged in turn (the config's
+rules, an analytic bound on the state's bytes, then the step compiled without running against the device's
+memory less a headroom) until one fits, which stands for its layout and is costed; compiling stops at the
+time budget, and what it did not reach is left undecided."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.job.build import build_job, compile_target, devices_here, select_devices
+from nestor.orchestrator.job.compiled import compile_step, memory_per_device, state_bytes, target_flops
+from nestor.orchestrator.job.step import pipeline_schedule
+from nestor.orchestrator.loader.memory_fit import GIB, device_memory
+from nestor.orchestrator.planning.candidates import Candidate, candidates, rule_problem
+from nestor.orchestrator.planning.cost import predicted_step
+from nestor.orchestrator.planning.devices import Device, device_for
+from nestor.parallel.hlo import collective_ops
+from nestor.parallel.pipeline import Schedule
+
+HEADROOM = 0.10  # of the device's memory, kept free: XLA's estimate is not the allocator's peak
+
+# verdicts
+RANKED, RULES, BOUND, COMPILED_OVER, COMPILE_ERROR, DOMINATED, UNDECIDED = (
+    "ranked", "rules", "memory by bound", "memory by compile", "compile error", "dominated", "undecided")
+
+
+@dataclasses.dataclass
+class Judged:
+    """A candidate and what the search made of it: its verdict, why (rejections), its memory per device in
+    bytes (`state`, `temporaries`, `peak`) and predicted step (cost.predicted_step, with `bubble`)."""
+
+    candidate: Candidate
+    verdict: str
+    reason: str | None = None
+    memory: dict[str, int] | None = None
+    predicted: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class Plan:
+    """The outcome of a search: every candidate judged, the ranked ones fastest first, and what was searched
+    with (device, memory limit, compiler, time)."""
+
+    judged: list[Judged]
+    device: Device
+    device_memory_bytes: int | None
+    usable_bytes: int | None
+    compiler: str
+    compiles: int  # steps this search compiled (not those it found compiled already)
+    elapsed_s: float
+    budget_s: float
+
+    @property
+    def ranked(self) -> list[Judged]:
+        return sorted((j for j in self.judged if j.verdict == RANKED), key=lambda j: j.predicted["step_s"])
+
+    def count(self, verdict: str) -> int:
+        return sum(j.verdict == verdict for j in self.judged)
+
+
+def _compile_order(config, ladder: list[Candidate]) -> tuple:
+    """Returns the key that orders layouts for compiling: the smallest bubble first, then the fewest devices
+    on axes that communicate every layer (tensor, context), then the fewest stages."""
+    layout = dict(ladder[0].layout)
+    degree = {axis: layout[f"mesh.{axis}"] * layout[f"mesh.dcn.{axis}"] for axis in ("pipeline", "tensor", "context")}
+    bubble = 0.0
+    if degree["pipeline"] > 1:
+        bubble = Schedule(degree["pipeline"], layout["pipeline.microbatches"], 1,
+                          one_f_one_b=layout["pipeline.schedule"] == "1f1b").bubble_fraction
+    return round(bubble, 4), degree["tensor"] * degree["context"], degree["pipeline"]
+
+
+# compiled candidates' figures, by the candidate's whole config, its devices and the device costed: a second
+# search in this process (another memory limit, another --top) compiles nothing it has compiled
+_COMPILED: dict[tuple, dict[str, Any]] = {}
+
+
+def _compiled_figures(job, devices: list, device: Device) -> dict[str, Any]:
+    """Returns what compiling `job`'s step says: `temporaries` and `peak` bytes per device and the
+    `predicted` step (cost.predicted_step, with the FLOPs per device and the pipeline's bubble); or
+    `error`, the compiler's refusal in a line."""
+    try:
+        compiled = compile_step(job)
+    except Exception as error:  # noqa: BLE001 - XLA's refusals are many; the candidate is dropped, the plan goes on
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    memory = memory_per_device(job, compiled)
+    per_device = target_flops(job, compiled)["per_device"]
+    position = {d.id: index for index, d in enumerate(devices)}
+    per_host = job.config.cluster.devices_per_host
+    host_of = [position[d.id] // per_host for d in job.mesh.devices.flat]
+    predicted = predicted_step(per_device, collective_ops(compiled.as_text()), host_of, device)
+    schedule = pipeline_schedule(job.config, job.mesh)
+    predicted |= {"flops_per_device": per_device, "bubble": schedule.bubble_fraction if schedule else 0.0}
+    return {"temporaries": memory["temporaries"], "peak": memory["peak_estimate"], "predicted": predicted}
+
+
+def _judge(config, candidate: Candidate, devices: list, usable: int | None, device: Device) -> Judged:
+    """Returns the verdict on one candidate: rejected by rules, by the state bound, by its compiled peak,
+    by a compile error, or ranked with its memory and predicted step."""
+    candidate_config, problem = rule_problem(config, candidate.as_dict())
+    if problem:
+        return Judged(candidate, RULES, problem)
+    try:
+        job = build_job(candidate_config, devices=devices, with_data=False)
+    except ConfigError as error:
+        return Judged(candidate, RULES, "{}: {}".format(*error.problems[0]))
+    state = sum(state_bytes(job).values())
+    if usable is not None and state > usable:
+        return Judged(candidate, BOUND, f"parameters + optimizer {state / GIB:.2f} GiB per device",
+                      {"state": state})
+    key = (json.dumps(candidate_config.to_dict(), sort_keys=True, default=str), tuple(d.id for d in devices), device)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compiled_figures(job, devices, device)
+    figures = _COMPILED[key]
+    if "error" in figures:
+        return Judged(candidate, COMPILE_ERROR, figures["error"])
+    judged_memory = {"state": state, "temporaries": figures["temporaries"], "peak": figures["peak"]}
+    if usable is not None and figures["peak"] > usable:
+        return Judged(candidate, COMPILED_OVER, f"compiled peak {figures['peak'] / GIB:.2f} GiB per device",
+                      judged_memory)
+    predicted = figures["predicted"]
+    return Judged(candidate, RANKED, None, judged_memory, predicted)
+
+
+def search(config, pins: set[str], budget_s: float, progress: Callable[[str], None] | None = None,
+           memory_limit_gib: float | None = None) -> Plan:
+    """Returns the plan for `config` keeping the `pins` (dotted keys), compiling for at most `budget_s`
+    seconds; `progress` is told each candidate as it is judged. The memory limit is the device's
+    (`memory_fit.device_memory`, or `memory_limit_gib`) less HEADROOM."""
+    start = time.monotonic()
+    target = compile_target(config)
+    devices = target.devices if target.devices is not None else select_devices(config)
+    device = device_for(config.cluster.device_kind, config.model.dtype)
+    ladders = candidates(config, pins)
+    judged: list[Judged] = []
+    valid = []
+    # a layout its rules refuse at its first rung refuses every rung: remat and the sharded update change no
+    # split, and accumulation only makes the micro-batches it splits smaller
+    for ladder in ladders:
+        _, problem = rule_problem(config, ladder[0].as_dict())
+        if problem:
+            judged += [Judged(candidate, RULES, problem) for candidate in ladder]
+        else:
+            valid.append(ladder)
+    valid.sort(key=lambda ladder: _compile_order(config, ladder))
+    capacity = None
+    if valid:
+        probe = build_job(config.replace(**valid[0][0].as_dict()), devices=devices, with_data=False)
+        _, capacity_gib = device_memory(config, probe.backend, devices_here(probe.mesh))
+        capacity = None if capacity_gib is None else capacity_gib * GIB
+    capacity = memory_limit_gib * GIB if memory_limit_gib is not None else capacity
+    usable = None if capacity is None else int(capacity * (1 - HEADROOM))
+    queue = deque((ladder, 0) for ladder in valid)
+    compiled_before = len(_COMPILED)
+    while queue:
+        ladder, rung = queue.popleft()
+        if time.monotonic() - start > budget_s:
+            judged += [Judged(candidate, UNDECIDED, "the time budget ran out") for candidate in ladder[rung:]]
+            continue
+        if progress:
+            progress(f"[{len(valid) - len(queue)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
+                     f" {label(ladder[rung])}")
+        verdict = _judge(config, ladder[rung], devices, usable, device)
+        judged.append(verdict)
+        if verdict.verdict == RANKED:
+            judged += [Judged(candidate, DOMINATED, "a lighter rung of its layout fits") for candidate in ladder[rung + 1:]]
+        elif rung + 1 < len(ladder):
+            queue.appendleft((ladder, rung + 1))
+    return Plan(judged, device, None if capacity is None else int(capacity), usable, target.compiler,
+                len(_COMPILED) - compiled_before, time.monotonic() - start, budget_s)
+
+
+AXIS_LETTERS = {"pipeline": "pp", "data": "dp", "fsdp": "fsdp", "context": "cp", "expert": "ep", "tensor": "tp"}
+
+
+def label(candidate: Candidate) -> str:
+    """Returns a candidate's settings in one short line: `pp2 ep2 tp2 (dcn pp2) gpipe m4 remat full accum 1`."""
+    s = candidate.as_dict()
+    mesh = " ".join(f"{letter}{s[f'mesh.{axis}'] * s[f'mesh.dcn.{axis}']}" for axis, letter in AXIS_LETTERS.items()
+                    if s[f"mesh.{axis}"] * s[f"mesh.dcn.{axis}"] > 1) or "1 device"
+    dcn = " ".join(f"{letter}{s[f'mesh.dcn.{axis}']}" for axis, letter in AXIS_LETTERS.items() if s[f"mesh.dcn.{axis}"] > 1)
+    parts = [mesh + (f" (across hosts {dcn})" if dcn else "")]
+    if "pipeline.schedule" in s:
+        parts.append(f"{s['pipeline.schedule']} m{s['pipeline.microbatches']}")
+    parts.append(f"remat {s['model.remat']}")
+    if s["optimizer.shard_update"]:
+        parts.append("shard_update")
+    if s["train.grad_accum"] > 1:
+        parts.append(f"accum {s['train.grad_accum']}")
+    return ", ".join(parts)

@@ -1,0 +1,214 @@
+"""`nestor plan`: candidates keep the pins and the global batch, the config's rules reject with reasons, a
+candidate whose compiled peak passes the device's memory less the headroom is never ranked, the overlay
+trains, the HLO's device groups are read in every form, and every calibration constant has provenance."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import jax
+import pytest
+
+from nestor.orchestrator.loader.config import load
+from nestor.orchestrator.loop.console import Console
+from nestor.orchestrator.planning import search as search_module
+from nestor.orchestrator.planning.candidates import candidates, free_mesh, pinned_keys, rule_problem
+from nestor.orchestrator.planning.cost import crosses_hosts, sent_bytes
+from nestor.orchestrator.planning.devices import calibration, device_for, provenance_problems
+from nestor.orchestrator.planning.report import format_plan, overlay, write_overlay
+from nestor.orchestrator.planning.search import (BOUND, COMPILED_OVER, DOMINATED, HEADROOM, RANKED, RULES, UNDECIDED,
+                                                 search)
+from nestor.parallel.hlo import CollectiveOp, _groups
+from nestor.parallel.rules import MESH_AXES
+from tests.conftest import ROOT, TINY
+
+MOE = ("moe.num_experts=4", "moe.every=2")
+# a dense tiny LM whose mesh is pinned but for data x fsdp, and one rung per layout: four compiles in all
+FOUR_LAYOUTS = ("mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "model.remat=full", "train.grad_accum=1",
+                "optimizer.shard_update=false")
+
+
+def tiny(*overrides: str, tmp_path=None):
+    run_dir = [f"run.dir={tmp_path / 'run'}"] if tmp_path else []
+    return load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", *run_dir, *overrides])
+
+
+def total(settings: dict, axis: str) -> int:
+    return settings[f"mesh.{axis}"] * settings[f"mesh.dcn.{axis}"]
+
+
+def test_candidates_keep_the_pins_and_the_global_batch_and_fill_every_device():
+    overrides = [*MOE, "mesh.tensor=2", "model.remat=full", "mesh.data=-1"]
+    pins = pinned_keys(overrides)
+    assert pins == {"moe.num_experts", "moe.every", "mesh.tensor", "model.remat"}  # -1 pins no degree
+    config = tiny(*overrides, "cluster.hosts=2", "cluster.devices_per_host=4")
+    ladders = candidates(config, pins)
+    settings = [candidate.as_dict() for ladder in ladders for candidate in ladder]
+    assert len(ladders) > 10 and len(settings) > 50
+    assert all(total(s, "tensor") == 2 and s["model.remat"] == "full" for s in settings)
+    assert all(math.prod(total(s, axis) for axis in MESH_AXES) == 8 for s in settings)
+    assert all(math.prod(s[f"mesh.dcn.{axis}"] for axis in MESH_AXES) == 2 for s in settings)  # one factor per host
+    assert all(s["mesh.dcn.tensor"] == 1 for s in settings)  # tensor parallelism stays within a host
+    assert not any(key.startswith("train.global_batch") or key.startswith("train.seq_len") for s in settings for key in s)
+    assert {total(s, "expert") for s in settings} > {1}  # an MoE model is searched over experts
+    dense = candidates(tiny("cluster.hosts=2", "cluster.devices_per_host=4"), set())
+    assert all(total(c.as_dict(), "expert") == 1 for ladder in dense for c in ladder)
+    # rungs go from the lightest on memory to the heaviest: remat, then the sharded update, then accumulation
+    rungs = [(c.as_dict()["train.grad_accum"], c.as_dict()["optimizer.shard_update"]) for c in ladders[0]]
+    assert rungs == sorted(rungs)
+
+
+def test_a_plan_loads_the_config_with_every_unpinned_degree_free():
+    assert free_mesh(["mesh.data=2", "mesh.dcn.data=2", "train.steps=3"]) == [
+        "mesh.pipeline=1", "mesh.fsdp=-1", "mesh.context=1", "mesh.expert=1", "mesh.tensor=1", "mesh.dcn.pipeline=1",
+        "mesh.dcn.fsdp=1", "mesh.dcn.context=1", "mesh.dcn.expert=1", "mesh.dcn.tensor=1"]
+
+
+def test_nestor_plan_prints_the_rejections_and_exits_1_when_nothing_was_ranked(capsys, tmp_path):
+    from nestor.orchestrator.commands.cli import main
+
+    code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.hosts=1", "cluster.devices_per_host=8",
+                 "run.compile_cache=null", "--budget-s", "0.001", "--out", str(tmp_path / "plan.yaml")])
+    out = capsys.readouterr().out
+    assert code == 1 and not (tmp_path / "plan.yaml").exists()
+    assert "plan for 1 x 8 cpu devices, global batch 16" in out and "no candidate fits" in out
+    assert "rejected, rules:" in out and "undecided:" in out
+
+
+def test_the_configs_rules_reject_a_candidate_with_the_key_and_the_reason():
+    config = tiny()
+    settings = dict(candidates(config, set())[0][0].settings) | {"mesh.tensor": 8, "mesh.data": 1}
+    _, reason = rule_problem(config, settings)
+    assert reason.startswith("model.num_heads: 4 is not divisible by mesh.tensor=8")
+
+
+def test_a_search_without_time_judges_only_by_rules_and_leaves_the_rest_undecided():
+    config = tiny(*MOE)
+    plan = search(config, set(), budget_s=0)
+    assert plan.compiles == 0 and plan.ranked == []
+    rejected = [j for j in plan.judged if j.verdict == RULES]
+    assert rejected and all(j.reason and ": " in j.reason for j in rejected)
+    assert plan.count(UNDECIDED) == len(plan.judged) - len(rejected) > 0
+    text = format_plan(config, plan, 5)
+    assert f"rejected, rules: {len(rejected)}" in text and "undecided:" in text
+    assert "model.num_heads" in text  # counted by the key the rule names
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """The four data x fsdp layouts compiled once with room to spare: their peaks per device."""
+    config = tiny(*FOUR_LAYOUTS)
+    plan = search(config, pinned_keys(list(FOUR_LAYOUTS)), budget_s=600, memory_limit_gib=1.0)
+    return config, plan
+
+
+def test_every_layout_that_fits_is_ranked_by_its_predicted_step(roomy):
+    config, plan = roomy
+    assert plan.count(RANKED) == 4 and plan.compiles == 4
+    steps = [j.predicted["step_s"] for j in plan.ranked]
+    assert steps == sorted(steps) and all(step > 0 for step in steps)
+    for judged in plan.ranked:
+        p = judged.predicted
+        assert p["step_s"] == pytest.approx(p["compute_s"] + p["within_host_s"] + p["across_hosts_s"])
+        assert judged.memory["peak"] >= judged.memory["temporaries"] > 0
+    text = format_plan(config, plan, 2)
+    assert text.count(" remat full") == 2  # the top 2 only
+
+
+def test_collectives_whose_groups_span_two_hosts_are_costed_over_the_network(roomy):
+    _, one_host = roomy
+    assert all(j.predicted["across_hosts_s"] == 0 for j in one_host.ranked)
+    overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "mesh.fsdp=1", "mesh.data=-1", "model.remat=full",
+                 "train.grad_accum=1", "optimizer.shard_update=false", "cluster.hosts=2", "cluster.devices_per_host=4"]
+    plan = search(tiny(*overrides), pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0)
+    (data8,) = plan.ranked
+    assert data8.candidate.as_dict()["mesh.dcn.data"] == 2  # the hosts' factor is data's
+    assert data8.predicted["across_hosts_s"] > 0  # the gradients' all-reduce joins both hosts
+
+
+def test_a_candidate_over_the_memory_less_headroom_is_never_ranked(roomy):
+    config, plan = roomy
+    peaks = sorted(j.memory["peak"] for j in plan.ranked)
+    assert peaks[0] < peaks[-1]  # data parallelism keeps the whole state on each device
+    limit_gib = (peaks[0] + peaks[-1]) / 2 / (1 - HEADROOM) / 2**30
+    tight = search(config, pinned_keys(list(FOUR_LAYOUTS)), budget_s=600, memory_limit_gib=limit_gib)
+    assert tight.usable_bytes == int(limit_gib * 2**30 * (1 - HEADROOM))
+    assert 0 < tight.count(RANKED) < 4 and tight.count(COMPILED_OVER) + tight.count(BOUND) == 4 - tight.count(RANKED)
+    assert all(j.memory["peak"] <= tight.usable_bytes for j in tight.ranked)
+    over = [j for j in tight.judged if j.verdict in (COMPILED_OVER, BOUND)]
+    assert all(j.memory["peak" if j.verdict == COMPILED_OVER else "state"] > tight.usable_bytes for j in over)
+    nothing = search(config, pinned_keys(list(FOUR_LAYOUTS)), budget_s=600, memory_limit_gib=peaks[0] / 2**31)
+    assert nothing.ranked == [] and "no candidate fits" in format_plan(config, nothing, 5)
+
+
+def test_a_layouts_heavier_rungs_wait_until_its_lighter_one_is_over_memory():
+    overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "mesh.data=1", "mesh.fsdp=-1",
+                 "train.grad_accum=1", "optimizer.shard_update=false"]
+    pins = pinned_keys(overrides)
+    config = tiny(*overrides)
+    plan = search(config, pins, budget_s=600, memory_limit_gib=1.0)
+    assert [j.verdict for j in plan.judged] == [RANKED, DOMINATED, DOMINATED]  # remat none, then dots and full
+    assert plan.ranked[0].candidate.as_dict()["model.remat"] == "none"
+
+
+def test_the_overlay_loads_over_the_config_and_trains_two_steps(roomy, tmp_path):
+    from nestor.orchestrator.loop.train import train
+
+    config, plan = roomy
+    path = tmp_path / "plan.yaml"
+    pins = pinned_keys(list(FOUR_LAYOUTS))
+    write_overlay(path, plan, config, pins, "nestor plan (test)")
+    winner = plan.ranked[0].candidate.as_dict()
+    assert overlay(plan, config, pins)["model"]["remat"] == "full"
+    loaded = load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", f"run.dir={tmp_path / 'run'}",
+                         "train.steps=2", str(path)])
+    assert loaded.mesh.ici_shape() == {axis: winner[f"mesh.{axis}"] for axis in MESH_AXES}
+    assert loaded.mesh.dcn_shape() == {axis: winner[f"mesh.dcn.{axis}"] for axis in MESH_AXES}
+    result = train(loaded, devices=jax.devices()[:8], console=Console(log=lambda line: None))
+    assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
+
+
+def test_the_hlo_device_groups_are_read_in_listed_iota_and_mesh_forms():
+    assert _groups("replica_groups={{0,1},{2,3}}, to_apply=%add") == ((0, 1), (2, 3))
+    assert _groups("replica_groups=[2,4]<=[8], to_apply=%add") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert _groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert _groups("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}, x") == (
+        (0, 4), (1, 5), (2, 6), (3, 7))
+    assert _groups("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, x") == (
+        (0, 1), (2, 3), (4, 5), (6, 7))
+    assert _groups("source_target_pairs={{0,4},{4,0}}, x") == ((0, 4), (4, 0))
+
+
+def test_collective_bytes_follow_the_ring_and_the_links_a_group_crosses():
+    reduce = CollectiveOp("all-reduce", 800, 1, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert sent_bytes(reduce, 4) == 2 * 3 / 4 * 800
+    assert sent_bytes(CollectiveOp("reduce-scatter", 200, 1, ()), 4) == 600
+    assert sent_bytes(CollectiveOp("all-gather", 800, 1, ()), 4) == 600
+    hosts = [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not crosses_hosts(reduce, hosts)
+    assert crosses_hosts(CollectiveOp("all-reduce", 800, 1, ((0, 4), (1, 5))), hosts)
+    assert crosses_hosts(CollectiveOp("all-reduce", 800, 1, ()), hosts)  # no groups: every device
+    h100 = device_for("h100", "bfloat16")
+    assert h100.achieved_tflops == pytest.approx(989 * calibration()["efficiency_h100"]["value"])
+    assert h100.within_host_gbps > h100.across_hosts_gbps
+
+
+def test_every_calibration_constant_states_its_provenance_and_a_missing_one_is_caught():
+    constants = calibration()
+    assert provenance_problems(constants) == []
+    for entry in constants.values():  # the commit is one of this repository's
+        found = subprocess.run(["git", "cat-file", "-e", f"{entry['commit']}^{{commit}}"], cwd=ROOT, capture_output=True)
+        assert found.returncode == 0, entry
+    broken = {"x": {"value": 1.0, "date": "2026-12-06", "commit": "a806ab5", "device": "cpu"},
+              "y": {"value": 1.0, "date": "yesterday", "commit": "a806ab5", "device": "cpu", "source": "bench"},
+              "z": {"date": "2026-12-06", "commit": "HEAD", "device": "cpu", "source": "bench"}}
+    assert provenance_problems(broken) == ["x: no source", "y: date 'yesterday' is not YYYY-MM-DD",
+                                           "z: no numeric value", "z: commit 'HEAD' is not a commit hash"]
+
+
+def test_the_compile_cache_serves_a_second_search(roomy):
+    config, _ = roomy
+    assert len(search_module._COMPILED) >= 4
+    again = search(config, pinned_keys(list(FOUR_LAYOUTS)), budget_s=600, memory_limit_gib=1.0)
+    assert again.count(RANKED) == 4 and again.compiles == 0
