@@ -219,8 +219,6 @@ def test_lora_resume_is_exact_on_another_mesh_and_checkpoints_hold_the_adapters_
     (("lora.targets=[expert_up]",), "lora.targets"),
     (("lora.targets=[qkv]",), "lora.targets"),
     (("lora.dropout=1.0",), "lora.dropout"),
-    ((*EXPERTS_ADAPTED, *DISPATCHES["dropless"], "model.dtype=bfloat16", "model.embed_dim=128",
-      "moe.expert_mlp_dim=128", "moe.grouped_matmul=mosaic_gpu"), "moe.grouped_matmul: mosaic_gpu runs the routed"),
 ])
 def test_lora_config_errors_name_their_key(overrides, key, tmp_path):
     with pytest.raises(ConfigError) as error:

@@ -307,11 +307,6 @@ def _moe_problems(config: Config, degrees: dict[str, int] | None) -> list[tuple[
         problems.append(("moe.grouped_matmul", f"mosaic_gpu needs model.embed_dim ({m.embed_dim}) and each device's "
                                                f"expert width ({width}, over {mlp_shards} 'mlp' shards) multiples of "
                                                f"{TILE}; use auto or xla"))
-    adapted_experts = config.lora.rank and set(lora_names.canonical(config.lora.targets)) & set(lora_names.EXPERTS)
-    if moe.grouped_matmul == "mosaic_gpu" and config.dropless_moe and adapted_experts and config.lora.rank % TILE:
-        problems.append(("moe.grouped_matmul", f"mosaic_gpu runs the routed experts' adapters by grouped matmuls "
-                                               f"whose K or N is lora.rank ({config.lora.rank}), not a multiple of "
-                                               f"{TILE}; use auto (ragged_dot for the adapters) or xla"))
     if degrees is None:
         return problems
     if moe.expert_mlp_dim % mlp_shards:
