@@ -421,17 +421,21 @@ def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local:
     return order, group_sizes
 
 
-def expert_product(matmul: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, matrix: ExpertMatrix,
+ExpertMatmul = Callable[[jax.Array, jax.Array], jax.Array]  # (x, one weight per expert) -> x W, per expert
+
+
+def expert_product(matmul: ExpertMatmul, adapter_matmul: ExpertMatmul, x: jax.Array, matrix: ExpertMatrix,
                    dropout: InputDropout | None = None, dtype: jnp.dtype | None = None) -> jax.Array:
-    """Returns x W by `matmul(x, weight)` (one weight per expert), plus (x A) (scale B) by two more where the
-    matrix carries an adapter, its input dropped out by `dropout`: no matrix of W's size is formed, and a
-    frozen W gets no weight gradient. Every factor is cast to `dtype` (default x's)."""
+    """Returns x W by `matmul`, plus (x A) (scale B) by two `adapter_matmul`s where the matrix carries an
+    adapter, its input dropped out by `dropout`: no matrix of W's size is formed, and a frozen W gets no
+    weight gradient. Every factor is cast to `dtype` (default x's). `adapter_matmul` is the plain jax op, as
+    a dense adapter's (models.lora): the backend's kernels and float8 are for the weights' matmuls."""
     dtype = dtype or x.dtype
     if not isinstance(matrix, tuple):
         return matmul(x, matrix.astype(dtype))
     weight, a, scaled_b = matrix
-    low = matmul(x if dropout is None else dropout(x), a.astype(dtype))  # [..., rank]
-    return matmul(x, weight.astype(dtype)) + matmul(low, scaled_b.astype(dtype))
+    low = adapter_matmul(x if dropout is None else dropout(x), a.astype(dtype))  # [..., rank]
+    return matmul(x, weight.astype(dtype)) + adapter_matmul(low, scaled_b.astype(dtype))
 
 
 def expert_count(weights: ExpertWeights) -> int:
@@ -442,14 +446,15 @@ def expert_count(weights: ExpertWeights) -> int:
 def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
                    dropouts: ExpertDropouts = (None, None, None)) -> jax.Array:
     """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
-    expert's SwiGLU, [N, embed], by the installed grouped matmuls (models.ops), adapters by grouped matmuls
-    of their own (`expert_product`); rows past the last group come out as zeros."""
-    matmul = functools.partial(ops.grouped_matmul, group_sizes=group_sizes)
+    expert's SwiGLU, [N, embed], by the installed grouped matmuls (models.ops), adapters by `ragged_dot`
+    (`expert_product`); rows past the last group come out as zeros."""
+    product = functools.partial(expert_product, functools.partial(ops.grouped_matmul, group_sizes=group_sizes),
+                                functools.partial(ops.ragged_dot, group_sizes=group_sizes))
     (gate_weight, up_weight, down_weight), (gate_dropout, up_dropout, down_dropout) = weights, dropouts
-    gate = checkpoint_name(expert_product(matmul, rows, gate_weight, gate_dropout), remat_names.MLP_GATE)
-    up = checkpoint_name(expert_product(matmul, rows, up_weight, up_dropout), remat_names.MLP_UP)
+    gate = checkpoint_name(product(rows, gate_weight, gate_dropout), remat_names.MLP_GATE)
+    up = checkpoint_name(product(rows, up_weight, up_dropout), remat_names.MLP_UP)
     hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
-    return expert_product(matmul, hidden, down_weight, down_dropout)
+    return product(hidden, down_weight, down_dropout)
 
 
 def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
@@ -528,7 +533,9 @@ class MoEFeedForward(nnx.Module):
 
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
-        product = functools.partial(expert_product, functools.partial(ops.einsum, "egci,eio->egco"), dtype=self.dtype)
+        equation = "egci,eio->egco"
+        product = functools.partial(expert_product, functools.partial(ops.einsum, equation),
+                                    functools.partial(jnp.einsum, equation), dtype=self.dtype)
         (gate_weight, up_weight, down_weight), (gate_dropout, up_dropout, down_dropout) = (
             self.expert_weights(), self.adapter_dropouts())
         gate = checkpoint_name(product(expert_inputs, gate_weight, gate_dropout), remat_names.MLP_GATE)
