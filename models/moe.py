@@ -495,7 +495,9 @@ class MoEFeedForward(nnx.Module):
     (x -> (y, stats)), sees every token and is added to the routed output, as
     DeepSeekMoE's shared experts (arXiv 2401.06066). Weights are float32
     normals of stddev `init_std` (`out_std` for the output projection, default
-    `init_std`); matmuls run in `dtype`.
+    `init_std`); matmuls run in `dtype`. `lora` gives the experts' matrices it
+    targets adapters [expert, in, rank] and [expert, rank, out], multiplied
+    beside each expert's weight (`expert_product`).
     """
 
     def __init__(self, embed_dim: int, mlp_dim: int, moe: MoELayerConfig, rngs: nnx.Rngs, *,
