@@ -3,10 +3,10 @@ scale * A [in..., rank] B [rank, out...], scale = alpha / rank.
 
 The factors take the logical names of the weight's input and output dimensions and a rank dimension
 (`axes.LORA_RANK`) that no rule splits, so every adapter is laid out as the weight it adapts, on any
-mesh; inside a stack or beside stacked experts they stack the same way. Dense projections run the
-update beside the weight (x W + scale (x A) B), so nothing of W's size is formed or differentiated;
-experts, whose grouped matmuls take one weight per expert, add the merged update per expert
-(W_e + scale A_e B_e), as peft's `target_parameters` does.
+mesh; inside a stack or beside stacked experts they stack the same way. Every adapted matrix runs the
+update beside the weight (x W + scale (x A) B), so nothing of W's size is formed or differentiated:
+dense projections here (`adapted`), routed experts in models.moe, whose matmuls take the factors of each
+expert as they take its weight (`factored`).
 """
 
 from __future__ import annotations
@@ -73,21 +73,31 @@ class LowRank(nnx.Module):
         self.b = Adapter(jnp.zeros((*lead_shape, cfg.rank, *out_shape), jnp.float32),
                          logical_axes=(*lead_axes, axes.LORA_RANK, *out_axes))
         self.scale = cfg.scale
-        self.dropout = cfg.dropout
-        self.in_dims, self.lead_dims = len(in_shape), len(lead_shape)
+        self.input_dropout = InputDropout(cfg.dropout, self.salt)
+        self.in_dims = len(in_shape)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Returns scale * (x A) B [..., out...] of `x` [..., in...], in x's dtype, x dropped out in training."""
-        key = task.step_key()
-        if self.dropout and task.training() and key is not None:
-            keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1 - self.dropout, x.shape)
-            x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
-        low = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.in_dims)  # [..., rank]
+        low = jnp.tensordot(self.input_dropout(x), self.a[...].astype(x.dtype), axes=self.in_dims)  # [..., rank]
         return jnp.tensordot(low, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
 
-    def delta(self) -> jax.Array:
-        """Returns the merged update scale * A B [lead..., in..., out...] in float32."""
-        return update(self.a[...], self.b[...], self.scale, self.lead_dims)
+
+@dataclasses.dataclass(frozen=True)
+class InputDropout:
+    """Drops an adapter's input with probability `rate` in training, drawing from the step's key
+    (models.task.step_key) folded with the adapter's `salt`."""
+
+    rate: float
+    salt: int
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Returns `x` with each element zeroed with probability `rate` and the rest scaled by 1 / (1 - rate)
+        in training (with a step key), else `x` itself."""
+        key = task.step_key()
+        if not (self.rate and task.training() and key is not None):
+            return x
+        keep = jax.random.bernoulli(jax.random.fold_in(key, self.salt), 1 - self.rate, x.shape)
+        return jnp.where(keep, x / (1 - self.rate), 0).astype(x.dtype)
 
 
 def update(a: jax.Array, b: jax.Array, scale: float, lead: int) -> jax.Array:
@@ -143,6 +153,13 @@ def adapted(x: jax.Array, base: jax.Array, low_rank: LowRank | None) -> jax.Arra
     return base if low_rank is None or _off.get() else base + low_rank(x).astype(base.dtype)
 
 
-def merged(weight: jax.Array, low_rank: LowRank | None) -> jax.Array:
-    """Returns `weight` with the adapter's merged update added when there is one (and adapters are on)."""
-    return weight if low_rank is None or _off.get() else weight + low_rank.delta()
+# W [lead..., in, out], A [lead..., in, rank] and scale * B [lead..., rank, out]
+Factored = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def factored(weight: jax.Array, low_rank: LowRank | None) -> jax.Array | Factored:
+    """Returns `weight` alone without an adapter (or with adapters off), else (weight, A, scale * B): the
+    factors a matmul of its own multiplies by beside the weight's, float32."""
+    if low_rank is None or _off.get():
+        return weight
+    return weight, low_rank.a[...], low_rank.scale * low_rank.b[...]

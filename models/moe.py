@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -44,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nestor.models import axes, ops, remat_names, task
 from nestor.models.axes import constrain
-from nestor.models.lora import LoraConfig, adapter, merged
+from nestor.models.lora import Factored, InputDropout, LoraConfig, adapter, factored
 from nestor.models.params import param
 
 
@@ -382,7 +383,12 @@ def exchange(slots: jax.Array, *, to_experts: bool) -> jax.Array:
     return constrain(constrain(slots, source), target)
 
 
-ExpertWeights = tuple[jax.Array, jax.Array, jax.Array]  # gate, up [experts, embed, mlp]; down [experts, mlp, embed]
+# an expert matrix: its weight [experts, in, out], or (weight, A [experts, in, rank], scale B [experts, rank, out])
+# with its LoRA adapter (models.lora.factored)
+ExpertMatrix = jax.Array | Factored
+ExpertWeights = tuple[ExpertMatrix, ExpertMatrix, ExpertMatrix]  # gate, up [.., embed, mlp]; down [.., mlp, embed]
+# each matrix's adapter input dropout, or None
+ExpertDropouts = tuple[InputDropout | None, InputDropout | None, InputDropout | None]
 # local_experts(tokens [T, embed], experts [T, k], gates [T, k], weights of experts first.. first + n - 1, first)
 # -> [T, embed]: the gate-weighted sum of each token's assignments to those n experts
 LocalExperts = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights, jax.Array | int], jax.Array]
@@ -415,21 +421,48 @@ def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local:
     return order, group_sizes
 
 
-def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights) -> jax.Array:
+ExpertMatmul = Callable[[jax.Array, jax.Array], jax.Array]  # (x, one weight per expert) -> x W, per expert
+
+
+def expert_product(matmul: ExpertMatmul, adapter_matmul: ExpertMatmul, x: jax.Array, matrix: ExpertMatrix,
+                   dropout: InputDropout | None = None, dtype: jnp.dtype | None = None) -> jax.Array:
+    """Returns x W by `matmul`, plus (x A) (scale B) by two `adapter_matmul`s where the matrix carries an
+    adapter, its input dropped out by `dropout`: no matrix of W's size is formed, and a frozen W gets no
+    weight gradient. Every factor is cast to `dtype` (default x's). `adapter_matmul` is the plain jax op, as
+    a dense adapter's (models.lora): the backend's kernels and float8 are for the weights' matmuls."""
+    dtype = dtype or x.dtype
+    if not isinstance(matrix, tuple):
+        return matmul(x, matrix.astype(dtype))
+    weight, a, scaled_b = matrix
+    low = adapter_matmul(x if dropout is None else dropout(x), a.astype(dtype))  # [..., rank]
+    return matmul(x, weight.astype(dtype)) + adapter_matmul(low, scaled_b.astype(dtype))
+
+
+def expert_count(weights: ExpertWeights) -> int:
+    """Returns how many experts `weights` hold (the leading dimension of each)."""
+    return jax.tree.leaves(weights)[0].shape[0]
+
+
+def grouped_swiglu(rows: jax.Array, group_sizes: jax.Array, weights: ExpertWeights,
+                   dropouts: ExpertDropouts = (None, None, None)) -> jax.Array:
     """Returns each of `rows` [N, embed] (sorted by expert, `group_sizes` [experts] rows each) through its
-    expert's SwiGLU, [N, embed], by the installed grouped matmuls (models.ops); rows past the last group
-    come out as zeros."""
-    gate_weight, up_weight, down_weight = (weight.astype(rows.dtype) for weight in weights)
-    gate = checkpoint_name(ops.grouped_matmul(rows, gate_weight, group_sizes), remat_names.MLP_GATE)
-    up = checkpoint_name(ops.grouped_matmul(rows, up_weight, group_sizes), remat_names.MLP_UP)
+    expert's SwiGLU, [N, embed], by the installed grouped matmuls (models.ops), adapters by `ragged_dot`
+    (`expert_product`); rows past the last group come out as zeros."""
+    product = functools.partial(expert_product, functools.partial(ops.grouped_matmul, group_sizes=group_sizes),
+                                functools.partial(ops.ragged_dot, group_sizes=group_sizes))
+    (gate_weight, up_weight, down_weight), (gate_dropout, up_dropout, down_dropout) = weights, dropouts
+    gate = checkpoint_name(product(rows, gate_weight, gate_dropout), remat_names.MLP_GATE)
+    up = checkpoint_name(product(rows, up_weight, up_dropout), remat_names.MLP_UP)
     hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
-    return ops.grouped_matmul(hidden, down_weight, group_sizes)
+    return product(hidden, down_weight, down_dropout)
 
 
 def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Array, weights: ExpertWeights,
-                            first_expert: jax.Array | int = 0) -> jax.Array:
+                            first_expert: jax.Array | int = 0, *,
+                            dropouts: ExpertDropouts = (None, None, None)) -> jax.Array:
     """Returns [T, embed]: each of `tokens` [T, embed] through those of its assigned `experts` [T, k]
-    whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k].
+    whose `weights` are given (experts first_expert ..), summed with its `gates` [T, k]; `dropouts` drop
+    the adapters' inputs (`grouped_swiglu`).
 
     The T x k assignments are sorted by expert into one buffer of T x k rows
     (static: the most a device can be asked for), grouped matmuls run over the
@@ -437,11 +470,11 @@ def dropless_expert_outputs(tokens: jax.Array, experts: jax.Array, gates: jax.Ar
     gathers gather in the backward pass too, see `take_rows`).
     """
     num_tokens, top_k = experts.shape
-    num_local = weights[0].shape[0]
+    num_local = expert_count(weights)
     order, group_sizes = sort_by_expert(experts, first_expert, num_local)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))  # sorted row of each
     rows = take_rows(tokens, order // top_k, position.reshape(num_tokens, top_k))  # [T x k, embed]
-    outputs = grouped_swiglu(rows, group_sizes, weights)
+    outputs = grouped_swiglu(rows, group_sizes, weights, dropouts)
     outputs = take_rows(outputs, position, order[:, None])  # [T x k, embed]
     routed = position < jnp.sum(group_sizes)  # [T x k] the assignments to a local expert
     outputs = jnp.where(routed[:, None], outputs, 0).reshape(num_tokens, top_k, -1)
@@ -462,7 +495,9 @@ class MoEFeedForward(nnx.Module):
     (x -> (y, stats)), sees every token and is added to the routed output, as
     DeepSeekMoE's shared experts (arXiv 2401.06066). Weights are float32
     normals of stddev `init_std` (`out_std` for the output projection, default
-    `init_std`); matmuls run in `dtype`.
+    `init_std`); matmuls run in `dtype`. `lora` gives the experts' matrices it
+    targets adapters [expert, in, rank] and [expert, rank, out], multiplied
+    beside each expert's weight (`expert_product`).
     """
 
     def __init__(self, embed_dim: int, mlp_dim: int, moe: MoELayerConfig, rngs: nnx.Rngs, *,
@@ -488,22 +523,28 @@ class MoEFeedForward(nnx.Module):
         return None if self.selection_bias is None else self.selection_bias[...]
 
     def expert_weights(self) -> ExpertWeights:
-        """Returns the experts' (gate, up, down) weights, float32, each with its adapter's update merged in."""
-        return (merged(self.gate[...], self.gate_lora), merged(self.up[...], self.up_lora),
-                merged(self.down[...], self.down_lora))
+        """Returns the experts' (gate, up, down) matrices, float32: each weight, with its adapter's factors
+        where it has one (models.lora.factored)."""
+        return (factored(self.gate[...], self.gate_lora), factored(self.up[...], self.up_lora),
+                factored(self.down[...], self.down_lora))
+
+    def adapter_dropouts(self) -> ExpertDropouts:
+        """Returns the input dropout of each matrix's adapter (gate, up, down), None where it has none."""
+        return tuple(None if low_rank is None else low_rank.input_dropout
+                     for low_rank in (self.gate_lora, self.up_lora, self.down_lora))
 
     def experts(self, expert_inputs: jax.Array) -> jax.Array:
         """Returns every expert's SwiGLU output for its slots: [experts, groups, capacity, embed] both ways."""
-        dtype = self.dtype
-        einsum = ops.einsum
-        gate_weight, up_weight, down_weight = self.expert_weights()
-        gate = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, gate_weight.astype(dtype)),
-                               remat_names.MLP_GATE)
-        up = checkpoint_name(einsum("egcm,emh->egch", expert_inputs, up_weight.astype(dtype)),
-                             remat_names.MLP_UP)
+        equation = "egci,eio->egco"
+        product = functools.partial(expert_product, functools.partial(ops.einsum, equation),
+                                    functools.partial(jnp.einsum, equation), dtype=self.dtype)
+        (gate_weight, up_weight, down_weight), (gate_dropout, up_dropout, down_dropout) = (
+            self.expert_weights(), self.adapter_dropouts())
+        gate = checkpoint_name(product(expert_inputs, gate_weight, gate_dropout), remat_names.MLP_GATE)
+        up = checkpoint_name(product(expert_inputs, up_weight, up_dropout), remat_names.MLP_UP)
         hidden = checkpoint_name(ops.swiglu(gate, up), remat_names.MLP_HIDDEN)
         hidden = constrain(hidden, (axes.ACT_EXPERT, axes.ACT_GROUP, None, axes.ACT_MLP))
-        return einsum("egch,ehm->egcm", hidden, down_weight.astype(dtype))
+        return product(hidden, down_weight, down_dropout)
 
     def __call__(self, x: jax.Array, *, train: bool | None = None,
                  routing_key: jax.Array | None = None) -> tuple[jax.Array, Stats]:
@@ -578,11 +619,12 @@ class MoEFeedForward(nnx.Module):
         gates = (jnp.stack(choices.gates, axis=-1).reshape(-1, top_k) * routed).astype(grouped.dtype)
         weights = self.expert_weights()
         tokens = grouped.reshape(groups * tokens_per_group, dim)
+        local_experts = functools.partial(dropless_expert_outputs, dropouts=self.adapter_dropouts())
         exchange = _exchange.get()
         if exchange is None:
-            output = dropless_expert_outputs(tokens, experts, gates, weights)
+            output = local_experts(tokens, experts, gates, weights)
         else:
-            output = exchange(dropless_expert_outputs, tokens, experts, gates, weights)
+            output = exchange(local_experts, tokens, experts, gates, weights)
         return output.reshape(groups, tokens_per_group, dim), choices.stats
 
     def experts_across_devices(self, expert_inputs: jax.Array) -> jax.Array:

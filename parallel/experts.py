@@ -1,10 +1,11 @@
 """How dropless MoE tokens reach experts on other devices: the expert-parallel exchange.
 
 A dropless layer (models.moe) hands over its tokens [T, embed], each token's
-k experts and gates, the expert weights, and a function that runs the
-assignments to a contiguous range of experts. Here that function runs inside
-`jax.shard_map` on every device, for the experts whose weights the device
-holds.
+k experts and gates, the expert weights (each with its LoRA factors where it
+has an adapter, laid out and gathered as the weight), and a function that runs
+the assignments to a contiguous range of experts. Here that function runs
+inside `jax.shard_map` on every device, for the experts whose weights the
+device holds.
 
 Two exchanges (the backend picks one for its target):
 
@@ -63,6 +64,7 @@ class ExpertLayout:
     expert: str   # the expert dimension of the expert weights
     hidden: str   # the hidden (mlp) dimension of the expert weights
     embed: str    # the embedding dimension of the expert weights
+    rank: str     # the rank dimension of a LoRA adapter's factors (models.lora)
 
 
 def exchange_name(kind: str, mesh: Mesh, rules: Rules, layout: ExpertLayout) -> str:
@@ -86,21 +88,39 @@ def worst_case_rows(tokens_per_device: int, top_k: int, mesh: Mesh, rules: Rules
     return tokens_per_device * math.prod(mesh.shape[a] for a in expert_axes) * top_k
 
 
-def _shard_map_specs(mesh: Mesh, rules: Rules,
-                     layout: ExpertLayout) -> tuple[tuple, tuple[str, ...], tuple[str, ...], Callable]:
+def _matrix_names(matrix, inputs: str, outputs: str, layout: ExpertLayout):
+    """Returns the logical names of an expert matrix's arrays: (expert, inputs, outputs) of a weight, and
+    those of its LoRA factors A (expert, inputs, rank) and B (expert, rank, outputs) beside it where the
+    matrix is (weight, A, B) (models.moe.ExpertMatrix)."""
+    weight = (layout.expert, inputs, outputs)
+    if not isinstance(matrix, tuple):
+        return weight
+    return weight, (layout.expert, inputs, layout.rank), (layout.expert, layout.rank, outputs)
+
+
+def _shard_map_specs(mesh: Mesh, rules: Rules, layout: ExpertLayout,
+                     weights: tuple) -> tuple[tuple, tuple[str, ...], tuple[str, ...], Callable]:
     """Returns (in_specs of (tokens, experts, gates, gate, up, down), the expert axes, the hidden axes,
-    whole(gate, up, down, dtype) -> the weights gathered along the embedding inside the shard_map)."""
+    whole(weights, dtype) -> the weights gathered along the embedding inside the shard_map); the gate, up
+    and down matrices of `weights` may each carry LoRA factors, laid out as their weight."""
+    gate, up, down = weights
+    names = (_matrix_names(gate, layout.embed, layout.hidden, layout),
+             _matrix_names(up, layout.embed, layout.hidden, layout),
+             _matrix_names(down, layout.hidden, layout.embed, layout))
+    is_names = lambda node: isinstance(node, tuple) and all(isinstance(name, str) for name in node)  # noqa: E731
     token_spec = partition_spec((layout.batch, None), rules)
-    in_weight = partition_spec((layout.expert, layout.embed, layout.hidden), rules)  # gate, up [experts, embed, mlp]
-    out_weight = partition_spec((layout.expert, layout.hidden, layout.embed), rules)  # down [experts, mlp, embed]
-    specs = (token_spec, token_spec, token_spec, in_weight, in_weight, out_weight)
+    specs = (token_spec, token_spec, token_spec, *jax.tree.map(lambda n: partition_spec(n, rules), names,
+                                                               is_leaf=is_names))
+    in_weight = partition_spec((layout.expert, layout.embed, layout.hidden), rules)
     embed_axes = tuple(axis for axis in _axes(in_weight[1]) if mesh.shape[axis] > 1)
 
-    def whole(gate, up, down, dtype):
-        if not embed_axes:
-            return gate, up, down
-        return (_gathered(gate, embed_axes, 1, dtype, gate.dtype), _gathered(up, embed_axes, 1, dtype, up.dtype),
-                _gathered(down, embed_axes, 2, dtype, down.dtype))
+    def gathered(array, array_names, dtype):
+        if not embed_axes or layout.embed not in array_names:
+            return array
+        return _gathered(array, embed_axes, array_names.index(layout.embed), dtype, array.dtype)
+
+    def whole(weights, dtype):
+        return jax.tree.map(lambda array, n: gathered(array, n, dtype), tuple(weights), names)
 
     return specs, _axes(in_weight[0]), _axes(in_weight[2]), whole
 
@@ -128,17 +148,17 @@ _gathered.defvjp(_gathered_forward, _gathered_backward)
 def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Callable:
     """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
     -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis (`shard_map_here`)."""
-    specs, expert_axes, hidden_axes, whole = _shard_map_specs(mesh, rules, layout)
-
     def exchange(local_experts, tokens, experts, gates, weights):
-        def on_device(tokens, experts, gates, gate, up, down):
-            gate, up, down = whole(gate, up, down, tokens.dtype)
+        specs, expert_axes, hidden_axes, whole = _shard_map_specs(mesh, rules, layout, weights)
+
+        def on_device(tokens, experts, gates, *weights):
+            weights = whole(weights, tokens.dtype)
             first_expert = 0
             if expert_axes:
                 tokens, experts, gates = (jax.lax.all_gather(x, expert_axes, axis=0, tiled=True)
                                           for x in (tokens, experts, gates))
-                first_expert = jax.lax.axis_index(expert_axes) * gate.shape[0]
-            outputs = local_experts(tokens, experts, gates, (gate, up, down), first_expert)  # [gathered T, embed]
+                first_expert = jax.lax.axis_index(expert_axes) * _local_experts(weights)
+            outputs = local_experts(tokens, experts, gates, weights, first_expert)  # [gathered T, embed]
             if expert_axes:
                 outputs = jax.lax.psum_scatter(outputs, expert_axes, scatter_dimension=0, tiled=True)
             return jax.lax.psum(outputs, hidden_axes) if hidden_axes else outputs
@@ -146,6 +166,11 @@ def all_gather_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -> Calla
         return shard_map_here(on_device, mesh, specs, specs[0])(tokens, experts, gates, *weights)
 
     return exchange
+
+
+def _local_experts(weights) -> int:
+    """Returns how many experts the weights on this device hold: the leading dimension of the first."""
+    return jax.tree.leaves(weights)[0].shape[0]
 
 
 def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
@@ -182,14 +207,14 @@ def ragged_all_to_all_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -
     """Returns exchange(local_experts, tokens [T, embed], experts [T, k], gates [T, k], (gate, up, down))
     -> [T, embed] (the models.moe.ExpertExchange interface) as a shard_map over every mesh axis, moving
     only routed rows with `jax.lax.ragged_all_to_all` (where XLA implements it)."""
-    specs, expert_axes, hidden_axes, whole = _shard_map_specs(mesh, rules, layout)
-    devices = math.prod(mesh.shape[a] for a in expert_axes)
-
     def exchange(local_experts, tokens, experts, gates, weights):
-        def on_device(tokens, experts, gates, gate, up, down):
-            gate, up, down = whole(gate, up, down, tokens.dtype)
+        specs, expert_axes, hidden_axes, whole = _shard_map_specs(mesh, rules, layout, weights)
+        devices = math.prod(mesh.shape[a] for a in expert_axes)
+
+        def on_device(tokens, experts, gates, *weights):
+            weights = whole(weights, tokens.dtype)
             num_tokens, top_k = experts.shape
-            local = gate.shape[0]
+            local = _local_experts(weights)
             assignments = experts.reshape(-1)  # [T x k] global expert; routed nowhere: experts x devices
             order = jnp.argsort(assignments, stable=True)
             position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
@@ -206,7 +231,7 @@ def ragged_all_to_all_exchange(mesh: Mesh, rules: Rules, layout: ExpertLayout) -
                 output_offsets, recv_sizes, axis_name=expert_axes)  # [buffer rows, embed]
             first_expert = jax.lax.axis_index(expert_axes) * local
             outputs = local_experts(received, (row_experts + first_expert)[:, None],
-                                    jnp.ones((buffer_rows, 1), rows.dtype), (gate, up, down), first_expert)
+                                    jnp.ones((buffer_rows, 1), rows.dtype), weights, first_expert)
             returned = jax.lax.ragged_all_to_all(
                 outputs, jnp.zeros_like(rows), receive_offsets, recv_sizes,
                 jax.lax.all_to_all(input_offsets, expert_axes, 0, 0, tiled=True), send_sizes,

@@ -145,12 +145,13 @@ def mesh_here(mesh: Mesh) -> tuple[Mesh | AbstractMesh, tuple[str, ...]]:
     return context, tuple(context.manual_axes)
 
 
-def shard_map_here(f: Callable, mesh: Mesh, in_specs: tuple[PartitionSpec, ...], out_specs: PartitionSpec) -> Callable:
+def shard_map_here(f: Callable, mesh: Mesh, in_specs: tuple, out_specs: PartitionSpec) -> Callable:
     """Returns `jax.shard_map(f)` over every axis of `mesh` that is not already manual here (`mesh_here`),
-    with those axes taken out of the specs (check_vma off)."""
+    with those axes taken out of the specs (`in_specs`: a pytree of PartitionSpecs; check_vma off)."""
     here, manual = mesh_here(mesh)
-    return jax.shard_map(f, mesh=here, in_specs=tuple(_without(spec, manual) for spec in in_specs),
-                         out_specs=_without(out_specs, manual),
+    in_specs = jax.tree.map(lambda spec: _without(spec, manual), in_specs,
+                            is_leaf=lambda node: isinstance(node, PartitionSpec))
+    return jax.shard_map(f, mesh=here, in_specs=in_specs, out_specs=_without(out_specs, manual),
                          axis_names=frozenset(axis for axis in here.axis_names if axis not in manual), check_vma=False)
 
 

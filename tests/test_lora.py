@@ -80,6 +80,74 @@ def test_the_gradient_step_computes_no_weight_gradient_of_the_base(tmp_path):
     assert (64, 4) in products  # the gradient of an adapter's A [embed, rank]
 
 
+EXPERTS_ADAPTED = ("moe.num_experts=4", "moe.every=2", "moe.expert_mlp_dim=96",
+                   "lora.targets=[expert_gate,expert_up,expert_down]")
+DISPATCHES = {"dropless": ("moe.capacity_factor=0",), "sort": ("moe.dispatch=sort",),
+              "einsum": ("moe.dispatch=einsum",)}
+
+
+def expert_adapted_job(tmp_path, dispatch):
+    return build_job(load(tmp_path, *EXPERTS_ADAPTED, *DISPATCHES[dispatch]).replace(**ONE_DEVICE), with_data=False)
+
+
+def with_b(params, b_of):
+    """Returns `params` with every adapter's B replaced by b_of(path, B)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: b_of(path, leaf) if jax.tree_util.keystr(path).endswith("'b']") else leaf, params)
+
+
+def merged_weights(params, scale):
+    """Returns `params` with W + scale A B in place of every adapted weight W, and B zero: the same model."""
+    from nestor.models.lora import update
+
+    names = flat(params)
+
+    def merged(path, leaf):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if f"{name}_lora/a" not in names:
+            return leaf
+        a, b = names[f"{name}_lora/a"], names[f"{name}_lora/b"]
+        return leaf + update(a, b, scale, a.ndim + b.ndim - 2 - leaf.ndim)
+
+    return with_b(jax.tree_util.tree_map_with_path(merged, params), lambda path, b: jax.numpy.zeros_like(b))
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_the_gradient_step_forms_no_expert_sized_matrix_of_adapted_experts(dispatch, tmp_path):
+    from nestor.orchestrator.job.step import make_grad_fn
+
+    job = expert_adapted_job(tmp_path, dispatch)
+    params = job.layout.abstract["params"]
+    grad_fn = make_grad_fn(job.config, job.layout, job.mesh, job.rules, job.backend)
+    jaxpr = jax.make_jaxpr(lambda trained, frozen, batch: grad_fn(trained, batch, frozen=frozen))(
+        job.layout.trained_part(params), params, {"tokens": jax.ShapeDtypeStruct((16, 33), np.int32)})
+    experts = {name: leaf.shape[1:] for name, leaf in flat(params["blocks"]).items()
+               if name in ("expert_layer/mlp/gate", "expert_layer/mlp/up", "expert_layer/mlp/down")}
+    assert set(experts.values()) == {(4, 64, 96), (4, 96, 64)}  # gate and up [experts, embed, mlp], down
+    products = {tuple(eq.outvars[0].aval.shape) for primitive in ("dot_general", "ragged_dot_general")
+                for eq in equations(jaxpr.jaxpr, primitive)}
+    # neither a merged weight W + scale A B nor a weight gradient of the experts' size: (x A) B alone
+    assert not products & set(experts.values())
+    assert {(4, 64, 4), (4, 4, 96)} <= products  # the gradients of the gate's A and B
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_expert_adapters_beside_the_experts_matmuls_give_the_loss_of_their_merged_weights(dispatch, tmp_path):
+    from nestor.orchestrator.job.step import make_loss_fn
+
+    job = expert_adapted_job(tmp_path, dispatch)
+    params = with_b(init_state(job.config, job.layout)["params"],  # B away from 0: the adapters change the loss
+                    lambda path, b: jax.random.normal(jax.random.key(len(str(path))), b.shape) * 0.5)
+    loss_fn = make_loss_fn(job.layout, job.mesh, job.rules, job.backend)
+    batch = {"tokens": np.arange(16 * 33, dtype=np.int32).reshape(16, 33) % 256}
+    loss = jax.jit(lambda whole: loss_fn(job.layout.trained_part(whole), batch, jax.random.key(0), frozen=whole)[0])
+    low_rank = float(loss(params))
+    merged = float(loss(merged_weights(params, job.config.lora.alpha / job.config.lora.rank)))
+    base = float(loss(with_b(params, lambda path, b: jax.numpy.zeros_like(b))))
+    assert abs(low_rank - base) > 1e-2  # the adapters matter
+    np.testing.assert_allclose(low_rank, merged, rtol=2e-6)
+
+
 def test_lora_trains_the_adapters_alone_and_starts_from_the_base(one_device, tmp_path):
     result = one_device()
     full = run_fresh(config_lib.load(None, [*TINY, "model.num_kv_heads=4", "train.steps=1",
@@ -113,9 +181,15 @@ def test_lora_training_on_a_mesh_matches_one_device(name, degrees, overrides, on
 
 
 @pytest.mark.slow
-def test_lora_on_dropless_experts_under_expert_parallelism_matches_one_device(one_device, tmp_path):
-    result = run_fresh(load(tmp_path, *MOE_DROPLESS).replace(**mesh_overrides(expert=4, data=2)))
-    reference = one_device(*MOE_DROPLESS)
+@pytest.mark.parametrize("name, degrees, overrides", [
+    ("dropless_expert4_data2", dict(expert=4, data=2), MOE_DROPLESS),
+    # the factors gathered along the embedding (fsdp) and split along the hidden dimension (tensor) as their weights
+    ("dropless_expert2_fsdp2_tensor2", dict(expert=2, fsdp=2, tensor=2), MOE_DROPLESS),
+    ("einsum_expert4_data2", dict(expert=4, data=2), (*MOE_DROPLESS[:2], "moe.dispatch=einsum", MOE_DROPLESS[3])),
+])
+def test_lora_on_experts_under_expert_parallelism_matches_one_device(name, degrees, overrides, one_device, tmp_path):
+    result = run_fresh(load(tmp_path, *overrides).replace(**mesh_overrides(**degrees)))
+    reference = one_device(*overrides)
     assert_same_training(result, reference)
     experts = flat(result.state["params"])["blocks/expert_layer/mlp/gate_lora/a"]
     assert experts.shape == (2, 4, 64, 4)  # [units, experts, embed, rank]
@@ -278,13 +352,18 @@ def test_explain_counts_trainable_and_frozen_parameters_and_measures_memory_agai
 
 
 @pytest.mark.slow
-def test_lora_dropout_draws_from_the_steps_key_and_leaves_evaluation_alone(tmp_path):
+@pytest.mark.parametrize("overrides, mesh", [
+    ((), ONE_DEVICE),
+    ((*EXPERTS_ADAPTED, *DISPATCHES["dropless"]), mesh_overrides(expert=4, data=2)),  # inside the exchange
+    ((*EXPERTS_ADAPTED, *DISPATCHES["sort"]), ONE_DEVICE),
+], ids=["dense", "dropless experts on expert4 x data2", "sort experts"])
+def test_lora_dropout_draws_from_the_steps_key_and_leaves_evaluation_alone(overrides, mesh, tmp_path):
     from nestor.orchestrator.job.step import make_loss_fn
 
     batch = {"tokens": np.arange(16 * 33, dtype=np.int32).reshape(16, 33) % 256}
 
     def losses(dropout):  # -> loss(key, train)
-        job = build_job(load(tmp_path, f"lora.dropout={dropout}").replace(**ONE_DEVICE), with_data=False)
+        job = build_job(load(tmp_path, *overrides, f"lora.dropout={dropout}").replace(**mesh), with_data=False)
         params = jax.tree.map(lambda leaf: leaf + 0.01, init_state(job.config, job.layout)["params"])  # B off 0
         trained = job.layout.trained_part(params)
         by_mode = {train: jax.jit(lambda key, fn=make_loss_fn(job.layout, job.mesh, job.rules, job.backend,

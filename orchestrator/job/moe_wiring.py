@@ -21,8 +21,9 @@ if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config.schema import Config
 
 EXPERT_BIAS = "moe_expert_bias"
-# the logical names of a dropless MoE layer's tokens and expert weights (models.moe)
-EXPERT_LAYOUT = ExpertLayout(batch=axes.GROUPS, expert=axes.EXPERT, hidden=axes.MLP, embed=axes.EMBED)
+# the logical names of a dropless MoE layer's tokens, expert weights and their adapters (models.moe, models.lora)
+EXPERT_LAYOUT = ExpertLayout(batch=axes.GROUPS, expert=axes.EXPERT, hidden=axes.MLP, embed=axes.EMBED,
+                             rank=axes.LORA_RANK)
 
 Metrics = dict[str, jax.Array]
 
