@@ -54,7 +54,7 @@ def test_candidates_keep_the_pins_and_the_global_batch_and_fill_every_device():
     assert {total(s, "expert") for s in settings} > {1}  # an MoE model is searched over experts
     dense = candidates(tiny("cluster.hosts=2", "cluster.devices_per_host=4"), set())
     assert all(total(c.as_dict(), "expert") == 1 for ladder in dense for c in ladder)
-    # rungs go from the lightest on memory to the heaviest: remat, then the sharded update, then accumulation
+    # rungs go from the fastest to the lightest on memory: remat, then the sharded update, then accumulation
     rungs = [(c.as_dict()["train.grad_accum"], c.as_dict()["optimizer.shard_update"]) for c in ladders[0]]
     assert rungs == sorted(rungs)
 
@@ -142,7 +142,7 @@ def test_a_candidate_over_the_memory_less_headroom_is_never_ranked(roomy):
     assert nothing.ranked == [] and "no candidate fits" in format_plan(config, nothing, 5)
 
 
-def test_a_layouts_heavier_rungs_wait_until_its_lighter_one_is_over_memory():
+def test_a_layouts_later_rungs_wait_until_its_earlier_one_is_over_memory():
     overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "mesh.data=1", "mesh.fsdp=-1",
                  "train.grad_accum=1", "optimizer.shard_update=false"]
     pins = pinned_keys(overrides)

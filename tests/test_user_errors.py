@@ -238,3 +238,19 @@ def test_replicated_parameters_that_make_the_state_not_fit_are_refused_by_the_fi
     assert code == 0, err
     code, err = run("train", capsys, *sizes, "model.class=unnamed:MLP", "run.dir=runs/unnamed")
     one_config_line(code, err, "model.args", "its largest parameter, head [32, 4096], is 4,096 along a dimension without a logical name (replicated)")
+
+
+def test_a_kernel_only_the_workers_devices_can_judge_is_left_to_them(tiny_config):
+    """Dropless MoE on Mosaic GPU's grouped matmuls for GPUs of no named kind: the driver, on CPU, cannot tell
+    a Hopper from another GPU, so the check before the launch lays the model out and leaves the kernel to the
+    workers, which judge it on their devices."""
+    from nestor.backend import BackendError, resolve_backend
+    from nestor.orchestrator.job.abstract_check import check_abstractly
+    from nestor.orchestrator.job.step import backend_request
+
+    config = tiny_config("cluster.accelerator=gpu", "moe.grouped_matmul=mosaic_gpu", "moe.capacity_factor=0",
+                         "model.embed_dim=128", "moe.num_experts=4", "moe.every=1", "mesh.expert=1", "mesh.pipeline=1",
+                         "mesh.tensor=1")
+    with pytest.raises(BackendError):  # what a CPU driver would have refused the run for
+        resolve_backend(backend_request(config), "cpu", None, None, 1)
+    check_abstractly(config)  # refused the run before: a BackendError became a ConfigError

@@ -491,8 +491,8 @@ def _main(args) -> int:
         config = run_config(args.config, overrides) if given_run else load(args.config, overrides)
         if args.command != "plan" and (warning := idle_warning(config)):  # a plan sets the keys it searches
             print(f"nestor: {warning}", file=sys.stderr)
-        for line in config.chosen:
-            print(f"nestor: {line}")
+        for line in config.chosen:  # on stderr, as the idle keys' warning: stdout may be explain's --json
+            print(f"nestor: {line}", file=sys.stderr)
         return args.handler(config, args)
     except ConfigError as error:
         print(f"{getattr(error, 'frames', '')}nestor: {error}", file=sys.stderr)  # a user's code's frames first

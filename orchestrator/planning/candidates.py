@@ -1,6 +1,6 @@
 """The candidates of a plan: every way to lay a run's fixed global batch over the target's devices that the
 user has not pinned, as dotted settings a config takes. A layout (mesh degrees within and across hosts,
-pipeline schedule and micro-batches) has a ladder of rungs from the lightest on memory to the heaviest
+pipeline schedule and micro-batches) has a ladder of rungs from the least recompute and communication to the least memory
 (remat, then the sharded update, then gradient accumulation); the search tries a layout's rungs in order."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def layouts(config: Config, pins: set[str]) -> list[dict[str, Any]]:
 
 
 def ladder(config: Config, layout: dict[str, Any], pins: set[str]) -> list[dict[str, Any]]:
-    """Returns the rungs of `layout`, lightest on memory first: remat none, dots, full; then the update
+    """Returns the rungs of `layout`, fastest first, each later one lighter on memory: remat none, dots, full; then the update
     sharded over the batch's devices (where they split it); then gradient accumulation 2 and 4."""
     batch_devices = math.prod(layout[f"mesh.{axis}"] * layout[f"mesh.dcn.{axis}"] for axis in ("data", "fsdp", "expert"))
     remat = _choices(config, "model.remat", REMAT, pins)

@@ -65,8 +65,8 @@ def format_plan(config, plan: Plan, top: int) -> str:
                                       for index, r in enumerate(ranked, 1)])
     else:
         lines.append("no candidate fits: see the rejections below")
-    lines += ["", f"{len(plan.judged)} candidates: {len(plan.ranked)} ranked (one per layout, its lightest rung "
-                  f"that fits), {plan.count(DOMINATED)} heavier rungs of those layouts not compiled, "
+    lines += ["", f"{len(plan.judged)} candidates: {len(plan.ranked)} ranked (one per layout, its first rung "
+                  f"that fits), {plan.count(DOMINATED)} later rungs of those layouts not compiled, "
                   f"{plan.compiles} compiles in {plan.elapsed_s:.0f} s"]
     for verdict in REJECTIONS:
         by_key: dict[str, list[str]] = {}

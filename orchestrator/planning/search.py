@@ -1,4 +1,4 @@
-"""The search of a plan: each layout's rungs, lightest on memory first, are judged in turn (the config's
+"""The search of a plan: each layout's rungs, fastest first, are judged in turn (the config's
 rules, an analytic bound on the state's bytes, then the step compiled without running against the device's
 memory less a headroom) until one fits, which stands for its layout and is costed; compiling stops at the
 time budget, and what it did not reach is left undecided."""
@@ -85,12 +85,12 @@ def _compiled_figures(job, devices: list, device: Device) -> dict[str, Any]:
     """Returns what compiling `job`'s step says: `temporaries` and `peak` bytes per device and the
     `predicted` step (cost.predicted_step, with the FLOPs per device and the pipeline's bubble); or
     `error`, the compiler's refusal in a line."""
-    try:
+    try:  # a dropless MoE step compiles a second time for its FLOPs (compiled.counted_step)
         compiled = compile_step(job)
+        per_device = target_flops(job, compiled)["per_device"]
     except Exception as error:  # noqa: BLE001 - XLA's refusals are many; the candidate is dropped, the plan goes on
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
     memory = memory_per_device(job, compiled)
-    per_device = target_flops(job, compiled)["per_device"]
     position = {d.id: index for index, d in enumerate(devices)}
     per_host = job.config.cluster.devices_per_host
     host_of = [position[d.id] // per_host for d in job.mesh.devices.flat]
