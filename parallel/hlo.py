@@ -159,11 +159,14 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
     for name, factor in _multipliers(computations, entry).items():
         for instruction in computations.get(name, ()):
             kind = _collective_kind(instruction)
-            if kind is None or _SINGLETON_GROUPS.search(instruction.attributes):
+            groups = _groups(instruction.attributes) if kind else ()
+            # groups of one device each move nothing (a shard_map's transpose sums a cotangent over the size-1
+            # mesh axes its specs leave out)
+            if kind is None or (groups and all(len(group) == 1 for group in groups)):
                 continue
             sizes = _array_bytes(instruction.shape)
             size = sizes[-1] if instruction.op.endswith("-start") and sizes else sum(sizes)
-            found.append(CollectiveOp(kind, size, factor, _groups(instruction.attributes)))
+            found.append(CollectiveOp(kind, size, factor, groups))
     return found
 
 
@@ -225,11 +228,6 @@ def _groups(attributes: str) -> tuple[tuple[int, ...], ...]:
         ids = _iota([int(d) for d in iota.group(3).split(",")], iota.group(4))
         return tuple(tuple(int(i) for i in row) for row in ids.reshape(int(iota.group(1)), int(iota.group(2))))
     return ()
-
-
-# replica groups of one device each ({{0},{1},...} or the iota form [n,1]<=[n]): the collective moves nothing (a
-# shard_map's transpose sums a cotangent over the size-1 mesh axes its specs leave out)
-_SINGLETON_GROUPS = re.compile(r"replica_groups=(\{\{\d+\}(,\{\d+\})*\}|\[\d+,1\]<=)")
 
 
 def _collective_kind(instruction: _Instruction) -> str | None:
