@@ -11,10 +11,11 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
-from nestor.cluster.rendezvous import ClusterError, free_port
+from nestor.cluster.rendezvous import ClusterError
+from nestor.cluster.warm_head import HeadSpec, hold_head, start_local_head
 
-LOCALHOST = "127.0.0.1"
 
 
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
@@ -77,6 +78,7 @@ class ClusterSpec:
     worker_logs: bool = False  # stream every worker's raw output to the driver (Ray-prefixed)
     user_code: tuple[str, ...] = ()  # the user's modules and packages a remote cluster's workers import
     collective_timeout_s: int | None = None  # CPU workers: XLA:CPU's collective timeouts at least this (cpu_devices)
+    keep_head_s: float = 0.0  # embedded cluster: keep its head up this long after the command (warm_head); 0: stop it
 
     def worker_resources(self) -> dict[str, float]:
         """Returns the Ray resources one worker reserves."""
@@ -102,14 +104,17 @@ def use_token_if_present() -> None:
             Config.initialize("")
 
 
-def connect(spec: ClusterSpec) -> None:
-    """Connects this process to Ray, starting an embedded cluster when no address is known."""
+def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: None) -> Callable[[], None]:
+    """Connects this process to Ray: to `spec.address`, else to the surrounding Ray job's cluster, else to this
+    user's warm local head (`spec.keep_head_s`, started when none is up; `on_phase` hears which), else to an
+    embedded cluster of its own. Returns what to call after `ray.shutdown()`: it lets the next command have the
+    warm head."""
     import ray
 
     if os.environ.get("RAY_ADDRESS") and not spec.address:
         # inside a Ray job: its runtime env already carries the code
         ray.init(logging_level="ERROR", log_to_driver=spec.worker_logs)
-        return
+        return lambda: None
     if spec.address:
         _check_reachable(spec.address)
         use_token_if_present()
@@ -129,43 +134,32 @@ def connect(spec: ClusterSpec) -> None:
         finally:
             if staging is not None:
                 staging.cleanup()  # ray.init has uploaded it
-        return
-    # Token auth stays at Ray's default (on); everything binds to loopback. Workers
-    # import the code from this checkout, whatever version is installed.
-    pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
-    # Ray's state API, which Ray Train's placement-group cleaner asks whether the
-    # controller lives, finds its cluster through RAY_ADDRESS or else the newest
-    # `ray start` cluster on the machine; with another cluster running, it would ask
-    # that one, find no controller and remove our workers' placement group. So the
-    # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
-    gcs_port = free_port(LOCALHOST)
-    gcs_address = f"{LOCALHOST}:{gcs_port}"
-    previous_port = os.environ.get("RAY_GCS_SERVER_PORT")
-    os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
-    try:
-        ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=spec.dashboard,
-                 dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST),
-                 num_cpus=spec.hosts + 1, logging_level="ERROR", log_to_driver=spec.worker_logs,
-                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_ADDRESS": gcs_address,
-                                           USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
-                                           # no cloud to preempt a local cluster; print each line once
-                                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                                           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                                           **_start_timeout(spec)}})
-    finally:
-        if previous_port is None:
-            os.environ.pop("RAY_GCS_SERVER_PORT")
-        else:
-            os.environ["RAY_GCS_SERVER_PORT"] = previous_port
-    actual = ray.get_runtime_context().gcs_address
-    if actual != gcs_address:
-        raise ClusterError(f"the embedded Ray cluster came up at {actual}, not {gcs_address}; run again")
+        return lambda: None
+    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+                USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
+                # no cloud to preempt a local cluster; print each line once
+                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **_start_timeout(spec)}
+    head = HeadSpec(cpus=spec.hosts + 1, dashboard=spec.dashboard)
+    if spec.keep_head_s > 0 and (lease := hold_head(head, spec.keep_head_s, on_phase)) is not None:
+        use_token_if_present()  # the head's ray.init turned token auth on; Ray does not for an address
+        try:
+            ray.init(address=lease.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                     runtime_env={"env_vars": {**env_vars, "RAY_ADDRESS": lease.address}})
+        except BaseException:
+            lease.release()
+            raise
+        return lease.release
+    start_local_head(head.cpus, head.dashboard, spec.worker_logs, env_vars)
+    return lambda: None
 
 
 def _start_timeout(spec: ClusterSpec) -> dict[str, str]:
     # Ray Train gives a worker group 60 s to start; workers importing jax on a busy
     # host can take longer, so allow as long as they may take to join jax.distributed.
-    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0))}
+    # Its controller polls the workers every 2 s, so a run's end was seen up to 2 s late; a poll is a
+    # small RPC per worker.
+    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0)),
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

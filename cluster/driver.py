@@ -102,7 +102,7 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
 
     # ray.init makes SIGTERM exit the process: a signal kept for the run (or a handler not Python's) stays
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    connect(spec)
+    release = connect(spec, on_phase)
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
@@ -122,6 +122,7 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
         finally:
             # Stops the embedded cluster's raylet and GCS too when this process started them.
             ray.shutdown()
+            release()
 
 
 class Mailbox:

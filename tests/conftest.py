@@ -100,6 +100,19 @@ def unrelated_ray_head(tmp_path_factory):
         shutil.rmtree(sessions, ignore_errors=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _kept_heads_end_with_their_file(request):
+    """The local Ray heads a Ray file's commands kept warm (`cluster.keep_head_s`) end with that file: its
+    tests share them, later files start from none."""
+    from tests.xdist_groups import RAY_FILES
+
+    yield
+    if Path(request.module.__file__).name in RAY_FILES:
+        from nestor.cluster.warm_head import stop_warm_heads
+
+        stop_warm_heads(wait_s=60)
+
+
 @pytest.fixture(autouse=True)
 def _ray_tests_run_beside_an_unrelated_head(request):
     """Every Ray test runs with `unrelated_ray_head` up (tests/test_user_path.py checks it is untouched)."""

@@ -70,6 +70,15 @@ def ray_daemons() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")}
 
 
+def kept_head_daemons() -> set[int]:
+    """Returns the pids of the processes of this user's local Ray heads kept warm between commands
+    (`cluster.keep_head_s`, which `nestor stop-head` ends; tests/test_warm_head.py)."""
+    from nestor.cluster.head import head_processes
+    from nestor.cluster.warm_head import warm_heads
+
+    return {process.pid for head in warm_heads() for process in head_processes(head.address)}
+
+
 @dataclass(frozen=True)
 class Block:
     doc: str          # path relative to the repository root
@@ -133,7 +142,7 @@ class BlockRun:
     clone: Path                      # the doc's fresh copy it ran in
     process: subprocess.CompletedProcess
     seconds: float
-    leftover_daemons: set[int]       # Ray daemons it started that still ran 20 s after it ended
+    leftover_daemons: set[int]       # Ray daemons it started that still ran 20 s after it ended, but a kept head's
 
 
 _CLONES: dict[str, Path] = {}
@@ -182,6 +191,6 @@ def _run(block: Block, clone: Path) -> BlockRun:
                            capture_output=True, timeout=120)
     seconds = time.perf_counter() - started
     deadline = time.monotonic() + 20  # daemons exit a moment after ray.shutdown returns
-    while ray_daemons() - before and time.monotonic() < deadline:
+    while ray_daemons() - before - kept_head_daemons() and time.monotonic() < deadline:
         time.sleep(0.5)
-    return BlockRun(block, text, clone, process, seconds, ray_daemons() - before)
+    return BlockRun(block, text, clone, process, seconds, ray_daemons() - before - kept_head_daemons())

@@ -37,7 +37,9 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"  # the file the Ray runs below
 TINY = ["model.preset=tiny", "data.source=synthetic", "train.steps=5", "train.global_batch=16", "train.seq_len=32",
         "optimizer.warmup_steps=2", "model.num_kv_heads=4", "train.log_every=1", "moe.num_experts=0", "moe.every=0",
         "mesh.pipeline=1", "mesh.expert=1", "mesh.data=-1", "pipeline.microbatches=1"]
-TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_host=4",
+# A cluster of the run's own, as before heads were kept warm: the tests find its workers among the driver's
+# descendants, and end them with its session.
+TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_host=4", "cluster.keep_head_s=0",
              "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
 
 

@@ -21,7 +21,7 @@ def test_doc_block_runs_as_written_and_leaves_no_ray_daemon(block, tmp_path_fact
     process = done.process
     assert process.returncode == 0, (f"{block.id} failed (exit {process.returncode}):\n{done.text}\n--- stdout\n"
                                      f"{process.stdout[-3000:]}\n--- stderr\n{process.stderr[-3000:]}")
-    assert done.leftover_daemons == set(), f"{block.id} left Ray daemons running"
+    assert done.leftover_daemons == set(), f"{block.id} left Ray daemons running (other than a head kept warm)"
 
 
 def test_doc_commands_are_found_and_rewritten_as_documented():

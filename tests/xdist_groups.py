@@ -24,7 +24,7 @@ import pytest
 FAST_TIER = "not slow"
 SLOW_WHATEVER_ELSE = ("ray", "multiprocess")
 # The files whose tests start Ray clusters (the `ray` mark).
-RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py")
+RAY_FILES = ("test_cluster.py", "test_docs.py", "test_user_path.py", "test_warm_head.py")
 # How many times a test may end its worker before it is reported failed.
 RERUNS_AFTER_A_CRASH = 1
 

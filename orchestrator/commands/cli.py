@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -43,6 +44,10 @@ def where_results_are(config) -> list[str]:
     if config.cluster.launcher == "ray":  # Ray Train's own storage for the worker group
         files.append("ray/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
+    c = config.cluster
+    if c.launcher == "ray" and not c.address and not os.environ.get("RAY_ADDRESS") and c.keep_head_s > 0:
+        lines.append(f"Ray: the local head stays up {c.keep_head_s:g} s for the next command (nestor stop-head "
+                     "ends it now)")
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
     if kept and kept[-1] > config.train.steps:  # nothing was trained: the run is past train.steps
@@ -67,7 +72,7 @@ def _train(config, args) -> int:
         if config.cluster.launcher == "ray":
             from nestor.orchestrator.commands.ray_driver import train_on_ray
 
-            stopped_by = train_on_ray(config, console)
+            stopped_by = train_on_ray(config, console, said=getattr(args, "said", None))
         else:
             from nestor.orchestrator.job.processes import configure_jax
             from nestor.orchestrator.loop.train import train
@@ -247,14 +252,30 @@ def _submit(config, args) -> int:
     return 0 if final == "SUCCEEDED" else 1
 
 
+def _stop_head(address: str | None) -> int:
+    """`nestor stop-head`: the head at `address`, else this user's warm local heads (cluster.keep_head_s)."""
+    if address:
+        from nestor.cluster.head import stop_head
+
+        print(f"stopped the Ray head at {address}: {stop_head(address)} processes")
+        return 0
+    from nestor.cluster.warm_head import stop_warm_heads
+
+    stopped, busy = stop_warm_heads()
+    for head in stopped:
+        print(f"stopped the local Ray head at {head}")
+    for head in busy:
+        print(f"left the local Ray head at {head} up: a running nestor command holds it (stop that command first)")
+    if not stopped and not busy:
+        print("no local Ray head of yours is up")
+    return 1 if busy else 0
+
+
 def _job_command(args) -> int:
     from nestor.cluster import jobs
 
     if args.command == "stop-head":
-        from nestor.cluster.head import stop_head
-
-        print(f"stopped the Ray head at {args.address}: {stop_head(args.address)} processes")
-        return 0
+        return _stop_head(args.address)
     if args.command == "status":
         from nestor.orchestrator.commands.ray_driver import restart_lines
 
@@ -426,9 +447,10 @@ def parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", help="the submission id `nestor submit` printed")
         command.set_defaults(handler=None)
-    stop_head = commands.add_parser("stop-head", help="stop the Ray head at --address on this machine (not "
-                                                      "every Ray node, as `ray stop` does)")
-    stop_head.add_argument("--address", required=True, help="the head's GCS address HOST:PORT (ray start --port)")
+    stop_head = commands.add_parser("stop-head", help="stop the Ray head at --address on this machine (not every "
+                                    "Ray node, as `ray stop` does); without it, your local heads kept warm between "
+                                    "commands (cluster.keep_head_s)")
+    stop_head.add_argument("--address", help="the head's GCS address HOST:PORT (ray start --port)")
     stop_head.set_defaults(handler=None)
     _data_parser(commands)
     for command in (submit, commands.choices["status"], commands.choices["logs"], commands.choices["stop"]):
@@ -470,6 +492,12 @@ def _main(args) -> int:
     if missing:
         print(f"nestor: {missing}", file=sys.stderr)
         return 1
+    if args.command == "train":  # before the config's checks import jax
+        from nestor.orchestrator.commands.first_line import early_starting_line
+
+        args.said = early_starting_line(args.config, args.overrides)
+        if args.said:
+            print(args.said, flush=True)
     from nestor.cluster.rendezvous import ClusterError
     from nestor.orchestrator.loader.config import load
     from nestor.orchestrator.errors import ConfigError, RunFailed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -14,6 +13,7 @@ from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.processes import collective_timeout_s
+from nestor.orchestrator.commands.first_line import starting_line
 from nestor.orchestrator.commands.launch_checks import check_before_launch
 from nestor.orchestrator.commands.user_errors import user_code_error
 from nestor.orchestrator.paths import show_relative_to, user_directory
@@ -31,7 +31,7 @@ def cluster_spec(config: Config) -> ClusterSpec:
                        restart_timeout_s=c.restart_timeout_s, init_timeout_s=c.init_timeout_s,
                        tpu_topology=c.tpu_topology, tpu_type=c.tpu_type, dashboard=c.dashboard,
                        worker_logs=c.worker_logs, user_code=user_code_paths(config) if c.address else (),
-                       collective_timeout_s=collective_timeout_s(config))
+                       collective_timeout_s=collective_timeout_s(config), keep_head_s=c.keep_head_s)
 
 
 def config_on_hosts(config: Config, hosts: int) -> Config | None:
@@ -151,9 +151,9 @@ class _Restarts:
         self.saves = {step: at for step, at in self.saves.items() if step <= saved}
 
 
-def train_on_ray(config: Config, console: Console) -> int | None:
-    """Trains `config` on `cluster.hosts` Ray workers, showing process 0's progress on `console`;
-    returns when they finish: None, or the signal that stopped this process (the driver), once the
+def train_on_ray(config: Config, console: Console, said: str | None = None) -> int | None:
+    """Trains `config` on `cluster.hosts` Ray workers, showing process 0's progress on `console` (after `said`,
+    the line the CLI printed already); returns when they finish: None, or the signal that stopped this process (the driver), once the
     workers saved the step they reached (a second signal stops them at once: KeyboardInterrupt).
 
     Raises cluster.rendezvous.ClusterError (unreachable cluster, too few devices,
@@ -164,9 +164,9 @@ def train_on_ray(config: Config, console: Console) -> int | None:
     worker-group restarts, and a refused run never starts Ray.
     """
     c = config.cluster
-    where = f"the Ray cluster at {c.address}" if c.address else (
-        "the Ray job's cluster" if os.environ.get("RAY_ADDRESS") else "a local Ray cluster on 127.0.0.1")
-    console.log(f"starting {c.hosts} worker process(es) x {c.devices_per_host} {c.accelerator} device(s) on {where}")
+    line = starting_line(c.hosts, c.devices_per_host, c.accelerator, c.address)
+    if line != said:  # the CLI says it before the config's checks where it can (first_line)
+        console.log(line)
     check_before_launch(config)  # one line in seconds, before Ray starts and before anything is written
     try:
         with RunDirLock(config.run.dir, console.log):

@@ -309,6 +309,9 @@ class ClusterConfig:
     tpu_topology: str | None = key(None, "tpu: slice topology per host group, e.g. 2x2x2 (v4/v5p) or 4x4 (v5e)")
     tpu_type: str | None = key(None, "tpu: Ray accelerator type, e.g. TPU-V4, TPU-V5LITEPOD, TPU-V5P")
     dashboard: bool = key(True, "embedded cluster: serve Ray's dashboard and state API on 127.0.0.1")
+    keep_head_s: float = key(600.0, "embedded cluster: keep its Ray head up this many seconds after the command, for "
+                             "the next command on this machine to reuse (`nestor stop-head` ends it now); 0 = start "
+                             "and stop a cluster of the command's own", minimum=0)
     worker_logs: bool = key(False, "true: stream every worker's raw output (Ray-prefixed) too, for debugging")
     device_kind: str | None = key(None, "the memory checks of explain and train: a device in its table (h100, h200, "
                                   "b200, a100-40gb, a100-80gb, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e); null = the "

@@ -1,0 +1,120 @@
+"""The local Ray head kept warm between commands (`cluster.keep_head_s`, cluster/warm_head.py), and the first
+line `nestor train` prints before jax is imported (orchestrator/commands/first_line.py). The quickstart's
+second command reusing the first one's head is tests/test_user_path.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nestor.cluster.head import head_processes
+from nestor.cluster.warm_head import HeadSpec, heads_dir, stop_warm_heads, warm_heads
+from nestor.orchestrator.commands.first_line import early_starting_line
+from tests.conftest import ROOT
+from tests.helpers import child_env
+from tests.test_cluster import user_shell
+
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+# A command's hold on the head: takes it, says its address (None: another command holds it), lets it go at a line
+# on stdin.
+HOLDER = """
+import sys
+from nestor.cluster.warm_head import HeadSpec, hold_head
+lease = hold_head(HeadSpec(cpus=2, dashboard=False), keep_s=float(sys.argv[1]), on_phase=lambda t: print(t, flush=True))
+print(lease.address if lease else None, flush=True)
+sys.stdin.readline()
+if lease:
+    lease.release()
+"""
+
+
+class Holder:
+    def __init__(self, env: dict[str, str], keep_s: float):
+        self.process = subprocess.Popen([sys.executable, "-c", HOLDER, str(keep_s)], env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.said = []
+        while (line := self.process.stdout.readline().strip()) and not (line == "None" or line.startswith("127.")):
+            self.said.append(line)
+        assert line, self.process.stderr.read()[-3000:]
+        self.address = None if line == "None" else line
+
+    def release(self) -> None:
+        self.process.communicate("\n", timeout=60)
+        assert self.process.returncode == 0, self.process.stderr[-3000:]
+
+
+def gone(address: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while head_processes(address) or warm_heads():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_kept_head_serves_one_command_at_a_time_and_ends_when_idle_or_stopped(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))  # this test's heads only, in this process and its children
+    env = user_shell(child_env(XDG_CACHE_HOME=str(cache)))
+    keep_s = 6
+
+    first = Holder(env, keep_s)
+    assert first.said == ["starting a local Ray head on 127.0.0.1"] and first.address
+    assert {p.name() for p in head_processes(first.address)} >= {"gcs_server", "raylet"}
+    busy = Holder(env, keep_s)  # a second command meanwhile: a cluster of its own
+    busy.release()
+    assert busy.address is None
+    assert stop_warm_heads() == ([], [first.address])  # held: left up
+    first.release()
+
+    again = Holder(env, keep_s)
+    assert again.said == [f"using the local Ray head an earlier command kept up ({first.address})"], again.said
+    assert again.address == first.address
+    again.release()
+    assert gone(first.address, timeout_s=keep_s + 40), "the head outlived its idle time"
+    assert not list(heads_dir().glob("*.json"))
+
+    kept = Holder(env, 600)
+    kept.release()
+    assert kept.address and kept.address != first.address and warm_heads()
+    stopped = subprocess.run([str(Path(sys.executable).parent / "nestor"), "stop-head"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert stopped.returncode == 0 and stopped.stdout == f"stopped the local Ray head at {kept.address}\n", stopped
+    assert gone(kept.address, timeout_s=30)
+    again = subprocess.run([str(Path(sys.executable).parent / "nestor"), "stop-head"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert again.stdout == "no local Ray head of yours is up\n", again
+
+
+def test_a_heads_key_follows_what_its_workers_inherit_and_not_the_shells_directory(monkeypatch):
+    key = HeadSpec(cpus=3, dashboard=True).key()
+    monkeypatch.setenv("PWD", "/somewhere/else")
+    monkeypatch.setenv("OLDPWD", "/tmp")
+    assert HeadSpec(cpus=3, dashboard=True).key() == key  # the same shell, another directory
+    assert HeadSpec(cpus=2, dashboard=True).key() != key
+    assert HeadSpec(cpus=3, dashboard=False).key() != key
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/elsewhere")
+    assert HeadSpec(cpus=3, dashboard=True).key() != key  # the workers would inherit it
+
+
+def test_the_first_line_is_read_from_the_cluster_keys_as_plain_yaml(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    local = "a local Ray cluster on 127.0.0.1"
+    assert early_starting_line(QUICKSTART, []) == f"starting 2 worker process(es) x 4 cpu device(s) on {local}"
+    layer = tmp_path / "hosts.yaml"
+    layer.write_text("cluster:\n  hosts: 4\n  devices_per_host: 2\n")
+    assert early_starting_line(QUICKSTART, [str(layer)]) == f"starting 4 worker process(es) x 2 cpu device(s) on {local}"
+    assert early_starting_line(QUICKSTART, [str(layer), "cluster.hosts=1", "cluster.address=10.0.0.5:6379"]) == \
+        "starting 1 worker process(es) x 2 cpu device(s) on the Ray cluster at 10.0.0.5:6379"
+    # not the Ray launcher, or keys only the config's checks can judge: the line waits for them
+    for overrides in (["cluster.launcher=inprocess"], ["cluster.hosts=two"], ["cluster={hosts: 2}"],
+                      ["cluster.accelerator=npu"], [str(tmp_path / "missing.yaml")]):
+        assert early_starting_line(QUICKSTART, overrides) is None, overrides
+    assert early_starting_line(str(tmp_path / "missing.yaml"), []) is None
