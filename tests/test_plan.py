@@ -65,6 +65,17 @@ def test_a_plan_loads_the_config_with_every_unpinned_degree_free():
         "mesh.dcn.fsdp=1", "mesh.dcn.context=1", "mesh.dcn.expert=1", "mesh.dcn.tensor=1"]
 
 
+def test_a_global_batch_that_divides_over_some_layouts_only_is_planned_over_those(capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.hosts=1", "cluster.devices_per_host=8",
+                 "train.global_batch=12", "run.compile_cache=null", "--budget-s", "0.001"])
+    out = capsys.readouterr().out
+    assert code == 1 and "plan for 1 x 8 cpu devices, global batch 12" in out
+    assert "train.global_batch, e.g. 12 is not divisible by" in out  # layouts of 8 batch ways: rejected by the rules
+    assert "undecided:" in out  # those of 1, 2 or 4 pass them
+
+
 def test_nestor_plan_prints_the_rejections_and_exits_1_when_nothing_was_ranked(capsys, tmp_path):
     from nestor.orchestrator.commands.cli import main
 

@@ -488,7 +488,9 @@ def _main(args) -> int:
 
             overrides = free_mesh(overrides) + overrides
         given_run = args.command in OF_A_RUN and Path(args.config).expanduser().is_dir()
-        config = run_config(args.config, overrides) if given_run else load(args.config, overrides)
+        # a plan's mesh is its to choose: the batch and the model are split over each candidate's, not CONFIG's
+        config = run_config(args.config, overrides) if given_run else load(args.config, overrides,
+                                                                           device_checks=args.command != "plan")
         if args.command != "plan" and (warning := idle_warning(config)):  # a plan sets the keys it searches
             print(f"nestor: {warning}", file=sys.stderr)
         for line in config.chosen:  # on stderr, as the idle keys' warning: stdout may be explain's --json
