@@ -34,6 +34,13 @@ def tiny(*overrides: str, tmp_path=None):
     return load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", *run_dir, *overrides])
 
 
+def planned(*overrides: str):
+    """The config `nestor plan` loads for the command line `overrides`: its mesh free, the batch's split left
+    to the candidates."""
+    return load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", *free_mesh(list(overrides)),
+                       *overrides], device_checks=False)
+
+
 def total(settings: dict, axis: str) -> int:
     return settings[f"mesh.{axis}"] * settings[f"mesh.dcn.{axis}"]
 
@@ -63,6 +70,14 @@ def test_a_plan_loads_the_config_with_every_unpinned_degree_free():
     assert free_mesh(["mesh.data=2", "mesh.dcn.data=2", "train.steps=3"]) == [
         "mesh.pipeline=1", "mesh.fsdp=-1", "mesh.context=1", "mesh.expert=1", "mesh.tensor=1", "mesh.dcn.pipeline=1",
         "mesh.dcn.fsdp=1", "mesh.dcn.context=1", "mesh.dcn.expert=1", "mesh.dcn.tensor=1"]
+
+
+def test_a_pinned_dcn_degree_is_kept_and_the_hosts_factor_goes_to_no_other_axis():
+    overrides = ["mesh.dcn.fsdp=2", "cluster.hosts=2", "cluster.devices_per_host=4"]
+    settings = [c.as_dict() for ladder in candidates(planned(*overrides), pinned_keys(overrides)) for c in ladder]
+    assert len(settings) > 10
+    assert all(s["mesh.dcn.fsdp"] == 2 and s["mesh.fsdp"] >= 1 for s in settings)
+    assert all(s[f"mesh.dcn.{axis}"] == 1 for s in settings for axis in MESH_AXES if axis != "fsdp")
 
 
 def test_a_global_batch_that_divides_over_some_layouts_only_is_planned_over_those(capsys):

@@ -99,13 +99,14 @@ def mesh_degrees(config: Config, pins: set[str]) -> list[dict[str, int]]:
 
 
 def split_over_hosts(config: Config, total: dict[str, int], pins: set[str]) -> tuple[dict, dict] | None:
-    """Returns (ici, dcn) degrees for `total`: the hosts' factor taken by the outermost axes first (pinned
-    axes keep the config's dcn degree), or None when the axes cannot take it."""
+    """Returns (ici, dcn) degrees for `total`: the hosts' factor taken by the outermost axes first (an axis
+    whose degree or dcn degree is pinned keeps the config's dcn degree), or None when the axes cannot take it."""
     hosts = config.cluster.hosts
-    dcn = {axis: config.mesh.dcn_shape()[axis] if f"mesh.{axis}" in pins else 1 for axis in MESH_AXES}
+    kept = {axis for axis in MESH_AXES if f"mesh.{axis}" in pins or f"mesh.dcn.{axis}" in pins}
+    dcn = {axis: config.mesh.dcn_shape()[axis] if axis in kept else 1 for axis in MESH_AXES}
     left = hosts // math.prod(dcn.values()) if hosts % math.prod(dcn.values()) == 0 else 0
     for axis in OUTER_AXES:
-        if f"mesh.{axis}" not in pins and left > 1:
+        if axis not in kept and left > 1:
             dcn[axis] = math.gcd(total[axis], left)
             left //= dcn[axis]
     if left != 1 or any(total[axis] % dcn[axis] for axis in MESH_AXES):
