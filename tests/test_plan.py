@@ -80,6 +80,15 @@ def test_a_pinned_dcn_degree_is_kept_and_the_hosts_factor_goes_to_no_other_axis(
     assert all(s[f"mesh.dcn.{axis}"] == 1 for s in settings for axis in MESH_AXES if axis != "fsdp")
 
 
+def test_a_config_with_remat_names_is_planned_with_its_own_named_policy():
+    names = "model.remat_names=[mlp_gate,mlp_up]"
+    config = planned("model.remat=minimal", names)  # as CONFIG would set it: model.remat is no pin
+    plan = search(config, pinned_keys([names]), budget_s=0)
+    assert {j.candidate.as_dict()["model.remat"] for j in plan.judged} == {"minimal"}
+    assert not [j for j in plan.judged if (j.reason or "").startswith("model.remat")]
+    assert plan.count(UNDECIDED) > 0  # layouts the rules let through, left for the compiler
+
+
 def test_a_global_batch_that_divides_over_some_layouts_only_is_planned_over_those(capsys):
     from nestor.orchestrator.commands.cli import main
 
