@@ -10,6 +10,7 @@ import subprocess
 import jax
 import pytest
 
+from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.planning import search as search_module
@@ -22,6 +23,7 @@ from nestor.orchestrator.planning.search import (BOUND, COMPILED_OVER, DOMINATED
 from nestor.parallel.hlo import CollectiveOp, _groups
 from nestor.parallel.rules import MESH_AXES
 from tests.conftest import ROOT, TINY
+from tests.test_user_model import write_user_directory
 
 MOE = ("moe.num_experts=4", "moe.every=2")
 # a dense tiny LM whose mesh is pinned but for data x fsdp, and one rung per layout: four compiles in all
@@ -98,6 +100,21 @@ def test_a_global_batch_that_divides_over_some_layouts_only_is_planned_over_thos
     assert code == 1 and "plan for 1 x 8 cpu devices, global batch 12" in out
     assert "train.global_batch, e.g. 12 is not divisible by" in out  # layouts of 8 batch ways: rejected by the rules
     assert "undecided:" in out  # those of 1, 2 or 4 pass them
+
+
+def test_a_layout_the_users_model_does_not_build_on_is_rejected_and_the_plan_goes_on(tmp_path, monkeypatch):
+    directory = write_user_directory(tmp_path / "project")
+    monkeypatch.chdir(directory)
+    monkeypatch.setenv(USER_CODE_ENV, str(directory))
+    overrides = ["mesh.pipeline=1", "mesh.tensor=1", "model.remat=full", "train.grad_accum=1",
+                 "optimizer.shard_update=false", "model.args.width=30"]  # 30 splits over fsdp 1 and 2, not 4 or 8
+    config = load("my.yaml", ["cluster.launcher=inprocess", "cluster.devices_per_host=8", *free_mesh(overrides),
+                              *overrides], device_checks=False)
+    plan = search(config, pinned_keys(overrides), budget_s=600)  # the first layout compiled is fsdp 8's
+    refused = {total(j.candidate.as_dict(), "fsdp"): j.reason for j in plan.judged if j.verdict == RULES}
+    assert sorted(refused) == [4, 8] and all("does not split over mesh.fsdp" in r for r in refused.values())
+    assert sorted(total(j.candidate.as_dict(), "fsdp") for j in plan.ranked) == [1, 2]
+    assert plan.usable_bytes is not None  # the device's memory, from the first layout that builds
 
 
 def test_nestor_plan_prints_the_rejections_and_exits_1_when_nothing_was_ranked(capsys, tmp_path):
