@@ -102,6 +102,20 @@ def test_a_global_batch_that_divides_over_some_layouts_only_is_planned_over_thos
     assert "undecided:" in out  # those of 1, 2 or 4 pass them
 
 
+def test_a_plan_warns_of_idle_keys_the_user_set_but_not_of_the_keys_it_searches(capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    quickstart = [str(ROOT / "configs" / "quickstart.yaml"), "cluster.hosts=1", "cluster.devices_per_host=8",
+                  "cluster.launcher=inprocess", "cluster.max_failures=5", "run.compile_cache=null",
+                  "--budget-s", "0.001"]
+    main(["plan", *quickstart])
+    err = capsys.readouterr().err
+    assert "warning: these keys do nothing in this run: cluster.max_failures (cluster.launcher=inprocess" in err
+    assert "pipeline.microbatches" not in err  # the plan may choose a pipeline: the quickstart's micro-batches count
+    main(["plan", *quickstart, "mesh.pipeline=1"])
+    assert "pipeline.microbatches (mesh.pipeline=1: no pipeline)" in capsys.readouterr().err
+
+
 def test_a_layout_the_users_model_does_not_build_on_is_rejected_and_the_plan_goes_on(tmp_path, monkeypatch):
     directory = write_user_directory(tmp_path / "project")
     monkeypatch.chdir(directory)

@@ -465,6 +465,15 @@ def main(argv: list[str] | None = None) -> int:
         return _main(args)
 
 
+def _searched(args, config) -> frozenset[str]:
+    """Returns the keys a plan sets itself (none for another command): no warning names them idle."""
+    if args.command != "plan":
+        return frozenset()
+    from nestor.orchestrator.planning.candidates import pinned_keys, searched_keys
+
+    return frozenset(searched_keys(config, pinned_keys(args.overrides)))
+
+
 def _main(args) -> int:
     missing = check_dependencies()
     if missing:
@@ -491,7 +500,7 @@ def _main(args) -> int:
         # a plan's mesh is its to choose: the batch and the model are split over each candidate's, not CONFIG's
         config = run_config(args.config, overrides) if given_run else load(args.config, overrides,
                                                                            device_checks=args.command != "plan")
-        if args.command != "plan" and (warning := idle_warning(config)):  # a plan sets the keys it searches
+        if warning := idle_warning(config, _searched(args, config)):
             print(f"nestor: {warning}", file=sys.stderr)
         for line in config.chosen:  # on stderr, as the idle keys' warning: stdout may be explain's --json
             print(f"nestor: {line}", file=sys.stderr)

@@ -60,6 +60,15 @@ def free_mesh(overrides: list[str]) -> list[str]:
     return [f"{key}={-1 if key == fill else 1}" for key in free]
 
 
+def searched_keys(config: Config, pins: set[str]) -> set[str]:
+    """Returns the dotted keys a plan sets for the user (the mesh, the pipeline's schedule and micro-batches
+    unless a pin leaves one stage, the ladder's keys), less the `pins`."""
+    keys = {f"mesh.{axis}" for axis in MESH_AXES} | {f"mesh.dcn.{axis}" for axis in MESH_AXES} | set(LADDER_KEYS)
+    if not ("mesh.pipeline" in pins and config.mesh.ici_shape()["pipeline"] * config.mesh.dcn_shape()["pipeline"] == 1):
+        keys |= {"pipeline.schedule", "pipeline.microbatches"}
+    return keys - pins
+
+
 def _factorizations(n: int, slots: int):
     """Yields every tuple of `slots` positive integers whose product is `n`."""
     if slots == 1:
