@@ -1,11 +1,14 @@
-"""`nestor plan`: candidates keep the pins and the global batch, the config's rules reject with reasons, a
-candidate whose compiled peak passes the device's memory less the headroom is never ranked, the overlay
-trains, the HLO's device groups are read in every form, and every calibration constant has provenance."""
+"""`nestor plan`: candidates keep the pins (a dcn degree's too) and the global batch, the config's rules
+reject with reasons, a layout that does not build is rejected and the plan goes on, a candidate whose
+compiled peak passes the device's memory less the headroom is never ranked, the overlay trains, --measure
+re-ranks by measured steps, the HLO's device groups are read in every form, and every calibration constant
+has provenance."""
 
 from __future__ import annotations
 
 import math
 import subprocess
+import tempfile
 
 import jax
 import pytest
@@ -17,9 +20,10 @@ from nestor.orchestrator.planning import search as search_module
 from nestor.orchestrator.planning.candidates import candidates, free_mesh, pinned_keys, rule_problem
 from nestor.orchestrator.planning.cost import crosses_hosts, sent_bytes
 from nestor.orchestrator.planning.devices import calibration, device_for, provenance_problems
-from nestor.orchestrator.planning.report import format_plan, overlay, write_overlay
+from nestor.orchestrator.planning.measure import measure
+from nestor.orchestrator.planning.report import format_measured, format_plan, overlay, write_overlay
 from nestor.orchestrator.planning.search import (BOUND, COMPILED_OVER, DOMINATED, HEADROOM, RANKED, RULES, UNDECIDED,
-                                                 search)
+                                                 label, search)
 from nestor.parallel.hlo import CollectiveOp, _groups
 from nestor.parallel.rules import MESH_AXES
 from tests.conftest import ROOT, TINY
@@ -224,15 +228,77 @@ def test_the_overlay_loads_over_the_config_and_trains_two_steps(roomy, tmp_path)
     config, plan = roomy
     path = tmp_path / "plan.yaml"
     pins = pinned_keys(list(FOUR_LAYOUTS))
-    write_overlay(path, plan, config, pins, "nestor plan (test)")
+    write_overlay(path, plan.ranked[0], config, pins, "nestor plan (test)")
     winner = plan.ranked[0].candidate.as_dict()
-    assert overlay(plan, config, pins)["model"]["remat"] == "full"
+    assert overlay(plan.ranked[0], config, pins)["model"]["remat"] == "full"
     loaded = load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", f"run.dir={tmp_path / 'run'}",
                          "train.steps=2", str(path)])
     assert loaded.mesh.ici_shape() == {axis: winner[f"mesh.{axis}"] for axis in MESH_AXES}
     assert loaded.mesh.dcn_shape() == {axis: winner[f"mesh.dcn.{axis}"] for axis in MESH_AXES}
     result = train(loaded, devices=jax.devices()[:8], console=Console(log=lambda line: None))
     assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
+
+
+def test_measuring_trains_the_top_candidates_and_ranks_them_by_measured_step(roomy, tmp_path, monkeypatch):
+    config, plan = roomy
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the runs' directories are made
+    measured = measure(config, plan.ranked[:2], steps=3)
+    assert [m.error for m in measured] == [None, None]
+    assert {id(m.judged) for m in measured} == {id(j) for j in plan.ranked[:2]}
+    steps = [m.step_s for m in measured]
+    assert steps == sorted(steps) and all(0 < step < 60 for step in steps)
+    assert list(tmp_path.iterdir()) == []  # every run's directory is removed
+    text = format_measured(config, measured, 3)
+    for index, m in enumerate(measured, 1):  # measured and predicted side by side
+        line = next(line for line in text.splitlines() if line.startswith(f"{index} "))
+        assert f"{m.step_s * 1e3:.1f}" in line and f"{m.judged.predicted['step_s'] * 1e3:.1f}" in line
+
+
+def test_a_candidate_that_fails_to_run_is_reported_with_its_first_error_line(roomy, tmp_path):
+    config, plan = roomy
+    missing = config.replace(**{"data.source": "text", "data.paths": [str(tmp_path / "nowhere" / "*.txt")]})
+    (failed,) = measure(missing, plan.ranked[:1], steps=2)  # the plan compiled without data; a run reads it
+    assert failed.step_s is None and failed.error.startswith("ConfigError: data.paths") and "\n" not in failed.error
+    assert f"failed: {label(failed.judged.candidate)}: {failed.error}" in format_measured(missing, [failed], 2)
+
+
+def test_nestor_plan_measure_prints_both_steps_and_writes_the_measured_winner(capsys, tmp_path, monkeypatch):
+    from nestor.orchestrator.commands.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temporary"))
+    (tmp_path / "temporary").mkdir()
+    out_file = tmp_path / "plan.yaml"
+    code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.launcher=inprocess", "cluster.hosts=1",
+                 "cluster.devices_per_host=2", "run.compile_cache=null", *FOUR_LAYOUTS, "moe.num_experts=0",
+                 "moe.every=0", "--measure", "2", "--steps", "3", "--out", str(out_file)])  # data 2 or fsdp 2
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err.count("measuring [") == 2  # a progress line per candidate
+    table = captured.out.split("measured: 2 candidates x 3 steps", 1)[1].splitlines()
+    first = table[2].split()  # 1, settings..., measured ms, predicted ms, ratio, tokens/s, predicted #
+    assert table[1].split()[:4] == ["#", "settings", "measured", "ms"] and first[0] == "1"
+    assert float(first[-5]) / float(first[-4]) == pytest.approx(float(first[-3]), abs=0.01)
+    assert "wrote the measured winner to" in captured.out
+    head = out_file.read_text().splitlines()[1]
+    assert f"measured {first[-5]} ms" in head
+    written = load(str(ROOT / "configs" / "quickstart.yaml"), [str(out_file)])
+    assert written.cluster.launcher == "inprocess" and written.model.remat == "full"  # the pins kept
+    assert " ".join(first[1:-5]) == head.split("(", 1)[1].split(")")[0]  # the measured winner's settings
+    assert list((tmp_path / "temporary").iterdir()) == []
+
+
+def test_measuring_is_refused_before_the_search_under_the_ray_launcher_and_for_too_few_steps(capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    assert main(["plan", quickstart, "--measure", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "planning" not in err  # refused before the search
+    assert ("cluster.launcher: ray: --measure trains the candidates in this process; add cluster.launcher=inprocess"
+            in err)
+    assert main(["plan", quickstart, "cluster.launcher=inprocess", "--measure", "2", "--steps", "1"]) == 2
+    assert "--steps: 1: the first 1 step is not timed" in capsys.readouterr().err
+    assert main(["plan", quickstart, "--steps", "5"]) == 2
+    assert "add --measure K" in capsys.readouterr().err
 
 
 def test_the_hlo_device_groups_are_read_in_listed_iota_and_mesh_forms():

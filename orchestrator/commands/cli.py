@@ -18,6 +18,7 @@ from nestor.orchestrator.commands.preflight import check_dependencies
 STARTED = time.monotonic()  # when the command started: the whole run's time is counted from here
 # the commands that read a run's checkpoints: they take its directory for CONFIG too (`run_config`)
 OF_A_RUN = ("eval", "sample", "logits")
+MEASURED_STEPS = 10  # nestor plan --measure: steps per candidate where --steps is not given
 
 
 def _tensorboard_command(log_dir: str) -> str:
@@ -101,29 +102,47 @@ def _explain(config, args) -> int:
     return 0
 
 
+def _progress(what: str):
+    """Returns the printer of a plan's progress lines on stderr (`what line`), one line kept on a terminal."""
+    def say(line: str | None) -> None:  # None: the last line is wiped
+        if sys.stderr.isatty():
+            print("\r\033[K" if line is None else f"\r\033[K{what} {line}"[:200], end="", file=sys.stderr, flush=True)
+        elif line is not None:
+            print(f"{what} {line}", file=sys.stderr, flush=True)
+    return say
+
+
 def _plan(config, args) -> int:
+    from nestor.orchestrator.errors import ConfigError
     from nestor.orchestrator.job.processes import configure_jax
     from nestor.orchestrator.planning.candidates import pinned_keys
-    from nestor.orchestrator.planning.report import format_plan, write_overlay
+    from nestor.orchestrator.planning.measure import check_measurable, measure
+    from nestor.orchestrator.planning.report import format_measured, format_plan, write_overlay
     from nestor.orchestrator.planning.search import search
 
+    if args.steps is not None and not args.measure:
+        raise ConfigError([("--steps", f"{args.steps}: steps of the measured candidates; add --measure K")])
+    steps = args.steps or MEASURED_STEPS
     configure_jax(config)
+    if args.measure:  # before the search: a refusal costs no compile
+        check_measurable(config, steps)
     pins = pinned_keys(args.overrides)
-    live = sys.stderr.isatty()
-
-    def progress(line: str) -> None:
-        print(f"\r\033[Kplanning {line}"[:200] if live else f"planning {line}", end="" if live else "\n",
-              file=sys.stderr, flush=True)
-
-    plan = search(config, pins, args.budget_s, progress)
-    if live:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    plan = search(config, pins, args.budget_s, progress := _progress("planning"))
+    progress(None)
     print(format_plan(config, plan, args.top))
-    if args.out and plan.ranked:
+    winner, measured_s = (plan.ranked[0], None) if plan.ranked else (None, None)
+    if args.measure and plan.ranked:
+        measured = measure(config, plan.ranked[:args.measure], steps, progress := _progress("measuring"))
+        progress(None)
+        print("\n" + format_measured(config, measured, steps))
+        best = measured[0]
+        winner, measured_s = (best.judged, best.step_s) if best.step_s is not None else (None, None)
+    if args.out and winner is not None:
         command = " ".join(["nestor plan", args.config, *args.overrides])
-        write_overlay(Path(args.out), plan, config, pins, command)
-        print(f"wrote the winner to {shown(args.out)}: nestor train {args.config} {shown(args.out)}")
-    return 0 if plan.ranked else 1
+        write_overlay(Path(args.out), winner, config, pins, command, measured_s)
+        what = "the measured winner" if measured_s is not None else "the winner"
+        print(f"wrote {what} to {shown(args.out)}: nestor train {args.config} {shown(args.out)}")
+    return 0 if winner is not None else 1
 
 
 def _eval(config, args) -> int:
@@ -381,6 +400,11 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", metavar="PLAN.yaml", help="write the winner as an overlay: nestor train CONFIG PLAN.yaml")
     plan.add_argument("--budget-s", type=_positive(float), default=300.0,
                       help="seconds to spend judging candidates (compiling most); the rest is left undecided")
+    plan.add_argument("--measure", type=_positive(int), metavar="K",
+                      help="train the top K for --steps steps each on the devices present (cluster.launcher="
+                           "inprocess) and re-rank them by measured step time; --out writes the measured winner")
+    plan.add_argument("--steps", type=_positive(int), metavar="S",
+                      help=f"--measure: steps per candidate, the first not timed (default {MEASURED_STEPS})")
     evaluate = commands.add_parser("eval", help="eval loss (and perplexity, for a token cross-entropy) of "
                                                 "run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
