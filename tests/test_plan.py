@@ -269,8 +269,8 @@ def test_nestor_plan_measure_prints_both_steps_and_writes_the_measured_winner(ca
     (tmp_path / "temporary").mkdir()
     out_file = tmp_path / "plan.yaml"
     code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.launcher=inprocess", "cluster.hosts=1",
-                 "cluster.devices_per_host=2", "run.compile_cache=null", *FOUR_LAYOUTS, "moe.num_experts=0",
-                 "moe.every=0", "--measure", "2", "--steps", "3", "--out", str(out_file)])  # data 2 or fsdp 2
+                 "cluster.devices_per_host=8", "run.compile_cache=null", *FOUR_LAYOUTS, "moe.num_experts=0",
+                 "moe.every=0", "--measure", "2", "--steps", "3", "--out", str(out_file)])  # data x fsdp: 4 layouts
     captured = capsys.readouterr()
     assert code == 0 and captured.err.count("measuring [") == 2  # a progress line per candidate
     table = captured.out.split("measured: 2 candidates x 3 steps", 1)[1].splitlines()
