@@ -270,7 +270,7 @@ def test_nestor_plan_measure_prints_both_steps_and_writes_the_measured_winner(ca
     out_file = tmp_path / "plan.yaml"
     code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.launcher=inprocess", "cluster.hosts=1",
                  "cluster.devices_per_host=8", "run.compile_cache=null", *FOUR_LAYOUTS, "moe.num_experts=0",
-                 "moe.every=0", "--measure", "2", "--steps", "3", "--out", str(out_file)])  # data x fsdp: 4 layouts
+                 "moe.every=0", "data.source=synthetic", "--measure", "2", "--steps", "3", "--out", str(out_file)])
     captured = capsys.readouterr()
     assert code == 0 and captured.err.count("measuring [") == 2  # a progress line per candidate
     table = captured.out.split("measured: 2 candidates x 3 steps", 1)[1].splitlines()
