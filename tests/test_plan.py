@@ -1,27 +1,33 @@
-"""`nestor plan`: candidates keep the pins and the global batch, the config's rules reject with reasons, a
-candidate whose compiled peak passes the device's memory less the headroom is never ranked, the overlay
-trains, the HLO's device groups are read in every form, and every calibration constant has provenance."""
+"""`nestor plan`: candidates keep the pins (a dcn degree's too) and the global batch, the config's rules
+reject with reasons, a layout that does not build is rejected and the plan goes on, a candidate whose
+compiled peak passes the device's memory less the headroom is never ranked, the overlay trains, --measure
+re-ranks by measured steps, the HLO's device groups are read in every form, and every calibration constant
+has provenance."""
 
 from __future__ import annotations
 
 import math
 import subprocess
+import tempfile
 
 import jax
 import pytest
 
+from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.planning import search as search_module
 from nestor.orchestrator.planning.candidates import candidates, free_mesh, pinned_keys, rule_problem
 from nestor.orchestrator.planning.cost import crosses_hosts, sent_bytes
 from nestor.orchestrator.planning.devices import calibration, device_for, provenance_problems
-from nestor.orchestrator.planning.report import format_plan, overlay, write_overlay
+from nestor.orchestrator.planning.measure import measure
+from nestor.orchestrator.planning.report import format_measured, format_plan, overlay, write_overlay
 from nestor.orchestrator.planning.search import (BOUND, COMPILED_OVER, DOMINATED, HEADROOM, RANKED, RULES, UNDECIDED,
-                                                 search)
+                                                 label, search)
 from nestor.parallel.hlo import CollectiveOp, _groups
 from nestor.parallel.rules import MESH_AXES
 from tests.conftest import ROOT, TINY
+from tests.test_user_model import write_user_directory
 
 MOE = ("moe.num_experts=4", "moe.every=2")
 # a dense tiny LM whose mesh is pinned but for data x fsdp, and one rung per layout: four compiles in all
@@ -32,6 +38,13 @@ FOUR_LAYOUTS = ("mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "model.rem
 def tiny(*overrides: str, tmp_path=None):
     run_dir = [f"run.dir={tmp_path / 'run'}"] if tmp_path else []
     return load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", *run_dir, *overrides])
+
+
+def planned(*overrides: str):
+    """The config `nestor plan` loads for the command line `overrides`: its mesh free, the batch's split left
+    to the candidates."""
+    return load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", *free_mesh(list(overrides)),
+                       *overrides], device_checks=False)
 
 
 def total(settings: dict, axis: str) -> int:
@@ -63,6 +76,63 @@ def test_a_plan_loads_the_config_with_every_unpinned_degree_free():
     assert free_mesh(["mesh.data=2", "mesh.dcn.data=2", "train.steps=3"]) == [
         "mesh.pipeline=1", "mesh.fsdp=-1", "mesh.context=1", "mesh.expert=1", "mesh.tensor=1", "mesh.dcn.pipeline=1",
         "mesh.dcn.fsdp=1", "mesh.dcn.context=1", "mesh.dcn.expert=1", "mesh.dcn.tensor=1"]
+
+
+def test_a_pinned_dcn_degree_is_kept_and_the_hosts_factor_goes_to_no_other_axis():
+    overrides = ["mesh.dcn.fsdp=2", "cluster.hosts=2", "cluster.devices_per_host=4"]
+    settings = [c.as_dict() for ladder in candidates(planned(*overrides), pinned_keys(overrides)) for c in ladder]
+    assert len(settings) > 10
+    assert all(s["mesh.dcn.fsdp"] == 2 and s["mesh.fsdp"] >= 1 for s in settings)
+    assert all(s[f"mesh.dcn.{axis}"] == 1 for s in settings for axis in MESH_AXES if axis != "fsdp")
+
+
+def test_a_config_with_remat_names_is_planned_with_its_own_named_policy():
+    names = "model.remat_names=[mlp_gate,mlp_up]"
+    config = planned("model.remat=minimal", names)  # as CONFIG would set it: model.remat is no pin
+    plan = search(config, pinned_keys([names]), budget_s=0)
+    assert {j.candidate.as_dict()["model.remat"] for j in plan.judged} == {"minimal"}
+    assert not [j for j in plan.judged if (j.reason or "").startswith("model.remat")]
+    assert plan.count(UNDECIDED) > 0  # layouts the rules let through, left for the compiler
+
+
+def test_a_global_batch_that_divides_over_some_layouts_only_is_planned_over_those(capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.hosts=1", "cluster.devices_per_host=8",
+                 "train.global_batch=12", "run.compile_cache=null", "--budget-s", "0.001"])
+    out = capsys.readouterr().out
+    assert code == 1 and "plan for 1 x 8 cpu devices, global batch 12" in out
+    assert "train.global_batch, e.g. 12 is not divisible by" in out  # layouts of 8 batch ways: rejected by the rules
+    assert "undecided:" in out  # those of 1, 2 or 4 pass them
+
+
+def test_a_plan_warns_of_idle_keys_the_user_set_but_not_of_the_keys_it_searches(capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    quickstart = [str(ROOT / "configs" / "quickstart.yaml"), "cluster.hosts=1", "cluster.devices_per_host=8",
+                  "cluster.launcher=inprocess", "cluster.max_failures=5", "run.compile_cache=null",
+                  "--budget-s", "0.001"]
+    main(["plan", *quickstart])
+    err = capsys.readouterr().err
+    assert "warning: these keys do nothing in this run: cluster.max_failures (cluster.launcher=inprocess" in err
+    assert "pipeline.microbatches" not in err  # the plan may choose a pipeline: the quickstart's micro-batches count
+    main(["plan", *quickstart, "mesh.pipeline=1"])
+    assert "pipeline.microbatches (mesh.pipeline=1: no pipeline)" in capsys.readouterr().err
+
+
+def test_a_layout_the_users_model_does_not_build_on_is_rejected_and_the_plan_goes_on(tmp_path, monkeypatch):
+    directory = write_user_directory(tmp_path / "project")
+    monkeypatch.chdir(directory)
+    monkeypatch.setenv(USER_CODE_ENV, str(directory))
+    overrides = ["mesh.pipeline=1", "mesh.tensor=1", "model.remat=full", "train.grad_accum=1",
+                 "optimizer.shard_update=false", "model.args.width=30"]  # 30 splits over fsdp 1 and 2, not 4 or 8
+    config = load("my.yaml", ["cluster.launcher=inprocess", "cluster.devices_per_host=8", *free_mesh(overrides),
+                              *overrides], device_checks=False)
+    plan = search(config, pinned_keys(overrides), budget_s=600)  # the first layout compiled is fsdp 8's
+    refused = {total(j.candidate.as_dict(), "fsdp"): j.reason for j in plan.judged if j.verdict == RULES}
+    assert sorted(refused) == [4, 8] and all("does not split over mesh.fsdp" in r for r in refused.values())
+    assert sorted(total(j.candidate.as_dict(), "fsdp") for j in plan.ranked) == [1, 2]
+    assert plan.usable_bytes is not None  # the device's memory, from the first layout that builds
 
 
 def test_nestor_plan_prints_the_rejections_and_exits_1_when_nothing_was_ranked(capsys, tmp_path):
@@ -158,15 +228,77 @@ def test_the_overlay_loads_over_the_config_and_trains_two_steps(roomy, tmp_path)
     config, plan = roomy
     path = tmp_path / "plan.yaml"
     pins = pinned_keys(list(FOUR_LAYOUTS))
-    write_overlay(path, plan, config, pins, "nestor plan (test)")
+    write_overlay(path, plan.ranked[0], config, pins, "nestor plan (test)")
     winner = plan.ranked[0].candidate.as_dict()
-    assert overlay(plan, config, pins)["model"]["remat"] == "full"
+    assert overlay(plan.ranked[0], config, pins)["model"]["remat"] == "full"
     loaded = load(None, [*TINY, "cluster.launcher=inprocess", "run.compile_cache=null", f"run.dir={tmp_path / 'run'}",
                          "train.steps=2", str(path)])
     assert loaded.mesh.ici_shape() == {axis: winner[f"mesh.{axis}"] for axis in MESH_AXES}
     assert loaded.mesh.dcn_shape() == {axis: winner[f"mesh.dcn.{axis}"] for axis in MESH_AXES}
     result = train(loaded, devices=jax.devices()[:8], console=Console(log=lambda line: None))
     assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
+
+
+def test_measuring_trains_the_top_candidates_and_ranks_them_by_measured_step(roomy, tmp_path, monkeypatch):
+    config, plan = roomy
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the runs' directories are made
+    measured = measure(config, plan.ranked[:2], steps=3)
+    assert [m.error for m in measured] == [None, None]
+    assert {id(m.judged) for m in measured} == {id(j) for j in plan.ranked[:2]}
+    steps = [m.step_s for m in measured]
+    assert steps == sorted(steps) and all(0 < step < 60 for step in steps)
+    assert list(tmp_path.iterdir()) == []  # every run's directory is removed
+    text = format_measured(config, measured, 3)
+    for index, m in enumerate(measured, 1):  # measured and predicted side by side
+        line = next(line for line in text.splitlines() if line.startswith(f"{index} "))
+        assert f"{m.step_s * 1e3:.1f}" in line and f"{m.judged.predicted['step_s'] * 1e3:.1f}" in line
+
+
+def test_a_candidate_that_fails_to_run_is_reported_with_its_first_error_line(roomy, tmp_path):
+    config, plan = roomy
+    missing = config.replace(**{"data.source": "text", "data.paths": [str(tmp_path / "nowhere" / "*.txt")]})
+    (failed,) = measure(missing, plan.ranked[:1], steps=2)  # the plan compiled without data; a run reads it
+    assert failed.step_s is None and failed.error.startswith("ConfigError: data.paths") and "\n" not in failed.error
+    assert f"failed: {label(failed.judged.candidate)}: {failed.error}" in format_measured(missing, [failed], 2)
+
+
+def test_nestor_plan_measure_prints_both_steps_and_writes_the_measured_winner(capsys, tmp_path, monkeypatch):
+    from nestor.orchestrator.commands.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temporary"))
+    (tmp_path / "temporary").mkdir()
+    out_file = tmp_path / "plan.yaml"
+    code = main(["plan", str(ROOT / "configs" / "quickstart.yaml"), "cluster.launcher=inprocess", "cluster.hosts=1",
+                 "cluster.devices_per_host=8", "run.compile_cache=null", *FOUR_LAYOUTS, "moe.num_experts=0",
+                 "moe.every=0", "data.source=synthetic", "--measure", "2", "--steps", "3", "--out", str(out_file)])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err.count("measuring [") == 2  # a progress line per candidate
+    table = captured.out.split("measured: 2 candidates x 3 steps", 1)[1].splitlines()
+    first = table[2].split()  # 1, settings..., measured ms, predicted ms, ratio, tokens/s, predicted #
+    assert table[1].split()[:4] == ["#", "settings", "measured", "ms"] and first[0] == "1"
+    assert float(first[-5]) / float(first[-4]) == pytest.approx(float(first[-3]), abs=0.01)
+    assert "wrote the measured winner to" in captured.out
+    head = out_file.read_text().splitlines()[1]
+    assert f"measured {first[-5]} ms" in head
+    written = load(str(ROOT / "configs" / "quickstart.yaml"), [str(out_file)])
+    assert written.cluster.launcher == "inprocess" and written.model.remat == "full"  # the pins kept
+    assert " ".join(first[1:-5]) == head.split("(", 1)[1].split(")")[0]  # the measured winner's settings
+    assert list((tmp_path / "temporary").iterdir()) == []
+
+
+def test_measuring_is_refused_before_the_search_under_the_ray_launcher_and_for_too_few_steps(capsys):
+    from nestor.orchestrator.commands.cli import main
+
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    assert main(["plan", quickstart, "--measure", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "planning" not in err  # refused before the search
+    assert ("cluster.launcher: ray: --measure trains the candidates in this process; add cluster.launcher=inprocess"
+            in err)
+    assert main(["plan", quickstart, "cluster.launcher=inprocess", "--measure", "2", "--steps", "1"]) == 2
+    assert "--steps: 1: the first 1 step is not timed" in capsys.readouterr().err
+    assert main(["plan", quickstart, "--steps", "5"]) == 2
+    assert "add --measure K" in capsys.readouterr().err
 
 
 def test_the_hlo_device_groups_are_read_in_listed_iota_and_mesh_forms():

@@ -19,6 +19,7 @@ from nestor.orchestrator.commands.preflight import check_dependencies
 STARTED = time.monotonic()  # when the command started: the whole run's time is counted from here
 # the commands that read a run's checkpoints: they take its directory for CONFIG too (`run_config`)
 OF_A_RUN = ("eval", "sample", "logits")
+MEASURED_STEPS = 10  # nestor plan --measure: steps per candidate where --steps is not given
 
 
 def _tensorboard_command(log_dir: str) -> str:
@@ -106,29 +107,47 @@ def _explain(config, args) -> int:
     return 0
 
 
+def _progress(what: str):
+    """Returns the printer of a plan's progress lines on stderr (`what line`), one line kept on a terminal."""
+    def say(line: str | None) -> None:  # None: the last line is wiped
+        if sys.stderr.isatty():
+            print("\r\033[K" if line is None else f"\r\033[K{what} {line}"[:200], end="", file=sys.stderr, flush=True)
+        elif line is not None:
+            print(f"{what} {line}", file=sys.stderr, flush=True)
+    return say
+
+
 def _plan(config, args) -> int:
+    from nestor.orchestrator.errors import ConfigError
     from nestor.orchestrator.job.processes import configure_jax
     from nestor.orchestrator.planning.candidates import pinned_keys
-    from nestor.orchestrator.planning.report import format_plan, write_overlay
+    from nestor.orchestrator.planning.measure import check_measurable, measure
+    from nestor.orchestrator.planning.report import format_measured, format_plan, write_overlay
     from nestor.orchestrator.planning.search import search
 
+    if args.steps is not None and not args.measure:
+        raise ConfigError([("--steps", f"{args.steps}: steps of the measured candidates; add --measure K")])
+    steps = args.steps or MEASURED_STEPS
     configure_jax(config)
+    if args.measure:  # before the search: a refusal costs no compile
+        check_measurable(config, steps)
     pins = pinned_keys(args.overrides)
-    live = sys.stderr.isatty()
-
-    def progress(line: str) -> None:
-        print(f"\r\033[Kplanning {line}"[:200] if live else f"planning {line}", end="" if live else "\n",
-              file=sys.stderr, flush=True)
-
-    plan = search(config, pins, args.budget_s, progress)
-    if live:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    plan = search(config, pins, args.budget_s, progress := _progress("planning"))
+    progress(None)
     print(format_plan(config, plan, args.top))
-    if args.out and plan.ranked:
+    winner, measured_s = (plan.ranked[0], None) if plan.ranked else (None, None)
+    if args.measure and plan.ranked:
+        measured = measure(config, plan.ranked[:args.measure], steps, progress := _progress("measuring"))
+        progress(None)
+        print("\n" + format_measured(config, measured, steps))
+        best = measured[0]
+        winner, measured_s = (best.judged, best.step_s) if best.step_s is not None else (None, None)
+    if args.out and winner is not None:
         command = " ".join(["nestor plan", args.config, *args.overrides])
-        write_overlay(Path(args.out), plan, config, pins, command)
-        print(f"wrote the winner to {shown(args.out)}: nestor train {args.config} {shown(args.out)}")
-    return 0 if plan.ranked else 1
+        write_overlay(Path(args.out), winner, config, pins, command, measured_s)
+        what = "the measured winner" if measured_s is not None else "the winner"
+        print(f"wrote {what} to {shown(args.out)}: nestor train {args.config} {shown(args.out)}")
+    return 0 if winner is not None else 1
 
 
 def _eval(config, args) -> int:
@@ -402,6 +421,11 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", metavar="PLAN.yaml", help="write the winner as an overlay: nestor train CONFIG PLAN.yaml")
     plan.add_argument("--budget-s", type=_positive(float), default=300.0,
                       help="seconds to spend judging candidates (compiling most); the rest is left undecided")
+    plan.add_argument("--measure", type=_positive(int), metavar="K",
+                      help="train the top K for --steps steps each on the devices present (cluster.launcher="
+                           "inprocess) and re-rank them by measured step time; --out writes the measured winner")
+    plan.add_argument("--steps", type=_positive(int), metavar="S",
+                      help=f"--measure: steps per candidate, the first not timed (default {MEASURED_STEPS})")
     evaluate = commands.add_parser("eval", help="eval loss (and perplexity, for a token cross-entropy) of "
                                                 "run.dir's newest checkpoint")
     sample = commands.add_parser("sample", help="decode text from run.dir's newest checkpoint")
@@ -487,6 +511,15 @@ def main(argv: list[str] | None = None) -> int:
         return _main(args)
 
 
+def _searched(args, config) -> frozenset[str]:
+    """Returns the keys a plan sets itself (none for another command): no warning names them idle."""
+    if args.command != "plan":
+        return frozenset()
+    from nestor.orchestrator.planning.candidates import pinned_keys, searched_keys
+
+    return frozenset(searched_keys(config, pinned_keys(args.overrides)))
+
+
 def _main(args) -> int:
     missing = check_dependencies()
     if missing:
@@ -516,8 +549,10 @@ def _main(args) -> int:
 
             overrides = free_mesh(overrides) + overrides
         given_run = args.command in OF_A_RUN and Path(args.config).expanduser().is_dir()
-        config = run_config(args.config, overrides) if given_run else load(args.config, overrides)
-        if args.command != "plan" and (warning := idle_warning(config)):  # a plan sets the keys it searches
+        # a plan's mesh is its to choose: the batch and the model are split over each candidate's, not CONFIG's
+        config = run_config(args.config, overrides) if given_run else load(args.config, overrides,
+                                                                           device_checks=args.command != "plan")
+        if warning := idle_warning(config, _searched(args, config)):
             print(f"nestor: {warning}", file=sys.stderr)
         for line in config.chosen:  # on stderr, as the idle keys' warning: stdout may be explain's --json
             print(f"nestor: {line}", file=sys.stderr)

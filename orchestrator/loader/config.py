@@ -125,11 +125,15 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
-def load(path: str | Path | dict | None = None, overrides: list[str] | dict | None = None) -> Config:
+def load(path: str | Path | dict | None = None, overrides: list[str] | dict | None = None,
+         device_checks: bool = True) -> Config:
     """Returns the validated Config for a run YAML (or its plain data: a checkpoint's config) plus overrides.
 
     `overrides` holds `key.path=value` strings and, layered first in order,
-    paths of further YAML files (mesh presets, say).
+    paths of further YAML files (mesh presets, say). Without `device_checks`,
+    a mesh with a -1 axis is validated as if the device count were not known
+    (no split of the batch or the model over it is checked, no value chosen
+    for it): a plan's config, whose mesh the plan chooses.
 
     Raises ConfigError (with every problem's key path) when the YAML, an
     override or the combination is invalid.
@@ -156,7 +160,14 @@ def load(path: str | Path | dict | None = None, overrides: list[str] | dict | No
     adapter = _given_last((user, extra), "lora", "init_from", None)
     if adapter:
         tree = _merge(tree, adapter_sections(adapter, (user, extra)))
-    return _validated(from_dict(tree))
+    config = from_dict(tree)
+    if device_checks:
+        return _validated(config)
+    per_host = config.cluster.devices_per_host
+    unknown = _validated(dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, devices_per_host=-1)))
+    checked = dataclasses.replace(unknown, cluster=dataclasses.replace(unknown.cluster, devices_per_host=per_host))
+    object.__setattr__(checked, "chosen", unknown.chosen)  # not a key: replace does not carry it
+    return checked
 
 
 def adapter_sections(init_from: Any, layers: tuple[dict, ...]) -> dict:

@@ -20,35 +20,37 @@ TPU_KEYS = ("cluster.tpu_topology", "cluster.tpu_type")
 PIPELINE_KEYS = ("pipeline.microbatches", "pipeline.schedule", "pipeline.repeats", "pipeline.stack")
 
 
-def idle_keys(config: Config) -> list[tuple[list[str], str]]:
+def idle_keys(config: Config, searched: frozenset[str] = frozenset()) -> list[tuple[list[str], str]]:
     """Returns (keys, why they do nothing) for each group of keys set away from their defaults that this
-    run never reads; empty when every key set counts."""
-    changed = _changed_keys(config)
+    run never reads; empty when every key set counts. `searched`: the keys a plan chooses (named by no
+    group; with mesh.pipeline among them, the stages are not known, and no pipeline key is idle)."""
+    changed = _changed_keys(config) - searched
     groups = []
-    for keys, why in _modes(config):
+    for keys, why in _modes(config, stages_known="mesh.pipeline" not in searched):
         if idle := [key for key in keys if key in changed]:
             groups.append((idle, why))
     return groups
 
 
-def idle_warning(config: Config) -> str | None:
+def idle_warning(config: Config, searched: frozenset[str] = frozenset()) -> str | None:
     """Returns the one warning line that names every idle key (`idle_keys`) and why, or None."""
-    groups = idle_keys(config)
+    groups = idle_keys(config, searched)
     if not groups:
         return None
     return "warning: these keys do nothing in this run: " + "; ".join(f"{', '.join(keys)} ({why})"
                                                                       for keys, why in groups)
 
 
-def _modes(config: Config) -> list[tuple[tuple[str, ...], str]]:
-    """Returns (keys, why) for every mode of `config` that leaves keys unread."""
+def _modes(config: Config, stages_known: bool = True) -> list[tuple[tuple[str, ...], str]]:
+    """Returns (keys, why) for every mode of `config` that leaves keys unread (the pipeline's only where
+    `stages_known`)."""
     cluster, data = config.cluster, config.data
     modes = []
     if cluster.accelerator != "tpu":
         modes.append((TPU_KEYS, f"cluster.accelerator={cluster.accelerator}: they place TPU workers"))
     if cluster.launcher == "inprocess":
         modes.append((RAY_LAUNCHER_KEYS, "cluster.launcher=inprocess: they configure the Ray launcher"))
-    stages = _pipeline_stages(config)
+    stages = _pipeline_stages(config) if stages_known else None
     if stages == 1:
         modes.append((PIPELINE_KEYS, "mesh.pipeline=1: no pipeline"))
     elif stages and config.pipeline.schedule == "circular" and config.pipeline.repeats == 1:

@@ -3,7 +3,9 @@ and across hosts, pipeline schedule and micro-batches, remat, gradient accumulat
 enumerated with the user's pins kept (`candidates`), rejected by the config's own rules and an analytic
 bound on the state's bytes, compiled without running and judged against the device's memory (`search`),
 and ranked by a cost model (`cost`) whose device figures and calibration constants, each with its source,
-live in `devices` and `calibration.yaml`; `report` prints the table and writes the winner as a YAML overlay.
+live in `devices` and `calibration.yaml`; `report` prints the table and writes the winner as a YAML overlay;
+`measure` trains the top candidates for a few steps and re-ranks them by measured step time (--measure).
 
-Orchestrator rooms it may import: root, config, specs, loader, job, loop (loop: the peak FLOP/s table).
+Orchestrator rooms it may import: root, config, specs, loader, job, loop (loop: the peak FLOP/s table,
+the training loop).
 """

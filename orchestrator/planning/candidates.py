@@ -60,6 +60,15 @@ def free_mesh(overrides: list[str]) -> list[str]:
     return [f"{key}={-1 if key == fill else 1}" for key in free]
 
 
+def searched_keys(config: Config, pins: set[str]) -> set[str]:
+    """Returns the dotted keys a plan sets for the user (the mesh, the pipeline's schedule and micro-batches
+    unless a pin leaves one stage, the ladder's keys), less the `pins`."""
+    keys = {f"mesh.{axis}" for axis in MESH_AXES} | {f"mesh.dcn.{axis}" for axis in MESH_AXES} | set(LADDER_KEYS)
+    if not ("mesh.pipeline" in pins and config.mesh.ici_shape()["pipeline"] * config.mesh.dcn_shape()["pipeline"] == 1):
+        keys |= {"pipeline.schedule", "pipeline.microbatches"}
+    return keys - pins
+
+
 def _factorizations(n: int, slots: int):
     """Yields every tuple of `slots` positive integers whose product is `n`."""
     if slots == 1:
@@ -99,13 +108,14 @@ def mesh_degrees(config: Config, pins: set[str]) -> list[dict[str, int]]:
 
 
 def split_over_hosts(config: Config, total: dict[str, int], pins: set[str]) -> tuple[dict, dict] | None:
-    """Returns (ici, dcn) degrees for `total`: the hosts' factor taken by the outermost axes first (pinned
-    axes keep the config's dcn degree), or None when the axes cannot take it."""
+    """Returns (ici, dcn) degrees for `total`: the hosts' factor taken by the outermost axes first (an axis
+    whose degree or dcn degree is pinned keeps the config's dcn degree), or None when the axes cannot take it."""
     hosts = config.cluster.hosts
-    dcn = {axis: config.mesh.dcn_shape()[axis] if f"mesh.{axis}" in pins else 1 for axis in MESH_AXES}
+    kept = {axis for axis in MESH_AXES if f"mesh.{axis}" in pins or f"mesh.dcn.{axis}" in pins}
+    dcn = {axis: config.mesh.dcn_shape()[axis] if axis in kept else 1 for axis in MESH_AXES}
     left = hosts // math.prod(dcn.values()) if hosts % math.prod(dcn.values()) == 0 else 0
     for axis in OUTER_AXES:
-        if f"mesh.{axis}" not in pins and left > 1:
+        if axis not in kept and left > 1:
             dcn[axis] = math.gcd(total[axis], left)
             left //= dcn[axis]
     if left != 1 or any(total[axis] % dcn[axis] for axis in MESH_AXES):
@@ -144,10 +154,12 @@ def layouts(config: Config, pins: set[str]) -> list[dict[str, Any]]:
 
 
 def ladder(config: Config, layout: dict[str, Any], pins: set[str]) -> list[dict[str, Any]]:
-    """Returns the rungs of `layout`, fastest first, each later one lighter on memory: remat none, dots, full; then the update
-    sharded over the batch's devices (where they split it); then gradient accumulation 2 and 4."""
+    """Returns the rungs of `layout`, fastest first, each later one lighter on memory: remat none, dots, full
+    (the config's own policy alone where it sets model.remat_names); then the update sharded over the batch's
+    devices (where they split it); then gradient accumulation 2 and 4."""
     batch_devices = math.prod(layout[f"mesh.{axis}"] * layout[f"mesh.dcn.{axis}"] for axis in ("data", "fsdp", "expert"))
-    remat = _choices(config, "model.remat", REMAT, pins)
+    # model.remat_names only mean something to the config's own named policy (minimal, offload): it is kept
+    remat = (config.model.remat,) if config.model.remat_names else _choices(config, "model.remat", REMAT, pins)
     shard = _choices(config, "optimizer.shard_update", (False, True) if batch_devices > 1 else (False,), pins)
     accum = _choices(config, "train.grad_accum", GRAD_ACCUM, pins)
     return [{"model.remat": r, "optimizer.shard_update": s, "train.grad_accum": a}

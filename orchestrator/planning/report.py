@@ -1,5 +1,6 @@
 """A plan as the user reads it: the ranked table of the top candidates, the rejections counted by reason,
-what was left undecided; and the winner as a YAML overlay `nestor train CONFIG PLAN.yaml` runs."""
+what was left undecided, the measured candidates beside their predictions (--measure); and the winner as a
+YAML overlay `nestor train CONFIG PLAN.yaml` runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import yaml
 
 from nestor.orchestrator.loader.memory_fit import GIB
 from nestor.orchestrator.loop.peak_flops import peak_tflops
+from nestor.orchestrator.planning.measure import SKIPPED_STEPS, Measured
 from nestor.orchestrator.planning.search import (BOUND, COMPILE_ERROR, COMPILED_OVER, DOMINATED, HEADROOM, RULES,
                                                  UNDECIDED, Judged, Plan, label)
 from nestor.orchestrator.specs.registry import spec_of
@@ -25,9 +27,8 @@ def row(config, judged: Judged) -> dict[str, Any]:
     """Returns one ranked candidate's figures: predicted step seconds, tokens (or rows) per second, MFU
     (the model's FLOPs over the device's dense peak; None without a peak), memory per device, bubble."""
     p, step = judged.predicted, judged.predicted["step_s"]
-    spec = spec_of(config)
-    rows = config.train.global_batch * (config.train.seq_len if spec.counts_tokens else 1)
-    analytic = spec.flops_per_step(config)
+    rows = _per_step(config)
+    analytic = spec_of(config).flops_per_step(config)
     peak = peak_tflops(config.cluster.device_kind, config.model.dtype) if config.cluster.device_kind else None
     devices = config.cluster.hosts * config.cluster.devices_per_host
     model_flops = analytic[0] if analytic else p["flops_per_device"] * devices
@@ -35,6 +36,11 @@ def row(config, judged: Judged) -> dict[str, Any]:
             "communication_s": p["within_host_s"] + p["across_hosts_s"], "per_s": rows / step,
             "mfu": model_flops / (step * devices * peak * 1e12) if peak else None, "bubble": p["bubble"],
             **{f"{part}_bytes": judged.memory[part] for part in ("state", "temporaries", "peak")}}
+
+
+def _per_step(config) -> int:
+    """Returns the tokens (or rows, for a model that counts no tokens) of one global batch."""
+    return config.train.global_batch * (config.train.seq_len if spec_of(config).counts_tokens else 1)
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
@@ -93,17 +99,17 @@ def _shortened(reason: str, width: int = 110) -> str:
     return line if len(line) <= width else line[:width - 3] + "..."
 
 
-def overlay(plan: Plan, config, pins: set[str]) -> dict:
-    """Returns the winner's settings and the pinned keys as a nested YAML mapping (an overlay of CONFIG)."""
-    winner = plan.ranked[0].candidate.as_dict()
+def overlay(winner: Judged, config, pins: set[str]) -> dict:
+    """Returns the `winner`'s settings and the pinned keys as a nested YAML mapping (an overlay of CONFIG)."""
+    settings = winner.candidate.as_dict()
     plain = config.to_dict()
     for key in pins:
         value = plain
         for part in key.split("."):
             value = value[part] if isinstance(value, dict) and part in value else None
-        winner.setdefault(key, value)
+        settings.setdefault(key, value)
     tree: dict = {}
-    for key, value in sorted(winner.items()):
+    for key, value in sorted(settings.items()):
         *sections, name = key.split(".")
         node = tree
         for section in sections:
@@ -112,9 +118,33 @@ def overlay(plan: Plan, config, pins: set[str]) -> dict:
     return tree
 
 
-def write_overlay(path: Path, plan: Plan, config, pins: set[str], command: str) -> None:
-    """Writes the winner (`overlay`) to `path`, headed by the command that planned it and its prediction."""
-    best = row(config, plan.ranked[0])
-    head = (f"# nestor plan: {command}\n# predicted {best['step_s'] * 1e3:.1f} ms per step ({best['settings']}); "
-            f"train with: nestor train CONFIG {path.name}\n")
-    path.write_text(head + yaml.safe_dump(overlay(plan, config, pins), sort_keys=False))
+def write_overlay(path: Path, winner: Judged, config, pins: set[str], command: str,
+                  measured_s: float | None = None) -> None:
+    """Writes the `winner` (`overlay`) to `path`, headed by the command that planned it, its prediction and,
+    where it ran (--measure), its measured step."""
+    best = row(config, winner)
+    measured = "" if measured_s is None else f", measured {measured_s * 1e3:.1f} ms"
+    head = (f"# nestor plan: {command}\n# predicted {best['step_s'] * 1e3:.1f} ms per step{measured} "
+            f"({best['settings']}); train with: nestor train CONFIG {path.name}\n")
+    path.write_text(head + yaml.safe_dump(overlay(winner, config, pins), sort_keys=False))
+
+
+def format_measured(config, measured: list[Measured], steps: int) -> str:
+    """Returns the measured candidates as a table, fastest measured first, the predicted step beside the
+    measured one (the median of steps past the first; `steps` each), then those that failed."""
+    predicted_order = sorted(measured, key=lambda m: m.judged.predicted["step_s"])
+    unit = "tokens/s" if spec_of(config).counts_tokens else "rows/s"
+    ran = [m for m in measured if m.step_s is not None]
+    lines = [f"measured: {len(measured)} candidates x {steps} steps on the devices present, in this process; "
+             f"the median step past step {SKIPPED_STEPS}"]
+    if ran:
+        header = ("#", "settings", "measured ms", "predicted ms", "measured / predicted", f"measured {unit}",
+                  "predicted #")
+        lines += _aligned([header] + [
+            (str(index), label(m.judged.candidate), f"{m.step_s * 1e3:.1f}",
+             f"{m.judged.predicted['step_s'] * 1e3:.1f}", f"{m.step_s / m.judged.predicted['step_s']:.2f}",
+             f"{_per_step(config) / m.step_s:,.0f}",
+             str(predicted_order.index(m) + 1))
+            for index, m in enumerate(ran, 1)])
+    lines += [f"failed: {label(m.judged.candidate)}: {m.error}" for m in measured if m.step_s is None]
+    return "\n".join(lines)

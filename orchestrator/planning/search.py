@@ -89,7 +89,7 @@ def _compiled_figures(job, devices: list, device: Device) -> dict[str, Any]:
         compiled = compile_step(job)
         per_device = target_flops(job, compiled)["per_device"]
     except Exception as error:  # noqa: BLE001 - XLA's refusals are many; the candidate is dropped, the plan goes on
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+        return {"error": _error_line(error)}
     memory = memory_per_device(job, compiled)
     position = {d.id: index for index, d in enumerate(devices)}
     per_host = job.config.cluster.devices_per_host
@@ -100,16 +100,43 @@ def _compiled_figures(job, devices: list, device: Device) -> dict[str, Any]:
     return {"temporaries": memory["temporaries"], "peak": memory["peak_estimate"], "predicted": predicted}
 
 
+def _built(config, devices: list) -> tuple[Any, tuple[str, str] | None]:
+    """Returns (`config`'s job on `devices`, nothing compiled, None), or (None, (verdict, reason)) where
+    building it fails: a ConfigError's first problem by the rules, any other error in a line as a compile
+    error (a model of the user's that does not build on this layout)."""
+    try:
+        return build_job(config, devices=devices, with_data=False), None
+    except ConfigError as error:
+        return None, (RULES, "{}: {}".format(*error.problems[0]))
+    except Exception as error:  # noqa: BLE001 - the candidate is dropped, the plan goes on
+        return None, (COMPILE_ERROR, _error_line(error))
+
+
+def _error_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+
+
+def _capacity_bytes(config, valid: list[list[Candidate]], devices: list) -> float | None:
+    """Returns a device's memory in bytes (memory_fit.device_memory) as the first layout whose first rung
+    builds finds it; None where none builds or the memory is not known (those rungs are judged, and
+    rejected, with the rest)."""
+    for ladder in valid:
+        probe, _ = _built(config.replace(**ladder[0].as_dict()), devices)
+        if probe is not None:
+            _, capacity_gib = device_memory(config, probe.backend, devices_here(probe.mesh))
+            return None if capacity_gib is None else capacity_gib * GIB
+    return None
+
+
 def _judge(config, candidate: Candidate, devices: list, usable: int | None, device: Device) -> Judged:
     """Returns the verdict on one candidate: rejected by rules, by the state bound, by its compiled peak,
     by a compile error, or ranked with its memory and predicted step."""
     candidate_config, problem = rule_problem(config, candidate.as_dict())
     if problem:
         return Judged(candidate, RULES, problem)
-    try:
-        job = build_job(candidate_config, devices=devices, with_data=False)
-    except ConfigError as error:
-        return Judged(candidate, RULES, "{}: {}".format(*error.problems[0]))
+    job, refused = _built(candidate_config, devices)
+    if refused:
+        return Judged(candidate, *refused)
     state = sum(state_bytes(job).values())
     if usable is not None and state > usable:
         return Judged(candidate, BOUND, f"parameters + optimizer {state / GIB:.2f} GiB per device",
@@ -149,12 +176,7 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
         else:
             valid.append(ladder)
     valid.sort(key=lambda ladder: _compile_order(config, ladder))
-    capacity = None
-    if valid:
-        probe = build_job(config.replace(**valid[0][0].as_dict()), devices=devices, with_data=False)
-        _, capacity_gib = device_memory(config, probe.backend, devices_here(probe.mesh))
-        capacity = None if capacity_gib is None else capacity_gib * GIB
-    capacity = memory_limit_gib * GIB if memory_limit_gib is not None else capacity
+    capacity = memory_limit_gib * GIB if memory_limit_gib is not None else _capacity_bytes(config, valid, devices)
     usable = None if capacity is None else int(capacity * (1 - HEADROOM))
     queue = deque((ladder, 0) for ladder in valid)
     compiled_before = len(_COMPILED)

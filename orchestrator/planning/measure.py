@@ -1,0 +1,85 @@
+"""`nestor plan --measure K`: the top K candidates trained for a few steps each on the devices present, in
+this process, each into a temporary run.dir removed afterwards, and re-ranked by their measured step time:
+the median of the loop's own step times (metrics.jsonl's step_time_s) past the first step, the compile
+never among them."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from nestor.cluster.interrupts import Interrupted
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.job.build import compile_target
+from nestor.orchestrator.loop.console import Console
+from nestor.orchestrator.loop.train import train
+from nestor.orchestrator.planning.search import Judged, label
+
+SKIPPED_STEPS = 1  # the first step's time holds one-off work (the first transfers, the first dispatch)
+
+
+@dataclasses.dataclass
+class Measured:
+    """A ranked candidate after its run: its median step seconds past the skipped ones, or why it failed."""
+
+    judged: Judged
+    step_s: float | None = None
+    error: str | None = None
+
+
+def check_measurable(config, steps: int) -> None:
+    """Raises ConfigError where the plan's candidates cannot be measured here: under the Ray launcher
+    (measuring runs them in this process), where the plan compiles for a target whose devices are not
+    present, or over no more `steps` than the untimed ones."""
+    if steps <= SKIPPED_STEPS:
+        raise ConfigError([("--steps", f"{steps}: the first {SKIPPED_STEPS} step is not timed; give more than "
+                                       f"{SKIPPED_STEPS}")])
+    if config.cluster.launcher != "inprocess":
+        raise ConfigError([("cluster.launcher", f"{config.cluster.launcher}: --measure trains the candidates in "
+                                                "this process; add cluster.launcher=inprocess")])
+    target = compile_target(config)
+    if target.devices is not None:
+        raise ConfigError([("cluster.device_kind", f"{config.cluster.device_kind}: the plan compiles for devices "
+                                                   f"that are not here ({target.compiler}); --measure runs on "
+                                                   "the devices present")])
+
+
+def measured_config(config, judged: Judged, steps: int, run_dir: Path):
+    """Returns the config a candidate is measured with: its settings, `steps` steps each logged, no
+    checkpoint but the last, no evaluation, trace or TensorBoard, in `run_dir`."""
+    return config.replace(**judged.candidate.as_dict(), **{
+        "train.steps": steps, "train.log_every": 1, "run.dir": str(run_dir), "checkpoint.every": 0,
+        "eval.every": 0, "profile.start_step": 0, "metrics.tensorboard": False})
+
+
+def measure(config, ranked: list[Judged], steps: int,
+            progress: Callable[[str], None] | None = None) -> list[Measured]:
+    """Returns the `ranked` candidates, each trained `steps` steps, fastest measured first, then those that
+    failed (each with its error's first line). Raises Interrupted when a signal stopped a run."""
+    found = []
+    for index, judged in enumerate(ranked, 1):
+        if progress:
+            progress(f"[{index}/{len(ranked)}] {steps} steps of {label(judged.candidate)}")
+        with tempfile.TemporaryDirectory(prefix="nestor-measure-") as directory:
+            try:
+                result = train(measured_config(config, judged, steps, Path(directory) / "run"),
+                               console=Console.silent())
+            except Exception as error:  # noqa: BLE001 - a candidate that does not run is reported, not raised
+                found.append(Measured(judged, error=_first_line(error)))
+                continue
+        if result.stopped_by is not None:
+            raise Interrupted(result.stopped_by)
+        times = [record["step_time_s"] for record in result.history if record["step"] > SKIPPED_STEPS]
+        found.append(Measured(judged, step_s=statistics.median(times)))
+    return sorted(found, key=lambda m: (m.step_s is None, m.step_s or 0.0))
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:  # a ConfigError's heading: its first problem is the line
+        text = lines[1]
+    return f"{type(error).__name__}: {text}"[:200]
