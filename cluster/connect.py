@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 from nestor.cluster.rendezvous import ClusterError
-from nestor.cluster.warm_head import HeadSpec, hold_head, start_local_head
-
-
+from nestor.cluster.warm_head import CHECKOUT, HeadSpec, checkout_pythonpath, command_env, hold_head, start_local_head
 
 # The directory holding this package and its siblings: what a remote cluster needs of the code.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = CHECKOUT
 
 
 # where a worker resolves the user's own code (model.class): the directory the run was started in
@@ -108,7 +106,7 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
     """Connects this process to Ray: to `spec.address`, else to the surrounding Ray job's cluster, else to this
     user's warm local head (`spec.keep_head_s`, started when none is up; `on_phase` hears which), else to an
     embedded cluster of its own. Returns what to call after `ray.shutdown()`: it lets the next command have the
-    warm head."""
+    kept head. Raises ClusterError when the cluster cannot be reached or does not come up."""
     import ray
 
     if os.environ.get("RAY_ADDRESS") and not spec.address:
@@ -135,20 +133,25 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
             if staging is not None:
                 staging.cleanup()  # ray.init has uploaded it
         return lambda: None
-    env_vars = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
-                USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
-                # no cloud to preempt a local cluster; print each line once
-                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **_start_timeout(spec)}
+    env_vars = {"PYTHONPATH": checkout_pythonpath(), USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
+                # no cloud to preempt a local cluster; print each line once; a run's end seen within 0.5 s (Ray
+                # Train's controller polls its workers every 2 s by default: a small RPC each)
+                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", **_start_timeout(spec)}
     head = HeadSpec(cpus=spec.hosts + 1, dashboard=spec.dashboard)
-    if spec.keep_head_s > 0 and (lease := hold_head(head, spec.keep_head_s, on_phase)) is not None:
-        use_token_if_present()  # the head's ray.init turned token auth on; Ray does not for an address
-        try:
-            ray.init(address=lease.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
-                     runtime_env={"env_vars": {**env_vars, "RAY_ADDRESS": lease.address}})
-        except BaseException:
-            lease.release()
-            raise
-        return lease.release
+    if spec.keep_head_s > 0:
+        lease = hold_head(head, spec.keep_head_s, on_phase)
+        if lease is not None:
+            use_token_if_present()  # the head's ray.init turned token auth on; Ray does not for an address
+            try:
+                # the workers get this command's environment, not the one the head was started in
+                ray.init(address=lease.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
+                         runtime_env={"env_vars": {**command_env(), **env_vars, "RAY_ADDRESS": lease.address}})
+            except BaseException:
+                lease.release()
+                raise
+            return lease.release
+        on_phase("the kept local Ray head is in use by another command: starting a cluster of this command's own")
     start_local_head(head.cpus, head.dashboard, spec.worker_logs, env_vars)
     return lambda: None
 
@@ -156,10 +159,7 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
 def _start_timeout(spec: ClusterSpec) -> dict[str, str]:
     # Ray Train gives a worker group 60 s to start; workers importing jax on a busy
     # host can take longer, so allow as long as they may take to join jax.distributed.
-    # Its controller polls the workers every 2 s, so a run's end was seen up to 2 s late; a poll is a
-    # small RPC per worker.
-    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0)),
-            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0))}
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -98,14 +98,23 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
         # laptop-only cluster; read once when Ray is imported, so set it first.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     started = time.monotonic()
-    import ray
-
     # ray.init makes SIGTERM exit the process: a signal kept for the run (or a handler not Python's) stays
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     release = connect(spec, on_phase)
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
-    on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
+    try:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
+        return _run_connected(train_fn, argument, spec, storage_dir, on_message, on_stop, on_phase, kept_signal,
+                              recovery, started)
+    finally:
+        release()  # after ray.shutdown: the next command may have a kept head
+
+
+def _run_connected(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, on_stop, on_phase,
+                   kept_signal, recovery: Recovery, started: float) -> int | None:
+    """`launch` once connected: runs the groups, and disconnects (ending an embedded cluster of its own)."""
+    import ray
 
     def message(value: Any) -> None:
         if isinstance(value, Phase):
@@ -122,7 +131,6 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
         finally:
             # Stops the embedded cluster's raylet and GCS too when this process started them.
             ray.shutdown()
-            release()
 
 
 class Mailbox:

@@ -4,15 +4,15 @@ machine skip Ray's start-up.
 The head belongs to a keeper process of its own (`python -m nestor.cluster.warm_head`, in a session of its
 own, so that a Ctrl-C to the command leaves it up): it starts the head as the embedded launcher always has
 (`ray.init(address="local")`, whose daemons share the keeper's fate), writes the head's address to a state
-file under this user's cache, and ends it once no command has used it for `keep_s` seconds, or at
-`nestor stop-head`. A command holds the head alone while it runs (an exclusive lock on the head's file; a
-second command at the same time starts a cluster of its own, as before), so the keeper never ends a head in
-use, and the workers of two runs never compete for its CPUs.
+file, and ends it once no command has used it for the `keep_s` the last one gave, or at `nestor stop-head`.
+A command holds the head alone while it runs (an exclusive lock on the head's file; a second command at the
+same time starts a cluster of its own, as before), so the keeper never ends a head in use, and the workers of
+two runs never compete for its CPUs.
 
-Workers inherit the head's environment, and their Python is the keeper's: a head is kept for one key, the
-interpreter, the CPUs it offers, the dashboard and the environment it was started with. A command whose key
-differs (another venv, another `XLA_FLAGS`) gets a head of its own. Heads are found only in this user's state
-directory: someone else's head, or a `ray start` head, is never joined or stopped.
+A command's workers get its whole environment as their job's (`command_env`), so a head serves any command
+of the same interpreter, CPUs, dashboard setting and Ray settings (`RAY_*`, which Ray's own daemons read):
+its key. Heads are found only in this user's state directory on this host: someone else's head, or a
+`ray start` head, is never joined or stopped.
 """
 
 from __future__ import annotations
@@ -29,38 +29,60 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import IO, Callable, Iterator
 
 import psutil
 
 from nestor.cluster.rendezvous import ClusterError, free_port
 
 LOCALHOST = "127.0.0.1"
-_CHECKOUT = Path(__file__).resolve().parent.parent  # the directory holding the rooms
+CHECKOUT = Path(__file__).resolve().parent.parent  # the directory holding the rooms: what workers import
 POLL_S = 2.0  # how often a keeper asks whether its head is idle
 START_TIMEOUT_S = 120.0  # how long a command waits for a new keeper's head to come up
-# Not part of a head's key: what differs between two commands typed in one shell, and what Ray sets itself.
-_VOLATILE = ("PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES", "RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_GCS_SERVER_PORT",
-             "NESTOR_USER_CODE")
+# Ray's settings that are no head's key: the address a client was given, and the auth mode a client turns on
+# in its own process once it has connected (connect.use_token_if_present).
+_NOT_KEYS = ("RAY_ADDRESS", "RAY_GCS_SERVER_PORT", "RAY_AUTH_MODE")
+_HELD: list[float] = []  # the keep_s of each kept head this process held (`kept_after_this_process`)
 
 
 def heads_dir() -> Path:
-    """Returns this user's directory of warm heads (XDG_CACHE_HOME, else ~/.cache)."""
+    """Returns this user's directory of kept heads on this host: $NESTOR_HEADS_DIR, else nestor/ray-heads/HOST
+    under $XDG_CACHE_HOME or ~/.cache (a home shared between hosts keeps each host's apart)."""
+    if os.environ.get("NESTOR_HEADS_DIR"):
+        return Path(os.environ["NESTOR_HEADS_DIR"])
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "nestor" / "ray-heads"
+    return Path(cache) / "nestor" / "ray-heads" / socket.gethostname()
+
+
+def checkout_pythonpath() -> str:
+    """Returns PYTHONPATH with this checkout first: processes import its code, whatever version is installed."""
+    return os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))
+
+
+def command_env() -> dict[str, str]:
+    """Returns this command's environment as its workers get it on a kept head: all of it but Ray's own
+    settings, which the head's daemons were started with."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
+
+
+def kept_after_this_process() -> float | None:
+    """Returns how long the kept head this process last held stays up after it, or None if it held none."""
+    return _HELD[-1] if _HELD else None
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
-    """What a warm head is started with: the CPUs it offers (one per worker and one for Ray Train's
+    """What a kept head is started with: the CPUs it offers (one per worker and one for Ray Train's
     controller) and whether it serves the dashboard."""
 
     cpus: int
     dashboard: bool
 
     def key(self) -> str:
-        environment = sorted((name, value) for name, value in os.environ.items() if name not in _VOLATILE)
-        text = json.dumps([sys.executable, self.cpus, self.dashboard, environment])
+        """Returns the key of the head this spec asks for, in this process's interpreter and Ray settings."""
+        ray_settings = sorted((name, value) for name, value in os.environ.items()
+                              if name.startswith("RAY_") and name not in _NOT_KEYS)
+        text = json.dumps([sys.executable, self.cpus, self.dashboard, ray_settings])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -78,13 +100,21 @@ class WarmHead:
         return self.path.with_suffix(".used")
 
     def idle_s(self) -> float:
-        """Seconds since a command last held the head."""
+        """Returns the seconds since a command last held the head."""
         try:
             return time.time() - self.used_path.stat().st_mtime
         except FileNotFoundError:
             return time.time() - self.path.stat().st_mtime
 
+    def idle_limit_s(self) -> float:
+        """Returns the keep_s the last command that held the head gave (else the first one's)."""
+        try:
+            return float(self.used_path.read_text())
+        except (OSError, ValueError):
+            return self.keep_s
+
     def keeper_alive(self) -> bool:
+        """Returns whether its keeper runs (a pid of another program is not)."""
         try:
             process = psutil.Process(self.keeper)
             return process.status() != psutil.STATUS_ZOMBIE and "nestor.cluster.warm_head" in " ".join(process.cmdline())
@@ -107,7 +137,7 @@ def warm_heads() -> list[WarmHead]:
     return [head for head in found if head is not None and head.keeper_alive()]
 
 
-def _try_lock(path: Path, wait_s: float):
+def _try_lock(path: Path, wait_s: float) -> IO | None:
     """Returns an open handle of `path` (created) holding its exclusive lock, or None when another process
     held it for all of `wait_s`."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,15 +168,17 @@ def _locked(path: Path, wait_s: float) -> Iterator[bool]:
 
 @dataclasses.dataclass
 class HeadLease:
-    """A warm head held by this command alone until `release`."""
+    """A kept head held by this command alone until `release`."""
 
     address: str
     head: WarmHead
-    handle: object  # the open lock file
+    keep_s: float
+    handle: IO | None  # the open lock file
 
     def release(self) -> None:
+        """Lets the next command have the head, which stays up `keep_s` from now if none comes."""
         if self.handle is not None:
-            self.head.used_path.touch()
+            self.head.used_path.write_text(f"{self.keep_s:g}")
             self.handle.close()
             self.handle = None
 
@@ -170,11 +202,12 @@ def hold_head(spec: HeadSpec, keep_s: float, on_phase: Callable[[str], None] = l
             head = _start_keeper(spec, keep_s, path)
         else:
             on_phase(f"using the local Ray head an earlier command kept up ({head.address})")
-        head.used_path.touch()
+        head.used_path.write_text(f"{keep_s:g}")
     except BaseException:
         handle.close()
         raise
-    return HeadLease(head.address, head, handle)
+    _HELD.append(keep_s)
+    return HeadLease(head.address, head, keep_s, handle)
 
 
 def _answers(address: str, timeout_s: float = 2.0) -> bool:
@@ -189,8 +222,8 @@ def _answers(address: str, timeout_s: float = 2.0) -> bool:
 def _start_keeper(spec: HeadSpec, keep_s: float, path: Path) -> WarmHead:
     path.unlink(missing_ok=True)
     log = path.with_suffix(".log")
-    # this checkout's keeper, whatever version is installed; in a directory that outlives the command's
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_CHECKOUT), os.environ.get("PYTHONPATH")])))
+    # this checkout's keeper, in a directory that outlives the command's
+    env = dict(os.environ, PYTHONPATH=checkout_pythonpath())
     with log.open("w") as output:
         keeper = subprocess.Popen(
             [sys.executable, "-m", "nestor.cluster.warm_head", str(path), str(spec.cpus), str(int(spec.dashboard)),
@@ -227,6 +260,8 @@ def stop_warm_heads(wait_s: float = 0.0) -> tuple[list[str], list[str]]:
             if not mine:
                 busy.append(head.address)
                 continue
+            if read_head(head.path) != head or not head.keeper_alive():
+                continue  # it ended, or another keeper took its place, while this waited
             _end(head.keeper)
             head.path.unlink(missing_ok=True)
             stopped.append(head.address)
@@ -238,12 +273,13 @@ def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float) -> None:
     def ended(signum, frame):
         raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, ended)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # in a session of its own; a stray one is not a stop
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep 127.0.0.1 (read at Ray's import; driver.launch)
     import ray
 
     address = start_local_head(cpus, dashboard)
+    # after ray.init, which sets a SIGTERM handler of its own; the daemons it started keep the defaults
+    signal.signal(signal.SIGTERM, ended)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # in a session of its own; a stray one is not a stop
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps({"address": address, "keeper": os.getpid(), "keep_s": keep_s}))
     temporary.replace(path)
@@ -254,7 +290,7 @@ def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float) -> None:
             if read_head(path) != head:
                 break  # its file was removed or taken over: no command can find it any more
             with _locked(path.with_suffix(".lock"), wait_s=0) as mine:
-                if mine and head.idle_s() >= keep_s:
+                if mine and head.idle_s() >= head.idle_limit_s():
                     path.unlink(missing_ok=True)
                     break
     finally:
@@ -265,7 +301,8 @@ def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float) -> None:
 
 def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_vars: dict | None = None) -> str:
     """Starts a Ray cluster on 127.0.0.1 whose daemons share this process's fate, connected as its driver;
-    returns its GCS address. Its processes get that address as RAY_ADDRESS."""
+    returns its GCS address. Its processes get that address as RAY_ADDRESS. Raises ClusterError when it
+    comes up elsewhere."""
     import ray
 
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers

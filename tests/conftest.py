@@ -25,6 +25,10 @@ PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=8640
                        "--xla_cpu_collective_timeout_seconds=86400")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE, PATIENT_COLLECTIVES]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The local Ray heads the suite's commands keep up between them (cluster.keep_head_s) are recorded apart from
+# the developer's own (~/.cache/nestor/ray-heads), which the suite never joins or stops; every process a test
+# starts inherits it.
+os.environ["NESTOR_HEADS_DIR"] = tempfile.mkdtemp(prefix="nestor-heads-")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nestor.cluster.head import head_processes
-from nestor.cluster.warm_head import HeadSpec, heads_dir, stop_warm_heads, warm_heads
+from nestor.cluster.warm_head import HeadSpec, command_env, stop_warm_heads, warm_heads
 from nestor.orchestrator.commands.first_line import early_starting_line
 from tests.conftest import ROOT
 from tests.helpers import child_env
@@ -44,8 +44,8 @@ class Holder:
         self.address = None if line == "None" else line
 
     def release(self) -> None:
-        self.process.communicate("\n", timeout=60)
-        assert self.process.returncode == 0, self.process.stderr[-3000:]
+        _, err = self.process.communicate("\n", timeout=60)
+        assert self.process.returncode == 0, err[-3000:]
 
 
 def gone(address: str, timeout_s: float) -> bool:
@@ -60,48 +60,50 @@ def gone(address: str, timeout_s: float) -> bool:
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_kept_head_serves_one_command_at_a_time_and_ends_when_idle_or_stopped(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))  # this test's heads only, in this process and its children
-    env = user_shell(child_env(XDG_CACHE_HOME=str(cache)))
-    keep_s = 6
+    heads = tmp_path / "heads"
+    monkeypatch.setenv("NESTOR_HEADS_DIR", str(heads))  # this test's heads only, in this process and its children
+    env = user_shell(child_env(NESTOR_HEADS_DIR=str(heads)))
+    try:
+        first = Holder(env, keep_s=60)
+        assert first.said == ["starting a local Ray head on 127.0.0.1"] and first.address
+        assert {p.name() for p in head_processes(first.address)} >= {"gcs_server", "raylet"}
+        busy = Holder(env, keep_s=60)  # a second command meanwhile: a cluster of its own
+        busy.release()
+        assert busy.address is None
+        assert stop_warm_heads() == ([], [first.address])  # held: left up
+        first.release()
 
-    first = Holder(env, keep_s)
-    assert first.said == ["starting a local Ray head on 127.0.0.1"] and first.address
-    assert {p.name() for p in head_processes(first.address)} >= {"gcs_server", "raylet"}
-    busy = Holder(env, keep_s)  # a second command meanwhile: a cluster of its own
-    busy.release()
-    assert busy.address is None
-    assert stop_warm_heads() == ([], [first.address])  # held: left up
-    first.release()
+        again = Holder(env, keep_s=3)  # the last command's keep_s is the head's
+        assert again.said == [f"using the local Ray head an earlier command kept up ({first.address})"], again.said
+        assert again.address == first.address
+        again.release()
+        assert gone(first.address, timeout_s=45), "the head outlived its idle time"
+        assert not list(heads.glob("*.json"))
 
-    again = Holder(env, keep_s)
-    assert again.said == [f"using the local Ray head an earlier command kept up ({first.address})"], again.said
-    assert again.address == first.address
-    again.release()
-    assert gone(first.address, timeout_s=keep_s + 40), "the head outlived its idle time"
-    assert not list(heads_dir().glob("*.json"))
-
-    kept = Holder(env, 600)
-    kept.release()
-    assert kept.address and kept.address != first.address and warm_heads()
-    stopped = subprocess.run([str(Path(sys.executable).parent / "nestor"), "stop-head"], env=env, capture_output=True,
-                             text=True, timeout=120)
-    assert stopped.returncode == 0 and stopped.stdout == f"stopped the local Ray head at {kept.address}\n", stopped
-    assert gone(kept.address, timeout_s=30)
-    again = subprocess.run([str(Path(sys.executable).parent / "nestor"), "stop-head"], env=env, capture_output=True,
-                           text=True, timeout=120)
-    assert again.stdout == "no local Ray head of yours is up\n", again
+        kept = Holder(env, keep_s=600)
+        kept.release()
+        assert kept.address and kept.address != first.address and warm_heads()
+        nestor = str(Path(sys.executable).parent / "nestor")
+        stopped = subprocess.run([nestor, "stop-head"], env=env, capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0 and stopped.stdout == f"stopped the local Ray head at {kept.address}\n", stopped
+        assert gone(kept.address, timeout_s=30)
+        again = subprocess.run([nestor, "stop-head"], env=env, capture_output=True, text=True, timeout=120)
+        assert again.stdout == "no local Ray head of yours is up\n", again
+    finally:
+        stop_warm_heads(wait_s=10)
 
 
-def test_a_heads_key_follows_what_its_workers_inherit_and_not_the_shells_directory(monkeypatch):
+def test_a_heads_key_is_its_python_cpus_dashboard_and_ray_settings_not_the_shells_other_variables(monkeypatch):
     key = HeadSpec(cpus=3, dashboard=True).key()
-    monkeypatch.setenv("PWD", "/somewhere/else")
-    monkeypatch.setenv("OLDPWD", "/tmp")
-    assert HeadSpec(cpus=3, dashboard=True).key() == key  # the same shell, another directory
+    for name, value in (("PWD", "/somewhere/else"), ("XLA_FLAGS", "--xla_dump_to=/tmp/elsewhere"),
+                        ("TMUX_PANE", "%3"), ("RAY_AUTH_MODE", "token")):
+        monkeypatch.setenv(name, value)  # the workers get the command's own (command_env)
+    assert HeadSpec(cpus=3, dashboard=True).key() == key
     assert HeadSpec(cpus=2, dashboard=True).key() != key
     assert HeadSpec(cpus=3, dashboard=False).key() != key
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/elsewhere")
-    assert HeadSpec(cpus=3, dashboard=True).key() != key  # the workers would inherit it
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # read by the head's own daemons
+    assert HeadSpec(cpus=3, dashboard=True).key() != key
+    assert "XLA_FLAGS" in command_env() and not [name for name in command_env() if name.startswith("RAY_")]
 
 
 def test_the_first_line_is_read_from_the_cluster_keys_as_plain_yaml(tmp_path, monkeypatch):

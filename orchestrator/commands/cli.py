@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -35,6 +34,7 @@ def where_results_are(config) -> list[str]:
     """Returns the closing lines of a run: where its files are, how to look at them, and what running the
     same command again does (resume from the newest checkpoint). A driver that cannot see run.dir (a
     cluster's storage) says what it said before any checkpoint was read."""
+    from nestor.cluster.warm_head import kept_after_this_process
     from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 
     run_dir = config.run.dir
@@ -45,10 +45,8 @@ def where_results_are(config) -> list[str]:
     if config.cluster.launcher == "ray":  # Ray Train's own storage for the worker group
         files.append("ray/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
-    c = config.cluster
-    if c.launcher == "ray" and not c.address and not os.environ.get("RAY_ADDRESS") and c.keep_head_s > 0:
-        lines.append(f"Ray: the local head stays up {c.keep_head_s:g} s for the next command (nestor stop-head "
-                     "ends it now)")
+    if config.cluster.launcher == "ray" and (kept_s := kept_after_this_process()) is not None:
+        lines.append(f"Ray: the local head stays up {kept_s:g} s for the next command (nestor stop-head ends it now)")
     if config.metrics.tensorboard:
         lines.append(f"TensorBoard: {_tensorboard_command(str(Path(run_dir) / 'tb'))}")
     if kept and kept[-1] > config.train.steps:  # nothing was trained: the run is past train.steps

@@ -35,6 +35,7 @@ def early_starting_line(config_path: str, overrides: list[str]) -> str | None:
             cluster.update(section)
         for item in overrides:
             key, equals, text = item.partition("=")
+            key = key.strip()
             if not equals or not key.startswith("cluster"):
                 continue
             if not key.startswith("cluster."):
