@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import signal
@@ -299,6 +300,32 @@ def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float) -> None:
         ray.shutdown()
 
 
+@contextlib.contextmanager
+def _agent_on_a_free_port() -> Iterator[None]:
+    """While the block runs, a Ray head started by `ray.init` puts its dashboard agent on a free port.
+
+    Ray's agent listens on 52365 unless told otherwise, and `ray.init` has no option for it. A head of ours
+    holding that port would leave a `ray start --head` on the machine without an agent, and its job
+    submissions fail ("No available agent to submit job"). So the port is given to Ray's RayParams, which
+    `ray.init` builds, as `ray start --dashboard-agent-listen-port` gives it."""
+    from ray._private import parameter
+
+    original = parameter.RayParams.__init__
+    if "dashboard_agent_listen_port" not in inspect.signature(original).parameters:
+        yield  # a Ray without the setting: its default
+        return
+
+    def with_a_free_agent_port(self, *args, **kwargs):
+        kwargs.setdefault("dashboard_agent_listen_port", free_port(LOCALHOST))
+        original(self, *args, **kwargs)
+
+    parameter.RayParams.__init__ = with_a_free_agent_port
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = original
+
+
 def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_vars: dict | None = None) -> str:
     """Starts a Ray cluster on 127.0.0.1 whose daemons share this process's fate, connected as its driver;
     returns its GCS address. Its processes get that address as RAY_ADDRESS. Raises ClusterError when it
@@ -317,10 +344,11 @@ def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_
     previous_port = os.environ.get("RAY_GCS_SERVER_PORT")
     os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
     try:
-        ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=dashboard,
-                 dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST), num_cpus=cpus,
-                 logging_level="ERROR", log_to_driver=worker_logs,
-                 runtime_env={"env_vars": {**(env_vars or {}), "RAY_ADDRESS": gcs_address}})
+        with _agent_on_a_free_port():
+            ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=dashboard,
+                     dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST), num_cpus=cpus,
+                     logging_level="ERROR", log_to_driver=worker_logs,
+                     runtime_env={"env_vars": {**(env_vars or {}), "RAY_ADDRESS": gcs_address}})
     finally:
         if previous_port is None:
             os.environ.pop("RAY_GCS_SERVER_PORT")
