@@ -8,7 +8,7 @@ the plan's #1 over the best measured step (the top-1 ratio), Spearman's rank cor
 measured steps, and how many ranked candidates failed to run. The plan's #1 and the measured best are then
 trained once more, so the host's noise shows beside the ratio.
 
-    python -m bench.plan_validation --out validation.json   # about 25 minutes on 2 cores
+    python -m bench.plan_validation --out validation.json   # about 50 minutes on 2 cores
 
 It prints one row per model, writes its section of docs/plan.md (`--no-write`: print only) and, with
 `--out`, every measurement as JSON; `--from FILE...` prints and writes the table of earlier runs' JSON.
@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -224,7 +225,8 @@ def candidates_table(record: dict) -> str:
     for index, c in enumerate(record["candidates"], 1):
         measured = f"{c['measured_s'] * 1e3:.1f}" if c["measured_s"] is not None else f"failed: {c['error']}"
         lines.append(f"| {index} | {c['settings']} | {c['predicted_s'] * 1e3:.1f} | {measured} |")
-    lines += [f"\nNot ranked: {r['settings']} ({r['verdict']}: {r['reason']})" for r in record["rejections"]]
+    if record["rejections"]:
+        lines += ["", "Not ranked:", *(f"- {r['settings']} ({r['verdict']}: {r['reason']})" for r in record["rejections"])]
     return "\n".join(lines)
 
 
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sources:
         records = [record for source in args.sources for record in json.loads(source.read_text())]
     else:
-        command = " ".join(["python -m bench.plan_validation", *(argv if argv is not None else sys.argv[1:])])
+        command = shlex.join(["python", "-m", "bench.plan_validation", *(argv if argv is not None else sys.argv[1:])])
         records = run(args, command)
     print(table(records))
     for record in records:
