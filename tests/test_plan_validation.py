@@ -1,0 +1,33 @@
+"""bench/plan_validation.py's figures: Spearman's rho with tied ranks, and a model's top-1 ratio, failures and
+repeats from its record."""
+
+import math
+
+import pytest
+
+from bench.plan_validation import ranks, spearman, summary
+
+
+def test_ties_share_their_mean_rank_and_rho_matches_scipys_values():
+    assert ranks([30, 10, 20, 10]).tolist() == [4.0, 1.5, 3.0, 1.5]
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+    # scipy.stats.spearmanr's statistics for the same pairs
+    assert spearman([10, 20, 30, 40], [11, 35, 29, 50]) == pytest.approx(0.8)
+    assert spearman([3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]) == pytest.approx(0.19885368120992467)
+    assert math.isnan(spearman([1], [2])) and math.isnan(spearman([1, 2], [5, 5]))
+
+
+def test_the_top1_ratio_is_the_predicted_firsts_measured_step_over_the_best_and_failures_are_counted():
+    def candidate(settings, predicted_s, measured_s):
+        return {"settings": settings, "predicted_s": predicted_s, "measured_s": measured_s,
+                "error": None if measured_s else "RuntimeError: no"}
+
+    record = {"candidates": [candidate("a", 1.0, 0.6), candidate("b", 2.0, 0.5), candidate("c", 3.0, None)],
+              "again": [{"settings": "a", "measured_s": 0.66}, {"settings": "b", "measured_s": 0.6}],
+              "verdicts": {"ranked": 3, "undecided": 2}, "seconds": 9.0}
+    figures = summary(record)
+    assert figures["ratio"] == pytest.approx(0.6 / 0.5) and figures["again_ratio"] == pytest.approx(0.66 / 0.6)
+    assert figures["rho"] == pytest.approx(-1.0)  # over the two that ran
+    assert (figures["failed"], figures["undecided"], figures["ranked"]) == (1, 2, 3)
+    assert figures["first_again"] == pytest.approx(1.1) and figures["best_again"] == pytest.approx(1.2)
