@@ -16,7 +16,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import compile_target
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.train import train
-from nestor.orchestrator.planning.search import Judged, label
+from nestor.orchestrator.planning.search import Judged, error_line, label
 
 SKIPPED_STEPS = 1  # the first step's time holds one-off work (the first transfers, the first dispatch)
 
@@ -68,18 +68,10 @@ def measure(config, ranked: list[Judged], steps: int,
                 result = train(measured_config(config, judged, steps, Path(directory) / "run"),
                                console=Console.silent())
             except Exception as error:  # noqa: BLE001 - a candidate that does not run is reported, not raised
-                found.append(Measured(judged, error=_first_line(error)))
+                found.append(Measured(judged, error=error_line(error)))
                 continue
         if result.stopped_by is not None:
             raise Interrupted(result.stopped_by)
         times = [record["step_time_s"] for record in result.history if record["step"] > SKIPPED_STEPS]
         found.append(Measured(judged, step_s=statistics.median(times)))
     return sorted(found, key=lambda m: (m.step_s is None, m.step_s or 0.0))
-
-
-def _first_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if text.endswith(":") and len(lines) > 1:  # a ConfigError's heading: its first problem is the line
-        text = lines[1]
-    return f"{type(error).__name__}: {text}"[:200]

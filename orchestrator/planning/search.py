@@ -89,7 +89,7 @@ def _compiled_figures(job, devices: list, device: Device) -> dict[str, Any]:
         compiled = compile_step(job)
         per_device = target_flops(job, compiled)["per_device"]
     except Exception as error:  # noqa: BLE001 - XLA's refusals are many; the candidate is dropped, the plan goes on
-        return {"error": _error_line(error)}
+        return {"error": error_line(error)}
     memory = memory_per_device(job, compiled)
     position = {d.id: index for index, d in enumerate(devices)}
     per_host = job.config.cluster.devices_per_host
@@ -109,11 +109,17 @@ def _built(config, devices: list) -> tuple[Any, tuple[str, str] | None]:
     except ConfigError as error:
         return None, (RULES, "{}: {}".format(*error.problems[0]))
     except Exception as error:  # noqa: BLE001 - the candidate is dropped, the plan goes on
-        return None, (COMPILE_ERROR, _error_line(error))
+        return None, (COMPILE_ERROR, error_line(error))
 
 
-def _error_line(error: Exception) -> str:
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+def error_line(error: Exception) -> str:
+    """Returns why a candidate failed, in a line: the error's type and first line (a ConfigError's first
+    problem, not its heading)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:  # a ConfigError's heading: its first problem is the line
+        text = lines[1]
+    return f"{type(error).__name__}: {text[:160]}"
 
 
 def _capacity_bytes(config, valid: list[list[Candidate]], devices: list) -> float | None:
