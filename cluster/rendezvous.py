@@ -10,8 +10,10 @@ ClusterError that says which one.
 
 from __future__ import annotations
 
+import random
 import socket
 import time
+from pathlib import Path
 
 
 class ClusterError(RuntimeError):
@@ -42,8 +44,38 @@ class Board:
         return sorted(ranks), address
 
 
+_RAY_WORKER_PORTS_END = 20_000  # Ray's workers take ports 10002-19999 unless told otherwise
+_PORTS = random.SystemRandom()  # never the `random` module's state, which a job or a test may seed
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range, from which every outgoing connection takes its own."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default; IANA's range starts higher still
+
+
+def _binds(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str) -> int:
-    """Returns a TCP port that is free on `host` right now."""
+    """Returns a TCP port that is free on `host` right now, for a server that binds it a moment later.
+
+    It is drawn below the kernel's ephemeral range and above Ray's worker ports: a port the kernel hands
+    out (bind to port 0) can be taken in that moment by any process's outgoing connection, which on a busy
+    machine failed a Ray head's GCS ("Address already in use")."""
+    end = _ephemeral_ports_start()
+    if end - _RAY_WORKER_PORTS_END >= 1_000:
+        for port in _PORTS.sample(range(_RAY_WORKER_PORTS_END, end), 64):
+            if _binds(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]

@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -339,10 +340,30 @@ def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_
     # `ray start` cluster on the machine; with another cluster running, it would ask
     # that one, find no controller and remove our workers' placement group. So the
     # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
-    gcs_port = free_port(LOCALHOST)
-    gcs_address = f"{LOCALHOST}:{gcs_port}"
+    # A port free a moment ago can be taken before the GCS binds it; a second try draws others.
+    for attempt in range(2):
+        gcs_address = f"{LOCALHOST}:{free_port(LOCALHOST)}"
+        try:
+            _init_local(gcs_address, cpus, dashboard, worker_logs, env_vars)
+            break
+        except RuntimeError as error:
+            if attempt or not LOST_PORT.search(str(error)):
+                raise
+    actual = ray.get_runtime_context().gcs_address
+    if actual != gcs_address:
+        raise ClusterError(f"the embedded Ray cluster came up at {actual}, not {gcs_address}; run again")
+    return gcs_address
+
+
+LOST_PORT = re.compile(r"Address already in use|Failed to start the grpc server")
+
+
+def _init_local(gcs_address: str, cpus: int, dashboard: bool, worker_logs: bool, env_vars: dict | None) -> None:
+    """`ray.init` of a local head whose GCS listens at `gcs_address` (a port of 127.0.0.1)."""
+    import ray
+
     previous_port = os.environ.get("RAY_GCS_SERVER_PORT")
-    os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
+    os.environ["RAY_GCS_SERVER_PORT"] = gcs_address.rpartition(":")[2]
     try:
         with _agent_on_a_free_port():
             ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=dashboard,
@@ -354,10 +375,6 @@ def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_
             os.environ.pop("RAY_GCS_SERVER_PORT")
         else:
             os.environ["RAY_GCS_SERVER_PORT"] = previous_port
-    actual = ray.get_runtime_context().gcs_address
-    if actual != gcs_address:
-        raise ClusterError(f"the embedded Ray cluster came up at {actual}, not {gcs_address}; run again")
-    return gcs_address
 
 
 if __name__ == "__main__":

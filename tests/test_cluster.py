@@ -25,6 +25,7 @@ import yaml
 from nestor.cluster.connect import ClusterSpec, check_capacity
 from nestor.cluster.cpu_devices import KEYS_CHECKED_ON
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
+from nestor.cluster.warm_head import LOST_PORT
 from nestor.orchestrator.loop.hang import NATIVE_TRIES
 from tests.conftest import ROOT
 from tests.doc_blocks import SESSION_SETTINGS
@@ -139,26 +140,39 @@ def start_ray_head(env: dict, log: Path, temp_dir: str | None = None,
     """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago with `cpus` CPUs, its output in
     `log` (its sessions in `temp_dir`, else Ray's /tmp/ray); returns (the process, its dashboard URL, its GCS
     address) once the Jobs API answers, or raises AssertionError with the log's end if it exits first or takes
-    over 90 s."""
-    port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
-    sessions = [f"--temp-dir={temp_dir}"] if temp_dir else []
-    with log.open("w") as output:
-        head = subprocess.Popen(
-            [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-             # its own agent port: the default (52365) may be held by another Ray node on this machine
-             f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", f"--num-cpus={cpus}", "--disable-usage-stats",
-             *sessions],
-            env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{dashboard}"
+    over 90 s. A head that lost one of its ports to another process before binding it is started again on
+    other ports, twice at most."""
+    for attempt in range(3):
+        port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
+        sessions = [f"--temp-dir={temp_dir}"] if temp_dir else []
+        with log.open("w") as output:
+            head = subprocess.Popen(
+                [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                 # its own agent port: the default (52365) may be held by another Ray node on this machine
+                 f"--dashboard-agent-listen-port={free_port('127.0.0.1')}", f"--num-cpus={cpus}",
+                 "--disable-usage-stats", *sessions],
+                env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{dashboard}"
+        if _head_came_up(head, url, log, may_retry=attempt < 2):
+            return head, url, f"127.0.0.1:{port}"
+    raise AssertionError("unreachable: the last attempt raises")
+
+
+def _head_came_up(head: subprocess.Popen, url: str, log: Path, may_retry: bool) -> bool:
+    """Waits up to 90 s for the head's Jobs API; False when the head exited for a port another process
+    took (and `may_retry`), else AssertionError with the log's end when it exits or times out."""
     deadline = time.monotonic() + 90
     while not head_answers(url):
         if time.monotonic() > deadline or head.poll() is not None:
             stop_ray_head(head)
+            output = log.read_text()
+            if may_retry and head.poll() is not None and LOST_PORT.search(output):
+                return False
             raise AssertionError(f"ray head did not come up (exit {head.poll()}): ..."
-                                 + "\n".join(log.read_text().splitlines()[-15:]))
+                                 + "\n".join(output.splitlines()[-15:]))
         time.sleep(2)
-    return head, url, f"127.0.0.1:{port}"
+    return True
 
 
 def start_ray_node(env: dict, address: str, log: Path) -> subprocess.Popen:

@@ -93,6 +93,42 @@ def test_a_kept_head_serves_one_command_at_a_time_and_ends_when_idle_or_stopped(
         stop_warm_heads(wait_s=10)
 
 
+# A local head whose first GCS port is taken (held by a listening socket) before Ray binds it.
+TAKEN_PORT = """
+import os
+import socket
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1, as the keeper and driver.launch set it
+os.environ["RAY_gcs_server_port_wait_time_s"] = "5"  # the driver gives up on the GCS that lost its port sooner
+from nestor.cluster import warm_head
+from nestor.cluster.rendezvous import free_port
+
+taken = socket.create_server(("127.0.0.1", 0))
+ports = [taken.getsockname()[1]]
+warm_head.free_port = lambda host: ports.pop() if ports else free_port(host)
+print(taken.getsockname()[1], warm_head.start_local_head(cpus=1, dashboard=False), flush=True)
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_a_local_head_whose_port_was_taken_before_it_bound_starts_on_another():
+    done = subprocess.run([sys.executable, "-c", TAKEN_PORT], env=child_env(), capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    taken, address = done.stdout.split()
+    assert address.startswith("127.0.0.1:") and address != f"127.0.0.1:{taken}"
+
+
+def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_above_rays_worker_ports(monkeypatch):
+    from nestor.cluster import rendezvous
+
+    end = rendezvous._ephemeral_ports_start()
+    ports = {rendezvous.free_port("127.0.0.1") for _ in range(20)}
+    assert len(ports) > 1 and all(20_000 <= port < end for port in ports), (ports, end)
+    monkeypatch.setattr(rendezvous, "_ephemeral_ports_start", lambda: 20_500)  # no room: the kernel's choice
+    assert rendezvous.free_port("127.0.0.1") >= 20_500 or rendezvous.free_port("127.0.0.1") < 20_000
+
+
 def test_a_heads_key_is_its_python_cpus_dashboard_and_ray_settings_not_the_shells_other_variables(monkeypatch):
     key = HeadSpec(cpus=3, dashboard=True).key()
     for name, value in (("PWD", "/somewhere/else"), ("XLA_FLAGS", "--xla_dump_to=/tmp/elsewhere"),
