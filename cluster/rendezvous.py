@@ -44,7 +44,8 @@ class Board:
         return sorted(ranks), address
 
 
-_RAY_WORKER_PORTS_END = 20_000  # Ray's workers take ports 10002-19999 unless told otherwise
+_RAY_WORKER_PORTS_END = 20_000  # a `ray start` node's workers take ports 10002-19999 unless told otherwise
+_NODE_PORTS_START = 30_000  # Kubernetes' NodePorts (30000-32767), which kube-proxy redirects on a node
 _PORTS = random.SystemRandom()  # never the `random` module's state, which a job or a test may seed
 
 
@@ -68,10 +69,11 @@ def _binds(host: str, port: int) -> bool:
 def free_port(host: str) -> int:
     """Returns a TCP port that is free on `host` right now, for a server that binds it a moment later.
 
-    It is drawn below the kernel's ephemeral range and above Ray's worker ports: a port the kernel hands
-    out (bind to port 0) can be taken in that moment by any process's outgoing connection, which on a busy
-    machine failed a Ray head's GCS ("Address already in use")."""
-    end = _ephemeral_ports_start()
+    It is drawn above Ray's worker ports and below both the kernel's ephemeral range and Kubernetes'
+    NodePorts: a port the kernel hands out (bind to port 0) can be taken in that moment by any process's
+    outgoing connection, which on a busy machine failed a Ray head's GCS ("Address already in use"). Where
+    that range is too narrow, the kernel's choice is returned."""
+    end = min(_ephemeral_ports_start(), _NODE_PORTS_START)
     if end - _RAY_WORKER_PORTS_END >= 1_000:
         for port in _PORTS.sample(range(_RAY_WORKER_PORTS_END, end), 64):
             if _binds(host, port):

@@ -340,7 +340,7 @@ def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_
     # `ray start` cluster on the machine; with another cluster running, it would ask
     # that one, find no controller and remove our workers' placement group. So the
     # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
-    # A port free a moment ago can be taken before the GCS binds it; a second try draws others.
+    # A GCS port free a moment ago can be taken before the GCS binds it; a second try draws others.
     for attempt in range(2):
         gcs_address = f"{LOCALHOST}:{free_port(LOCALHOST)}"
         try:

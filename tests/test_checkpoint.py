@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after SIGKILL, reshard onto other meshes, torn saves skipped, NaN stops."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -391,14 +393,34 @@ def test_resume_that_moves_the_end_of_the_lr_schedule_says_so_in_one_line(tmp_pa
 SIGNALLED = ("train.steps=1000", "checkpoint.every=0", "run.compile_cache=null")
 
 
-def _stopped_at(run_dir: Path, delay: float, signum: int) -> tuple[int, str]:
+def _stopped_at(run_dir: Path, delay: float, signum: int) -> tuple[int, str, float]:
     """Runs `nestor train` (the tiny model), sends `signum` `delay` seconds after its start; returns its exit
-    code and everything it printed."""
+    code, everything it printed, and how many seconds after the signal it printed the compile's end
+    (negative: before it; inf: never)."""
     process = cli(run_dir, *SIGNALLED)
+    compiled_at, printed = [], {"stdout": [], "stderr": []}
+
+    def read(stream, lines):
+        for line in stream:
+            if line.startswith("compiled in"):
+                compiled_at.append(time.monotonic())
+            lines.append(line)
+
+    readers = [threading.Thread(target=read, args=(getattr(process, name), lines), daemon=True)
+               for name, lines in printed.items()]
+    for reader in readers:
+        reader.start()
     time.sleep(delay)
+    signalled = time.monotonic()
     process.send_signal(signum)
-    out, err = ended(process, 120)
-    return process.returncode, out + err
+    try:
+        process.wait(120)
+    finally:
+        process.kill()  # a no-op once it has ended
+    for reader in readers:
+        reader.join(30)
+    return (process.returncode, "".join(printed["stdout"] + printed["stderr"]),
+            compiled_at[0] - signalled if compiled_at else math.inf)
 
 
 @pytest.mark.slow
@@ -421,10 +443,12 @@ def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_l
     moments = list(np.linspace(0.5, 0.85 * compiled, 10))
     for index in range(10):
         delay = moments.pop(0)
-        code, printed = _stopped_at(tmp_path / f"run{index}", float(delay), signal.SIGINT)
+        code, printed, compiled_after = _stopped_at(tmp_path / f"run{index}", float(delay), signal.SIGINT)
         assert code == 128 + signal.SIGINT and "Traceback" not in printed, (delay, printed[-3000:])
         assert len(stop_lines.findall(printed)) == 1, (delay, printed[-3000:])
-        trained = "step     1" in printed  # the signal came after the first step
+        trained = "step     1" in printed
+        # a signal during the compile stops the run before step 1 (0.25 s: the line's way through the pipe)
+        assert compiled_after < 0.25 or not trained, (delay, compiled_after, printed[-3000:])
         saved = list((tmp_path / f"run{index}").glob("checkpoints/*"))
         assert bool(saved) == trained, (delay, printed[-3000:])  # nothing trained is saved; nothing trained lost
         before_the_first_step += not trained
@@ -433,6 +457,6 @@ def test_a_signal_at_any_moment_of_start_up_and_compile_stops_the_run_with_one_l
         else:
             last_before = delay
     assert before_the_first_step >= 5
-    code, printed = _stopped_at(tmp_path / "terminated", 0.8 * compiled, signal.SIGTERM)
+    code, printed, _ = _stopped_at(tmp_path / "terminated", min(0.8 * compiled, last_before), signal.SIGTERM)
     assert code == 128 + signal.SIGTERM and "Traceback" not in printed, printed[-3000:]
     assert len(re.findall(r"^(nestor: terminated \(SIGTERM\)|stopped by SIGTERM)", printed, re.M)) == 1, printed

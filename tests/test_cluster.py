@@ -140,8 +140,8 @@ def start_ray_head(env: dict, log: Path, temp_dir: str | None = None,
     """Starts `ray start --head --block` on 127.0.0.1 ports free a moment ago with `cpus` CPUs, its output in
     `log` (its sessions in `temp_dir`, else Ray's /tmp/ray); returns (the process, its dashboard URL, its GCS
     address) once the Jobs API answers, or raises AssertionError with the log's end if it exits first or takes
-    over 90 s. A head that lost one of its ports to another process before binding it is started again on
-    other ports, twice at most."""
+    over 90 s. A head whose GCS port another process took before the GCS bound it is started again on other
+    ports, twice at most."""
     for attempt in range(3):
         port, dashboard = free_port("127.0.0.1"), free_port("127.0.0.1")
         sessions = [f"--temp-dir={temp_dir}"] if temp_dir else []
@@ -160,14 +160,15 @@ def start_ray_head(env: dict, log: Path, temp_dir: str | None = None,
 
 
 def _head_came_up(head: subprocess.Popen, url: str, log: Path, may_retry: bool) -> bool:
-    """Waits up to 90 s for the head's Jobs API; False when the head exited for a port another process
+    """Waits up to 90 s for the head's Jobs API; False when the head exited for a GCS port another process
     took (and `may_retry`), else AssertionError with the log's end when it exits or times out."""
     deadline = time.monotonic() + 90
     while not head_answers(url):
-        if time.monotonic() > deadline or head.poll() is not None:
+        exited = head.poll() is not None
+        if exited or time.monotonic() > deadline:
             stop_ray_head(head)
             output = log.read_text()
-            if may_retry and head.poll() is not None and LOST_PORT.search(output):
+            if may_retry and exited and LOST_PORT.search(output):
                 return False
             raise AssertionError(f"ray head did not come up (exit {head.poll()}): ..."
                                  + "\n".join(output.splitlines()[-15:]))

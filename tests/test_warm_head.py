@@ -98,7 +98,6 @@ TAKEN_PORT = """
 import os
 import socket
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1, as the keeper and driver.launch set it
-os.environ["RAY_gcs_server_port_wait_time_s"] = "5"  # the driver gives up on the GCS that lost its port sooner
 from nestor.cluster import warm_head
 from nestor.cluster.rendezvous import free_port
 
@@ -119,12 +118,14 @@ def test_a_local_head_whose_port_was_taken_before_it_bound_starts_on_another():
     assert address.startswith("127.0.0.1:") and address != f"127.0.0.1:{taken}"
 
 
-def test_free_ports_are_drawn_below_the_kernels_ephemeral_range_and_above_rays_worker_ports(monkeypatch):
+def test_free_ports_are_drawn_above_rays_worker_ports_and_below_the_ephemeral_and_node_ports(monkeypatch):
     from nestor.cluster import rendezvous
 
-    end = rendezvous._ephemeral_ports_start()
+    monkeypatch.setattr(rendezvous, "_ephemeral_ports_start", lambda: 32_768)  # Linux's default
     ports = {rendezvous.free_port("127.0.0.1") for _ in range(20)}
-    assert len(ports) > 1 and all(20_000 <= port < end for port in ports), (ports, end)
+    assert len(ports) > 1 and all(20_000 <= port < 30_000 for port in ports), ports
+    monkeypatch.setattr(rendezvous, "_ephemeral_ports_start", lambda: 25_000)
+    assert all(20_000 <= rendezvous.free_port("127.0.0.1") < 25_000 for _ in range(20))
     monkeypatch.setattr(rendezvous, "_ephemeral_ports_start", lambda: 20_500)  # no room: the kernel's choice
     assert not 20_000 <= rendezvous.free_port("127.0.0.1") < 20_500
 

@@ -154,9 +154,9 @@ def layouts(config: Config, pins: set[str]) -> list[dict[str, Any]]:
 
 
 def ladder(config: Config, layout: dict[str, Any], pins: set[str]) -> list[dict[str, Any]]:
-    """Returns the rungs of `layout`, fastest first, each later one lighter on memory: remat none, dots, full
-    (the config's own policy alone where it sets model.remat_names); then the update sharded over the batch's
-    devices (where they split it); then gradient accumulation 2 and 4."""
+    """Returns the rungs of `layout`, least recompute and accumulation first, each later one lighter on memory:
+    remat none, dots, full (the config's own policy alone where it sets model.remat_names); then the update
+    sharded over the batch's devices (where they split it); then gradient accumulation 2 and 4."""
     batch_devices = math.prod(layout[f"mesh.{axis}"] * layout[f"mesh.dcn.{axis}"] for axis in ("data", "fsdp", "expert"))
     # model.remat_names only mean something to the config's own named policy (minimal, offload): it is kept
     remat = (config.model.remat,) if config.model.remat_names else _choices(config, "model.remat", REMAT, pins)
