@@ -99,12 +99,10 @@ def spearman(first, second) -> float:
 
 @contextlib.contextmanager
 def loaded(case: Case):
-    """Yields `case`'s config as `nestor plan` loads it (nestor.orchestrator.commands.cli._main): its mesh free
-    and no check that needs the device count. The user model's files are written from docs/models.md into a
-    temporary directory, nestor's user code directory while it is used."""
+    """Yields `case`'s config as `nestor plan` loads it (`load_for_plan`). The user model's files are written
+    from docs/models.md into a temporary directory, nestor's user code directory while it is used."""
     from nestor.cluster.connect import USER_CODE_ENV
-    from nestor.orchestrator.loader.config import load
-    from nestor.orchestrator.planning.candidates import free_mesh
+    from nestor.orchestrator.planning.candidates import load_for_plan
 
     overrides = case.overrides
     with tempfile.TemporaryDirectory(prefix="nestor-plan-validation-") as directory:
@@ -116,7 +114,7 @@ def loaded(case: Case):
                          f"eval.paths=[{Path(directory) / 'heldout.npz'}]"]
             os.environ[USER_CODE_ENV] = directory
         try:
-            yield load(path, free_mesh(overrides) + overrides, device_checks=False)
+            yield load_for_plan(path, overrides)
         finally:
             if before is None:
                 os.environ.pop(USER_CODE_ENV, None)

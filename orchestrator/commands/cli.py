@@ -542,14 +542,13 @@ def _main(args) -> int:
         if args.command in ("data", "export", "goodput"):
             return args.handler(args)
         overrides = args.overrides
-        if args.command == "plan":  # CONFIG's own mesh may be for other devices: the plan searches it anew
-            from nestor.orchestrator.planning.candidates import free_mesh
-
-            overrides = free_mesh(overrides) + overrides
         given_run = args.command in OF_A_RUN and Path(args.config).expanduser().is_dir()
-        # a plan's mesh is its to choose: the batch and the model are split over each candidate's, not CONFIG's
-        config = run_config(args.config, overrides) if given_run else load(args.config, overrides,
-                                                                           device_checks=args.command != "plan")
+        if args.command == "plan":  # CONFIG's own mesh may be for other devices: the plan searches it anew
+            from nestor.orchestrator.planning.candidates import load_for_plan
+
+            config = load_for_plan(args.config, overrides)
+        else:
+            config = run_config(args.config, overrides) if given_run else load(args.config, overrides)
         if warning := idle_warning(config, _searched(args, config)):
             print(f"nestor: {warning}", file=sys.stderr)
         for line in config.chosen:  # on stderr, as the idle keys' warning: stdout may be explain's --json

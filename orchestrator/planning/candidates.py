@@ -60,6 +60,14 @@ def free_mesh(overrides: list[str]) -> list[str]:
     return [f"{key}={-1 if key == fill else 1}" for key in free]
 
 
+def load_for_plan(path: str | None, overrides: list[str]) -> Config:
+    """Loads CONFIG as `nestor plan` searches it: its mesh free (`free_mesh`), and without the checks that
+    need the device count, which each candidate's own layout answers."""
+    from nestor.orchestrator.loader.config import load
+
+    return load(path, free_mesh(overrides) + overrides, device_checks=False)
+
+
 def searched_keys(config: Config, pins: set[str]) -> set[str]:
     """Returns the dotted keys a plan sets for the user (the mesh, the pipeline's schedule and micro-batches
     unless a pin leaves one stage, the ladder's keys), less the `pins`."""

@@ -1,7 +1,7 @@
 """The search of a plan: each layout's rungs, least recompute and accumulation first, are judged in turn
 (the config's rules, an analytic bound on the state's bytes, then the step compiled without running against
-the device's memory less a headroom) until one fits, which stands for its layout and is costed; compiling stops at the
-time budget, and what it did not reach is left undecided."""
+the device's memory less a headroom) until one fits, which stands for its layout and is costed; compiling
+stops at the time budget, and what it did not reach is left undecided."""
 
 from __future__ import annotations
 
