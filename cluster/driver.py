@@ -318,6 +318,7 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
     its failure (one line) when a worker died or raised an error that `recovery.final` does not claim;
     raises a final error as `launch` does."""
     import ray
+    from ray import cloudpickle
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
     from ray.train.v2.jax import JaxTrainer
@@ -326,9 +327,11 @@ def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_messa
     scaling = ScalingConfig(num_workers=spec.hosts, use_gpu=spec.accelerator == "gpu",
                             use_tpu=spec.accelerator == "tpu", resources_per_worker=spec.worker_resources(),
                             topology=spec.tpu_topology, accelerator_type=spec.tpu_type)
+    # The train function and its argument travel as bytes that only the workers load: Ray Train's controller
+    # and its helper actors unpickle the config too, and would import jax and the rest of nestor for them.
+    work = cloudpickle.dumps((train_fn, argument))
     trainer = JaxTrainer(
-        run_worker, train_loop_config={"fn": train_fn, "argument": argument, "spec": spec, "board": board,
-                                    "mailbox": mailbox},
+        run_worker, train_loop_config={"work": work, "spec": spec, "board": board, "mailbox": mailbox},
         scaling_config=scaling,
         # restarts are _fit's, which says each one's cause: none of Ray Train's own (a worker lost to a
         # preempted node, a group that could not start are retried without end by its defaults)

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import pickle
 import threading
 import time
 
@@ -125,10 +126,11 @@ def run_worker(config: dict) -> None:
     if jax.process_index() == 0:
         config["mailbox"].put.remote(Phase(f"{jax.process_count()} worker process(es) joined jax.distributed, "
                                            f"{jax.device_count()} devices"))
+    train_fn, argument = pickle.loads(config["work"])  # the driver's (driver._fit_group)
     mailbox = config["mailbox"]
     stop = _StopWatch(mailbox)
     try:
-        config["fn"](config["argument"], mailbox.put.remote, stop.requested)
+        train_fn(argument, mailbox.put.remote, stop.requested)
     except Preempted:
         mailbox.ended.remote("preempted")  # a clean end for Ray Train; the driver starts the next group
     except Stopped:

@@ -27,8 +27,12 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPIL
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The local Ray heads the suite's commands keep up between them (cluster.keep_head_s) are recorded apart from
 # the developer's own (~/.cache/nestor/ray-heads), which the suite never joins or stops; every process a test
-# starts inherits it.
-os.environ["NESTOR_HEADS_DIR"] = tempfile.mkdtemp(prefix="nestor-heads-")
+# starts inherits it. Each process of the suite (pytest-xdist's controller and workers) makes its own, once
+# (test files import this module a second time, as tests.conftest), and removes it at its end.
+if os.environ.get("NESTOR_HEADS_DIR_OF") != str(os.getpid()):
+    os.environ["NESTOR_HEADS_DIR"] = tempfile.mkdtemp(prefix="nestor-heads-")
+    os.environ["NESTOR_HEADS_DIR_OF"] = str(os.getpid())
+HEADS_DIR = os.environ["NESTOR_HEADS_DIR"]
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # test this checkout, whatever is installed
 
@@ -60,6 +64,12 @@ COMPARABLE_ADAM = "optimizer.eps=1e-6"
 TINY_HANG_LIMIT = "run.hang_timeout_s=120"
 TINY = ("model.preset=tiny", "train.steps=5", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",
         COMPARABLE_ADAM, TINY_HANG_LIMIT)
+
+
+def pytest_unconfigure(config):
+    """Removes this process's directory of kept heads: the Ray files' heads ended with their files
+    (`_kept_heads_end_with_their_file`)."""
+    shutil.rmtree(HEADS_DIR, ignore_errors=True)
 
 
 @pytest.fixture
