@@ -222,6 +222,46 @@ def test_a_layouts_later_rungs_wait_until_its_earlier_one_is_over_memory():
     assert plan.ranked[0].candidate.as_dict()["model.remat"] == "none"
 
 
+def test_lighter_remat_with_more_accumulation_is_judged_after_every_layouts_first_fit_and_the_faster_stands(
+        monkeypatch):
+    """Remat none and dots are over memory at accumulation 1 and full fits; dots fits at accumulation 2 and is
+    faster: it is judged once every layout has had its first fit, and ranks in full's place. Rungs with no less
+    recompute than one that fits are never judged. (A stand-in for the compiler: the search's order alone.)"""
+    overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "optimizer.shard_update=false"]
+    config = tiny(*overrides)
+    fits = {("full", 1): 1.3, ("dots", 2): 1.1, ("full", 2): 1.0, ("full", 4): 1.0, ("dots", 4): 1.0}
+    order = []
+
+    def judge(config, candidate, devices, usable, device):
+        settings = candidate.as_dict()
+        rung = (settings["model.remat"], settings["train.grad_accum"])
+        order.append((candidate.layout, rung))
+        if rung not in fits:
+            return search_module.Judged(candidate, COMPILED_OVER, "over", {"peak": 2})
+        return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": fits[rung]})
+
+    monkeypatch.setattr(search_module, "_judge", judge)
+    plan = search(config, pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0)
+    layouts = list(dict.fromkeys(layout for layout, _ in order))
+    assert len(layouts) > 1
+    for layout in layouts:
+        assert [rung for at, rung in order if at == layout] == [("none", 1), ("dots", 1), ("full", 1), ("none", 2),
+                                                                 ("dots", 2), ("none", 4)]
+    first_refinement = order.index((layouts[0], ("none", 2)))
+    assert {layout for layout, rung in order[:first_refinement] if rung == ("full", 1)} == set(layouts)
+    assert len(plan.ranked) == len(layouts) and all(
+        (j.candidate.as_dict()["model.remat"], j.candidate.as_dict()["train.grad_accum"]) == ("dots", 2)
+        for j in plan.ranked)
+    assert len(plan.judged) == 9 * len(layouts)  # every rung judged or passed over once
+    passed = [j for j in plan.judged if j.verdict == DOMINATED]
+    assert sorted((j.candidate.as_dict()["model.remat"], j.candidate.as_dict()["train.grad_accum"], j.reason)
+                  for j in passed if j.candidate.layout == layouts[0]) == [
+        ("dots", 4, "a rung of its layout with no more recompute fits"),
+        ("full", 1, "a faster rung of its layout fits"),
+        ("full", 2, "a rung of its layout with no more recompute fits"),
+        ("full", 4, "a rung of its layout with no more recompute fits")]
+
+
 def test_the_overlay_loads_over_the_config_and_trains_two_steps(roomy, tmp_path):
     from nestor.orchestrator.loop.train import train
 

@@ -71,9 +71,9 @@ def format_plan(config, plan: Plan, top: int) -> str:
                                       for index, r in enumerate(ranked, 1)])
     else:
         lines.append("no candidate fits: see the rejections below")
-    lines += ["", f"{len(plan.judged)} candidates: {len(plan.ranked)} ranked (one per layout, its first rung "
-                  f"that fits), {plan.count(DOMINATED)} later rungs of those layouts not compiled, "
-                  f"{plan.compiles} compiles in {plan.elapsed_s:.0f} s"]
+    lines += ["", f"{len(plan.judged)} candidates: {len(plan.ranked)} ranked (one per layout, its fastest rung "
+                  f"that fits), {plan.count(DOMINATED)} other rungs of those layouts passed over (slower, or with no "
+                  f"less recompute than one that fits), {plan.compiles} compiles in {plan.elapsed_s:.0f} s"]
     for verdict in REJECTIONS:
         by_key: dict[str, list[str]] = {}
         for judged in plan.judged:

@@ -1,7 +1,9 @@
 """The search of a plan: each layout's rungs, least recompute and accumulation first, are judged in turn
 (the config's rules, an analytic bound on the state's bytes, then the step compiled without running against
-the device's memory less a headroom) until one fits, which stands for its layout and is costed; compiling
-stops at the time budget, and what it did not reach is left undecided."""
+the device's memory less a headroom) until one fits and is costed. Its later rungs with less recompute (more
+accumulation or a sharded update) may fit and be faster: once every layout has had its first fit, they are
+judged too, and the fastest rung that fits stands for its layout. Compiling stops at the time budget, and what
+it did not reach is left undecided."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from nestor.orchestrator.job.build import build_job, compile_target, devices_her
 from nestor.orchestrator.job.compiled import compile_step, memory_per_device, state_bytes, target_flops
 from nestor.orchestrator.job.step import pipeline_schedule
 from nestor.orchestrator.loader.memory_fit import GIB, device_memory
-from nestor.orchestrator.planning.candidates import Candidate, candidates, rule_problem
+from nestor.orchestrator.planning.candidates import REMAT, Candidate, candidates, rule_problem
 from nestor.orchestrator.planning.cost import predicted_step
 from nestor.orchestrator.planning.devices import Device, device_for
 from nestor.parallel.hlo import collective_ops
@@ -184,12 +186,15 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     valid.sort(key=lambda ladder: _compile_order(config, ladder))
     capacity = memory_limit_gib * GIB if memory_limit_gib is not None else _capacity_bytes(config, valid, devices)
     usable = None if capacity is None else int(capacity * (1 - HEADROOM))
-    queue = deque((ladder, 0) for ladder in valid)
+    # (ladder, the rung to judge, the recompute its later rungs must be under to be judged: that of the
+    # lightest rung that fits so far)
+    queue = deque((ladder, 0, len(REMAT)) for ladder in valid)
     compiled_before = len(_COMPILED)
     while queue:
-        ladder, rung = queue.popleft()
+        ladder, rung, bound = queue.popleft()
+        rest = [candidate for candidate in ladder[rung + 1:] if _recompute(candidate) < bound]
         if time.monotonic() - start > budget_s:
-            judged += [Judged(candidate, UNDECIDED, "the time budget ran out") for candidate in ladder[rung:]]
+            judged += [Judged(candidate, UNDECIDED, "the time budget ran out") for candidate in [ladder[rung], *rest]]
             continue
         if progress:
             progress(f"[{len(valid) - len(queue)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
@@ -197,11 +202,33 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
         verdict = _judge(config, ladder[rung], devices, usable, device)
         judged.append(verdict)
         if verdict.verdict == RANKED:
-            judged += [Judged(candidate, DOMINATED, "a lighter rung of its layout fits") for candidate in ladder[rung + 1:]]
-        elif rung + 1 < len(ladder):
-            queue.appendleft((ladder, rung + 1))
-    return Plan(judged, device, None if capacity is None else int(capacity), usable, target.compiler,
-                len(_COMPILED) - compiled_before, time.monotonic() - start, budget_s)
+            bound = _recompute(ladder[rung])
+            judged += [Judged(candidate, DOMINATED, "a rung of its layout with no more recompute fits")
+                       for candidate in rest if _recompute(candidate) >= bound]
+            if lighter := [candidate for candidate in rest if _recompute(candidate) < bound]:
+                queue.append((ladder, lighter[0].rung, bound))  # after every layout's first judging
+        elif rest:
+            queue.appendleft((ladder, rest[0].rung, bound))
+    return Plan(_fastest_per_layout(judged), device, None if capacity is None else int(capacity), usable,
+                target.compiler, len(_COMPILED) - compiled_before, time.monotonic() - start, budget_s)
+
+
+def _recompute(candidate: Candidate) -> int:
+    """Returns how much a candidate's remat recomputes, as its place in REMAT (a config's own named policy,
+    the only one its ladder has: 0)."""
+    remat = candidate.as_dict()["model.remat"]
+    return REMAT.index(remat) if remat in REMAT else 0
+
+
+def _fastest_per_layout(judged: list[Judged]) -> list[Judged]:
+    """Returns `judged` with one ranked rung per layout, its fastest predicted step; the others dominated."""
+    fastest: dict[tuple, Judged] = {}
+    for j in judged:
+        if j.verdict == RANKED and (j.candidate.layout not in fastest
+                                    or j.predicted["step_s"] < fastest[j.candidate.layout].predicted["step_s"]):
+            fastest[j.candidate.layout] = j
+    return [j if j.verdict != RANKED or fastest[j.candidate.layout] is j
+            else dataclasses.replace(j, verdict=DOMINATED, reason="a faster rung of its layout fits") for j in judged]
 
 
 AXIS_LETTERS = {"pipeline": "pp", "data": "dp", "fsdp": "fsdp", "context": "cp", "expert": "ep", "tensor": "tp"}
