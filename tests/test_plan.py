@@ -241,9 +241,12 @@ def test_lighter_remat_with_more_accumulation_is_judged_after_every_layouts_firs
         return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": fits[rung]})
 
     monkeypatch.setattr(search_module, "_judge", judge)
-    plan = search(config, pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0)
+    lines = []
+    plan = search(config, pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0, progress=lines.append)
     layouts = list(dict.fromkeys(layout for layout, _ in order))
     assert len(layouts) > 1
+    reached = [int(line.split("/")[0].lstrip("[")) for line in lines]  # "[3/4 layouts, ...": every one counted once
+    assert reached == sorted(reached) and reached[-1] == len(layouts) and len(lines) == len(order)
     for layout in layouts:
         assert [rung for at, rung in order if at == layout] == [("none", 1), ("dots", 1), ("full", 1), ("none", 2),
                                                                  ("dots", 2), ("none", 4)]

@@ -190,14 +190,16 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     # lightest rung that fits so far)
     queue = deque((ladder, 0, len(REMAT)) for ladder in valid)
     compiled_before = len(_COMPILED)
+    reached: set[tuple] = set()  # the layouts judged so far
     while queue:
         ladder, rung, bound = queue.popleft()
         rest = [candidate for candidate in ladder[rung + 1:] if _recompute(candidate) < bound]
         if time.monotonic() - start > budget_s:
             judged += [Judged(candidate, UNDECIDED, "the time budget ran out") for candidate in [ladder[rung], *rest]]
             continue
+        reached.add(ladder[rung].layout)
         if progress:
-            progress(f"[{len(valid) - len(queue)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
+            progress(f"[{len(reached)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
                      f" {label(ladder[rung])}")
         verdict = _judge(config, ladder[rung], devices, usable, device)
         judged.append(verdict)
