@@ -222,11 +222,12 @@ def test_a_layouts_later_rungs_wait_until_its_earlier_one_is_over_memory():
     assert plan.ranked[0].candidate.as_dict()["model.remat"] == "none"
 
 
-def test_lighter_remat_with_more_accumulation_is_judged_after_every_layouts_first_fit_and_the_faster_stands(
+def test_lighter_remat_with_more_accumulation_is_judged_at_once_after_the_fastest_fit_else_after_every_layout(
         monkeypatch):
     """Remat none and dots are over memory at accumulation 1 and full fits; dots fits at accumulation 2 and is
-    faster: it is judged once every layout has had its first fit, and ranks in full's place. Rungs with no less
-    recompute than one that fits are never judged. (A stand-in for the compiler: the search's order alone.)"""
+    faster, and ranks in full's place. A layout whose fit is the fastest so far (the first, and the third) has
+    its lighter rungs judged at once, any other after every layout's first fit. Rungs with no less recompute
+    than one that fits are never judged. (A stand-in for the compiler: the search's order alone.)"""
     overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "optimizer.shard_update=false"]
     config = tiny(*overrides)
     fits = {("full", 1): 1.3, ("dots", 2): 1.1, ("full", 2): 1.0, ("full", 4): 1.0, ("dots", 4): 1.0}
@@ -238,20 +239,25 @@ def test_lighter_remat_with_more_accumulation_is_judged_after_every_layouts_firs
         order.append((candidate.layout, rung))
         if rung not in fits:
             return search_module.Judged(candidate, COMPILED_OVER, "over", {"peak": 2})
-        return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": fits[rung]})
+        at = list(dict.fromkeys(layout for layout, _ in order)).index(candidate.layout)
+        factor = 1.0 if at == 0 else 0.5 if at == 2 else 1.2  # the first and the third lead when they fit
+        return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": fits[rung] * factor})
 
     monkeypatch.setattr(search_module, "_judge", judge)
     lines = []
     plan = search(config, pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0, progress=lines.append)
     layouts = list(dict.fromkeys(layout for layout, _ in order))
-    assert len(layouts) > 1
+    assert len(layouts) > 3
     reached = [int(line.split("/")[0].lstrip("[")) for line in lines]  # "[3/4 layouts, ...": every one counted once
     assert reached == sorted(reached) and reached[-1] == len(layouts) and len(lines) == len(order)
-    for layout in layouts:
-        assert [rung for at, rung in order if at == layout] == [("none", 1), ("dots", 1), ("full", 1), ("none", 2),
-                                                                 ("dots", 2), ("none", 4)]
-    first_refinement = order.index((layouts[0], ("none", 2)))
-    assert {layout for layout, rung in order[:first_refinement] if rung == ("full", 1)} == set(layouts)
+    first, lighter = [("none", 1), ("dots", 1), ("full", 1)], [("none", 2), ("dots", 2), ("none", 4)]
+    expected = [(layouts[0], rung) for rung in first + lighter] + [(layouts[1], rung) for rung in first]
+    expected += [(layouts[2], rung) for rung in first + lighter]
+    expected += [(layout, rung) for layout in layouts[3:] for rung in first]
+    # the others' lighter rungs, each one's next again at the back once its dots at accumulation 2 fits
+    deferred = [layouts[1], *layouts[3:]]
+    expected += [(layout, rung) for layout in deferred for rung in lighter[:2]] + [(l, lighter[2]) for l in deferred]
+    assert order == expected
     assert len(plan.ranked) == len(layouts) and all(
         (j.candidate.as_dict()["model.remat"], j.candidate.as_dict()["train.grad_accum"]) == ("dots", 2)
         for j in plan.ranked)
