@@ -225,9 +225,10 @@ def test_a_layouts_later_rungs_wait_until_its_earlier_one_is_over_memory():
 def test_lighter_remat_with_more_accumulation_is_judged_at_once_after_the_fastest_fit_else_after_every_layout(
         monkeypatch):
     """Remat none and dots are over memory at accumulation 1 and full fits; dots fits at accumulation 2 and is
-    faster, and ranks in full's place. A layout whose fit is the fastest so far (the first, and the third) has
-    its lighter rungs judged at once, any other after every layout's first fit. Rungs with no less recompute
-    than one that fits are never judged. (A stand-in for the compiler: the search's order alone.)"""
+    faster, and ranks in full's place (but in the first layout, where it is slower). A layout that holds the
+    fastest fit so far (the first, also after its slower dots fits, and the third) has its lighter rungs judged
+    at once, any other after every layout's first fit. Rungs with no less recompute than one that fits are never
+    judged. (A stand-in for the compiler: the search's order alone.)"""
     overrides = ["mesh.pipeline=1", "mesh.context=1", "mesh.tensor=1", "optimizer.shard_update=false"]
     config = tiny(*overrides)
     fits = {("full", 1): 1.3, ("dots", 2): 1.1, ("full", 2): 1.0, ("full", 4): 1.0, ("dots", 4): 1.0}
@@ -241,7 +242,8 @@ def test_lighter_remat_with_more_accumulation_is_judged_at_once_after_the_fastes
             return search_module.Judged(candidate, COMPILED_OVER, "over", {"peak": 2})
         at = list(dict.fromkeys(layout for layout, _ in order)).index(candidate.layout)
         factor = 1.0 if at == 0 else 0.5 if at == 2 else 1.2  # the first and the third lead when they fit
-        return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": fits[rung] * factor})
+        step_s = 1.4 if (at, rung) == (0, ("dots", 2)) else fits[rung] * factor
+        return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": step_s})
 
     monkeypatch.setattr(search_module, "_judge", judge)
     lines = []
@@ -258,15 +260,16 @@ def test_lighter_remat_with_more_accumulation_is_judged_at_once_after_the_fastes
     deferred = [layouts[1], *layouts[3:]]
     expected += [(layout, rung) for layout in deferred for rung in lighter[:2]] + [(l, lighter[2]) for l in deferred]
     assert order == expected
-    assert len(plan.ranked) == len(layouts) and all(
-        (j.candidate.as_dict()["model.remat"], j.candidate.as_dict()["train.grad_accum"]) == ("dots", 2)
-        for j in plan.ranked)
+    ranked = {j.candidate.layout: (j.candidate.as_dict()["model.remat"], j.candidate.as_dict()["train.grad_accum"])
+              for j in plan.ranked}
+    assert len(plan.ranked) == len(layouts) and ranked == {layout: ("full", 1) if layout == layouts[0] else ("dots", 2)
+                                                           for layout in layouts}
     assert len(plan.judged) == 9 * len(layouts)  # every rung judged or passed over once
     passed = [j for j in plan.judged if j.verdict == DOMINATED]
     assert sorted((j.candidate.as_dict()["model.remat"], j.candidate.as_dict()["train.grad_accum"], j.reason)
                   for j in passed if j.candidate.layout == layouts[0]) == [
+        ("dots", 2, "a faster rung of its layout fits"),
         ("dots", 4, "a rung of its layout with no more recompute fits"),
-        ("full", 1, "a faster rung of its layout fits"),
         ("full", 2, "a rung of its layout with no more recompute fits"),
         ("full", 4, "a rung of its layout with no more recompute fits")]
 

@@ -1,9 +1,9 @@
 """The search of a plan: each layout's rungs, least recompute and accumulation first, are judged in turn
 (the config's rules, an analytic bound on the state's bytes, then the step compiled without running against
 the device's memory less a headroom) until one fits and is costed. Its later rungs with less recompute (more
-accumulation or a sharded update) may fit and be faster: they are judged at once where that fit is the fastest
-so far, else once every layout has had its first fit, and the fastest rung that fits stands for its layout. Compiling stops at the time budget, and what
-it did not reach is left undecided."""
+accumulation or a sharded update) may fit and be faster: they are judged at once where the layout holds the
+fastest fit so far, else once every layout has had its first fit, and the fastest rung that fits stands for
+its layout. Compiling stops at the time budget, and what it did not judge is left undecided."""
 
 from __future__ import annotations
 
@@ -208,9 +208,12 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
             judged += [Judged(candidate, DOMINATED, "a rung of its layout with no more recompute fits")
                        for candidate in rest if _recompute(candidate) >= bound]
             if lighter := [candidate for candidate in rest if _recompute(candidate) < bound]:
-                # the fastest fit so far is refined at once, any other after every layout's first fit
-                leads = all(verdict.predicted["step_s"] < j.predicted["step_s"] for j in judged
-                            if j.verdict == RANKED and j is not verdict)
+                # the layout with the fastest fit so far is refined at once, any other after every layout's first
+                # fit (a lighter rung that fits may be slower than the layout's earlier fit)
+                layout = ladder[rung].layout
+                fits = [j for j in judged if j.verdict == RANKED]
+                best = min(j.predicted["step_s"] for j in fits if j.candidate.layout == layout)
+                leads = all(best < j.predicted["step_s"] for j in fits if j.candidate.layout != layout)
                 (queue.appendleft if leads else queue.append)((ladder, lighter[0].rung, bound))
         elif rest:
             queue.appendleft((ladder, rest[0].rung, bound))
