@@ -121,8 +121,7 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
         upload = ({"working_dir": str(stage_project(Path(staging.name) / "project", spec.user_code))} if staging
                   else {"working_dir": str(PROJECT_ROOT), "excludes": UPLOAD_EXCLUDES})
         try:
-            ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs,
-                     runtime_env={**upload, "env_vars": _start_timeout(spec)})
+            ray.init(address=spec.address, logging_level="ERROR", log_to_driver=spec.worker_logs, runtime_env=upload)
         except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             # Something answered there (_check_reachable): a GCS that refused us, or not a GCS at all.
@@ -133,12 +132,8 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
             if staging is not None:
                 staging.cleanup()  # ray.init has uploaded it
         return lambda: None
-    env_vars = {"PYTHONPATH": checkout_pythonpath(), USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd(),
-                # no cloud to preempt a local cluster; print each line once; a run's end seen within 0.5 s (Ray
-                # Train's controller polls its workers every 2 s by default: a small RPC each)
-                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", **_start_timeout(spec)}
-    head = HeadSpec(cpus=spec.hosts + 1, dashboard=spec.dashboard)
+    env_vars = {"PYTHONPATH": checkout_pythonpath(), USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd()}
+    head = HeadSpec(cpus=spec.hosts, dashboard=spec.dashboard)
     if spec.keep_head_s > 0:
         lease = hold_head(head, spec.keep_head_s, on_phase)
         if lease is not None:
@@ -154,12 +149,6 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
         on_phase("the kept local Ray head is in use by another command: starting a cluster of this command's own")
     start_local_head(head.cpus, head.dashboard, spec.worker_logs, env_vars)
     return lambda: None
-
-
-def _start_timeout(spec: ClusterSpec) -> dict[str, str]:
-    # Ray Train gives a worker group 60 s to start; workers importing jax on a busy
-    # host can take longer, so allow as long as they may take to join jax.distributed.
-    return {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(max(spec.init_timeout_s, 60.0))}
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

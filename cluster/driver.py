@@ -1,9 +1,9 @@
 """The driver of a run on Ray: `launch` runs a train function on `hosts` Ray workers that form one JAX
-program (Ray Train's `JaxTrainer` places one worker per host; cluster.worker is each one). The train
+program (cluster.group places one worker per host; cluster.worker is each one). The train
 function is an argument; this module knows nothing of what it trains.
 
 A group that fails (a worker dies, or raises an error that `final` does not
-claim) is started again by this module, not by Ray Train, so that each restart
+claim) is started again by this module, so that each restart
 is said with its cause (which process, how) and counted against
 `max_failures` failures in a row without progress (`progress()` unchanged).
 Restarted groups call the train function again from the top, and it is the
@@ -31,13 +31,13 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from nestor.cluster.connect import ClusterSpec, check_capacity, connect, room_for_workers
+from nestor.cluster.group import GroupFailed, GroupNotStarted, run_group
 from nestor.cluster.interrupts import Interrupted
 from nestor.cluster.rendezvous import Board, ClusterError
-from nestor.cluster.worker import LastWords, Phase, Worker, run_worker
+from nestor.cluster.worker import LastWords, Phase, Worker
 
 @dataclasses.dataclass(frozen=True)
 class Restart:
@@ -66,7 +66,7 @@ class Recovery:
 
 
 def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | None]], Any], argument: Any,
-           spec: ClusterSpec, storage_dir: str, on_message: Callable[[Any], None] = lambda message: None,
+           spec: ClusterSpec, on_message: Callable[[Any], None] = lambda message: None,
            on_stop: Callable[[int], None] = lambda signum: None,
            on_phase: Callable[[str], None] = lambda text: None,
            kept_signal: Callable[[], int | None] = lambda: None, recovery: Recovery = Recovery()) -> int | None:
@@ -105,13 +105,13 @@ def launch(train_fn: Callable[[Any, Callable[[Any], None], Callable[..., int | N
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         on_phase(f"Ray is up ({time.monotonic() - started:.0f} s); starting {spec.hosts} worker process(es)")
-        return _run_connected(train_fn, argument, spec, storage_dir, on_message, on_stop, on_phase, kept_signal,
+        return _run_connected(train_fn, argument, spec, on_message, on_stop, on_phase, kept_signal,
                               recovery, started)
     finally:
         release()  # after ray.shutdown: the next command may have a kept head
 
 
-def _run_connected(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, on_stop, on_phase,
+def _run_connected(train_fn, argument, spec: ClusterSpec, on_message, on_stop, on_phase,
                    kept_signal, recovery: Recovery, started: float) -> int | None:
     """`launch` once connected: runs the groups, and disconnects (ending an embedded cluster of its own)."""
     import ray
@@ -125,7 +125,7 @@ def _run_connected(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_m
     with _DriverSignals(on_stop, kept_signal) as signals:
         try:
             check_capacity(spec, ray.nodes())
-            stopped_by = _fit(train_fn, argument, spec, storage_dir, message, signals, recovery)
+            stopped_by = _fit(train_fn, argument, spec, message, signals, recovery)
             signals.settled = True  # the workers have ended: a Ctrl-C now would only cut Ray's shutdown short
             return stopped_by
         finally:
@@ -236,7 +236,7 @@ class FailuresInARow:
         return self.count
 
 
-def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, signals: _DriverSignals,
+def _fit(train_fn, argument, spec: ClusterSpec, on_message, signals: _DriverSignals,
          recovery: Recovery) -> int | None:
     import ray
 
@@ -251,7 +251,7 @@ def _fit(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, si
     while True:
         if signals.received is not None:
             raise Interrupted(signals.received)  # a stop before this group started: none starts, nothing new to save
-        failure = _fit_group(train_fn, group_argument, group_spec, storage_dir, on_message, board, mailbox, signals,
+        failure = _fit_group(train_fn, group_argument, group_spec, on_message, board, mailbox, signals,
                              recovery)
         if failure is not None:
             if signals.received is not None:  # told to stop while the group failed: no new group
@@ -312,69 +312,42 @@ def _hosts_for_next_group(spec: ClusterSpec, signals: _DriverSignals, poll_s: fl
     return room
 
 
-def _fit_group(train_fn, argument, spec: ClusterSpec, storage_dir: str, on_message, board, mailbox,
-               signals: _DriverSignals, recovery: Recovery) -> str | None:
-    """Runs one Ray Train fit (one start of the worker group); returns None when it ends, or the cause of
-    its failure (one line) when a worker died or raised an error that `recovery.final` does not claim;
-    raises a final error as `launch` does."""
+def _fit_group(train_fn, argument, spec: ClusterSpec, on_message, board, mailbox, signals: _DriverSignals,
+               recovery: Recovery) -> str | None:
+    """Runs one start of the worker group (cluster.group); returns None when it ends, or the cause of its
+    failure (one line) when a worker died or raised an error that `recovery.final` does not claim; raises a
+    final error as `launch` does."""
     import ray
     from ray import cloudpickle
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.v2.api.exceptions import WorkerGroupError
-    from ray.train.v2.jax import JaxTrainer
 
     ray.get(mailbox.take_group.remote())  # a worker of an earlier group is none of this one's
-    scaling = ScalingConfig(num_workers=spec.hosts, use_gpu=spec.accelerator == "gpu",
-                            use_tpu=spec.accelerator == "tpu", resources_per_worker=spec.worker_resources(),
-                            topology=spec.tpu_topology, accelerator_type=spec.tpu_type)
-    # The train function and its argument travel as bytes that only the workers load: Ray Train's controller
-    # and its helper actors unpickle the config too, and would import jax and the rest of nestor for them.
-    work = cloudpickle.dumps((train_fn, argument))
-    trainer = JaxTrainer(
-        run_worker, train_loop_config={"work": work, "spec": spec, "board": board, "mailbox": mailbox},
-        scaling_config=scaling,
-        # restarts are _fit's, which says each one's cause: none of Ray Train's own (a worker lost to a
-        # preempted node, a group that could not start are retried without end by its defaults)
-        run_config=RunConfig(name="ray", storage_path=str(Path(storage_dir).resolve()),
-                             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0,
-                                                          controller_failure_limit=0)))
-    outcome: list[BaseException | None] = []
-
-    def fit() -> None:
-        try:
-            trainer.fit()
-            outcome.append(None)
-        except BaseException as error:  # handed to the main thread below
-            outcome.append(error)
-
+    # The train function and its argument travel as bytes that a worker loads once its devices are set up and
+    # it has joined jax.distributed: loading them imports jax (run_worker).
+    work = {"work": cloudpickle.dumps((train_fn, argument)), "spec": spec, "board": board, "mailbox": mailbox}
     words: dict[int, str] = {}
 
-    def deliver(message) -> None:
-        if not isinstance(message, LastWords):
-            on_message(message)
-            return
-        if not words:  # the first worker to end itself: the others may be stopped (SIGSTOP)
-            _continue_workers(ray.get(mailbox.group.remote()))
-        words[message.rank] = message.text
-
-    # fit() blocks; the main thread meanwhile shows what the workers send and passes a stop on.
-    runner = threading.Thread(target=fit, name="nestor-fit", daemon=True)
-    runner.start()
-    while runner.is_alive():
-        runner.join(timeout=0.2)
+    def deliver() -> None:
+        """Passes a stop on, and shows what the workers sent."""
         signals.pass_on(mailbox)
         for message in ray.get(mailbox.take.remote()):
-            deliver(message)
-    for message in ray.get(mailbox.take.remote()):
-        deliver(message)
-    error = outcome[0]
-    if isinstance(error, WorkerGroupError):
+            if not isinstance(message, LastWords):
+                on_message(message)
+                continue
+            if not words:  # the first worker to end itself: the others may be stopped (SIGSTOP)
+                _continue_workers(ray.get(mailbox.group.remote()))
+            words[message.rank] = message.text
+
+    try:
+        run_group(spec, work, between=deliver)
+    except GroupFailed as error:
+        deliver()
         final = _final_error(error, recovery, words)
         if final is not None:
             raise final from None
         return _failure_cause(error, ray.get(mailbox.take_group.remote()), words)
-    if error is not None:  # the controller failed (a group that could not start): a failure like any other
-        return f"the worker group could not run: {_first_line(getattr(error, 'controller_failure', None) or error)}"
+    except GroupNotStarted as error:
+        return f"the worker group could not start: {error}"
+    deliver()
     return None
 
 
@@ -384,7 +357,7 @@ def _cause(failure: BaseException) -> BaseException:
 
 def _died(failure: BaseException | None) -> bool:
     """Whether a worker's failure is its process's death (Ray's health check lost it), not an error it raised."""
-    return type(_cause(failure)).__name__ in ("WorkerHealthCheckFailedError", "ActorDiedError")
+    return type(_cause(failure)).__name__ in ("ActorDiedError", "ActorUnavailableError")
 
 
 def _final_error(error, recovery: Recovery, words: dict[int, str]) -> Exception | None:

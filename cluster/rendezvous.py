@@ -21,7 +21,7 @@ class ClusterError(RuntimeError):
 
 
 class Board:
-    """Arrivals per worker group: a restarted group (Ray Train makes a new placement
+    """Arrivals per worker group: a restarted group (cluster.group makes a new placement
     group for it) checks in under its own id, so it never meets a dead group's ranks.
 
     Runs as a Ray actor in a real launch and as a plain object in tests.

@@ -74,8 +74,8 @@ def kept_after_this_process() -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
-    """What a kept head is started with: the CPUs it offers (one per worker and one for Ray Train's
-    controller) and whether it serves the dashboard."""
+    """What a kept head is started with: the CPUs it offers (one per worker) and whether it serves the
+    dashboard."""
 
     cpus: int
     dashboard: bool
@@ -335,11 +335,10 @@ def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_
 
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers
     # import the code from this checkout (PYTHONPATH), whatever version is installed.
-    # Ray's state API, which Ray Train's placement-group cleaner asks whether the
-    # controller lives, finds its cluster through RAY_ADDRESS or else the newest
-    # `ray start` cluster on the machine; with another cluster running, it would ask
-    # that one, find no controller and remove our workers' placement group. So the
-    # embedded GCS gets a port chosen here, and its processes get it as RAY_ADDRESS.
+    # Ray's state API and a process that joins "auto" find their cluster through
+    # RAY_ADDRESS or else the newest `ray start` cluster on the machine, which may be
+    # another one. So the embedded GCS gets a port chosen here, and its processes get
+    # it as RAY_ADDRESS.
     # A GCS port free a moment ago can be taken before the GCS binds it; a second try draws others.
     for attempt in range(2):
         gcs_address = f"{LOCALHOST}:{free_port(LOCALHOST)}"

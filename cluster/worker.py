@@ -1,6 +1,6 @@
-"""One Ray Train worker of a run (`run_worker`): on CPU it simulates its devices and joins jax.distributed
-through `rendezvous` (Ray Train's JaxTrainer joins it only on GPU and TPU, so this is what lets a laptop run
-real multi-host), then calls the train function; and what workers and the driver say to each other through
+"""One worker of a run's group (`run_worker`, in a cluster.group actor): on CPU it simulates its devices;
+it joins jax.distributed through `rendezvous` (on CPU too: this is what lets a laptop run real multi-host),
+then calls the train function; and what workers and the driver say to each other through
 the driver's mailbox: phases, last words, the ends `Preempted` and `Stopped`, stop requests (`_StopWatch`)."""
 
 from __future__ import annotations
@@ -87,41 +87,41 @@ def last_words(text: str) -> None:
     ray.get(mailbox.put.remote(LastWords(rank, text)), timeout=LAST_WORDS_TIMEOUT_S)
 
 
-def run_worker(config: dict) -> None:
-    """One Ray Train worker: on CPU, simulates its devices and joins jax.distributed; then trains."""
-    import ray.train
+def run_worker(config: dict, rank: int, world: int) -> None:
+    """Process `rank` of `world` in a worker group (cluster.group): on CPU simulates its devices; joins
+    jax.distributed; then trains."""
+    import ray
 
     spec: ClusterSpec = config["spec"]
-    context = ray.train.get_context()
     global _LAST_WORDS
-    _LAST_WORDS = (config["mailbox"], context.get_world_rank())
-    config["mailbox"].joined.remote(context.get_world_rank(), Worker(
-        os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()))
+    _LAST_WORDS = (config["mailbox"], rank)
+    config["mailbox"].joined.remote(rank, Worker(os.getpid(), ray.util.get_node_ip_address(),
+                                                 ray.get_runtime_context().get_node_id()))
     # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    if spec.accelerator == "cpu":
-        import jax
+    if spec.accelerator != "cpu":  # a platform jax must find, not fall back from to the CPU
+        os.environ.setdefault("JAX_PLATFORMS", "cuda" if spec.accelerator == "gpu" else "tpu")
+    import jax
 
-        rank, world = context.get_world_rank(), context.get_world_size()
+    if spec.accelerator == "cpu":
         simulate_cpu_devices(jax, spec.devices_per_host, spec.collective_timeout_s)
-        host = ray.util.get_node_ip_address()
-        # Every start of the worker group (first or restart) gets its own placement group.
-        group = ray.util.get_current_placement_group()
-        if group is None:
-            raise ClusterError("a Ray Train worker runs outside a placement group; cannot tell restarts apart")
-        address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
-        # Bind the coordinator to the node's Ray address, not every interface.
-        # A stopped process misses its heartbeats too: past jax's 100 s its peers were ended before the hang
-        # watchdog's limit (a process that dies is Ray's to notice, at once)
-        patience = {"heartbeat_timeout_seconds": max(100, spec.collective_timeout_s or 0)}
-        if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
-            patience = {}  # a jax without the setting: its own
-        jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
-                                   initialization_timeout=max(int(spec.init_timeout_s), 1), **patience)
-        if _on_one_machine(jax, group):
-            share_compiled_programs(jax)  # process 0 compiles for all
-    import jax  # on GPU and TPU Ray Train's JaxTrainer has joined jax.distributed before this function
+    host = ray.util.get_node_ip_address()
+    # Every start of the worker group (first or restart) gets its own placement group.
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        raise ClusterError("a worker of the group runs outside a placement group; cannot tell restarts apart")
+    address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
+    # Bind the coordinator to the node's Ray address, not every interface.
+    # A stopped process misses its heartbeats too: past jax's 100 s its peers were ended before the hang
+    # watchdog's limit (a process that dies is Ray's to notice, at once)
+    patience = {"heartbeat_timeout_seconds": max(100, spec.collective_timeout_s or 0)}
+    if "heartbeat_timeout_seconds" not in inspect.signature(jax.distributed.initialize).parameters:
+        patience = {}  # a jax without the setting: its own
+    jax.distributed.initialize(address, num_processes=world, process_id=rank, coordinator_bind_address=address,
+                               initialization_timeout=max(int(spec.init_timeout_s), 1), **patience)
+    if spec.accelerator == "cpu" and _on_one_machine(jax, group):
+        share_compiled_programs(jax)  # process 0 compiles for all
 
     if jax.process_index() == 0:
         config["mailbox"].put.remote(Phase(f"{jax.process_count()} worker process(es) joined jax.distributed, "
@@ -132,9 +132,9 @@ def run_worker(config: dict) -> None:
     try:
         train_fn(argument, mailbox.put.remote, stop.requested)
     except Preempted:
-        mailbox.ended.remote("preempted")  # a clean end for Ray Train; the driver starts the next group
+        mailbox.ended.remote("preempted")  # a clean end of the worker; the driver starts the next group
     except Stopped:
-        mailbox.ended.remote("stopped")  # a clean end for Ray Train; the driver starts none
+        mailbox.ended.remote("stopped")  # a clean end of the worker; the driver starts none
     ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
 
 

@@ -349,10 +349,10 @@ def test_a_driver_that_cannot_see_run_dir_offers_the_resume_it_offered_before(tm
     # With cluster.address, run.dir may be the cluster's storage, which the driver's machine does not
     # mount: no checkpoint on its disk is no sign that every save was refused.
     lines = where_results_are(load(tmp_path / "on_the_cluster", "train.steps=7"))
-    assert lines[0].endswith("  (config.yaml, metrics.jsonl, goodput.jsonl, checkpoints/)")  # in process: no ray/
+    assert lines[0].endswith("  (config.yaml, metrics.jsonl, goodput.jsonl, checkpoints/)")
     assert lines[-1] == "resume or extend: run the same command again (train.steps=7 now)"
     under_ray = where_results_are(load(tmp_path / "on_the_cluster", "cluster.launcher=ray", "metrics.tensorboard=true"))
-    assert under_ray[0].endswith("  (config.yaml, metrics.jsonl, goodput.jsonl, checkpoints/, tb/, ray/)")
+    assert under_ray[0].endswith("  (config.yaml, metrics.jsonl, goodput.jsonl, checkpoints/, tb/)")
 
 
 # A driver that runs `nestor train` with Orbax's and nestor's save functions wrapped to kill -9 the

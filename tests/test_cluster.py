@@ -86,6 +86,41 @@ def test_rendezvous_gives_every_rank_rank0s_address_and_restarted_groups_start_a
     assert board.state("restart") == ([0, 1], restarted) and board.state("died") == ([1], None)
 
 
+def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_one_slice(monkeypatch):
+    """cluster.group asks Ray for what Ray Train's ScalingConfig did: one bundle of the worker's resources per
+    host, an actor whose options take exactly that bundle, and on TPU with a type and topology one slice
+    (`ray.util.tpu.slice_placement_group`) whose every bundle is one host's chips."""
+    import importlib
+
+    from nestor.cluster import group
+
+    # the modules themselves: `ray.util` names functions after them
+    placement, tpu = (importlib.import_module(f"ray.util.{name}") for name in ("placement_group", "tpu"))
+
+    cpu, gpu = ClusterSpec(hosts=2, devices_per_host=4), ClusterSpec(hosts=2, devices_per_host=8, accelerator="gpu")
+    assert group.actor_options(cpu) == {"num_cpus": 1, "num_gpus": 0, "resources": {}, "max_restarts": 0,
+                                      "max_concurrency": 1}
+    assert (group.actor_options(gpu)["num_cpus"], group.actor_options(gpu)["num_gpus"]) == (1, 8)
+    asked = []
+    monkeypatch.setattr(placement, "placement_group", lambda bundles, strategy: asked.append((bundles, strategy)))
+    group.reserve(gpu)
+    assert asked == [([{"CPU": 1, "GPU": 8}] * 2, "PACK")]
+
+    class Slice:
+        placement_group, shutdown = "the slice's group", "its release"
+
+    def slice_placement_group(**kwargs):
+        asked.append(kwargs)
+        return Slice()
+
+    monkeypatch.setattr(tpu, "slice_placement_group", slice_placement_group)
+    v4 = ClusterSpec(hosts=2, devices_per_host=4, accelerator="tpu", tpu_type="TPU-V4", tpu_topology="2x2x2")
+    assert group.reserve(v4) == ("the slice's group", "its release")
+    assert asked[-1] == {"topology": "2x2x2", "accelerator_version": "v4", "resources_per_bundle": {"TPU": 4},
+                         "strategy": "PACK", "head_reservation_timeout_s": 120.0}
+    assert group.actor_options(v4)["resources"] == {"TPU": 4} and group.actor_options(v4)["num_cpus"] == 0
+
+
 def test_capacity_check_names_the_numbers():
     nodes = [{"Alive": True, "Resources": {"CPU": 8, "GPU": 4}}, {"Alive": True, "Resources": {"CPU": 8, "GPU": 2}}]
     check_capacity(ClusterSpec(hosts=1, devices_per_host=4, accelerator="gpu"), nodes)
@@ -422,8 +457,9 @@ def trained_a_step(run_dir: Path) -> bool:
     return (run_dir / "metrics.jsonl").exists() and bool(metrics(run_dir))
 
 
-def ray_train_workers(driver: subprocess.Popen) -> list[psutil.Process]:  # or a `ray start` node
-    return [p for p in psutil.Process(driver.pid).children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
+def group_workers(driver: subprocess.Popen) -> list[psutil.Process]:  # or a `ray start` node
+    """The worker processes of the run's group (cluster.group's actors), in the order Ray started them."""
+    return [p for p in psutil.Process(driver.pid).children(recursive=True) if "GroupWorker" in " ".join(p.cmdline())]
 
 
 def one_host_start(run_dir: Path) -> dict | None:
@@ -448,7 +484,7 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     the driver names the process that died and the steps lost, and starts a new group from the newest
     checkpoint, which computes the lost steps again to the same losses; every step's loss is the
     uninterrupted run's. With another Ray cluster on the machine (`ray_head`), which Ray's state API
-    would otherwise pick, so that Ray Train removed the embedded run's placement group."""
+    would otherwise pick."""
     # Long enough that both signals land mid-run; checkpoints every 5 steps, so that the preempted
     # save is seen to be the agreed step, not a periodic one.
     longer = ["train.steps=60", "checkpoint.every=5"]
@@ -466,13 +502,13 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     run_dir = tmp_path / "restarted"
     with Driver(*TINY, *TWO_HOSTS, *longer, f"run.dir={run_dir}", env=child_env()) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))  # a finished step
-        first_group = ray_train_workers(driver.process)
+        first_group = group_workers(driver.process)
         assert len(first_group) == 2
         os.kill(first_group[-1].pid, signal.SIGTERM)
         driver.wait_until(lambda: "preempted: the worker group starts again" in driver.output())
         agreed = int(re.search(r"starts again from step (\d+)", driver.output()).group(1))
         driver.wait_until(lambda: saved_steps(run_dir)[-1] > agreed)  # the second group trains on
-        second_group = ray_train_workers(driver.process)
+        second_group = group_workers(driver.process)
         assert len(second_group) == 2 and not {p.pid for p in second_group} & {p.pid for p in first_group}
         driver.wait_until(lambda: printed_losses(driver.output())[-1][0] > saved_steps(run_dir)[-1])
         killed = second_group[-1].pid
@@ -512,7 +548,7 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     with Driver(*TINY, *TWO_HOSTS, "train.steps=40", "checkpoint.every=5", f"run.hang_timeout_s={limit}",
                 f"run.dir={run_dir}", env=child_env()) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))
-        stopped = ray_train_workers(driver.process)[-1]
+        stopped = group_workers(driver.process)[-1]
         os.kill(stopped.pid, signal.SIGSTOP)
         at = time.monotonic()
         driver.wait_until(lambda: len(list(run_dir.glob("hangs/*/process-*.txt"))) == 2)
@@ -577,8 +613,8 @@ def test_a_host_that_does_not_come_back_leaves_the_run_on_one_host_with_the_same
             resumed = one_host_start(run_dir)["resumed_from"]
             driver.wait_until(lambda: saved_steps(run_dir)[-1] > resumed)  # the one-host group saved a step
             assert saved_steps(run_dir)[-1] < 45, "the one-host group reached the last step before it was held"
-            driver.wait_until(lambda: len(ray_train_workers(head)) == 1)  # the earlier group's worker is gone
-            [worker] = ray_train_workers(head)
+            driver.wait_until(lambda: len(group_workers(head)) == 1)  # the earlier group's worker is gone
+            [worker] = group_workers(head)
             # Held while a host comes back: a group that ended the run first would leave no worker to kill.
             worker.suspend()
             nodes.append(start_ray_node(env, address, tmp_path / "node-2.log"))  # a host is back
@@ -629,7 +665,7 @@ def test_failures_past_max_failures_end_the_run_in_one_line_with_its_checkpoint_
     with Driver(*TINY, *TWO_HOSTS, "train.steps=1000", "checkpoint.every=3", "cluster.max_failures=0",
                 f"run.dir={run_dir}", env=child_env()) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))
-        killed = ray_train_workers(driver.process)[-1].pid
+        killed = group_workers(driver.process)[-1].pid
         os.kill(killed, signal.SIGKILL)
         driver.process.wait(timeout=300)
     output = driver.output()
@@ -822,15 +858,14 @@ def test_failures_count_in_a_row_until_the_run_saves_a_new_checkpoint():
     assert [count.failed(15), count.failed(15), count.failed(20)] == [1, 2, 1]
 
 
-class _GroupError:
-    """The shape of Ray Train's WorkerGroupError that the launcher reads: rank -> the worker's failure."""
+def _group_failed(**failures):
+    from nestor.cluster.group import GroupFailed
 
-    def __init__(self, **failures):
-        self.worker_failures = {int(rank[1:]): failure for rank, failure in failures.items()}
+    return GroupFailed({int(rank[1:]): failure for rank, failure in failures.items()})
 
 
-class WorkerHealthCheckFailedError(Exception):
-    """Named as Ray Train's: the failure of a worker whose process died."""
+class ActorDiedError(Exception):
+    """Named as Ray's: the failure of a worker whose process died."""
 
 
 def test_a_workers_death_makes_the_others_final_errors_restartable():
@@ -838,10 +873,10 @@ def test_a_workers_death_makes_the_others_final_errors_restartable():
     from nestor.orchestrator.checkpoint.owner import CheckpointWriteError
 
     recovery = Recovery(final=lambda error: isinstance(error, CheckpointWriteError))
-    alone = _GroupError(r0=CheckpointWriteError("disk full"))
+    alone = _group_failed(r0=CheckpointWriteError("disk full"))
     assert "disk full" in str(_final_error(alone, recovery, {}))
     # rank 0's save failed because rank 1 died in it: a restart, naming the death first
-    beside_a_death = _GroupError(r0=CheckpointWriteError("rank 1 left"), r1=WorkerHealthCheckFailedError())
+    beside_a_death = _group_failed(r0=CheckpointWriteError("rank 1 left"), r1=ActorDiedError())
     assert _final_error(beside_a_death, recovery, {}) is None
     assert _final_error(alone, recovery, {1: "hung: waited 11 s for step 3"}) is None
     cause = _failure_cause(beside_a_death, {}, {})

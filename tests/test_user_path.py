@@ -85,9 +85,10 @@ def test_main_job_prints_one_clean_stream_off_a_terminal(quickstart_runs):
     assert "\x1b" not in first.stdout + first.stderr  # no ANSI escapes when stdout is not a terminal
     assert len(lines) == len(set(lines)), "a line printed twice"
     assert "compiling the train step ..." in lines and any(re.fullmatch(r"compiled in \d+\.\d s", l) for l in lines)
-    assert "run dir: runs/quickstart  (config.yaml, metrics.jsonl, goodput.jsonl, checkpoints/, tb/, ray/)" in lines
+    assert "run dir: runs/quickstart  (config.yaml, metrics.jsonl, goodput.jsonl, checkpoints/, tb/)" in lines
     written = {path.name for path in (quickstart_runs[0].clone / "runs" / "quickstart").iterdir()}
-    assert {"config.yaml", "metrics.jsonl", "goodput.jsonl", "checkpoints", "tb", "ray"} <= written  # each one named
+    assert {"config.yaml", "metrics.jsonl", "goodput.jsonl", "checkpoints", "tb"} <= written  # each one named
+    assert "ray" not in written  # Ray keeps nothing of its own there
     assert any(l.startswith("TensorBoard: ") and l.endswith("--logdir runs/quickstart/tb") for l in lines)
     assert sum(l.startswith("step ") for l in lines) == 1 and len(lines) <= 15, first.stdout
     # a line for each start-up phase, and the whole run's time beside the steps'

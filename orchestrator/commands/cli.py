@@ -42,8 +42,6 @@ def where_results_are(config) -> list[str]:
     files = ["config.yaml", "metrics.jsonl", "goodput.jsonl", "checkpoints/"]
     if config.metrics.tensorboard:
         files.append("tb/")
-    if config.cluster.launcher == "ray":  # Ray Train's own storage for the worker group
-        files.append("ray/")
     lines = [f"run dir: {shown(run_dir)}  ({', '.join(files)})"]
     if config.cluster.launcher == "ray" and (kept_s := kept_after_this_process()) is not None:
         lines.append(f"Ray: the local head stays up {kept_s:g} s for the next command (nestor stop-head ends it now)")

@@ -189,8 +189,7 @@ def train_on_ray(config: Config, console: Console, said: str | None = None) -> i
             # a run's own failure (diverged, a save that failed) would fail again the same way
             recovery = Recovery(final=lambda error: isinstance(error, RunFailed), progress=restarts.newest_checkpoint,
                                 on_restart=restarts.restart, resize=resize, on_resize=resized)
-            return launch(train_on_worker, (config, directory), cluster_spec(config),
-                          storage_dir=config.run.dir, on_message=restarts.replay,
+            return launch(train_on_worker, (config, directory), cluster_spec(config), on_message=restarts.replay,
                           on_stop=lambda signum: console.log(stopping_line(signum, workers=True)), on_phase=console.log,
                           kept_signal=kept_signal, recovery=recovery)
     finally:
