@@ -87,6 +87,24 @@ class ClusterSpec:
         return {"CPU": 1}
 
 
+def tpu_slices(spec: ClusterSpec) -> tuple[int, int]:
+    """Returns (slices, hosts per slice) of a TPU run with `tpu_type` and `tpu_topology`; (1, hosts) else.
+    Raises ClusterError when `hosts` is not whole slices of that topology."""
+    if not (spec.accelerator == "tpu" and spec.tpu_type and spec.tpu_topology):
+        return 1, spec.hosts
+    from ray.util.tpu import get_tpu_worker_resources
+
+    try:
+        per_slice, _ = get_tpu_worker_resources(spec.tpu_topology, spec.tpu_type, spec.worker_resources())
+    except ValueError as error:
+        raise ClusterError(f"cluster.tpu_type={spec.tpu_type}, cluster.tpu_topology={spec.tpu_topology}: {error}") \
+            from None
+    if spec.hosts % per_slice:
+        raise ClusterError(f"cluster.hosts={spec.hosts} is not whole {spec.tpu_topology} slices of {per_slice} "
+                           f"host(s) each (cluster.tpu_topology): set cluster.hosts to a multiple of {per_slice}")
+    return spec.hosts // per_slice, per_slice
+
+
 def use_token_if_present() -> None:
     """Turns on Ray's token auth for this client when a token is available (RAY_AUTH_TOKEN,
     RAY_AUTH_TOKEN_PATH or Ray's token file) and RAY_AUTH_MODE is unset, as `ray start` does for its

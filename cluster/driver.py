@@ -356,7 +356,7 @@ def _cause(failure: BaseException) -> BaseException:
 
 
 def _died(failure: BaseException | None) -> bool:
-    """Whether a worker's failure is its process's death (Ray's health check lost it), not an error it raised."""
+    """Whether a worker's failure is its process's death (Ray saw it end), not an error it raised."""
     return type(_cause(failure)).__name__ in ("ActorDiedError", "ActorUnavailableError")
 
 
@@ -378,7 +378,7 @@ def _final_error(error, recovery: Recovery, words: dict[int, str]) -> Exception 
 
 def _failure_cause(error, workers: dict[int, Worker], words: dict[int, str]) -> str:
     """Returns which processes of a failed group failed and how, one line: those that ended themselves
-    (their last `words`) or died (Ray's health check lost them) first, then those that raised."""
+    (their last `words`) or died (Ray saw them end) first, then those that raised."""
     died, raised = [], []
     for rank in sorted(set(error.worker_failures) | set(words)):
         worker = workers.get(rank)

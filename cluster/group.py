@@ -1,27 +1,33 @@
 """One start of a run's worker group on Ray's own primitives (`run_group`): a placement group of one bundle
-per host (a TPU slice's, when `cluster.tpu_type` and `cluster.tpu_topology` name one), one `GroupWorker`
-actor in each bundle, and how the group ended. The worker in each actor is cluster.worker's `run_worker`.
-
-DESIGN.md's step 8 names Ray Train's `JaxTrainer` "or an equivalent on Ray's own primitives". nestor
-already did the parts that matter: joining jax.distributed, its restarts and their causes, the mailbox.
-Ray Train added a controller and five helper processes to every start of the group, each importing Ray
-Train, so every launch and every restart cost about 14 more CPU-seconds (docs/cluster.md).
+per host (on TPU with `cluster.tpu_type` and `cluster.tpu_topology`, whole slices), one `GroupWorker` actor
+in each bundle, and how the group ended. The worker in each actor is cluster.worker's `run_worker`. It stands
+in for Ray Train's `JaxTrainer`, whose controller and helper processes cost every start of the group several
+seconds (docs/cluster.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable
 
-from nestor.cluster.connect import ClusterSpec
+from nestor.cluster.connect import ClusterSpec, tpu_slices
+from nestor.cluster.rendezvous import ClusterError
 
 # After a worker fails, how long its peers have to fail too before the group is ended (a peer's
 # save that failed because the first worker died is reported with that death).
 PEERS_GRACE_S = 1.0
+# The least time a placement is given to come free, whatever cluster.init_timeout_s says: a busy cluster's
+# raylets may take that long to grant it.
+PLACEMENT_FLOOR_S = 60.0
 
 
-@dataclasses.dataclass
+def placement_timeout_s(spec: ClusterSpec) -> float:
+    return max(spec.init_timeout_s, PLACEMENT_FLOOR_S)
+
+
+@dataclasses.dataclass(eq=False)
 class GroupFailed(Exception):
     """A group whose workers failed: rank -> the worker's failure (Ray's RayTaskError around the error it
     raised, or ActorDiedError when its process died)."""
@@ -37,6 +43,7 @@ class GroupWorker:
     """A worker process of the group (a Ray actor: `ray::GroupWorker` in its process title)."""
 
     def run(self, work: dict, rank: int, world: int) -> None:
+        """Runs `run_worker`; raises what it raises (a ClusterError, the train function's errors)."""
         from nestor.cluster.worker import run_worker
 
         run_worker(work, rank, world)
@@ -50,22 +57,27 @@ def actor_options(spec: ClusterSpec) -> dict[str, Any]:
 
 
 def reserve(spec: ClusterSpec) -> tuple[Any, Callable[[], None]]:
-    """Reserves one bundle per host (PACK: as Ray Train did); on TPU with `tpu_type` and `tpu_topology` a
-    whole slice through `ray.util.tpu` (worker 0 on the slice's head host). Returns the placement group
-    and what releases it; the group may not be ready yet."""
+    """Reserves one bundle per host (PACK, as Ray Train did); on TPU with `tpu_type` and `tpu_topology` whole
+    slices through `ray.util.tpu`. Returns the placement group and what releases it; the group may not be
+    ready yet. Raises ClusterError for a multi-host TPU run without a slice named, or hosts that are not
+    whole slices; GroupNotStarted when no slice came free in time."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    if spec.accelerator == "tpu" and spec.hosts > 1 and not (spec.tpu_type and spec.tpu_topology):
+        raise ClusterError("a TPU run on several hosts needs cluster.tpu_type and cluster.tpu_topology, so that "
+                           "its workers take the hosts of one slice")
+    slices, _ = tpu_slices(spec)
     if spec.accelerator == "tpu" and spec.tpu_type and spec.tpu_topology:
         from ray.util.tpu import get_tpu_version_from_type, slice_placement_group
 
         try:
             reserved = slice_placement_group(topology=spec.tpu_topology,
                                              accelerator_version=get_tpu_version_from_type(spec.tpu_type),
-                                             resources_per_bundle=spec.worker_resources(), strategy="PACK",
-                                             head_reservation_timeout_s=spec.init_timeout_s)
-        except TimeoutError as error:
-            raise GroupNotStarted(f"no {spec.tpu_type} slice of topology {spec.tpu_topology} came free in "
-                                  f"{spec.init_timeout_s:g} s (cluster.init_timeout_s)") from error
+                                             resources_per_bundle=spec.worker_resources(), num_slices=slices,
+                                             strategy="PACK", head_reservation_timeout_s=placement_timeout_s(spec))
+        except Exception as error:  # no slice came free, or none matched: a start that failed, started again
+            raise GroupNotStarted(f"no {slices} {spec.tpu_type} slice(s) of topology {spec.tpu_topology} could be "
+                                  f"reserved ({type(error).__name__}: {error})") from error
         return reserved.placement_group, reserved.shutdown
     group = placement_group([spec.worker_resources()] * spec.hosts, strategy="PACK")
     return group, lambda: remove_placement_group(group)
@@ -74,21 +86,22 @@ def reserve(spec: ClusterSpec) -> tuple[Any, Callable[[], None]]:
 def run_group(spec: ClusterSpec, work: dict, between: Callable[[], None], poll_s: float = 0.2) -> None:
     """Runs `run_worker(work, rank, spec.hosts)` in one actor per host and returns once every one has
     returned; calls `between()` every `poll_s` meanwhile (the driver's messages and stops). Raises
-    GroupFailed once a worker failed (with those of its peers that failed within PEERS_GRACE_S), and
-    GroupNotStarted when the placement is not ready within `max(spec.init_timeout_s, 60)` seconds. The
-    group's actors are ended and its placement released on every way out."""
+    GroupFailed once a worker failed (with those of its peers that failed within PEERS_GRACE_S),
+    GroupNotStarted when the placement is not ready within `placement_timeout_s`, and ClusterError for a
+    TPU run whose hosts are no whole slices. The group's actors are ended and its placement released on
+    every way out."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group, release = reserve(spec)
-    actors = []
+    actors, release = [], lambda: None
     try:
-        ready, deadline = group.ready(), time.monotonic() + max(spec.init_timeout_s, 60.0)
+        group, release = reserve(spec)
+        ready, deadline = group.ready(), time.monotonic() + placement_timeout_s(spec)
         while not ray.wait([ready], timeout=poll_s)[0]:
             between()
             if time.monotonic() > deadline:
                 raise GroupNotStarted(f"its {spec.hosts} worker(s) of {spec.worker_resources()} each found no room "
-                                      f"in {max(spec.init_timeout_s, 60.0):g} s")
+                                      f"in {placement_timeout_s(spec):g} s")
         worker_class, options = ray.remote(GroupWorker), actor_options(spec)
         for rank in range(spec.hosts):
             placed = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
@@ -109,6 +122,6 @@ def run_group(spec: ClusterSpec, work: dict, between: Callable[[], None], poll_s
         if failures:
             raise GroupFailed(failures)
     finally:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        release()
+        for end in [*(lambda actor=actor: ray.kill(actor, no_restart=True) for actor in actors), release]:
+            with contextlib.suppress(Exception):  # Ray gone: its actors and placement went with it
+                end()

@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 
-from nestor.cluster.connect import ClusterSpec
+from nestor.cluster.connect import ClusterSpec, tpu_slices
 from nestor.cluster.cpu_devices import share_compiled_programs, simulate_cpu_devices
 from nestor.cluster.rendezvous import ClusterError, rendezvous
 
@@ -89,7 +89,8 @@ def last_words(text: str) -> None:
 
 def run_worker(config: dict, rank: int, world: int) -> None:
     """Process `rank` of `world` in a worker group (cluster.group): on CPU simulates its devices; joins
-    jax.distributed; then trains."""
+    jax.distributed; then trains. Raises ClusterError when a rank never joins, and the train function's
+    errors as they are."""
     import ray
 
     spec: ClusterSpec = config["spec"]
@@ -100,18 +101,23 @@ def run_worker(config: dict, rank: int, world: int) -> None:
     # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    if spec.accelerator != "cpu":  # a platform jax must find, not fall back from to the CPU
-        os.environ.setdefault("JAX_PLATFORMS", "cuda" if spec.accelerator == "gpu" else "tpu")
-    import jax
-
-    if spec.accelerator == "cpu":
-        simulate_cpu_devices(jax, spec.devices_per_host, spec.collective_timeout_s)
     host = ray.util.get_node_ip_address()
     # Every start of the worker group (first or restart) gets its own placement group.
     group = ray.util.get_current_placement_group()
     if group is None:
         raise ClusterError("a worker of the group runs outside a placement group; cannot tell restarts apart")
     address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
+    if spec.accelerator != "cpu":  # a platform jax must find, not fall back from to the CPU
+        os.environ.setdefault("JAX_PLATFORMS", "cuda" if spec.accelerator == "gpu" else "tpu")
+    slices, per_slice = tpu_slices(spec)
+    if slices > 1:  # libtpu joins the slices over the data-center network, read when jax starts
+        from ray.util.tpu import get_tpu_coordinator_env_vars
+
+        os.environ.update(get_tpu_coordinator_env_vars(address.rpartition(":")[0], slices, rank // per_slice))
+    import jax
+
+    if spec.accelerator == "cpu":
+        simulate_cpu_devices(jax, spec.devices_per_host, spec.collective_timeout_s)
     # Bind the coordinator to the node's Ray address, not every interface.
     # A stopped process misses its heartbeats too: past jax's 100 s its peers were ended before the hang
     # watchdog's limit (a process that dies is Ray's to notice, at once)
@@ -135,7 +141,8 @@ def run_worker(config: dict, rank: int, world: int) -> None:
         mailbox.ended.remote("preempted")  # a clean end of the worker; the driver starts the next group
     except Stopped:
         mailbox.ended.remote("stopped")  # a clean end of the worker; the driver starts none
-    ray.get(mailbox.sync.remote())  # an actor runs one caller's calls in order: every message has landed
+    finally:  # an actor runs one caller's calls in order: every message has landed, an error's too
+        ray.get(mailbox.sync.remote())
 
 
 def _on_one_machine(jax, group) -> bool:

@@ -3,7 +3,7 @@
 The config resolves every path to an absolute one at load (workers never see
 a relative path), but the user typed `run.dir=runs/a` and reads
 `runs/a/checkpoints` best. Under Ray the lines are written in worker
-processes, whose working directory is Ray Train's, not the user's: the driver
+processes, whose working directory is Ray's, not the user's: the driver
 hands the user's directory to them (`orchestrator.commands.ray_driver`), and they set it
 here with `show_relative_to`.
 """

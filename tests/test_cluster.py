@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from nestor.cluster.connect import ClusterSpec, check_capacity
+from nestor.cluster.connect import ClusterSpec, check_capacity, tpu_slices
 from nestor.cluster.cpu_devices import KEYS_CHECKED_ON
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from nestor.cluster.warm_head import LOST_PORT
@@ -86,10 +86,11 @@ def test_rendezvous_gives_every_rank_rank0s_address_and_restarted_groups_start_a
     assert board.state("restart") == ([0, 1], restarted) and board.state("died") == ([1], None)
 
 
-def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_one_slice(monkeypatch):
+def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_whole_slices(monkeypatch):
     """cluster.group asks Ray for what Ray Train's ScalingConfig did: one bundle of the worker's resources per
-    host, an actor whose options take exactly that bundle, and on TPU with a type and topology one slice
-    (`ray.util.tpu.slice_placement_group`) whose every bundle is one host's chips."""
+    host, an actor whose options take exactly that bundle, and on TPU with a type and topology whole slices
+    (`ray.util.tpu.slice_placement_group`) whose every bundle is one host's chips; a TPU run of hosts that
+    are no whole slices, or of several hosts and no slice named, is refused in one line."""
     import importlib
 
     from nestor.cluster import group
@@ -117,8 +118,16 @@ def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_one_s
     v4 = ClusterSpec(hosts=2, devices_per_host=4, accelerator="tpu", tpu_type="TPU-V4", tpu_topology="2x2x2")
     assert group.reserve(v4) == ("the slice's group", "its release")
     assert asked[-1] == {"topology": "2x2x2", "accelerator_version": "v4", "resources_per_bundle": {"TPU": 4},
-                         "strategy": "PACK", "head_reservation_timeout_s": 120.0}
+                         "num_slices": 1, "strategy": "PACK", "head_reservation_timeout_s": 120.0}
     assert group.actor_options(v4)["resources"] == {"TPU": 4} and group.actor_options(v4)["num_cpus"] == 0
+    # two slices of two hosts each: both reserved, each worker told its slice (cluster.worker)
+    assert tpu_slices(ClusterSpec(**{**v4.__dict__, "hosts": 4})) == (2, 2)
+    group.reserve(ClusterSpec(**{**v4.__dict__, "hosts": 4}))
+    assert asked[-1]["num_slices"] == 2
+    with pytest.raises(ClusterError, match="cluster.hosts=3 is not whole 2x2x2 slices of 2 host"):
+        group.reserve(ClusterSpec(**{**v4.__dict__, "hosts": 3}))
+    with pytest.raises(ClusterError, match="needs cluster.tpu_type and cluster.tpu_topology"):
+        group.reserve(ClusterSpec(hosts=2, devices_per_host=4, accelerator="tpu"))
 
 
 def test_capacity_check_names_the_numbers():

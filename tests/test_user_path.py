@@ -59,7 +59,7 @@ def test_quickstart_twice_resumes_in_the_users_run_dir_bit_for_bit(quickstart_ru
     for process in (first.process, second.process, reference):
         assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-3000:]
     run_dir = first.clone / "runs" / "quickstart"  # run.dir as the config writes it, relative to where nestor ran
-    # Written by a Ray worker, whose working directory is Ray Train's: the path reads as the user's `run dir:`.
+    # Written by a Ray worker, whose working directory is Ray's: the path reads as the user's `run dir:`.
     assert "resumed from checkpoint 5 in runs/quickstart/checkpoints" in second.process.stdout.splitlines()
     # the second command found the head the first kept up (cluster.keep_head_s): no Ray start-up
     assert re.search(r"^using the local Ray head an earlier command kept up \(127\.0\.0\.1:\d+\)$",

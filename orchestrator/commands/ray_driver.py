@@ -69,7 +69,7 @@ def train_on_worker(job: tuple[Config, str], send, stop_requested) -> None:
 
     Process 0 speaks for the run: its console calls travel to the driver
     through `send`, paths in them shown as the driver would show them (Ray
-    Train runs workers in a directory of its own); the other processes say
+    runs workers in a directory of its own); the other processes say
     nothing. Raises Preempted when every process stopped after the same step
     for a SIGTERM and saved it; Stopped when they stopped so because the
     driver was told to (`stop_requested`).
