@@ -75,7 +75,10 @@ def reserve(spec: ClusterSpec) -> tuple[Any, Callable[[], None]]:
                                              accelerator_version=get_tpu_version_from_type(spec.tpu_type),
                                              resources_per_bundle=spec.worker_resources(), num_slices=slices,
                                              strategy="PACK", head_reservation_timeout_s=placement_timeout_s(spec))
-        except Exception as error:  # no slice came free, or none matched: a start that failed, started again
+        except ValueError as error:  # a topology that is no slice of that TPU: no restart mends it
+            raise ClusterError(f"cluster.tpu_type={spec.tpu_type}, cluster.tpu_topology={spec.tpu_topology}: "
+                               f"{error}") from None
+        except (TimeoutError, RuntimeError) as error:  # no slice came free in time: a start to retry
             raise GroupNotStarted(f"no {slices} {spec.tpu_type} slice(s) of topology {spec.tpu_topology} could be "
                                   f"reserved ({type(error).__name__}: {error})") from error
         return reserved.placement_group, reserved.shutdown
@@ -106,6 +109,8 @@ def run_group(spec: ClusterSpec, work: dict, between: Callable[[], None], poll_s
         for rank in range(spec.hosts):
             placed = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
             actors.append(worker_class.options(scheduling_strategy=placed, **options).remote())
+        # the driver's count of slices, not each worker's own: Ray's reads its process's environment
+        work = {**work, "tpu_slices": tpu_slices(spec)}
         running = {actor.run.remote(work, rank, spec.hosts): rank for rank, actor in enumerate(actors)}
         failures: dict[int, BaseException] = {}
         failed_at = None

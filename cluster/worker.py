@@ -13,7 +13,7 @@ import pickle
 import threading
 import time
 
-from nestor.cluster.connect import ClusterSpec, tpu_slices
+from nestor.cluster.connect import ClusterSpec
 from nestor.cluster.cpu_devices import share_compiled_programs, simulate_cpu_devices
 from nestor.cluster.rendezvous import ClusterError, rendezvous
 
@@ -109,7 +109,7 @@ def run_worker(config: dict, rank: int, world: int) -> None:
     address = rendezvous(_BoardClient(config["board"]), group.id.hex(), rank, world, host, spec.init_timeout_s)
     if spec.accelerator != "cpu":  # a platform jax must find, not fall back from to the CPU
         os.environ.setdefault("JAX_PLATFORMS", "cuda" if spec.accelerator == "gpu" else "tpu")
-    slices, per_slice = tpu_slices(spec)
+    slices, per_slice = config["tpu_slices"]  # (slices, hosts per slice), cluster.group's
     if slices > 1:  # libtpu joins the slices over the data-center network, read when jax starts
         from ray.util.tpu import get_tpu_coordinator_env_vars
 

@@ -128,6 +128,14 @@ def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_whole
         group.reserve(ClusterSpec(**{**v4.__dict__, "hosts": 3}))
     with pytest.raises(ClusterError, match="needs cluster.tpu_type and cluster.tpu_topology"):
         group.reserve(ClusterSpec(hosts=2, devices_per_host=4, accelerator="tpu"))
+    # a topology that is no slice of that TPU is the user's to mend; a slice that did not come free, a start to retry
+    for raised, expected in ((ValueError("invalid topology"), ClusterError), (TimeoutError(), group.GroupNotStarted)):
+        def refused(raised=raised, **kwargs):
+            raise raised
+
+        monkeypatch.setattr(tpu, "slice_placement_group", refused)
+        with pytest.raises(expected, match="cluster.tpu_type=TPU-V4|could be reserved"):
+            group.reserve(v4)
 
 
 def test_capacity_check_names_the_numbers():
