@@ -127,6 +127,9 @@ def run_group(spec: ClusterSpec, work: dict, between: Callable[[], None], poll_s
         if failures:
             raise GroupFailed(failures)
     finally:
-        for end in [*(lambda actor=actor: ray.kill(actor, no_restart=True) for actor in actors), release]:
-            with contextlib.suppress(Exception):  # Ray gone: its actors and placement went with it
-                end()
+        # with Ray gone, its actors and placement went with it
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            release()

@@ -96,12 +96,11 @@ def run_worker(config: dict, rank: int, world: int) -> None:
     spec: ClusterSpec = config["spec"]
     global _LAST_WORDS
     _LAST_WORDS = (config["mailbox"], rank)
-    config["mailbox"].joined.remote(rank, Worker(os.getpid(), ray.util.get_node_ip_address(),
-                                                 ray.get_runtime_context().get_node_id()))
+    host = ray.util.get_node_ip_address()
+    config["mailbox"].joined.remote(rank, Worker(os.getpid(), host, ray.get_runtime_context().get_node_id()))
     # Ray sets Python logging to INFO in its workers: keep Orbax's and JAX's INFO lines out of the run's output.
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    host = ray.util.get_node_ip_address()
     # Every start of the worker group (first or restart) gets its own placement group.
     group = ray.util.get_current_placement_group()
     if group is None:
