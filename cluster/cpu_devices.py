@@ -33,6 +33,12 @@ def with_collective_timeouts(xla_flags: str, seconds: int) -> str:
     return " ".join(xla_flags.split())
 
 
+def collective_timeouts(xla_flags: str) -> dict[str, int]:
+    """Returns XLA:CPU's collective timeouts (seconds) that `xla_flags` sets, XLA's default for the others."""
+    return {flag: int((re.findall(rf"--{flag}=(\d+)", xla_flags) or [default])[-1])
+            for flag, default in COLLECTIVE_TIMEOUTS.items()}
+
+
 def simulate_cpu_devices(jax, devices: int, collective_timeout_s: int | None = None) -> None:
     """Makes this process's jax use the CPU and show `devices` devices (0: jax's default, one), with the
     threads they need, and XLA:CPU's collective timeouts at least `collective_timeout_s` (None: XLA's own);

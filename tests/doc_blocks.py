@@ -16,6 +16,7 @@ K // 10 and a `nestor train` without one trains 5 steps. A block preceded by
 project, accelerators) and is skipped with that reason; one preceded by
 `<!-- doc-test: free-ports -->` starts a server, and its well-known ports
 (6379, 8265) become free ones.
+The commands get the suite's quicker XLA:CPU code generation (`user_env`), nothing else of its settings.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import psutil
 
 from nestor.cluster.rendezvous import free_port
+from tests.settings import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -61,8 +63,10 @@ SESSION_SETTINGS = ("RAY_AUTH_MODE",)
 
 
 def user_env() -> dict[str, str]:
-    """The environment of a user's shell: none of the test suite's settings."""
-    return {k: v for k, v in os.environ.items() if k not in SUITE_SETTINGS + SESSION_SETTINGS}
+    """The environment of a user's shell: none of the test suite's settings but XLA:CPU's quicker code
+    generation (settings.FAST_COMPILE): a block's few steps spend most of their time compiling."""
+    env = {k: v for k, v in os.environ.items() if k not in SUITE_SETTINGS + SESSION_SETTINGS}
+    return {**env, "XLA_FLAGS": FAST_COMPILE}
 
 
 def ray_daemons() -> set[int]:

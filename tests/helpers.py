@@ -24,7 +24,7 @@ from nestor.orchestrator.loader.config import Config
 from nestor.orchestrator.data.prepare import Options, prepare
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.train import TrainResult, train
-from tests.conftest import ROOT
+from tests.settings import ROOT
 
 # The meshes the foundation is tested on (tensor4 needs 4 kv heads).
 TESTED_MESHES = {

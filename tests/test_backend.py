@@ -12,7 +12,7 @@ from nestor.orchestrator.commands.explain import explain, format_report
 from nestor.orchestrator.job.build import build_job, traced_use
 from nestor.orchestrator.job.step import backend_request
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
-from tests.conftest import ROOT
+from tests.settings import ROOT
 
 PLATFORM_WORDS = re.compile(r"\b(cpu|gpu|cuda|tpu|rocm|hopper)\b", re.IGNORECASE)
 

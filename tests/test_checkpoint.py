@@ -29,7 +29,7 @@ from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.signals import StopSignals
 from nestor.orchestrator.job.state import init_state
 from nestor.orchestrator.loop.train import TrainingDiverged, train
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env, ended, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
 BASE = ["model.preset=tiny", "train.global_batch=16", "train.seq_len=32", "optimizer.warmup_steps=2",

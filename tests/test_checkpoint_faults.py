@@ -25,7 +25,7 @@ from nestor.orchestrator.commands.cli import main, where_results_are
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.train import TrainingDiverged, train
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env, ended, run
 from tests.test_checkpoint import BASE, cli, load
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env
 
 

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ from nestor.cluster.connect import ClusterSpec, check_capacity, tpu_slices
 from nestor.cluster.cpu_devices import KEYS_CHECKED_ON
 from nestor.cluster.rendezvous import Board, ClusterError, free_port, rendezvous
 from nestor.cluster.warm_head import LOST_PORT
+from nestor.orchestrator.job.processes import AUTO_LIMIT_COLLECTIVE_S
 from nestor.orchestrator.loop.hang import NATIVE_TRIES
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.doc_blocks import SESSION_SETTINGS
 from tests.helpers import child_env, last_lines_of_two_processes, mesh_overrides, prepared_stdlib, run
 
@@ -39,8 +39,9 @@ TINY = ["model.preset=tiny", "data.source=synthetic", "train.steps=5", "train.gl
         "optimizer.warmup_steps=2", "model.num_kv_heads=4", "train.log_every=1", "moe.num_experts=0", "moe.every=0",
         "mesh.pipeline=1", "mesh.expert=1", "mesh.data=-1", "pipeline.microbatches=1"]
 # A cluster of the run's own, as before heads were kept warm: the tests find its workers among the driver's
-# descendants, and end them with its session.
+# descendants, and end them with its session. No test reads its dashboard, whose start costs CPU time.
 TWO_HOSTS = ["cluster.launcher=ray", "cluster.hosts=2", "cluster.devices_per_host=4", "cluster.keep_head_s=0",
+             "cluster.dashboard=false",
              "mesh.dcn.data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
@@ -502,20 +503,15 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     checkpoint, which computes the lost steps again to the same losses; every step's loss is the
     uninterrupted run's. With another Ray cluster on the machine (`ray_head`), which Ray's state API
     would otherwise pick."""
+    from nestor.orchestrator.loader import config as config_lib
+
     # Long enough that both signals land mid-run; checkpoints every 5 steps, so that the preempted
     # save is seen to be the agreed step, not a periodic one.
     longer = ["train.steps=60", "checkpoint.every=5"]
-    # The same run uninterrupted: two jax.distributed processes of 4 devices, as the Ray workers are.
-    overrides = [*TINY, *TWO_HOSTS, *longer]
-    uninterrupted = textwrap.dedent(f"""
-        import json
-        from nestor.orchestrator.loader.config import load
-        from nestor.orchestrator.loop.console import Console
-        from nestor.orchestrator.loop.train import train
-        config = load({str(QUICKSTART)!r}, {overrides!r} + [f"run.dir={{run_dir}}"])
-        print(json.dumps(train(config, console=Console.silent()).losses))
-    """)
-    reference_losses = json.loads(last_lines_of_two_processes(uninterrupted, [tmp_path / "reference"] * 2, 4)[0])
+    # The same run uninterrupted, the same mesh on this process's 8 devices: the same numbers as two processes'
+    reference_losses = run(config_lib.load(QUICKSTART, [
+        *TINY, *longer, "cluster.launcher=inprocess", "cluster.hosts=1", "cluster.devices_per_host=8",
+        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"run.dir={tmp_path / 'reference'}"])).losses
     run_dir = tmp_path / "restarted"
     with Driver(*TINY, *TWO_HOSTS, *longer, f"run.dir={run_dir}", env=child_env()) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))  # a finished step
@@ -559,11 +555,13 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     says so, the driver continues the stopped worker (SIGCONT), which writes its own, and the group is
     restarted from the newest checkpoint and finishes."""
     run_dir = tmp_path / "run"
-    # past XLA:CPU's own 40 s, after which it ended the waiting peer with "Aborted" and no stacks until
-    # nestor set its collective timeouts past the watchdog's limit (processes.collective_timeout_s)
-    limit = 45
+    limit = 10
+    # Without the suite's own patient collectives (conftest.PATIENT_COLLECTIVES), the workers' XLA:CPU waits as
+    # long as nestor sets (processes.collective_timeout_s), which each stacks file states: past 40 s, XLA's
+    # own, after which it ended the waiting peer with "Aborted" and no stacks.
+    env = child_env(XLA_FLAGS=" ".join(re.sub(r"--xla_cpu_collective\w+=\d+", "", os.environ["XLA_FLAGS"]).split()))
     with Driver(*TINY, *TWO_HOSTS, "train.steps=40", "checkpoint.every=5", f"run.hang_timeout_s={limit}",
-                f"run.dir={run_dir}", env=child_env()) as driver:
+                f"run.dir={run_dir}", env=env) as driver:
         driver.wait_until(lambda: saved_steps(run_dir))
         stopped = group_workers(driver.process)[-1]
         os.kill(stopped.pid, signal.SIGSTOP)
@@ -579,6 +577,10 @@ def test_a_stopped_worker_is_a_hang_every_process_writes_its_stacks_and_the_run_
     texts = {path.name: path.read_text() for path in hang.iterdir()}
     assert set(texts) == {"process-0.txt", "process-1.txt", "native-0.txt", "native-1.txt"}
     assert all("--- thread MainThread" in texts[f"process-{i}.txt"] for i in (0, 1))
+    patience = {"xla_cpu_collective_call_terminate_timeout_seconds": AUTO_LIMIT_COLLECTIVE_S,
+                "xla_cpu_collective_timeout_seconds": AUTO_LIMIT_COLLECTIVE_S}
+    assert all(texts[f"process-{i}.txt"].splitlines()[1] == "XLA:CPU's collective timeouts: " + ", ".join(
+        f"{flag}={seconds} s" for flag, seconds in patience.items()) for i in (0, 1)), texts["process-0.txt"][:500]
     # the native stacks of each: py-spy's (a test dependency) holds the training thread, its Python frames over
     # the C and C++ ones it waits in (Python's alone where every --native try failed, each failure named)
     for i in (0, 1):

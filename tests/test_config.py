@@ -4,7 +4,7 @@ import pytest
 
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.errors import ConfigError
-from tests.conftest import ROOT
+from tests.settings import ROOT
 
 
 def error_keys(*overrides: str) -> list[str]:
@@ -74,14 +74,14 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 def test_mesh_files_layer_over_the_run_config():
-    from tests.conftest import ROOT
+    from tests.settings import ROOT
 
     config = config_lib.load(ROOT / "configs/quickstart.yaml", [str(ROOT / "configs/meshes/fsdp8.yaml"), "train.steps=3"])
     assert config.mesh.fsdp == 8 and config.mesh.data == 1 and config.train.steps == 3
 
 
 def test_every_shipped_config_loads():
-    from tests.conftest import ROOT
+    from tests.settings import ROOT
 
     for path in sorted((ROOT / "configs/models").glob("*.yaml")):
         config_lib.load(None, [f"model.preset={path.stem}", "train.global_batch=64"])

@@ -25,7 +25,7 @@ from nestor.orchestrator.loader.config import INT32_MAX, Key, key_table, load
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.loader.idle_keys import idle_keys, idle_warning
 from nestor.orchestrator.job.build import build_job, select_devices
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env, ended
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")

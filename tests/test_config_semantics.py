@@ -14,7 +14,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import build_job, traced_use, unsplit_rows_warning
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.loader.idle_keys import idle_warning
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.test_hf import FIXTURES, copy_of
 from tests.test_user_model import write_user_directory
 

@@ -30,7 +30,7 @@ from nestor.parallel.hlo import collectives, conditional_branch_ops
 from nestor.parallel.mesh import build_mesh
 from nestor.parallel.pipeline import BUFFERED, PER_STAGE_SKIPPING
 from nestor.parallel.rules import MESH_AXES, activation_constrainer, resolve_rules
-from tests.conftest import TINY
+from tests.settings import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 from tests.test_cli import nestor
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import TINY
+from tests.settings import TINY
 from tests.helpers import TESTED_MESHES, ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 

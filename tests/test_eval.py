@@ -12,7 +12,7 @@ from nestor.orchestrator.evaluation.commands import restore_newest
 from nestor.orchestrator.job.eval_loss import Evaluator, eval_source
 from nestor.orchestrator.loop.metrics import tensorboard_tag
 from nestor.orchestrator.loop.console import Console
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import ONE_DEVICE, mesh_overrides, prepared_stdlib, run
 
 EVAL_ON = ("eval.every=2", "eval.steps=2")
@@ -104,7 +104,7 @@ def test_eval_after_the_quickstart_names_keys_to_paste_and_readers_leave_a_missi
     import shlex
 
     from nestor.orchestrator.commands.cli import main
-    from tests.conftest import ROOT
+    from tests.settings import ROOT
 
     monkeypatch.chdir(tmp_path)
     quickstart = str(ROOT / "configs" / "quickstart.yaml")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.xdist_groups import FAST_TIER, fast_tier_files
 
 TOP_ROOMS = ("backend", "models", "parallel", "cluster", "orchestrator")

@@ -14,7 +14,7 @@ from nestor.orchestrator.commands.explain import explain, fit_line
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.loader.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
 from nestor.orchestrator.job.step import backend_request
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.test_cli import nestor
 
 # The command: llama3-8b at seq 8192 on fsdp8 (1 sequence per device), quickstart's

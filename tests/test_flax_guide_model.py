@@ -15,7 +15,7 @@ from nestor.orchestrator.commands.explain import explain
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.train import train
-from tests.conftest import COMPARABLE_ADAM
+from tests.settings import COMPARABLE_ADAM
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides
 
 # An MLP-Mixer (Tolstikhin et al. 2021, arXiv 2105.01601) in the guide's style: nestor appears nowhere in it.

@@ -20,7 +20,7 @@ from nestor.orchestrator.loop.goodput import (ATTEMPT_CATEGORIES, CONFIG_ERROR, 
 from nestor.orchestrator.loop.metrics import tensorboard_tag
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.loop.train import train
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env
 from tests.test_checkpoint import cli
 from tests.test_metrics import read_events

@@ -16,7 +16,7 @@ import pytest
 
 from nestor.orchestrator.loop import hang
 from nestor.orchestrator.loop.hang import AUTO_FLOOR_S, AUTO_STEPS, POLL_S, HangWatchdog, native_stacks_text
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env, ended
 
 
@@ -82,6 +82,9 @@ def test_the_stacks_file_holds_every_threads_stack(tmp_path):
     text = path.read_text()
     assert path == tmp_path / "hangs" / "attempt" / "process-0.txt"
     assert text.startswith("process 0 of 1, pid ") and "hung: waited 11 s for step 3" in text.splitlines()[0]
+    # how long XLA:CPU lets this process's collectives wait (the suite's XLA_FLAGS: a day)
+    assert text.splitlines()[1] == ("XLA:CPU's collective timeouts: xla_cpu_collective_call_terminate_timeout_seconds="
+                                    "86400 s, xla_cpu_collective_timeout_seconds=86400 s")
     assert "--- thread peer-waiter" in text and "in waits_for_a_peer" in text
     assert "--- thread MainThread" in text and "in test_the_stacks_file_holds_every_threads_stack" in text
 
@@ -200,7 +203,8 @@ def test_a_step_past_hang_timeout_ends_the_run_with_its_stacks_in_run_dir_hangs(
 def test_xla_cpus_collective_timeouts_are_set_past_the_watchdogs_limit(tiny_config, monkeypatch):
     """XLA:CPU ends a process whose collective waits 40 s ("Aborted", no stacks): a run's CPU processes wait
     past run.hang_timeout_s so that the watchdog reports the hang; XLA's own limits where the watchdog is off."""
-    from nestor.cluster.cpu_devices import simulate_cpu_devices, with_collective_timeouts
+    from nestor.cluster.cpu_devices import (COLLECTIVE_TIMEOUTS, collective_timeouts, simulate_cpu_devices,
+                                            with_collective_timeouts)
     from nestor.orchestrator.commands.ray_driver import cluster_spec
     from nestor.orchestrator.job.processes import AUTO_LIMIT_COLLECTIVE_S, WATCHDOG_MARGIN_S, collective_timeout_s
 
@@ -215,6 +219,9 @@ def test_xla_cpus_collective_timeouts_are_set_past_the_watchdogs_limit(tiny_conf
     assert flags == ("--a=1 --xla_cpu_collective_call_terminate_timeout_seconds=645 "
                      "--xla_cpu_collective_timeout_seconds=9000")  # a larger one set before is kept
     assert "--xla_cpu_collective_timeout_seconds=1800" in with_collective_timeouts("", 645)  # XLA's default kept
+    assert collective_timeouts(flags) == {"xla_cpu_collective_call_terminate_timeout_seconds": 645,
+                                          "xla_cpu_collective_timeout_seconds": 9000}
+    assert collective_timeouts("--a=1") == COLLECTIVE_TIMEOUTS  # XLA's own: 40 s, then "Aborted"
 
     class Jax:  # what simulate_cpu_devices asks of jax
         config = type("Config", (), {"update": staticmethod(lambda name, value: None)})

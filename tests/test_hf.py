@@ -27,7 +27,7 @@ from nestor.orchestrator.hf.load import load_params
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.specs.lm import lm_config
 from nestor.orchestrator.job.state import init_state
-from tests.conftest import COMPARABLE_ADAM
+from tests.settings import COMPARABLE_ADAM
 from tests.helpers import (ONE_DEVICE, assert_same_training, last_lines_of_two_processes, mesh_overrides, run,
                            run_fresh)
 

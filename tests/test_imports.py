@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from tests.conftest import ROOT
+from tests.settings import ROOT
 
 ROOMS = ("orchestrator", "backend", "models", "parallel", "cluster")
 # room -> the rooms it may import

@@ -14,7 +14,7 @@ from nestor.orchestrator.evaluation.commands import logits_of
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.job.state import init_state
 from nestor.orchestrator.loader import config as config_lib
-from tests.conftest import TINY
+from tests.settings import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, equations, mesh_overrides, run, run_fresh
 
 LORA = ("lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2")

@@ -21,7 +21,7 @@ from nestor.orchestrator.loop.goodput import RUN_CATEGORIES
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.loop.metrics import (EXPERT_LOAD, MetricsWriter, Throughput, expert_load_figure, expert_load_image,
                                   spec_text, tensorboard_tag)
-from tests.conftest import ROOT, TINY
+from tests.settings import ROOT, TINY
 from tests.helpers import run
 
 TIMINGS = {"compile_s": [1], "checkpoint_s": [2, 4]}  # logged steps of the loop's one-off times in traced_run

@@ -17,7 +17,7 @@ from nestor.orchestrator.commands.explain import compile_step, param_table
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.specs.lm_flops import matmul_params_per_token
 from nestor.parallel.hlo import collectives
-from tests.conftest import TINY
+from tests.settings import TINY
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 EXPERTS = 4

@@ -422,7 +422,7 @@ def compiled_by_schedule(tmp_path_factory):
     """Returns {(schedule, M): (job, compiled step)} on pipeline4 x data2, 2 sequences per micro-batch
     (global batch 2M), compiled only."""
     from nestor.orchestrator.loader import config as config_lib
-    from tests.conftest import TINY
+    from tests.settings import TINY
 
     compiled = {}
     interleaved = ("pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2", "model.num_layers=8")

@@ -26,7 +26,7 @@ from nestor.orchestrator.planning.search import (BOUND, COMPILED_OVER, DOMINATED
                                                  label, search)
 from nestor.parallel.hlo import CollectiveOp, _groups
 from nestor.parallel.rules import MESH_AXES
-from tests.conftest import ROOT, TINY
+from tests.settings import ROOT, TINY
 from tests.test_user_model import write_user_directory
 
 MOE = ("moe.num_experts=4", "moe.every=2")

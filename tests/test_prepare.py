@@ -135,7 +135,7 @@ def test_the_printed_hint_is_a_train_command_that_loads(corpus, tmp_path, monkey
 
     from nestor.orchestrator.commands.cli import main
     from nestor.orchestrator.loader.config import load
-    from tests.conftest import ROOT
+    from tests.settings import ROOT
 
     monkeypatch.chdir(tmp_path)
     assert main(["data", "prepare", *sources(corpus), "--tokenizer", str(corpus[0] / "words.json"),

@@ -10,7 +10,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.commands.explain import compile_step
 from nestor.orchestrator.job.build import build_job
 from nestor.orchestrator.job.step import backend_request
-from tests.conftest import TINY
+from tests.settings import TINY
 from tests.helpers import assert_same_training, equations, mesh_overrides, run_fresh
 
 STACKS = {

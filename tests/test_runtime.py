@@ -22,7 +22,7 @@ import jax
 import pytest
 
 from nestor.cluster.cpu_devices import THREADS_PER_DEVICE
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.doc_blocks import user_env
 
 COUNT_POOL_THREADS = textwrap.dedent("""

@@ -16,7 +16,7 @@ from nestor.orchestrator.evaluation.sampling import batch_rows, make_generate, s
 from nestor.orchestrator.job.build import make_mesh
 from nestor.orchestrator.job.state import init_state, state_layout
 from nestor.parallel.rules import activation_constrainer, resolve_rules
-from tests.conftest import TINY
+from tests.settings import TINY
 from tests.helpers import ONE_DEVICE, mesh_overrides
 
 MODELS = {"dense": (), "moe": ("moe.num_experts=4", "moe.every=2"),

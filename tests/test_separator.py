@@ -15,7 +15,7 @@ from nestor.orchestrator.data.tokenizer import open_tokenizer
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import make_mesh
 from nestor.parallel.rules import resolve_rules
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import prepared_stdlib
 
 CHAT = ROOT.parent / "shared" / "fixtures" / "hf" / "llama3-chat"

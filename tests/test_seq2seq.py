@@ -8,7 +8,7 @@ import pytest
 
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.data.examples import reversal, translation
-from tests.conftest import COMPARABLE_ADAM, ROOT
+from tests.settings import COMPARABLE_ADAM, ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 SMALL = ("model.args.embed_dim=32", "model.args.mlp_dim=64", "model.args.num_experts=4", "train.steps=5",

@@ -58,7 +58,7 @@ def test_shard_update_trains_as_every_replica_updating_all(tiny_config):
     reference = run_fresh(config)
     sharded = run_fresh(config.replace(**{"optimizer.shard_update": True}))
     # Reduce-scattered gradients sum in another order than all-reduced ones: float32 rounding, which Adam can
-    # amplify in an element whose gradient is near 0 (tests/conftest.py, COMPARABLE_ADAM). How far depends on
+    # amplify in an element whose gradient is near 0 (tests/settings.py, COMPARABLE_ADAM). How far depends on
     # the CPU's vector width: the largest difference seen is 2.3e-6, on one embedding element of 16,384.
     assert_same_training(sharded, reference, loss_rtol=1e-6, param_tol=1e-5)
     params = jax.tree.leaves(sharded.state["params"])

@@ -13,7 +13,7 @@ import pytest
 
 from nestor.cluster.head import local_hosts
 from nestor.cluster.rendezvous import free_port
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env
 
 SLEEPER = "import time; time.sleep(120)"

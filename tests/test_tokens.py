@@ -14,7 +14,7 @@ from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import make_mesh
 from nestor.orchestrator.loop.metrics import tensorboard_tag
 from nestor.parallel.rules import resolve_rules
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, prepared_stdlib, run_fresh
 
 

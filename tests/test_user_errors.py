@@ -175,7 +175,7 @@ def test_from_the_checkout_or_beside_pythons_library_only_the_users_own_files_ar
     import importlib.util
 
     from nestor.orchestrator import user_code
-    from tests.conftest import ROOT
+    from tests.settings import ROOT
 
     monkeypatch.setenv(USER_CODE_ENV, str(ROOT))
     assert not user_code._is_users(str(ROOT / "orchestrator" / "loop" / "train.py"))
@@ -215,7 +215,7 @@ def test_a_mistake_in_the_users_model_is_refused_before_ray_starts(project, caps
 
 def test_the_abstract_build_before_a_launch_touches_no_device(project):
     """The checks run with JAX_PLATFORMS naming a platform this machine lacks: any device touched fails."""
-    from tests.conftest import ROOT
+    from tests.settings import ROOT
     from tests.helpers import child_env
 
     check = ("import sys\nfrom nestor.orchestrator.loader.config import load\n"

@@ -15,7 +15,7 @@ from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.commands.explain import backend_lines, explain
-from tests.conftest import COMPARABLE_ADAM
+from tests.settings import COMPARABLE_ADAM
 from tests.helpers import ONE_DEVICE, assert_same_training, child_env, mesh_overrides, run, run_fresh
 
 # A classifier written the way Flax's guides write models: parameters named with nnx.with_partitioning,

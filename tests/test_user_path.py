@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.commands.cli import parse
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.doc_blocks import run_block, user_env
 from tests.helpers import child_env, kill_session, last_lines_of_two_processes
 from tests.test_user_model import write_user_directory

@@ -8,7 +8,7 @@ from nestor.orchestrator.loader import config as config_lib
 from nestor.orchestrator.data.examples import digits
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.commands.explain import explain
-from tests.conftest import COMPARABLE_ADAM, ROOT
+from tests.settings import COMPARABLE_ADAM, ROOT
 from tests.helpers import ONE_DEVICE, assert_same_training, mesh_overrides, run_fresh
 
 SMALL = ("model.args.embed_dim=32", "model.args.num_heads=4", "model.args.mlp_dim=64", "train.steps=5",

@@ -14,7 +14,7 @@ import pytest
 from nestor.cluster.head import head_processes
 from nestor.cluster.warm_head import HeadSpec, command_env, stop_warm_heads, warm_heads
 from nestor.orchestrator.commands.first_line import early_starting_line
-from tests.conftest import ROOT
+from tests.settings import ROOT
 from tests.helpers import child_env
 from tests.test_cluster import user_shell
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.settings import ROOT
 
 # Each test notes its file and worker, in the order the tests run.
 TESTS = '''

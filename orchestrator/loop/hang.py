@@ -34,6 +34,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from nestor.cluster.cpu_devices import collective_timeouts
+
 AUTO_STEPS = 20
 AUTO_FLOOR_S = 600.0
 NATIVE_TIMEOUT_S = 60.0  # the most one tool (py-spy, gdb) may take for its dumps, its tries together
@@ -51,6 +53,18 @@ def stacks_text() -> str:
     for ident, frame in sys._current_frames().items():
         parts.append(f"--- thread {names.get(ident, '?')} ({ident})\n" + "".join(traceback.format_stack(frame)))
     return "\n".join(parts)
+
+
+def _xla_cpu_patience() -> str:
+    """Returns a line with how long XLA:CPU lets a collective wait before it ends the process, which must be
+    past the limit for this report to be written (jobs.processes.collective_timeout_s); '' off the CPU."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return ""
+    timeouts = collective_timeouts(os.environ.get("XLA_FLAGS", ""))
+    return "XLA:CPU's collective timeouts: " + ", ".join(f"{flag}={seconds} s" for flag, seconds in timeouts.items()) \
+        + "\n"
 
 
 def _tool(name: str) -> str | None:
@@ -241,8 +255,8 @@ class HangWatchdog:
         self.hang_dir.mkdir(parents=True, exist_ok=True)
         path = self.hang_dir / f"process-{self.process_index}.txt"
         header = (f"process {self.process_index} of {self.processes}, pid {os.getpid()} on {socket.gethostname()}, "
-                  f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {why}\n\n")
-        path.write_text(header + stacks_text())
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {why}\n")
+        path.write_text(f"{header}{_xla_cpu_patience()}\n{stacks_text()}")
         return path
 
     def write_native_stacks(self) -> Path:
