@@ -53,7 +53,7 @@ def actor_options(spec: ClusterSpec) -> dict[str, Any]:
     """Returns the Ray actor options that take one bundle of `spec.worker_resources()`, exactly."""
     resources = dict(spec.worker_resources())
     return {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0), "resources": resources,
-            "max_restarts": 0, "max_concurrency": 1}
+            "max_restarts": 0}
 
 
 def reserve(spec: ClusterSpec) -> tuple[Any, Callable[[], None]]:

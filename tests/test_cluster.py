@@ -87,6 +87,105 @@ def test_rendezvous_gives_every_rank_rank0s_address_and_restarted_groups_start_a
     assert board.state("restart") == ([0, 1], restarted) and board.state("died") == ([1], None)
 
 
+class _FakeRay:
+    """What `cluster.group.run_group` asks of Ray, on a clock of its own: each worker's run (rank -> seconds
+    until it ends, and what it raises then), a placement ready after `ready_s`; `ray.wait` moves the clock."""
+
+    def __init__(self, ends: dict[int, tuple[float, BaseException | None]], ready_s: float = 0.0):
+        self.now, self.ends, self.ready_s = 0.0, ends, ready_s
+        self.killed, self.released, self.started = [], 0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def reserve(self, spec):
+        fake = self
+
+        class Placement:
+            def ready(self):
+                return ("ready", fake.ready_s, None)
+
+        def release():
+            self.released += 1
+
+        return Placement(), release
+
+    def remote(self, cls):
+        fake = self
+
+        class Actor:
+            def __init__(self):
+                fake.started.append(self)
+                self.run = self
+
+            def remote(self, work, rank, world):
+                return ("run", *fake.ends[rank])
+
+        return type("Handle", (), {"options": lambda handle, **options: type("Class", (), {
+            "remote": lambda cls: Actor()})()})()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.now += timeout
+        done = [ref for ref in refs if ref[1] <= self.now]
+        return done, [ref for ref in refs if ref not in done]
+
+    def get(self, ref):
+        if ref[2] is not None:
+            raise ref[2]
+
+    def kill(self, actor, no_restart):
+        self.killed.append(actor)
+
+
+def test_a_group_reports_the_failures_within_the_grace_and_ends_every_actor_and_its_placement_on_every_way_out(
+        monkeypatch):
+    """run_group: a worker's failure ends the group once PEERS_GRACE_S has passed, with the peers' failures of
+    that second (not a later one); a placement that never comes free is GroupNotStarted after its timeout;
+    a stop from the driver (`between`) goes through. Each way out kills every actor and releases the
+    placement once."""
+    import types
+
+    from nestor.cluster import group
+
+    def run(fake, between=lambda: None, hosts=3):
+        monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(
+            remote=fake.remote, wait=fake.wait, get=fake.get, kill=fake.kill))
+        monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies", types.SimpleNamespace(
+            PlacementGroupSchedulingStrategy=lambda placement, placement_group_bundle_index: None))
+        monkeypatch.setattr(group, "reserve", fake.reserve)
+        monkeypatch.setattr(group, "time", types.SimpleNamespace(monotonic=fake.monotonic))
+        group.run_group(ClusterSpec(hosts=hosts, devices_per_host=4), {}, between, poll_s=0.2)
+
+    died, followed, late = RuntimeError("rank 0 died"), OSError("rank 1's save"), RuntimeError("rank 2, later")
+    fake = _FakeRay({0: (1.0, died), 1: (1.6, followed), 2: (2.5, late)})
+    with pytest.raises(group.GroupFailed) as failed:
+        run(fake)
+    assert failed.value.worker_failures == {0: died, 1: followed}  # rank 2's came past the grace
+    assert 1.0 + group.PEERS_GRACE_S <= fake.now < 2.5
+    assert fake.killed == fake.started and len(fake.started) == 3 and fake.released == 1
+
+    fake = _FakeRay({0: (0.4, None), 1: (0.6, None), 2: (0.8, None)})
+    run(fake)  # every worker returned
+    assert fake.killed == fake.started and fake.released == 1
+
+    fake, polls = _FakeRay({}, ready_s=float("inf")), []
+    with pytest.raises(group.GroupNotStarted, match="found no room in 120 s"):
+        run(fake, between=lambda: polls.append(fake.now))
+    assert fake.now > 120 and len(polls) > 500 and fake.started == [] and fake.released == 1
+
+    class Stopped(Exception):
+        pass
+
+    def stop_at_one_second():
+        if fake.now >= 1.0:
+            raise Stopped
+
+    fake = _FakeRay({0: (5.0, None), 1: (5.0, None)})
+    with pytest.raises(Stopped):
+        run(fake, between=stop_at_one_second, hosts=2)
+    assert fake.killed == fake.started and len(fake.started) == 2 and fake.released == 1
+
+
 def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_whole_slices(monkeypatch):
     """cluster.group asks Ray for what Ray Train's ScalingConfig did: one bundle of the worker's resources per
     host, an actor whose options take exactly that bundle, and on TPU with a type and topology whole slices
@@ -100,8 +199,7 @@ def test_each_worker_of_the_group_takes_exactly_one_bundle_and_a_tpu_group_whole
     placement, tpu = (importlib.import_module(f"ray.util.{name}") for name in ("placement_group", "tpu"))
 
     cpu, gpu = ClusterSpec(hosts=2, devices_per_host=4), ClusterSpec(hosts=2, devices_per_host=8, accelerator="gpu")
-    assert group.actor_options(cpu) == {"num_cpus": 1, "num_gpus": 0, "resources": {}, "max_restarts": 0,
-                                      "max_concurrency": 1}
+    assert group.actor_options(cpu) == {"num_cpus": 1, "num_gpus": 0, "resources": {}, "max_restarts": 0}
     assert (group.actor_options(gpu)["num_cpus"], group.actor_options(gpu)["num_gpus"]) == (1, 8)
     asked = []
     monkeypatch.setattr(placement, "placement_group", lambda bundles, strategy: asked.append((bundles, strategy)))
