@@ -386,12 +386,22 @@ def _failure_cause(error, workers: dict[int, Worker], words: dict[int, str]) -> 
         cause = _cause(error.worker_failures.get(rank))
         if rank in words:
             died.append(f"{who} {words[rank]}")
+        elif _died(cause) and worker is None:  # its actor never started, or died before it reached the board
+            died.append(f"{who} ended before it reported to the driver ({_ray_reason(cause)}; its log is in "
+                        "Ray's session logs)")
         elif _died(cause):
             died.append(f"{who} died without a Python error (a signal such as SIGKILL, the kernel's OOM killer, "
-                        "or a crash; its log is in Ray's session logs)")
+                        f"or a crash; {_ray_reason(cause)}; its log is in Ray's session logs)")
         else:
             raised.append(f"{who} raised {type(cause).__name__}: {_first_line(cause)}")
     return "; ".join(died + raised)
+
+
+def _ray_reason(death: BaseException) -> str:
+    """Ray's own account of an actor's death, its first sentence: the line under ActorDiedError's header
+    and fields ("The actor is dead because its worker process has died", "... runtime env ... failed")."""
+    lines = [line.strip() for line in str(death).splitlines()[1:] if line.strip() and not line.startswith("\t")]
+    return f"Ray: {lines[0].split('. ')[0].rstrip('.')}" if lines else "Ray gave no reason"
 
 
 def _first_line(error: BaseException) -> str:

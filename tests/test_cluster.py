@@ -628,7 +628,8 @@ def test_preempted_then_killed_worker_groups_resume_to_the_same_loss(ray_head, t
     output = driver.output()
     assert driver.process.returncode == 0, output[-3000:]
     assert output.count("stopped by SIGTERM after step") == 1, output[-3000:]
-    restart = re.search(r"^restart 1: process \d \(pid (\d+) on [\d.]+\) died without a Python error.*; lost: "
+    restart = re.search(r"^restart 1: process \d \(pid (\d+) on [\d.]+\) died without a Python error [^;]*; Ray: The "
+                        r"actor is dead because its worker process has died; .*; lost: "
                         r"steps (\d+)-(\d+) logged, maybe more.*resumes from checkpoint (\d+) \(failure 1 in a row",
                         output, re.MULTILINE)
     assert restart and int(restart.group(1)) == killed and "restart 2" not in output, output[-3000:]
@@ -987,6 +988,7 @@ class ActorDiedError(Exception):
 
 def test_a_workers_death_makes_the_others_final_errors_restartable():
     from nestor.cluster.driver import Recovery, _failure_cause, _final_error
+    from nestor.cluster.worker import Worker
     from nestor.orchestrator.checkpoint.owner import CheckpointWriteError
 
     recovery = Recovery(final=lambda error: isinstance(error, CheckpointWriteError))
@@ -996,8 +998,19 @@ def test_a_workers_death_makes_the_others_final_errors_restartable():
     beside_a_death = _group_failed(r0=CheckpointWriteError("rank 1 left"), r1=ActorDiedError())
     assert _final_error(beside_a_death, recovery, {}) is None
     assert _final_error(alone, recovery, {1: "hung: waited 11 s for step 3"}) is None
-    cause = _failure_cause(beside_a_death, {}, {})
-    assert cause.startswith("process 1 died without a Python error") and "process 0 raised" in cause, cause
+    worker = Worker(pid=123, node_ip="10.0.0.2", node_id="n")
+    cause = _failure_cause(beside_a_death, {1: worker}, {})
+    assert cause.startswith("process 1 (pid 123 on 10.0.0.2) died without a Python error") and \
+        "Ray gave no reason" in cause and "process 0 raised" in cause, cause
+    # Ray's reason under its header and fields, first sentence; a process that never reached the board
+    killed = ActorDiedError("The actor died unexpectedly before finishing this task.\n\tclass_name: GroupWorker\n"
+                            "\tpid: 123\nThe actor is dead because its worker process has died. Worker exit type: "
+                            "UNEXPECTED_SYSTEM_EXIT Worker exit detail: ...")
+    assert "(a signal such as SIGKILL, the kernel's OOM killer, or a crash; Ray: The actor is dead because its " \
+        "worker process has died; its log" in _failure_cause(_group_failed(r1=killed), {1: worker}, {})
+    assert _failure_cause(_group_failed(r1=killed), {}, {}) == (
+        "process 1 ended before it reported to the driver (Ray: The actor is dead because its worker process has "
+        "died; its log is in Ray's session logs)")
 
 
 def test_fewer_hosts_shrink_only_a_batch_axis():
