@@ -90,12 +90,30 @@ def stop_head(address: str, grace_s: float = 10.0) -> int:
         except psutil.AccessDenied:
             raise ClusterError(f"--address {address}: process {process.pid} of that head belongs to another "
                                "user; stop it as that user") from None
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    alive = _still_running(processes, grace_s)
     for process in alive:
         try:
             process.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    _still_running(alive, grace_s)
     time.sleep(0.1)
     return len(processes)
+
+
+def _still_running(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Waits up to `timeout_s` for `processes` to end; returns those still running. One that has exited but
+    that its parent has not reaped yet (a zombie) has ended: psutil's own wait would wait the whole time for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [process for process in processes if _running(process)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

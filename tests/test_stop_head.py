@@ -38,6 +38,7 @@ def test_stop_head_by_loopback_ends_the_daemons_that_name_the_hosts_own_ip_and_n
     started[ours[0] + " (gcs_address)"] = subprocess.Popen([sys.executable, "-c", SLEEPER, f"--gcs_address={ours[0]}"])
     try:
         time.sleep(0.5)
+        began = time.monotonic()
         result = subprocess.run([sys.executable, "-m", "nestor.orchestrator.commands.cli", "stop-head", "--address",
                                  f"127.0.0.1:{port}"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
                                 timeout=120)
@@ -48,6 +49,8 @@ def test_stop_head_by_loopback_ends_the_daemons_that_name_the_hosts_own_ip_and_n
                 assert process.poll() is None, address
             else:
                 assert process.wait(timeout=10) is not None, address
+        # ended by SIGTERM, and unreaped (this process is their parent): no wait for the 10 s grace, twice
+        assert time.monotonic() - began < 10, time.monotonic() - began
     finally:
         for process in started.values():
             process.kill()
