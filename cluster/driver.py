@@ -384,24 +384,28 @@ def _failure_cause(error, workers: dict[int, Worker], words: dict[int, str]) -> 
         worker = workers.get(rank)
         who = f"process {rank} (pid {worker.pid} on {worker.node_ip})" if worker else f"process {rank}"
         cause = _cause(error.worker_failures.get(rank))
+        said = f"{_ray_reason(cause)}; its log is in Ray's session logs"
         if rank in words:
             died.append(f"{who} {words[rank]}")
         elif _died(cause) and worker is None:  # its actor never started, or died before it reached the board
-            died.append(f"{who} ended before it reported to the driver ({_ray_reason(cause)}; its log is in "
-                        "Ray's session logs)")
+            died.append(f"{who} ended before it reported to the driver ({said})")
         elif _died(cause):
             died.append(f"{who} died without a Python error (a signal such as SIGKILL, the kernel's OOM killer, "
-                        f"or a crash; {_ray_reason(cause)}; its log is in Ray's session logs)")
+                        f"or a crash; {said})")
         else:
             raised.append(f"{who} raised {type(cause).__name__}: {_first_line(cause)}")
     return "; ".join(died + raised)
 
 
 def _ray_reason(death: BaseException) -> str:
-    """Ray's own account of an actor's death, its first sentence: the line under ActorDiedError's header
-    and fields ("The actor is dead because its worker process has died", "... runtime env ... failed")."""
-    lines = [line.strip() for line in str(death).splitlines()[1:] if line.strip() and not line.startswith("\t")]
+    """Ray's own account of an actor's death, its first sentence: the line under ActorDiedError's header and
+    fields ("The actor is dead because its worker process has died"), or ActorUnavailableError's one line."""
+    lines = [line.strip() for line in str(death).splitlines() if line.strip() and not line.startswith("\t")]
+    lines = [line for line in lines if line != _RAY_DEATH_HEADER]
     return f"Ray: {lines[0].split('. ')[0].rstrip('.')}" if lines else "Ray gave no reason"
+
+
+_RAY_DEATH_HEADER = "The actor died unexpectedly before finishing this task."  # ActorDiedError.BASE_ERROR_MSG
 
 
 def _first_line(error: BaseException) -> str:

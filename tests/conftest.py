@@ -14,12 +14,9 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPIL
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The local Ray heads the suite's commands keep up between them (cluster.keep_head_s) are recorded apart from
 # the developer's own (~/.cache/nestor/ray-heads), which the suite never joins or stops; every process a test
-# starts inherits it. Each process of the suite (pytest-xdist's controller and workers, which inherit the
-# controller's environment) makes its own and removes it at its end.
-if os.environ.get("NESTOR_HEADS_DIR_OF") != str(os.getpid()):
-    os.environ["NESTOR_HEADS_DIR"] = tempfile.mkdtemp(prefix="nestor-heads-")
-    os.environ["NESTOR_HEADS_DIR_OF"] = str(os.getpid())
-HEADS_DIR = os.environ["NESTOR_HEADS_DIR"]
+# starts inherits it. Each process of the suite (pytest-xdist's controller and workers) makes its own and
+# removes it at its end.
+HEADS_DIR = os.environ["NESTOR_HEADS_DIR"] = tempfile.mkdtemp(prefix="nestor-heads-")
 
 from nestor.cluster.cpu_devices import one_program_at_a_time, simulate_cpu_devices_before_import  # noqa: E402
 

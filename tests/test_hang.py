@@ -29,7 +29,8 @@ class Clock:
 
 
 def watchdog(tmp_path, timeout_s, clock) -> HangWatchdog:
-    return HangWatchdog(timeout_s, tmp_path / "hangs" / "attempt", 0, 1, clock=clock, watch=False)
+    return HangWatchdog(timeout_s, tmp_path / "hangs" / "attempt", 0, 1, clock=clock, watch=False,
+                        preamble=hang.xla_cpu_patience("cpu"))
 
 
 def test_a_wait_past_the_limit_is_overdue_and_says_what_it_waited_for(tmp_path):
@@ -82,9 +83,10 @@ def test_the_stacks_file_holds_every_threads_stack(tmp_path):
     text = path.read_text()
     assert path == tmp_path / "hangs" / "attempt" / "process-0.txt"
     assert text.startswith("process 0 of 1, pid ") and "hung: waited 11 s for step 3" in text.splitlines()[0]
-    # how long XLA:CPU lets this process's collectives wait (the suite's XLA_FLAGS: a day)
+    # how long XLA:CPU lets this process's collectives wait (the suite's XLA_FLAGS: a day); nothing on a GPU
     assert text.splitlines()[1] == ("XLA:CPU's collective timeouts: xla_cpu_collective_call_terminate_timeout_seconds="
                                     "86400 s, xla_cpu_collective_timeout_seconds=86400 s")
+    assert hang.xla_cpu_patience("cuda") == ""
     assert "--- thread peer-waiter" in text and "in waits_for_a_peer" in text
     assert "--- thread MainThread" in text and "in test_the_stacks_file_holds_every_threads_stack" in text
 

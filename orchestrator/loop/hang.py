@@ -2,7 +2,8 @@
 stops the run, with every process's Python and native stacks in `run.dir/hangs/<attempt>/`.
 
 A thread per process watches the time since the loop last made progress (`beat`). Past the limit, it writes
-`process-<i>.txt` (what the process waited for, since when, and the stack of every thread: the main one's
+`process-<i>.txt` (what the process waited for, since when, on CPU XLA's collective timeouts
+(`xla_cpu_patience`), and the stack of every thread: the main one's
 ends in the jax call that never returned), says so (`last_words`: to the Ray driver, which then continues
 any worker stopped with SIGSTOP so that it writes its own), writes `native-<i>.txt` (`native_stacks_text`:
 where XLA's own threads wait, which no Python stack shows), waits up to GRACE_S for the other processes'
@@ -55,12 +56,11 @@ def stacks_text() -> str:
     return "\n".join(parts)
 
 
-def _xla_cpu_patience() -> str:
-    """Returns a line with how long XLA:CPU lets a collective wait before it ends the process, which must be
-    past the limit for this report to be written (jobs.processes.collective_timeout_s); '' off the CPU."""
-    import jax
-
-    if jax.default_backend() != "cpu":
+def xla_cpu_patience(platform: str) -> str:
+    """Returns a line (with its newline) saying how long XLA:CPU lets a collective wait before it ends the
+    process, which must be past the watchdog's limit for a hang to be reported (orchestrator.job.processes
+    .collective_timeout_s); '' off the CPU. Read once the backend has started: XLA read XLA_FLAGS then."""
+    if platform != "cpu":
         return ""
     timeouts = collective_timeouts(os.environ.get("XLA_FLAGS", ""))
     return "XLA:CPU's collective timeouts: " + ", ".join(f"{flag}={seconds} s" for flag, seconds in timeouts.items()) \
@@ -154,8 +154,8 @@ class HangWatchdog:
     def __init__(self, timeout_s: float | None, hang_dir: Path, process_index: int, processes: int,
                  last_words: Callable[[str], None] = lambda text: None,
                  on_hang: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
-                 clock: Callable[[], float] = time.monotonic, watch: bool = True):
-        self.timeout_s, self.hang_dir = timeout_s, Path(hang_dir)
+                 clock: Callable[[], float] = time.monotonic, watch: bool = True, preamble: str = ""):
+        self.timeout_s, self.hang_dir, self.preamble = timeout_s, Path(hang_dir), preamble  # lines under the first
         self.process_index, self.processes = process_index, processes
         self.last_words, self.on_hang, self.clock = last_words, on_hang, clock
         self.waiting_for, self.since = "the start", clock()
@@ -256,7 +256,7 @@ class HangWatchdog:
         path = self.hang_dir / f"process-{self.process_index}.txt"
         header = (f"process {self.process_index} of {self.processes}, pid {os.getpid()} on {socket.gethostname()}, "
                   f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {why}\n")
-        path.write_text(f"{header}{_xla_cpu_patience()}\n{stacks_text()}")
+        path.write_text(f"{header}{self.preamble}\n{stacks_text()}")
         return path
 
     def write_native_stacks(self) -> Path:

@@ -24,7 +24,7 @@ from nestor.orchestrator.checkpoint.files import finalized_steps
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import RunFailed
 from nestor.orchestrator.loop.goodput import Goodput
-from nestor.orchestrator.loop.hang import HangWatchdog
+from nestor.orchestrator.loop.hang import HangWatchdog, xla_cpu_patience
 from nestor.orchestrator.loop.health import CALMER, StateHealth, best_of
 from nestor.orchestrator.hf.load import keep_source_files
 from nestor.orchestrator.job.build import Job, abstract_batch, build_job, traced_use, unsplit_rows_warning
@@ -175,16 +175,17 @@ def _start_state(config: Config, job: Job, checkpointer: Checkpointer, log,
     return step, state
 
 
-def _watchdog(config: Config) -> HangWatchdog:
-    """Starts this process's hang watchdog, waiting for the start state; its hang directory is named by
-    process 0's clock at this moment (a name no earlier attempt took), the same for every process."""
+def _watchdog(config: Config, platform: str) -> HangWatchdog:
+    """Starts this process's hang watchdog (of a run on `platform`'s devices), waiting for the start state; its
+    hang directory is named by process 0's clock at this moment (a name no earlier attempt took), the same for
+    every process."""
     hangs, name = Path(config.run.dir) / "hangs", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     suffixes = (f"{name}-{n}" for n in itertools.count(2))
     while (hangs / name).exists():  # an earlier attempt's (a clock set back): peers would take it for this one's
         name = next(suffixes)
     started = every_process_says("attempt started", name)[0]
-    watchdog = HangWatchdog(config.run.hang_timeout_s, hangs / started,
-                            jax.process_index(), jax.process_count(), last_words=last_words)
+    watchdog = HangWatchdog(config.run.hang_timeout_s, hangs / started, jax.process_index(), jax.process_count(),
+                            last_words=last_words, preamble=xla_cpu_patience(platform))
     watchdog.beat("the start state (a restore or a fresh init)")
     return watchdog
 
@@ -265,12 +266,13 @@ def train(config: Config, devices: list[jax.Device] | None = None, console: Cons
 def _train(config: Config, job: Job, console: Console, signals: StopSignals, goodput: Goodput) -> TrainResult:
     log = console.log
     lead = jax.process_index() == 0
-    log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {job.mesh.devices.flat[0].platform} devices")
+    platform = job.mesh.devices.flat[0].platform
+    log(f"mesh {dict(job.mesh.shape)} over {job.mesh.devices.size} {platform} devices")
     for warning in layout_warnings(job.layout, job.rules) if lead else ():
         log(warning)
     # Whatever fails, everything opened so far is closed, newest first (async saves are waited for).
     with contextlib.ExitStack() as closing:
-        watchdog = _watchdog(config)
+        watchdog = _watchdog(config, platform)
         closing.callback(watchdog.close)
         checkpointer = Checkpointer(config, job.layout, log)
         watchdog.before_exit = checkpointer.abandon_unfinished  # a hang in a save leaves no temporary directory
