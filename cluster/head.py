@@ -90,15 +90,19 @@ def stop_head(address: str, grace_s: float = 10.0) -> int:
         except psutil.AccessDenied:
             raise ClusterError(f"--address {address}: process {process.pid} of that head belongs to another "
                                "user; stop it as that user") from None
-    alive = _still_running(processes, grace_s)
-    for process in alive:
+    kill_if_still_running(processes, grace_s)
+    time.sleep(0.1)
+    return len(processes)
+
+
+def kill_if_still_running(processes: list[psutil.Process], grace_s: float) -> None:
+    """Gives `processes`, already sent SIGTERM, `grace_s` to end; SIGKILLs the others and waits as long again."""
+    for process in _still_running(processes, grace_s):
         try:
             process.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    _still_running(alive, grace_s)
-    time.sleep(0.1)
-    return len(processes)
+    _still_running(processes, grace_s)
 
 
 def _still_running(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:

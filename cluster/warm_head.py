@@ -35,6 +35,7 @@ from typing import IO, Callable, Iterator
 
 import psutil
 
+from nestor.cluster.head import kill_if_still_running
 from nestor.cluster.rendezvous import ClusterError, free_port
 
 LOCALHOST = "127.0.0.1"
@@ -246,11 +247,9 @@ def _end(pid: int, grace_s: float = 15.0) -> None:
     try:
         process = psutil.Process(pid)
         process.terminate()
-        process.wait(grace_s)
-    except psutil.TimeoutExpired:
-        process.kill()
     except psutil.NoSuchProcess:
-        pass
+        return
+    kill_if_still_running([process], grace_s)
 
 
 def stop_warm_heads(wait_s: float = 0.0) -> tuple[list[str], list[str]]:
