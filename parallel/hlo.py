@@ -139,7 +139,9 @@ def _multipliers(computations: dict[str, list[_Instruction]], entry: str, *,
 
 class CollectiveOp(NamedTuple):
     """One collective instruction of a module: its kind, bytes per device per run (for an async `-start`
-    tuple, the received buffer), runs per run of the module, and the groups of device ids it joins (the
+    tuple, the received buffer; for a ragged all-to-all, the smaller of its input and output buffers: the
+    rows a balanced routing moves, where the output has room for all of them from one device), runs per run
+    of the module, and the groups of device ids it joins (the
     partition ids of the program's device assignment; one group of all devices where the module names
     none; a collective-permute's source-target pairs)."""
 
@@ -157,6 +159,7 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         return []
     found = []
     for name, factor in _multipliers(computations, entry).items():
+        shapes = {instruction.name: instruction.shape for instruction in computations.get(name, ())}
         for instruction in computations.get(name, ()):
             kind = _collective_kind(instruction)
             groups = _groups(instruction.attributes) if kind else ()
@@ -166,6 +169,12 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
                 continue
             sizes = _array_bytes(instruction.shape)
             size = sizes[-1] if instruction.op.endswith("-start") and sizes else sum(sizes)
+            if instruction.op.startswith("ragged-"):
+                # its output buffer has room for every row to come from one device; the rows sent are at most
+                # its input (an async start's first element, else its first operand)
+                sent = sizes[0] if instruction.op.endswith("-start") else sum(
+                    _array_bytes(shapes.get(instruction.operands[0], "")))
+                size = min(size, sent) if sent else size
             found.append(CollectiveOp(kind, size, factor, groups))
     return found
 
@@ -174,7 +183,8 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Returns {kind: {"count": n, "bytes": b}} executed per run of the HLO module.
 
     Bytes are the per-device result size of each collective (for an async
-    `-start` tuple, its last element, the received buffer). Kinds absent from
+    `-start` tuple, its last element, the received buffer; a ragged all-to-all's
+    as `CollectiveOp` says). Kinds absent from
     the module are reported with zeros; a collective within groups of one
     device, which moves nothing, is left out.
     """

@@ -17,14 +17,15 @@ from nestor.cluster.connect import USER_CODE_ENV
 from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.planning import search as search_module
-from nestor.orchestrator.planning.candidates import candidates, free_mesh, pinned_keys, rule_problem
+from nestor.orchestrator.planning.candidates import (Candidate, candidates, free_mesh, pinned_keys, rule_problem,
+                                                     searched_keys)
 from nestor.orchestrator.planning.cost import crosses_hosts, sent_bytes
 from nestor.orchestrator.planning.devices import calibration, device_for, provenance_problems
 from nestor.orchestrator.planning.measure import measure
 from nestor.orchestrator.planning.report import format_measured, format_plan, overlay, write_overlay
 from nestor.orchestrator.planning.search import (BOUND, COMPILED_OVER, DOMINATED, HEADROOM, RANKED, RULES, UNDECIDED,
                                                  label, search)
-from nestor.parallel.hlo import CollectiveOp, _groups
+from nestor.parallel.hlo import CollectiveOp, _groups, collective_ops
 from nestor.parallel.rules import MESH_AXES
 from tests.settings import ROOT, TINY
 from tests.test_user_model import write_user_directory
@@ -70,6 +71,81 @@ def test_candidates_keep_the_pins_and_the_global_batch_and_fill_every_device():
     # rungs go from the fastest to the lightest on memory: remat, then the sharded update, then accumulation
     rungs = [(c.as_dict()["train.grad_accum"], c.as_dict()["optimizer.shard_update"]) for c in ladders[0]]
     assert rungs == sorted(rungs)
+
+
+def _variants(ladders, *keys: str) -> set[tuple]:
+    return {tuple(ladder[0].as_dict().get(key) for key in keys) for ladder in ladders}
+
+
+SCHEDULE_KEYS = ("pipeline.schedule", "pipeline.repeats")
+
+
+def test_stages_are_searched_over_every_schedule_and_a_split_row_over_both_attentions():
+    ladders = candidates(planned(), set())
+    staged = [ladder for ladder in ladders if total(ladder[0].as_dict(), "pipeline") > 1]
+    assert _variants(staged, *SCHEDULE_KEYS) == {("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("circular", 2),
+                                                 ("interleaved_1f1b", 2)}  # 2 layer groups where a stage has several
+    assert _variants([ladder for ladder in ladders if total(ladder[0].as_dict(), "pipeline") == 1], *SCHEDULE_KEYS) == {
+        (None, None)}
+    split = [ladder for ladder in ladders if total(ladder[0].as_dict(), "context") > 1]
+    assert split and _variants(split, "model.context_attention") == {("all_gather",), ("ring",)}
+    assert _variants([ladder for ladder in ladders if ladder not in split], "model.context_attention") == {(None,)}
+    # a pin keeps its value, and a pinned repeat count goes to the schedules that read it
+    # (the command line, the keys it pins: a config that asks for circular with 4 groups, the repeats pinned)
+    for overrides, pins, expected in (
+            (["pipeline.schedule=interleaved_1f1b"], None, {("interleaved_1f1b", 2)}),
+            (["pipeline.schedule=circular", "pipeline.repeats=4"], {"pipeline.repeats"},
+             {("circular", 4), ("interleaved_1f1b", 4)}),
+            (["pipeline.schedule=gpipe", "pipeline.repeats=1"], None, {("gpipe", 1)}),
+            (["pipeline.schedule=circular", "pipeline.repeats=1"], None, {("circular", 1)})):  # as pinned
+        pinned = [ladder for ladder in candidates(planned(*overrides), pins or pinned_keys(overrides))
+                  if total(ladder[0].as_dict(), "pipeline") > 1]
+        assert _variants(pinned, *SCHEDULE_KEYS) == expected, overrides
+    ring = ["model.context_attention=ring"]
+    assert _variants(candidates(planned(*ring), pinned_keys(ring)), "model.context_attention") == {("ring",), (None,)}
+    assert {"pipeline.repeats", "model.context_attention"} <= searched_keys(planned(), set())
+    assert "model.context_attention" not in searched_keys(planned("mesh.context=1"), {"mesh.context"})
+
+
+def test_a_dropless_moe_model_on_a_gpu_or_tpu_is_searched_over_both_exchanges_where_experts_split():
+    dropless = (*MOE, "moe.capacity_factor=0")
+    on_gpu = candidates(planned(*dropless), set(), accelerator=True)
+    split = [ladder for ladder in on_gpu if total(ladder[0].as_dict(), "expert") > 1]
+    assert _variants(split, "moe.exchange") == {("all_gather",), ("ragged_all_to_all",)}
+    assert _variants([ladder for ladder in on_gpu if ladder not in split], "moe.exchange") == {(None,)}
+    # XLA:CPU has the all-gather alone (`auto` takes it), and a model that drops tokens exchanges none
+    assert _variants(candidates(planned(*dropless), set()), "moe.exchange") == {(None,)}
+    assert _variants(candidates(planned(*MOE), set(), accelerator=True), "moe.exchange") == {(None,)}
+    assert "moe.exchange" in searched_keys(planned(*dropless), set()) - searched_keys(planned(*MOE), set())
+    settings = {**{f"mesh.{axis}": 1 for axis in MESH_AXES}, **{f"mesh.dcn.{axis}": 1 for axis in MESH_AXES},
+                "mesh.pipeline": 2, "mesh.context": 2, "mesh.expert": 2, "pipeline.schedule": "interleaved_1f1b",
+                "pipeline.repeats": 2, "pipeline.microbatches": 4, "model.context_attention": "ring",
+                "moe.exchange": "ragged_all_to_all", "model.remat": "full", "optimizer.shard_update": False,
+                "train.grad_accum": 2}
+    assert label(Candidate(tuple(settings.items()), (), 0)) == (
+        "pp2 cp2 ep2, interleaved_1f1b r2 m4, ring attention, ragged_all_to_all exchange, remat full, accum 2")
+
+
+def test_layouts_compile_in_order_of_their_bubble_so_interleaved_and_zero_bubble_schedules_come_first():
+    ladders = [ladder for ladder in candidates(planned("mesh.pipeline=4", "pipeline.microbatches=8"),
+                                               {"mesh.pipeline", "pipeline.microbatches"})
+               if total(ladder[0].as_dict(), "data") == 2]
+    order = [dict(ladder[0].layout)["pipeline.schedule"] for ladder in
+             sorted(ladders, key=lambda ladder: search_module._compile_order(None, ladder))]
+    # bubbles of 4 stages and 8 micro-batches: 3/19 interleaved (2 groups), 6/30 zero-bubble, 3/11 the others
+    assert order[:2] == ["circular", "interleaved_1f1b"] and order[2] == "zero_bubble"
+    assert set(order[3:]) == {"gpipe", "1f1b"}
+
+
+@pytest.mark.slow
+def test_every_searched_schedule_compiles_and_is_ranked_with_its_own_bubble():
+    overrides = ["mesh.pipeline=2", "mesh.data=-1", "mesh.fsdp=1", "mesh.context=1", "mesh.tensor=1",
+                 "pipeline.microbatches=4", "model.remat=full", "train.grad_accum=1", "optimizer.shard_update=false"]
+    plan = search(tiny(*overrides), pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0)
+    assert plan.count(RANKED) == 5 and plan.compiles == 5
+    bubbles = {dict(j.candidate.layout)["pipeline.schedule"]: j.predicted["bubble"] for j in plan.ranked}
+    assert bubbles == pytest.approx({"gpipe": 1 / 5, "1f1b": 1 / 5, "zero_bubble": 2 / 14, "circular": 1 / 9,
+                                     "interleaved_1f1b": 1 / 9})
 
 
 def test_a_plan_loads_the_config_with_every_unpinned_degree_free():
@@ -362,6 +438,27 @@ def test_the_hlo_device_groups_are_read_in_listed_iota_and_mesh_forms():
     assert _groups("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, x") == (
         (0, 1), (2, 3), (4, 5), (6, 7))
     assert _groups("source_target_pairs={{0,4},{4,0}}, x") == ((0, 4), (4, 0))
+
+
+RAGGED_HLO = """HloModule exchange, entry_computation_layout={(bf16[128,64]{1,0})->bf16[128,64]{1,0}}
+
+ENTRY %main (rows: bf16[128,64]) -> bf16[128,64] {
+  %rows = bf16[128,64]{1,0} parameter(0)
+  %buffer = bf16[512,64]{1,0} broadcast(bf16[] constant(0)), dimensions={}
+  %sizes = s64[4]{0} constant({32, 32, 32, 32})
+  %out = ((bf16[128,64]{1,0}, bf16[512,64]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, s64[4]{0}), bf16[512,64]{1,0}) ragged-all-to-all-start(%rows, %buffer, %sizes, %sizes, %sizes, %sizes), channel_id=1, replica_groups={{0,1,2,3}}
+  %received = bf16[512,64]{1,0} ragged-all-to-all-done(%out)
+  %back = bf16[128,64]{1,0} ragged-all-to-all(%received, %rows, %sizes, %sizes, %sizes, %sizes), channel_id=2, replica_groups={{0,1,2,3}}
+  ROOT %gathered = bf16[512,64]{1,0} all-gather(%rows), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""
+
+
+def test_a_ragged_all_to_all_is_costed_by_the_rows_it_sends_not_its_worst_case_buffer():
+    ops = collective_ops(RAGGED_HLO)
+    # out: 128 rows sent into a buffer of 512 (room for every row from one device); back: 128 rows received
+    assert [(op.kind, op.bytes) for op in ops] == [("all-to-all", 128 * 64 * 2), ("all-to-all", 128 * 64 * 2),
+                                                   ("all-gather", 512 * 64 * 2)]
 
 
 def test_collective_bytes_follow_the_ring_and_the_links_a_group_crosses():

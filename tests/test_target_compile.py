@@ -15,6 +15,7 @@ from nestor.orchestrator.commands.explain import compile_step, explain, format_r
 from nestor.orchestrator.job.build import build_job, compile_target
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
 from nestor.parallel.hlo import collective_lines, collectives
+from tests.settings import TINY
 
 needs_gpu_compile = pytest.mark.skipif(
     compiler_version("h100") is None,
@@ -140,6 +141,23 @@ def test_the_expert_exchange_is_a_ragged_all_to_all_on_h100s(tiny_config):
     # asynchronous on GPU: a start and a done each; out to the experts and back, forward and backward
     assert len(re.findall(r" ragged-all-to-all-start\(", hlo)) >= 4
     assert collectives(hlo)["all-to-all"]["count"] >= 4  # explain counts them as all-to-alls
+
+
+@needs_gpu_compile
+def test_a_plan_for_h100s_ranks_both_expert_exchanges_of_a_dropless_model():
+    from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.planning.candidates import free_mesh, pinned_keys
+    from nestor.orchestrator.planning.search import RANKED, search
+
+    pins = [*H100, *DROPLESS, "mesh.expert=4", "mesh.fsdp=2", "mesh.pipeline=1", "mesh.tensor=1", "mesh.context=1",
+            "model.remat=full", "train.grad_accum=1", "optimizer.shard_update=false"]
+    config = load(None, [*TINY, "run.compile_cache=null", *free_mesh(pins), *pins], device_checks=False)
+    plan = search(config, pinned_keys(pins), budget_s=600)
+    assert plan.compiler.startswith("XLA:GPU") and plan.count(RANKED) == 2
+    ranked = {j.candidate.as_dict()["moe.exchange"]: j.predicted for j in plan.ranked}
+    assert set(ranked) == {"all_gather", "ragged_all_to_all"}
+    # each costed by its own program's collectives (docs/plan.md, "How far to trust it")
+    assert ranked["all_gather"]["within_host_s"] != ranked["ragged_all_to_all"]["within_host_s"]
 
 
 def gathered_layer_weights(report, hlo: str) -> set[tuple[int, ...]]:

@@ -63,6 +63,11 @@ REPEATED_SCHEDULES = ("circular", "interleaved_1f1b")  # the pipeline.schedule v
 def schedule_for(config: Config, stages: int) -> Schedule:
     """Returns the pipeline schedule `config.pipeline` asks for over `stages` stages."""
     p = config.pipeline
-    return Schedule(stages, p.microbatches, p.repeats if p.schedule in REPEATED_SCHEDULES else 1,
-                    one_f_one_b=p.schedule in ("1f1b", "interleaved_1f1b", "zero_bubble"),
-                    zero_bubble=p.schedule == "zero_bubble")
+    return named_schedule(p.schedule, stages, p.microbatches, p.repeats)
+
+
+def named_schedule(name: str, stages: int, microbatches: int, repeats: int) -> Schedule:
+    """Returns the pipeline schedule `name` (a `pipeline.schedule` value) over `stages` stages; `repeats`
+    counts only for the schedules that read it."""
+    return Schedule(stages, microbatches, repeats if name in REPEATED_SCHEDULES else 1,
+                    one_f_one_b=name in ("1f1b", "interleaved_1f1b", "zero_bubble"), zero_bubble=name == "zero_bubble")

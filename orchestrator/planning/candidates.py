@@ -1,7 +1,9 @@
 """The candidates of a plan: every way to lay a run's fixed global batch over the target's devices that the
-user has not pinned, as dotted settings a config takes. A layout (mesh degrees within and across hosts,
-pipeline schedule and micro-batches) has a ladder of rungs from the least recompute and communication to the least memory
-(remat, then the sharded update, then gradient accumulation); the search tries a layout's rungs in order."""
+user has not pinned, as dotted settings a config takes. A layout (mesh degrees within and across hosts; with
+stages, the pipeline's schedule, layer groups per stage and micro-batches; with a split row, how attention
+crosses it; with expert devices, how dropless tokens reach them) has a ladder of rungs from the least
+recompute and communication to the least memory (remat, then the sharded update, then gradient
+accumulation); the search tries a layout's rungs in order."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
-from nestor.orchestrator.config.degrees import total_devices
+from nestor.orchestrator.config.degrees import REPEATED_SCHEDULES, total_devices
+from nestor.orchestrator.config.schema import CONTEXT_STRATEGIES, EXCHANGE_CHOICES
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.specs.lm import LM
 from nestor.parallel.rules import MESH_AXES
@@ -19,7 +22,8 @@ if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config.schema import Config
 
 OUTER_AXES = ("pipeline", "data", "fsdp", "context", "expert")  # the axes that may cross hosts (mesh.dcn.*)
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "circular", "interleaved_1f1b")
+REPEATS = (1, 2)  # layer groups per stage: 1 for the others, 2 for the repeated ones (a pin keeps its own)
 MICROBATCHES_PER_STAGE = (1, 2, 4)
 REMAT = ("none", "dots", "full")  # fewest recomputed FLOPs first
 GRAD_ACCUM = (1, 2, 4)
@@ -69,12 +73,22 @@ def load_for_plan(path: str | None, overrides: list[str]) -> Config:
 
 
 def searched_keys(config: Config, pins: set[str]) -> set[str]:
-    """Returns the dotted keys a plan sets for the user (the mesh, the pipeline's schedule and micro-batches
-    unless a pin leaves one stage, the ladder's keys), less the `pins`."""
+    """Returns the dotted keys a plan sets for the user (the mesh, the pipeline's schedule, repeats and
+    micro-batches unless a pin leaves one stage, the attention over a split row unless a pin leaves it whole,
+    the expert exchange of a dropless MoE model, the ladder's keys), less the `pins`."""
     keys = {f"mesh.{axis}" for axis in MESH_AXES} | {f"mesh.dcn.{axis}" for axis in MESH_AXES} | set(LADDER_KEYS)
-    if not ("mesh.pipeline" in pins and config.mesh.ici_shape()["pipeline"] * config.mesh.dcn_shape()["pipeline"] == 1):
-        keys |= {"pipeline.schedule", "pipeline.microbatches"}
+    if not _pinned_to_one(config, pins, "pipeline"):
+        keys |= {"pipeline.schedule", "pipeline.repeats", "pipeline.microbatches"}
+    if "context" in searched_axes(config) and not _pinned_to_one(config, pins, "context"):
+        keys.add("model.context_attention")
+    if config.dropless_moe and not _pinned_to_one(config, pins, "expert"):
+        keys.add("moe.exchange")
     return keys - pins
+
+
+def _pinned_to_one(config: Config, pins: set[str], axis: str) -> bool:
+    """Whether the pins leave `axis` one device in every candidate."""
+    return f"mesh.{axis}" in pins and config.mesh.ici_shape()[axis] * config.mesh.dcn_shape()[axis] == 1
 
 
 def _factorizations(n: int, slots: int):
@@ -139,9 +153,39 @@ def _choices(config: Config, key: str, options: tuple, pins: set[str]) -> tuple:
     return options
 
 
-def layouts(config: Config, pins: set[str]) -> list[dict[str, Any]]:
-    """Returns the layouts of a plan: mesh degrees within and across hosts and, with several stages, the
-    pipeline schedule and micro-batches (1, 2 or 4 per stage), as dotted settings."""
+def pipelines(config: Config, stages: int, pins: set[str]) -> list[dict[str, Any]]:
+    """Returns the pipeline settings of a mesh with `stages` stages: each schedule (circular and interleaved
+    1F1B with 2 layer groups per stage, the others with 1) with 1, 2 or 4 micro-batches per stage. A layer
+    count the stages and groups do not divide is left to the config's rules to refuse, with the reason."""
+    schedules = _choices(config, "pipeline.schedule", SCHEDULES, pins)
+    repeats = _choices(config, "pipeline.repeats", REPEATS, pins)
+    pairs = [(s, r) for s in schedules for r in repeats if (r > 1) == (s in REPEATED_SCHEDULES)]
+    if not pairs and {"pipeline.schedule", "pipeline.repeats"} <= pins:  # the user's own pair, as they pinned it
+        pairs = [(config.pipeline.schedule, config.pipeline.repeats)]
+    microbatches = _choices(config, "pipeline.microbatches", tuple(stages * m for m in MICROBATCHES_PER_STAGE), pins)
+    return [{"pipeline.schedule": s, "pipeline.repeats": r, "pipeline.microbatches": m}
+            for (s, r), m in itertools.product(pairs, microbatches)]
+
+
+def variants(config: Config, total: dict[str, int], pins: set[str], accelerator: bool) -> list[dict[str, Any]]:
+    """Returns the ways to run a mesh of `total` degrees that change its step but not its split: the
+    pipeline's (`pipelines`) with several stages; all-gathered or ring attention over a row split by
+    `mesh.context`; and for a dropless MoE model over expert devices of a GPU or TPU, the all-gather or the
+    ragged all-to-all exchange (XLA:CPU has only the first, which `auto` takes there)."""
+    found: list[dict[str, Any]] = [{}]
+    if total["pipeline"] > 1:
+        found = [v | p for v in found for p in pipelines(config, total["pipeline"], pins)]
+    if total["context"] > 1 and "context" in searched_axes(config):  # nestor's LM: a user's model splits no row
+        found = [v | {"model.context_attention": a} for v in found
+                 for a in _choices(config, "model.context_attention", CONTEXT_STRATEGIES, pins)]
+    if config.dropless_moe and total["expert"] > 1 and accelerator:
+        found = [v | {"moe.exchange": e} for v in found for e in _choices(config, "moe.exchange", EXCHANGE_CHOICES, pins)]
+    return found
+
+
+def layouts(config: Config, pins: set[str], accelerator: bool = False) -> list[dict[str, Any]]:
+    """Returns the layouts of a plan: mesh degrees within and across hosts, each with its `variants`, as
+    dotted settings; `accelerator` when the plan compiles for a GPU or TPU."""
     found = []
     for total in mesh_degrees(config, pins):
         split = split_over_hosts(config, total, pins)
@@ -149,15 +193,7 @@ def layouts(config: Config, pins: set[str]) -> list[dict[str, Any]]:
             continue
         ici, dcn = split
         mesh = {f"mesh.{axis}": ici[axis] for axis in MESH_AXES} | {f"mesh.dcn.{axis}": dcn[axis] for axis in MESH_AXES}
-        stages = total["pipeline"]
-        if stages == 1:
-            found.append(mesh)
-            continue
-        schedules = _choices(config, "pipeline.schedule", SCHEDULES, pins)
-        microbatches = _choices(config, "pipeline.microbatches", tuple(stages * m for m in MICROBATCHES_PER_STAGE),
-                                pins)
-        found += [mesh | {"pipeline.schedule": s, "pipeline.microbatches": m}
-                  for s, m in itertools.product(schedules, microbatches)]
+        found += [mesh | variant for variant in variants(config, total, pins, accelerator)]
     return found
 
 
@@ -174,10 +210,10 @@ def ladder(config: Config, layout: dict[str, Any], pins: set[str]) -> list[dict[
             for a, s, r in itertools.product(accum, shard, remat)]
 
 
-def candidates(config: Config, pins: set[str]) -> list[list[Candidate]]:
+def candidates(config: Config, pins: set[str], accelerator: bool = False) -> list[list[Candidate]]:
     """Returns every layout's ladder of candidates (see `layouts`, `ladder`)."""
     found = []
-    for layout in layouts(config, pins):
+    for layout in layouts(config, pins, accelerator):
         key = tuple(layout.items())
         found.append([Candidate(tuple((layout | rung).items()), key, index)
                       for index, rung in enumerate(ladder(config, layout, pins))])

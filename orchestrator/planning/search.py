@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from nestor.backend import ACCELERATORS, platform_family
+from nestor.orchestrator.config.degrees import named_schedule
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import build_job, compile_target, devices_here, select_devices
 from nestor.orchestrator.job.compiled import compile_step, memory_per_device, state_bytes, target_flops
@@ -23,7 +25,6 @@ from nestor.orchestrator.planning.candidates import REMAT, Candidate, candidates
 from nestor.orchestrator.planning.cost import predicted_step
 from nestor.orchestrator.planning.devices import Device, device_for
 from nestor.parallel.hlo import collective_ops
-from nestor.parallel.pipeline import Schedule
 
 HEADROOM = 0.10  # of the device's memory, kept free: XLA's estimate is not the allocator's peak
 
@@ -73,8 +74,8 @@ def _compile_order(config, ladder: list[Candidate]) -> tuple:
     degree = {axis: layout[f"mesh.{axis}"] * layout[f"mesh.dcn.{axis}"] for axis in ("pipeline", "tensor", "context")}
     bubble = 0.0
     if degree["pipeline"] > 1:
-        bubble = Schedule(degree["pipeline"], layout["pipeline.microbatches"], 1,
-                          one_f_one_b=layout["pipeline.schedule"] == "1f1b").bubble_fraction
+        bubble = named_schedule(layout["pipeline.schedule"], degree["pipeline"], layout["pipeline.microbatches"],
+                                layout["pipeline.repeats"]).bubble_fraction
     return round(bubble, 4), degree["tensor"] * degree["context"], degree["pipeline"]
 
 
@@ -172,7 +173,7 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     target = compile_target(config)
     devices = target.devices if target.devices is not None else select_devices(config)
     device = device_for(config.cluster.device_kind, config.model.dtype)
-    ladders = candidates(config, pins)
+    ladders = candidates(config, pins, accelerator=platform_family(devices[0].platform) in ACCELERATORS)
     judged: list[Judged] = []
     valid = []
     # a layout its rules refuse at its first rung refuses every rung: remat and the sharded update change no
@@ -243,14 +244,20 @@ AXIS_LETTERS = {"pipeline": "pp", "data": "dp", "fsdp": "fsdp", "context": "cp",
 
 
 def label(candidate: Candidate) -> str:
-    """Returns a candidate's settings in one short line: `pp2 ep2 tp2 (dcn pp2) gpipe m4 remat full accum 1`."""
+    """Returns a candidate's settings in one short line, e.g. `pp2 cp2 tp2 (across hosts pp2), interleaved_1f1b r2
+    m4, ring attention, remat full, accum 2`."""
     s = candidate.as_dict()
     mesh = " ".join(f"{letter}{s[f'mesh.{axis}'] * s[f'mesh.dcn.{axis}']}" for axis, letter in AXIS_LETTERS.items()
                     if s[f"mesh.{axis}"] * s[f"mesh.dcn.{axis}"] > 1) or "1 device"
     dcn = " ".join(f"{letter}{s[f'mesh.dcn.{axis}']}" for axis, letter in AXIS_LETTERS.items() if s[f"mesh.dcn.{axis}"] > 1)
     parts = [mesh + (f" (across hosts {dcn})" if dcn else "")]
     if "pipeline.schedule" in s:
-        parts.append(f"{s['pipeline.schedule']} m{s['pipeline.microbatches']}")
+        groups = f" r{s['pipeline.repeats']}" if s["pipeline.repeats"] > 1 else ""
+        parts.append(f"{s['pipeline.schedule']}{groups} m{s['pipeline.microbatches']}")
+    if "model.context_attention" in s:
+        parts.append(f"{s['model.context_attention']} attention")
+    if "moe.exchange" in s:
+        parts.append(f"{s['moe.exchange']} exchange")
     parts.append(f"remat {s['model.remat']}")
     if s["optimizer.shard_update"]:
         parts.append("shard_update")
