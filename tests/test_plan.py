@@ -262,6 +262,27 @@ def test_every_layout_that_fits_is_ranked_by_its_predicted_step(roomy):
     assert text.count(" remat full") == 2  # the top 2 only
 
 
+@pytest.mark.slow
+def test_compiles_in_parallel_judge_as_one_at_a_time(roomy, monkeypatch):
+    config, one_at_a_time = roomy
+    monkeypatch.setattr(search_module, "_COMPILED", {})  # compiled afresh
+    compile_figures, running, most = search_module._compiled_figures, [0], [0]
+
+    def counted(*args):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            return compile_figures(*args)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(search_module, "_compiled_figures", counted)
+    plan = search(config, pinned_keys(list(FOUR_LAYOUTS)), budget_s=600, memory_limit_gib=1.0, workers=2)
+    assert most[0] == 2 and plan.compiles == 4  # two at once
+    figures = lambda p: {j.candidate: (j.predicted, j.memory) for j in p.ranked}  # noqa: E731
+    assert figures(plan) == figures(one_at_a_time)
+
+
 def test_collectives_whose_groups_span_two_hosts_are_costed_over_the_network(roomy):
     _, one_host = roomy
     assert all(j.predicted["across_hosts_s"] == 0 for j in one_host.ranked)
@@ -321,7 +342,7 @@ def test_lighter_remat_with_more_accumulation_is_judged_at_once_after_the_fastes
         step_s = 1.4 if (at, rung) == (0, ("dots", 2)) else fits[rung] * factor
         return search_module.Judged(candidate, RANKED, None, {"peak": 1}, {"step_s": step_s})
 
-    monkeypatch.setattr(search_module, "_judge", judge)
+    monkeypatch.setattr(search_module, "_prepare", judge)
     lines = []
     plan = search(config, pinned_keys(overrides), budget_s=600, memory_limit_gib=1.0, progress=lines.append)
     layouts = list(dict.fromkeys(layout for layout, _ in order))

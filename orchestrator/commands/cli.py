@@ -119,7 +119,7 @@ def _plan(config, args) -> int:
     from nestor.orchestrator.planning.candidates import pinned_keys
     from nestor.orchestrator.planning.measure import check_measurable, measure
     from nestor.orchestrator.planning.report import format_measured, format_plan, write_overlay
-    from nestor.orchestrator.planning.search import search
+    from nestor.orchestrator.planning.search import compile_workers, search
 
     if args.steps is not None and not args.measure:
         raise ConfigError([("--steps", f"{args.steps}: steps of the measured candidates; add --measure K")])
@@ -128,7 +128,8 @@ def _plan(config, args) -> int:
     if args.measure:  # before the search: a refusal costs no compile
         check_measurable(config, steps)
     pins = pinned_keys(args.overrides)
-    plan = search(config, pins, args.budget_s, progress := _progress("planning"))
+    plan = search(config, pins, args.budget_s, progress := _progress("planning"),
+                  workers=args.workers or compile_workers())
     progress(None)
     print(format_plan(config, plan, args.top))
     winner, measured_s = (plan.ranked[0], None) if plan.ranked else (None, None)
@@ -417,6 +418,9 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", metavar="PLAN.yaml", help="write the winner as an overlay: nestor train CONFIG PLAN.yaml")
     plan.add_argument("--budget-s", type=_positive(float), default=300.0,
                       help="seconds to spend judging candidates (compiling most); the rest is left undecided")
+    plan.add_argument("--workers", type=_positive(int),
+                      help="compiles at once (default: the cores this process may use, at most 8; each holds a "
+                           "compiler's memory)")
     plan.add_argument("--measure", type=_positive(int), metavar="K",
                       help="train the top K for --steps steps each on the devices present (cluster.launcher="
                            "inprocess) and re-rank them by measured step time; --out writes the measured winner")

@@ -16,9 +16,14 @@ from nestor.orchestrator.job.step import make_train_step
 from nestor.parallel.hlo import estimated_flops, float_normalization_flops, flops_by_phase, flops_per_run
 
 
+def lower_step(job: Job):
+    """Returns the train step lowered for abstract inputs (traced; nothing is allocated, no data is read)."""
+    return job.step_fn.lower(job.layout.abstract, abstract_batch(job))
+
+
 def compile_step(job: Job):
     """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
-    return job.step_fn.lower(job.layout.abstract, abstract_batch(job)).compile()
+    return lower_step(job).compile()
 
 
 def timed_compile(job: Job):
@@ -28,15 +33,24 @@ def timed_compile(job: Job):
     return compiled, time.perf_counter() - start
 
 
-def counted_step(job: Job, compiled=None):
-    """Returns the compiled step whose FLOPs are the target's: `compiled` (default: compiled here), or a
-    second compile whose grouped matmuls multiply each row once, as the target's kernels do where this
-    compile's ragged_dot does not (`Backend.for_flop_count`)."""
+def counting_lowered(job: Job):
+    """Returns the step lowered for counting the target's FLOPs where the train step's count is not theirs:
+    its grouped matmuls multiply each row once, as the target's kernels do where this compile's ragged_dot
+    does not (`Backend.for_flop_count`); else None."""
     counting = job.backend.for_flop_count()
     if counting is None:
+        return None
+    return make_train_step(job.config, job.layout, job.mesh, job.rules, counting).lower(job.layout.abstract,
+                                                                                       abstract_batch(job))
+
+
+def counted_step(job: Job, compiled=None):
+    """Returns the compiled step whose FLOPs are the target's: `compiled` (default: compiled here), or a
+    second compile of `counting_lowered`."""
+    lowered = counting_lowered(job)
+    if lowered is None:
         return compiled if compiled is not None else compile_step(job)
-    counted = make_train_step(job.config, job.layout, job.mesh, job.rules, counting)
-    return counted.lower(job.layout.abstract, abstract_batch(job)).compile()
+    return lowered.compile()
 
 
 def cost_flops(compiled) -> float:
@@ -57,14 +71,15 @@ def step_flops(compiled) -> float:
     return flops_per_run(compiled.as_text(), cost_flops(compiled))
 
 
-def target_flops(job: Job, compiled) -> dict:
+def target_flops(job: Job, compiled, counted=None) -> dict:
     """Returns the FLOPs per device of `job`'s step as its target runs it: `per_device` (XLA's count with
     loop bodies per iteration, grouped matmuls as the target's kernels run them, less XLA:CPU's converts
     to and from float32 that the target does not run), `widened` (those converts), `phases`
     (parallel.hlo.flops_by_phase), `regrouped` (whether a second compile counted the grouped matmuls),
-    `counted_by` and `left_out_in`. XLA:GPU compiling without the device has no cost analysis: its HLO's
-    instructions are counted as XLA counts them, its custom calls (cuDNN's attention, named) left out."""
-    counted = counted_step(job, compiled)
+    `counted_by` and `left_out_in`; `counted` is `counted_step`'s program where the caller compiled it. XLA:GPU
+    compiling without the device has no cost analysis: its HLO's instructions are counted as XLA counts them,
+    its custom calls (cuDNN's attention, named) left out."""
+    counted = counted if counted is not None else counted_step(job, compiled)
     text = counted.as_text()
     widened = 0.0
     if job.backend.widens_what_the_target_does_not():

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +20,8 @@ from nestor.backend import ACCELERATORS, platform_family
 from nestor.orchestrator.config.degrees import named_schedule
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import build_job, compile_target, devices_here, select_devices
-from nestor.orchestrator.job.compiled import compile_step, memory_per_device, state_bytes, target_flops
+from nestor.orchestrator.job.compiled import (counting_lowered, lower_step, memory_per_device, state_bytes,
+                                              target_flops)
 from nestor.orchestrator.job.step import pipeline_schedule
 from nestor.orchestrator.loader.memory_fit import GIB, device_memory
 from nestor.orchestrator.planning.candidates import REMAT, Candidate, candidates, rule_problem
@@ -31,6 +34,12 @@ HEADROOM = 0.10  # of the device's memory, kept free: XLA's estimate is not the 
 # verdicts
 RANKED, RULES, BOUND, COMPILED_OVER, COMPILE_ERROR, DOMINATED, UNDECIDED = (
     "ranked", "rules", "memory by bound", "memory by compile", "compile error", "dominated", "undecided")
+
+
+def compile_workers() -> int:
+    """Returns how many compiles a plan runs at once by default: the cores this process may use, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 8))
 
 
 @dataclasses.dataclass
@@ -84,13 +93,24 @@ def _compile_order(config, ladder: list[Candidate]) -> tuple:
 _COMPILED: dict[tuple, dict[str, Any]] = {}
 
 
-def _compiled_figures(job, devices: list, device: Device) -> dict[str, Any]:
-    """Returns what compiling `job`'s step says: `temporaries` and `peak` bytes per device and the
-    `predicted` step (cost.predicted_step, with the FLOPs per device and the pipeline's bubble); or
-    `error`, the compiler's refusal in a line."""
-    try:  # a dropless MoE step compiles a second time for its FLOPs (compiled.counted_step)
-        compiled = compile_step(job)
-        per_device = target_flops(job, compiled)["per_device"]
+def _lowered(job) -> tuple[Any, Any] | dict[str, str]:
+    """Returns `job`'s train step lowered and its FLOP-counting step lowered (compiled.counting_lowered: a
+    dropless MoE step's second program, else None), traced in this thread; or `error`, why tracing refused
+    the candidate, in a line."""
+    try:
+        return lower_step(job), counting_lowered(job)
+    except Exception as error:  # noqa: BLE001 - the candidate is dropped, the plan goes on
+        return {"error": error_line(error)}
+
+
+def _compiled_figures(job, lowered, counting, devices: list, device: Device) -> dict[str, Any]:
+    """Returns what compiling `job`'s `lowered` step (and `counting`, where there is one) says: `temporaries`
+    and `peak` bytes per device and the `predicted` step (cost.predicted_step, with the FLOPs per device and
+    the pipeline's bubble); or `error`, the compiler's refusal in a line. Runs in a compile worker's thread:
+    XLA compiles without Python's lock."""
+    try:
+        compiled = lowered.compile()
+        per_device = target_flops(job, compiled, counting.compile() if counting is not None else compiled)["per_device"]
     except Exception as error:  # noqa: BLE001 - XLA's refusals are many; the candidate is dropped, the plan goes on
         return {"error": error_line(error)}
     memory = memory_per_device(job, compiled)
@@ -137,9 +157,21 @@ def _capacity_bytes(config, valid: list[list[Candidate]], devices: list) -> floa
     return None
 
 
-def _judge(config, candidate: Candidate, devices: list, usable: int | None, device: Device) -> Judged:
-    """Returns the verdict on one candidate: rejected by rules, by the state bound, by its compiled peak,
-    by a compile error, or ranked with its memory and predicted step."""
+@dataclasses.dataclass
+class _ToCompile:
+    """A candidate that passed the rules and the state bound, its steps lowered: what its compile needs."""
+
+    candidate: Candidate
+    job: Any
+    state: int
+    key: tuple
+    lowered: Any
+    counting: Any
+
+
+def _prepare(config, candidate: Candidate, devices: list, usable: int | None, device: Device) -> Judged | _ToCompile:
+    """Judges `candidate` up to its compile: rejected by rules, by the state bound or by a tracing error, or
+    judged from a compile this process made before; else its steps lowered, for `_compiled_figures`."""
     candidate_config, problem = rule_problem(config, candidate.as_dict())
     if problem:
         return Judged(candidate, RULES, problem)
@@ -152,23 +184,34 @@ def _judge(config, candidate: Candidate, devices: list, usable: int | None, devi
                       {"state": state})
     key = (json.dumps(candidate_config.to_dict(), sort_keys=True, default=str), tuple(d.id for d in devices), device)
     if key not in _COMPILED:
-        _COMPILED[key] = _compiled_figures(job, devices, device)
-    figures = _COMPILED[key]
+        lowered = _lowered(job)
+        if not isinstance(lowered, dict):
+            return _ToCompile(candidate, job, state, key, *lowered)
+        _COMPILED[key] = lowered
+    return _verdict(candidate, state, _COMPILED[key], usable)
+
+
+def _verdict(candidate: Candidate, state: int, figures: dict[str, Any], usable: int | None) -> Judged:
+    """Returns the verdict on a compiled candidate (`_compiled_figures`): a compile error, its compiled peak
+    over the usable memory, or ranked with its memory and predicted step."""
     if "error" in figures:
         return Judged(candidate, COMPILE_ERROR, figures["error"])
     judged_memory = {"state": state, "temporaries": figures["temporaries"], "peak": figures["peak"]}
     if usable is not None and figures["peak"] > usable:
         return Judged(candidate, COMPILED_OVER, f"compiled peak {figures['peak'] / GIB:.2f} GiB per device",
                       judged_memory)
-    predicted = figures["predicted"]
-    return Judged(candidate, RANKED, None, judged_memory, predicted)
+    return Judged(candidate, RANKED, None, judged_memory, figures["predicted"])
 
 
 def search(config, pins: set[str], budget_s: float, progress: Callable[[str], None] | None = None,
-           memory_limit_gib: float | None = None) -> Plan:
+           memory_limit_gib: float | None = None, workers: int = 1) -> Plan:
     """Returns the plan for `config` keeping the `pins` (dotted keys), compiling for at most `budget_s`
-    seconds; `progress` is told each candidate as it is judged. The memory limit is the device's
-    (`memory_fit.device_memory`, or `memory_limit_gib`) less HEADROOM."""
+    seconds, up to `workers` compiles at once; `progress` is told each candidate as it is judged. The memory
+    limit is the device's (`memory_fit.device_memory`, or `memory_limit_gib`) less HEADROOM.
+
+    Tracing and lowering run in this thread, one candidate at a time; the compiles in `workers` threads. With
+    one worker the candidates are judged in the compile order; with more, several layouts' rungs are compiled
+    at once, and a layout's next rung waits for its previous rung's verdict."""
     start = time.monotonic()
     target = compile_target(config)
     devices = target.devices if target.devices is not None else select_devices(config)
@@ -192,32 +235,56 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     queue = deque((ladder, 0, len(REMAT)) for ladder in valid)
     compiled_before = len(_COMPILED)
     reached: set[tuple] = set()  # the layouts judged so far
-    while queue:
-        ladder, rung, bound = queue.popleft()
-        rest = [candidate for candidate in ladder[rung + 1:] if _recompute(candidate) < bound]
-        if time.monotonic() - start > budget_s:
-            judged += [Judged(candidate, UNDECIDED, "the time budget ran out") for candidate in [ladder[rung], *rest]]
-            continue
-        reached.add(ladder[rung].layout)
-        if progress:
-            progress(f"[{len(reached)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
-                     f" {label(ladder[rung])}")
-        verdict = _judge(config, ladder[rung], devices, usable, device)
+
+    def lighter(ladder, rung: int, bound: int) -> list[Candidate]:
+        return [candidate for candidate in ladder[rung + 1:] if _recompute(candidate) < bound]
+
+    def judge(verdict: Judged, ladder, rung: int, bound: int) -> None:
+        """Records `verdict` on `ladder[rung]` and queues the layout's next rung to judge, if any."""
         judged.append(verdict)
+        rest = lighter(ladder, rung, bound)
         if verdict.verdict == RANKED:
             bound = _recompute(ladder[rung])
-            judged += [Judged(candidate, DOMINATED, "a rung of its layout with no more recompute fits")
-                       for candidate in rest if _recompute(candidate) >= bound]
-            if lighter := [candidate for candidate in rest if _recompute(candidate) < bound]:
+            judged.extend(Judged(candidate, DOMINATED, "a rung of its layout with no more recompute fits")
+                          for candidate in rest if _recompute(candidate) >= bound)
+            if next_rungs := [candidate for candidate in rest if _recompute(candidate) < bound]:
                 # the layout with the fastest fit so far is refined at once, any other after every layout's first
                 # fit (a lighter rung that fits may be slower than the layout's earlier fit)
                 layout = ladder[rung].layout
                 fits = [j for j in judged if j.verdict == RANKED]
                 best = min(j.predicted["step_s"] for j in fits if j.candidate.layout == layout)
                 leads = all(best < j.predicted["step_s"] for j in fits if j.candidate.layout != layout)
-                (queue.appendleft if leads else queue.append)((ladder, lighter[0].rung, bound))
+                (queue.appendleft if leads else queue.append)((ladder, next_rungs[0].rung, bound))
         elif rest:
             queue.appendleft((ladder, rest[0].rung, bound))
+
+    compiling: dict[Future, tuple] = {}
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="plan-compile") as pool:
+        while queue or compiling:
+            while queue and len(compiling) < max(1, workers):
+                ladder, rung, bound = queue.popleft()
+                if time.monotonic() - start > budget_s:
+                    judged.extend(Judged(candidate, UNDECIDED, "the time budget ran out")
+                                  for candidate in [ladder[rung], *lighter(ladder, rung, bound)])
+                    continue
+                reached.add(ladder[rung].layout)
+                if progress:
+                    progress(f"[{len(reached)}/{len(valid)} layouts, {time.monotonic() - start:.0f}/{budget_s:.0f} s]"
+                             f" {label(ladder[rung])}")
+                prepared = _prepare(config, ladder[rung], devices, usable, device)
+                if isinstance(prepared, Judged):
+                    judge(prepared, ladder, rung, bound)
+                else:
+                    work = pool.submit(_compiled_figures, prepared.job, prepared.lowered, prepared.counting, devices,
+                                       device)
+                    compiling[work] = (prepared, ladder, rung, bound)
+            if compiling:
+                done, _ = wait(compiling, return_when=FIRST_COMPLETED)
+                for work in done:
+                    prepared, ladder, rung, bound = compiling.pop(work)
+                    _COMPILED[prepared.key] = work.result()
+                    judge(_verdict(prepared.candidate, prepared.state, _COMPILED[prepared.key], usable), ladder, rung,
+                          bound)
     return Plan(_fastest_per_layout(judged), device, None if capacity is None else int(capacity), usable,
                 target.compiler, len(_COMPILED) - compiled_before, time.monotonic() - start, budget_s)
 
