@@ -126,15 +126,18 @@ def test_a_dropless_moe_model_on_a_gpu_or_tpu_is_searched_over_both_exchanges_wh
         "pp2 cp2 ep2, interleaved_1f1b r2 m4, ring attention, ragged_all_to_all exchange, remat full, accum 2")
 
 
-def test_layouts_compile_in_order_of_their_bubble_so_interleaved_and_zero_bubble_schedules_come_first():
+def test_stage_counts_compile_in_turn_each_in_order_of_its_bubble():
     ladders = [ladder for ladder in candidates(planned("mesh.pipeline=4", "pipeline.microbatches=8"),
                                                {"mesh.pipeline", "pipeline.microbatches"})
                if total(ladder[0].as_dict(), "data") == 2]
-    order = [dict(ladder[0].layout)["pipeline.schedule"] for ladder in
-             sorted(ladders, key=lambda ladder: search_module._compile_order(None, ladder))]
+    order = [dict(ladder[0].layout)["pipeline.schedule"] for ladder in search_module.compile_order(ladders)]
     # bubbles of 4 stages and 8 micro-batches: 3/19 interleaved (2 groups), 6/30 zero-bubble, 3/11 the others
     assert order[:2] == ["circular", "interleaved_1f1b"] and order[2] == "zero_bubble"
     assert set(order[3:]) == {"gpipe", "1f1b"}
+    # each stage count takes its turn: a budget that runs out has reached pipelines of every depth
+    stages = [total(dict(ladder[0].layout), "pipeline") for ladder in search_module.compile_order(candidates(planned(), set()))]
+    assert stages[:4] == [1, 2, 4, 8] and sorted(stages[:8]) == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert stages[-1] == 2  # more 2-stage layouts than any other depth: they come last
 
 
 @pytest.mark.slow

@@ -76,7 +76,19 @@ class Plan:
         return sum(j.verdict == verdict for j in self.judged)
 
 
-def _compile_order(config, ladder: list[Candidate]) -> tuple:
+def compile_order(ladders: list[list[Candidate]]) -> list[list[Candidate]]:
+    """Returns the layouts' `ladders` in the order they are compiled: each stage count (1, 2, 4, ...) takes
+    its turn, so that a budget that runs out has reached pipelines of every depth; within a stage count,
+    by `_compile_order`."""
+    by_stages: dict[int, list] = {}
+    for ladder in sorted(ladders, key=lambda ladder: _compile_order(ladder)):
+        layout = dict(ladder[0].layout)
+        by_stages.setdefault(layout["mesh.pipeline"] * layout["mesh.dcn.pipeline"], []).append(ladder)
+    turns = [by_stages[stages] for stages in sorted(by_stages)]
+    return [turn[index] for index in range(max(map(len, turns), default=0)) for turn in turns if index < len(turn)]
+
+
+def _compile_order(ladder: list[Candidate]) -> tuple:
     """Returns the key that orders layouts for compiling: the smallest bubble first, then the fewest devices
     on axes that communicate every layer (tensor, context), then the fewest stages."""
     layout = dict(ladder[0].layout)
@@ -227,7 +239,7 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
             judged += [Judged(candidate, RULES, problem) for candidate in ladder]
         else:
             valid.append(ladder)
-    valid.sort(key=lambda ladder: _compile_order(config, ladder))
+    valid = compile_order(valid)
     capacity = memory_limit_gib * GIB if memory_limit_gib is not None else _capacity_bytes(config, valid, devices)
     usable = None if capacity is None else int(capacity * (1 - HEADROOM))
     # (ladder, the rung to judge, the recompute its later rungs must be under to be judged: that of the
