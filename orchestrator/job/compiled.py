@@ -16,9 +16,10 @@ from nestor.orchestrator.job.step import make_train_step
 from nestor.parallel.hlo import estimated_flops, float_normalization_flops, flops_by_phase, flops_per_run
 
 
-def lower_step(job: Job):
-    """Returns the train step lowered for abstract inputs (traced; nothing is allocated, no data is read)."""
-    return job.step_fn.lower(job.layout.abstract, abstract_batch(job))
+def lower_step(job: Job, step_fn=None):
+    """Returns the train step (or `step_fn`, another step of `job`'s) lowered for abstract inputs (traced;
+    nothing is allocated, no data is read)."""
+    return (step_fn or job.step_fn).lower(job.layout.abstract, abstract_batch(job))
 
 
 def compile_step(job: Job):
@@ -40,8 +41,7 @@ def counting_lowered(job: Job):
     counting = job.backend.for_flop_count()
     if counting is None:
         return None
-    return make_train_step(job.config, job.layout, job.mesh, job.rules, counting).lower(job.layout.abstract,
-                                                                                       abstract_batch(job))
+    return lower_step(job, make_train_step(job.config, job.layout, job.mesh, job.rules, counting))
 
 
 def counted_step(job: Job, compiled=None):

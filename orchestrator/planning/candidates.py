@@ -55,13 +55,19 @@ def pinned_keys(overrides: list[str]) -> set[str]:
 def free_mesh(overrides: list[str]) -> list[str]:
     """Returns the overrides a plan loads CONFIG with before the user's: every mesh degree the command line
     does not pin reset to 1 (across hosts too) and one of them to -1, so that a config written for other
-    devices loads for the target the plan is for."""
+    devices loads for the target the plan is for; and for a pinned `pipeline.repeats` above 1 with the
+    schedule left to the plan, a schedule that reads it (the rules refuse repeats on the others)."""
     pins = pinned_keys(overrides)
     free = [f"mesh.{axis}" for axis in MESH_AXES if f"mesh.{axis}" not in pins]
     free += [f"mesh.dcn.{axis}" for axis in MESH_AXES if f"mesh.dcn.{axis}" not in pins]
     fill = next((key for key in ("mesh.data", "mesh.fsdp", "mesh.pipeline", "mesh.context", "mesh.expert",
                                  "mesh.tensor") if key in free), None)
-    return [f"{key}={-1 if key == fill else 1}" for key in free]
+    loaded = [f"{key}={-1 if key == fill else 1}" for key in free]
+    repeats = [value for key, _, value in (item.partition("=") for item in overrides)
+               if key.strip() == "pipeline.repeats"]
+    if repeats and repeats[-1].strip() not in ("", "1") and "pipeline.schedule" not in pins:
+        loaded.append(f"pipeline.schedule={REPEATED_SCHEDULES[0]}")
+    return loaded
 
 
 def load_for_plan(path: str | None, overrides: list[str]) -> Config:
@@ -155,8 +161,9 @@ def _choices(config: Config, key: str, options: tuple, pins: set[str]) -> tuple:
 
 def pipelines(config: Config, stages: int, pins: set[str]) -> list[dict[str, Any]]:
     """Returns the pipeline settings of a mesh with `stages` stages: each schedule (circular and interleaved
-    1F1B with 2 layer groups per stage, the others with 1) with 1, 2 or 4 micro-batches per stage. A layer
-    count the stages and groups do not divide is left to the config's rules to refuse, with the reason."""
+    1F1B with 2 layer groups per stage, the others with 1) with 1, 2 or 4 micro-batches per stage; a pinned
+    repeat count keeps the schedules that read it (above 1) or the others (1). A layer count the stages and
+    groups do not divide is left to the config's rules to refuse, with the reason."""
     schedules = _choices(config, "pipeline.schedule", SCHEDULES, pins)
     repeats = _choices(config, "pipeline.repeats", REPEATS, pins)
     pairs = [(s, r) for s in schedules for r in repeats if (r > 1) == (s in REPEATED_SCHEDULES)]
@@ -179,7 +186,8 @@ def variants(config: Config, total: dict[str, int], pins: set[str], accelerator:
         found = [v | {"model.context_attention": a} for v in found
                  for a in _choices(config, "model.context_attention", CONTEXT_STRATEGIES, pins)]
     if config.dropless_moe and total["expert"] > 1 and accelerator:
-        found = [v | {"moe.exchange": e} for v in found for e in _choices(config, "moe.exchange", EXCHANGE_CHOICES, pins)]
+        found = [v | {"moe.exchange": e} for v in found
+                 for e in _choices(config, "moe.exchange", EXCHANGE_CHOICES, pins)]
     return found
 
 

@@ -81,7 +81,7 @@ def compile_order(ladders: list[list[Candidate]]) -> list[list[Candidate]]:
     its turn, so that a budget that runs out has reached pipelines of every depth; within a stage count,
     by `_compile_order`."""
     by_stages: dict[int, list] = {}
-    for ladder in sorted(ladders, key=lambda ladder: _compile_order(ladder)):
+    for ladder in sorted(ladders, key=_compile_order):
         layout = dict(ladder[0].layout)
         by_stages.setdefault(layout["mesh.pipeline"] * layout["mesh.dcn.pipeline"], []).append(ladder)
     turns = [by_stages[stages] for stages in sorted(by_stages)]
@@ -89,15 +89,15 @@ def compile_order(ladders: list[list[Candidate]]) -> list[list[Candidate]]:
 
 
 def _compile_order(ladder: list[Candidate]) -> tuple:
-    """Returns the key that orders layouts for compiling: the smallest bubble first, then the fewest devices
-    on axes that communicate every layer (tensor, context), then the fewest stages."""
+    """Returns the key that orders layouts of one stage count for compiling: the smallest bubble first, then
+    the fewest devices on axes that communicate every layer (tensor, context)."""
     layout = dict(ladder[0].layout)
     degree = {axis: layout[f"mesh.{axis}"] * layout[f"mesh.dcn.{axis}"] for axis in ("pipeline", "tensor", "context")}
     bubble = 0.0
     if degree["pipeline"] > 1:
         bubble = named_schedule(layout["pipeline.schedule"], degree["pipeline"], layout["pipeline.microbatches"],
                                 layout["pipeline.repeats"]).bubble_fraction
-    return round(bubble, 4), degree["tensor"] * degree["context"], degree["pipeline"]
+    return round(bubble, 4), degree["tensor"] * degree["context"]
 
 
 # compiled candidates' figures, by the candidate's whole config, its devices and the device costed: a second
@@ -123,13 +123,13 @@ def _compiled_figures(job, lowered, counting, devices: list, device: Device) -> 
     try:
         compiled = lowered.compile()
         per_device = target_flops(job, compiled, counting.compile() if counting is not None else compiled)["per_device"]
+        memory = memory_per_device(job, compiled)
+        position = {d.id: index for index, d in enumerate(devices)}
+        per_host = job.config.cluster.devices_per_host
+        host_of = [position[d.id] // per_host for d in job.mesh.devices.flat]
+        predicted = predicted_step(per_device, collective_ops(compiled.as_text()), host_of, device)
     except Exception as error:  # noqa: BLE001 - XLA's refusals are many; the candidate is dropped, the plan goes on
         return {"error": error_line(error)}
-    memory = memory_per_device(job, compiled)
-    position = {d.id: index for index, d in enumerate(devices)}
-    per_host = job.config.cluster.devices_per_host
-    host_of = [position[d.id] // per_host for d in job.mesh.devices.flat]
-    predicted = predicted_step(per_device, collective_ops(compiled.as_text()), host_of, device)
     schedule = pipeline_schedule(job.config, job.mesh)
     predicted |= {"flops_per_device": per_device, "bubble": schedule.bubble_fraction if schedule else 0.0}
     return {"temporaries": memory["temporaries"], "peak": memory["peak_estimate"], "predicted": predicted}
@@ -259,7 +259,7 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
             bound = _recompute(ladder[rung])
             judged.extend(Judged(candidate, DOMINATED, "a rung of its layout with no more recompute fits")
                           for candidate in rest if _recompute(candidate) >= bound)
-            if next_rungs := [candidate for candidate in rest if _recompute(candidate) < bound]:
+            if next_rungs := lighter(ladder, rung, bound):
                 # the layout with the fastest fit so far is refined at once, any other after every layout's first
                 # fit (a lighter rung that fits may be slower than the layout's earlier fit)
                 layout = ladder[rung].layout
