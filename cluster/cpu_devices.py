@@ -86,10 +86,15 @@ def size_cpu_thread_pool(devices: int) -> None:
     os.environ["PJRT_NPROC"] = cpu_pool_threads(devices)
 
 
+def usable_cores() -> int:
+    """Returns how many cores this process may run on (its CPU affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_pool_threads(devices: int) -> str:
     """Returns PJRT_NPROC for `devices` simulated devices: the cores this process may use, THREADS_PER_DEVICE
     per device, or the size this environment already asks for, whichever is largest."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     already = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC", "")  # XLA reads them in this order
     return str(max(cores, THREADS_PER_DEVICE * devices, int(already) if already.isdigit() else 0))
 

@@ -159,7 +159,6 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         return []
     found = []
     for name, factor in _multipliers(computations, entry).items():
-        shapes = {instruction.name: instruction.shape for instruction in computations.get(name, ())}
         for instruction in computations.get(name, ()):
             kind = _collective_kind(instruction)
             groups = _groups(instruction.attributes) if kind else ()
@@ -172,8 +171,8 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
             if instruction.op.startswith("ragged-"):
                 # its output buffer has room for every row to come from one device; the rows sent are at most
                 # its input (an async start's first element, else its first operand)
-                sent = sizes[0] if instruction.op.endswith("-start") else sum(
-                    _array_bytes(shapes.get(instruction.operands[0], "")))
+                sent = sizes[0] if instruction.op.endswith("-start") else sum(_array_bytes(next(
+                    (i.shape for i in computations[name] if i.name == instruction.operands[0]), "")))
                 size = min(size, sent) if sent else size
             found.append(CollectiveOp(kind, size, factor, groups))
     return found

@@ -42,14 +42,14 @@ class Candidate:
         return dict(self.settings)
 
 
+def _given(overrides: list[str]) -> dict[str, str]:
+    """Returns the command line's KEY=VALUE items as key -> value (the last of a key's items, as it loads)."""
+    return {key.strip(): value.strip() for key, sep, value in (item.partition("=") for item in overrides) if sep}
+
+
 def pinned_keys(overrides: list[str]) -> set[str]:
     """Returns the dotted keys the command line pins (its KEY=VALUE items; a -1 mesh degree pins nothing)."""
-    pins = set()
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep and not (key.strip().startswith("mesh.") and value.strip() == "-1"):
-            pins.add(key.strip())
-    return pins
+    return {key for key, value in _given(overrides).items() if not (key.startswith("mesh.") and value == "-1")}
 
 
 def free_mesh(overrides: list[str]) -> list[str]:
@@ -63,9 +63,7 @@ def free_mesh(overrides: list[str]) -> list[str]:
     fill = next((key for key in ("mesh.data", "mesh.fsdp", "mesh.pipeline", "mesh.context", "mesh.expert",
                                  "mesh.tensor") if key in free), None)
     loaded = [f"{key}={-1 if key == fill else 1}" for key in free]
-    repeats = [value for key, _, value in (item.partition("=") for item in overrides)
-               if key.strip() == "pipeline.repeats"]
-    if repeats and repeats[-1].strip() not in ("", "1") and "pipeline.schedule" not in pins:
+    if _given(overrides).get("pipeline.repeats", "1") not in ("", "1") and "pipeline.schedule" not in pins:
         loaded.append(f"pipeline.schedule={REPEATED_SCHEDULES[0]}")
     return loaded
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nestor.backend import ACCELERATORS, platform_family
+from nestor.cluster.cpu_devices import usable_cores
 from nestor.orchestrator.config.degrees import named_schedule
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import build_job, compile_target, devices_here, select_devices
@@ -38,8 +38,7 @@ RANKED, RULES, BOUND, COMPILED_OVER, COMPILE_ERROR, DOMINATED, UNDECIDED = (
 
 def compile_workers() -> int:
     """Returns how many compiles a plan runs at once by default: the cores this process may use, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 8))
+    return max(1, min(usable_cores(), 8))
 
 
 @dataclasses.dataclass
