@@ -5,6 +5,9 @@ Nothing here needs a device; without an extra its tests are skipped (CI installs
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,9 +15,13 @@ from nestor.backend import BackendError
 from nestor.backend.targets import (GPU_TARGET_DIR, GPU_TARGETS, compiler_version, cudnn_installed, standing_in,
                                     target_devices, target_name)
 from nestor.orchestrator.commands.explain import compile_step, explain, format_report
+from nestor.orchestrator.commands.launch_checks import check_target_fit
+from nestor.orchestrator.errors import ConfigError
+from nestor.orchestrator.job.abstract_check import check_abstractly
 from nestor.orchestrator.job.build import build_job, compile_target
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
 from nestor.parallel.hlo import collective_lines, collectives
+from tests.helpers import child_env
 from tests.settings import TINY
 
 needs_gpu_compile = pytest.mark.skipif(
@@ -54,6 +61,8 @@ def test_without_the_target_compiler_explain_names_xla_cpu_standing_in(tiny_conf
     monkeypatch.setattr(targets, "compiler_version", lambda target: None)
     target = compile_target(tiny_config("cluster.device_kind=h100"))
     assert target.devices is None
+    said = []  # nestor train's check before its workers start compiles nothing either: the state alone is checked
+    assert check_target_fit(tiny_config("cluster.device_kind=h100"), said.append) is None and said == []
     assert target.compiler == standing_in("h100") == (
         "XLA:CPU standing in for h100: install nestor[gpu-compile] for the target's compiler")
 
@@ -94,6 +103,48 @@ def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides
     assert here["flops_counted_by"] == "XLA cost analysis" and here["remat"] == report["remat"] == "dots"
     assert abs(report["flops_per_step"] / here["flops_per_step"] - 1) < 0.05, (report["flops_per_step"],
                                                                                here["flops_per_step"])
+
+
+@needs_gpu_compile
+def test_train_under_ray_compiles_for_the_target_first_and_refuses_a_step_its_memory_cannot_hold(tiny_config,
+                                                                                                   monkeypatch):
+    import nestor.backend.targets as targets
+
+    monkeypatch.setattr(targets, "cudnn_installed", lambda: False)
+    said = []
+    fit = check_target_fit(tiny_config(*H100, "mesh.data=8"), said.append)
+    assert said[0] == ("compile check: " + compile_target(tiny_config(*H100)).compiler
+                       + " compiles the step for 8 x h100 (cluster.compile_check=false skips it)")
+    assert fit["fits"] and said[1].startswith("compile check: ") and said[1].endswith(": fits")
+    assert fit == {k: v for k, v in explain(tiny_config(*H100, "mesh.data=8"))["fit"].items() if k != "compiler"}
+    # Memory between the state and the step's total: the state alone fits (the check without the target's
+    # compiler passes), the compiled step does not, and its line names the key and the compiler.
+    between = (fit["state_bytes"] + fit["total_bytes"]) / 2 / 2**30
+    tight = tiny_config(*H100, "mesh.data=8", f"cluster.device_memory_gb={between}")
+    check_abstractly(tight)
+    with pytest.raises(ConfigError) as refused:
+        check_target_fit(tight, said.append)
+    [(key, message)] = refused.value.problems
+    assert key == "model.remat" and "XLA:GPU (jax-cuda12-plugin" in message and "short by" in message, message
+    assert check_target_fit(tight.replace(**{"cluster.compile_check": False}), said.append) is None
+    assert len(said) == 3  # the refused compile's first line; nothing from the check turned off
+
+
+@needs_gpu_compile
+def test_nestor_train_refuses_a_step_that_does_not_fit_before_ray_starts(tmp_path):
+    from nestor.orchestrator.loader.config import load
+
+    given = (*TINY, *H100, "mesh.data=8", "data.source=synthetic", f"run.dir={tmp_path / 'run'}")
+    fit = check_target_fit(load(None, list(given)), lambda line: None)
+    between = f"cluster.device_memory_gb={(fit['state_bytes'] + fit['total_bytes']) / 2 / 2**30:.6f}"
+    (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")  # base.yaml as CONFIG would undo the preset
+    done = subprocess.run([str(Path(sys.executable).parent / "nestor"), "train", str(tmp_path / "tiny.yaml"), *given,
+                           between],
+                          capture_output=True, text=True, timeout=600, env=child_env(),
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compile check: XLA:GPU" in done.stdout and "model.remat" in done.stderr, done.stderr[-3000:]
+    assert "short by" in done.stderr and not (tmp_path / "run").exists(), done.stderr[-3000:]
 
 
 @needs_gpu_compile

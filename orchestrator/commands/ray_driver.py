@@ -14,7 +14,7 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.errors import ConfigError, RunFailed
 from nestor.orchestrator.job.processes import collective_timeout_s
 from nestor.orchestrator.commands.first_line import starting_line
-from nestor.orchestrator.commands.launch_checks import check_before_launch
+from nestor.orchestrator.commands.launch_checks import check_before_launch, check_target_fit
 from nestor.orchestrator.commands.user_errors import user_code_error
 from nestor.orchestrator.paths import show_relative_to, user_directory
 from nestor.orchestrator.loop.console import Console, ForwardingConsole, replay
@@ -168,6 +168,7 @@ def train_on_ray(config: Config, console: Console, said: str | None = None) -> i
     if line != said:  # the CLI says it before the config's checks where it can (first_line)
         console.log(line)
     check_before_launch(config)  # one line in seconds, before Ray starts and before anything is written
+    check_target_fit(config, console.log)  # where the target's compiler is installed here: its memory analysis
     try:
         with RunDirLock(config.run.dir, console.log):
             if (signum := kept_signal()) is not None:  # before Ray starts: stop now, nothing to save

@@ -321,6 +321,10 @@ class ClusterConfig:
                                   "b200, a100-80gb, tpu-v5e, tpu-v5p, tpu-v6e)")
     device_memory_gb: float | None = key(None, "the memory checks of explain and train: GiB per device, overrides "
                                          "the table", above=0)
+    compile_check: bool = key(True, "train under Ray: before any worker starts, compile the step for "
+                              "cluster.device_kind with the target's own compiler where nestor[gpu-compile] or "
+                              "nestor[tpu-compile] is installed here, and refuse a step that does not fit the device's "
+                              "memory; false = the train state alone is checked")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the config is read, never built, here
     from nestor.orchestrator.config.schema import Config
 
 RAY_LAUNCHER_KEYS = ("cluster.address", "cluster.max_failures", "cluster.min_hosts", "cluster.restart_timeout_s",
-                     "cluster.init_timeout_s", "cluster.dashboard", "cluster.worker_logs")
+                     "cluster.init_timeout_s", "cluster.dashboard", "cluster.worker_logs", "cluster.compile_check")
 TPU_KEYS = ("cluster.tpu_topology", "cluster.tpu_type")
 PIPELINE_KEYS = ("pipeline.microbatches", "pipeline.schedule", "pipeline.repeats", "pipeline.stack")
 
