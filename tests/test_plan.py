@@ -443,15 +443,14 @@ def test_nestor_plan_measure_prints_both_steps_and_writes_the_measured_winner(ca
     assert list((tmp_path / "temporary").iterdir()) == []
 
 
-def test_measuring_is_refused_before_the_search_under_the_ray_launcher_and_for_too_few_steps(capsys):
+def test_measuring_is_refused_before_the_search_on_a_cluster_by_address_and_for_too_few_steps(capsys):
     from nestor.orchestrator.commands.cli import main
 
     quickstart = str(ROOT / "configs" / "quickstart.yaml")
-    assert main(["plan", quickstart, "--measure", "2"]) == 2
+    assert main(["plan", quickstart, "cluster.address=10.0.0.5:6379", "--measure", "2"]) == 2
     err = capsys.readouterr().err
     assert "planning" not in err  # refused before the search
-    assert ("cluster.launcher: ray: --measure trains the candidates in this process; add cluster.launcher=inprocess"
-            in err)
+    assert "cluster.address: 10.0.0.5:6379: --measure trains each candidate into a temporary run.dir" in err
     assert main(["plan", quickstart, "cluster.launcher=inprocess", "--measure", "2", "--steps", "1"]) == 2
     assert "--steps: 1: the first 1 step is not timed" in capsys.readouterr().err
     assert main(["plan", quickstart, "--steps", "5"]) == 2

@@ -325,3 +325,20 @@ def test_nestor_train_runs_a_users_model_under_ray_and_resumes(tmp_path):
     assert explained.returncode == 0, explained.stderr[-3000:]
     assert re.search(r"blocks/blocks/up\s+\(2, 32, 64\)\s+\('layers', 'embed', 'mlp'\)\s+\('pipeline', 'fsdp', "
                      r"'tensor'\)", explained.stdout), explained.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_plan_measures_its_candidates_under_the_ray_launcher_the_config_names(tmp_path):
+    out = tmp_path / "plan.yaml"
+    done = console_script("plan", "configs/quickstart.yaml", "cluster.hosts=1", "cluster.devices_per_host=8",
+                          "data.source=synthetic", "moe.num_experts=0", "moe.every=0", "mesh.pipeline=1",
+                          "mesh.context=1", "mesh.tensor=1", "model.remat=full", "train.grad_accum=1",
+                          "optimizer.shard_update=false", "--measure", "1", "--steps", "3", "--out", str(out), cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "measuring [1/1] 3 steps of " in done.stderr
+    table = done.stdout.split("measured: 1 candidates x 3 steps on the devices present, under the Ray launcher, "
+                              "process 0's steps; the median step past step 1", 1)[1].splitlines()
+    measured_ms = float(table[2].split()[-5])
+    assert measured_ms > 0 and f"measured {table[2].split()[-5]} ms" in out.read_text().splitlines()[1]
+    assert config_lib.load(str(ROOT / "configs" / "quickstart.yaml"), [str(out)]).cluster.launcher == "ray"

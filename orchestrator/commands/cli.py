@@ -134,7 +134,11 @@ def _plan(config, args) -> int:
     print(format_plan(config, plan, args.top))
     winner, measured_s = (plan.ranked[0], None) if plan.ranked else (None, None)
     if args.measure and plan.ranked:
-        measured = measure(config, plan.ranked[:args.measure], steps, progress := _progress("measuring"))
+        if config.cluster.launcher == "ray":
+            from nestor.orchestrator.commands.ray_driver import train_on_ray as run
+        else:
+            from nestor.orchestrator.planning.measure import train_here as run
+        measured = measure(config, plan.ranked[:args.measure], steps, progress := _progress("measuring"), run)
         progress(None)
         print("\n" + format_measured(config, measured, steps))
         best = measured[0]

@@ -135,7 +135,8 @@ def format_measured(config, measured: list[Measured], steps: int) -> str:
     predicted_order = sorted(measured, key=lambda m: m.judged.predicted["step_s"])
     unit = "tokens/s" if spec_of(config).counts_tokens else "rows/s"
     ran = [m for m in measured if m.step_s is not None]
-    lines = [f"measured: {len(measured)} candidates x {steps} steps on the devices present, in this process; "
+    where = ("under the Ray launcher, process 0's steps" if config.cluster.launcher == "ray" else "in this process")
+    lines = [f"measured: {len(measured)} candidates x {steps} steps on the devices present, {where}; "
              f"the median step past step {SKIPPED_STEPS}"]
     if ran:
         header = ("#", "settings", "measured ms", "predicted ms", "measured / predicted", f"measured {unit}",
