@@ -151,7 +151,7 @@ def connect(spec: ClusterSpec, on_phase: Callable[[str], None] = lambda text: No
                 staging.cleanup()  # ray.init has uploaded it
         return lambda: None
     env_vars = {"PYTHONPATH": checkout_pythonpath(), USER_CODE_ENV: os.environ.get(USER_CODE_ENV) or os.getcwd()}
-    head = HeadSpec(cpus=spec.hosts, dashboard=spec.dashboard)
+    head = HeadSpec(cpus=spec.hosts, dashboard=spec.dashboard, worker_logs=spec.worker_logs)
     if spec.keep_head_s > 0:
         lease = hold_head(head, spec.keep_head_s, on_phase)
         if lease is not None:

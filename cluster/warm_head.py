@@ -75,17 +75,18 @@ def kept_after_this_process() -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
-    """What a kept head is started with: the CPUs it offers (one per worker) and whether it serves the
-    dashboard."""
+    """What a kept head is started with: the CPUs it offers (one per worker), whether it serves the
+    dashboard, and whether it streams workers' output to drivers (its log monitor)."""
 
     cpus: int
     dashboard: bool
+    worker_logs: bool = False
 
     def key(self) -> str:
         """Returns the key of the head this spec asks for, in this process's interpreter and Ray settings."""
         ray_settings = sorted((name, value) for name, value in os.environ.items()
                               if name.startswith("RAY_") and name not in _NOT_KEYS)
-        text = json.dumps([sys.executable, self.cpus, self.dashboard, ray_settings])
+        text = json.dumps([sys.executable, self.cpus, self.dashboard, self.worker_logs, ray_settings])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -230,7 +231,7 @@ def _start_keeper(spec: HeadSpec, keep_s: float, path: Path) -> WarmHead:
     with log.open("w") as output:
         keeper = subprocess.Popen(
             [sys.executable, "-m", "nestor.cluster.warm_head", str(path), str(spec.cpus), str(int(spec.dashboard)),
-             str(keep_s)], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+             str(keep_s), str(int(spec.worker_logs))], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
             env=env, cwd=path.parent)
     deadline = time.monotonic() + START_TIMEOUT_S
     while (head := read_head(path)) is None or head.keeper != keeper.pid:
@@ -269,7 +270,7 @@ def stop_warm_heads(wait_s: float = 0.0) -> tuple[list[str], list[str]]:
     return stopped, busy
 
 
-def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float) -> None:
+def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float, worker_logs: bool) -> None:
     """The keeper: starts the head, records it in `path`, and ends it once idle for `keep_s` or told to."""
     def ended(signum, frame):
         raise SystemExit(0)
@@ -277,7 +278,7 @@ def _keep(path: Path, cpus: int, dashboard: bool, keep_s: float) -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep 127.0.0.1 (read at Ray's import; driver.launch)
     import ray
 
-    address = start_local_head(cpus, dashboard)
+    address = start_local_head(cpus, dashboard, worker_logs)
     # after ray.init, which sets a SIGTERM handler of its own; the daemons it started keep the defaults
     signal.signal(signal.SIGTERM, ended)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # in a session of its own; a stray one is not a stop
@@ -328,8 +329,8 @@ def _agent_on_a_free_port() -> Iterator[None]:
 
 def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_vars: dict | None = None) -> str:
     """Starts a Ray cluster on 127.0.0.1 whose daemons share this process's fate, connected as its driver;
-    returns its GCS address. Its processes get that address as RAY_ADDRESS. Raises ClusterError when it
-    comes up elsewhere."""
+    returns its GCS address. Its processes get that address as RAY_ADDRESS. Without `worker_logs` it runs
+    no log monitor (what streams workers' output to drivers). Raises ClusterError when it comes up elsewhere."""
     import ray
 
     # Token auth stays at Ray's default (on); everything binds to loopback. Workers
@@ -353,6 +354,15 @@ def start_local_head(cpus: int, dashboard: bool, worker_logs: bool = False, env_
     return gcs_address
 
 
+def _stop_log_monitor() -> None:
+    """Ends the log monitor of the head `ray.init` just started here (a Ray internal: where it is not, the
+    monitor stays)."""
+    with contextlib.suppress(Exception):
+        from ray._private import worker
+
+        worker._global_node.kill_log_monitor(check_alive=False)
+
+
 LOST_PORT = re.compile(r"Address already in use|Failed to start the grpc server")
 
 
@@ -364,10 +374,15 @@ def _init_local(gcs_address: str, cpus: int, dashboard: bool, worker_logs: bool,
     os.environ["RAY_GCS_SERVER_PORT"] = gcs_address.rpartition(":")[2]
     try:
         with _agent_on_a_free_port():
+            # No idle workers started ahead of the first driver's tasks: nestor's actors run in processes
+            # of their own, and a kept head's first driver is its keeper, which runs none (docs/cluster.md).
             ray.init(address="local", _node_ip_address=LOCALHOST, include_dashboard=dashboard,
                      dashboard_host=LOCALHOST, dashboard_port=free_port(LOCALHOST), num_cpus=cpus,
                      logging_level="ERROR", log_to_driver=worker_logs,
-                     runtime_env={"env_vars": {**(env_vars or {}), "RAY_ADDRESS": gcs_address}})
+                     runtime_env={"env_vars": {**(env_vars or {}), "RAY_ADDRESS": gcs_address}},
+                     _system_config={"prestart_worker_first_driver": False})
+        if not worker_logs:  # it polls every worker's log files for a driver that reads none
+            _stop_log_monitor()
     finally:
         if previous_port is None:
             os.environ.pop("RAY_GCS_SERVER_PORT")
@@ -376,4 +391,4 @@ def _init_local(gcs_address: str, cpus: int, dashboard: bool, worker_logs: bool,
 
 
 if __name__ == "__main__":
-    _keep(Path(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])), float(sys.argv[4]))
+    _keep(Path(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])), float(sys.argv[4]), bool(int(sys.argv[5])))

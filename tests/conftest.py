@@ -77,17 +77,30 @@ def unrelated_ray_head(tmp_path_factory):
     deadline = time.monotonic() + 60  # the raylet may come up after the dashboard answers
     while len(daemons()) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
+
+    stopped = []
+
+    def stop() -> None:
+        if not stopped:
+            stopped.append(True)
+            stop_ray_head(head)
+            shutil.rmtree(sessions, ignore_errors=True)
+
+    _UNRELATED_HEAD_STOPS.append(stop)
     try:
         yield gcs_address, daemons()
     finally:
-        stop_ray_head(head)
-        shutil.rmtree(sessions, ignore_errors=True)
+        stop()
+
+
+# An idle head costs its machine about 3 CPU-seconds a minute: the unrelated head ends after the last Ray file.
+_UNRELATED_HEAD_STOPS: list = []
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kept_heads_end_with_their_file(request):
     """The local Ray heads a Ray file's commands kept warm (`cluster.keep_head_s`) end with that file: its
-    tests share them, later files start from none."""
+    tests share them, later files start from none; `unrelated_ray_head` ends with the last Ray file."""
     from tests.xdist_groups import RAY_FILES
 
     yield
@@ -95,6 +108,10 @@ def _kept_heads_end_with_their_file(request):
         from nestor.cluster.warm_head import stop_warm_heads
 
         stop_warm_heads(wait_s=60)
+        ray_files = [item.path for item in request.session.items if item.path.name in RAY_FILES]
+        if ray_files and Path(request.module.__file__) == ray_files[-1]:  # no Ray test runs after this file
+            for stop in _UNRELATED_HEAD_STOPS:
+                stop()
 
 
 @pytest.fixture(autouse=True)

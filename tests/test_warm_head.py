@@ -67,6 +67,10 @@ def test_a_kept_head_serves_one_command_at_a_time_and_ends_when_idle_or_stopped(
         first = Holder(env, keep_s=60)
         assert first.said == ["starting a local Ray head on 127.0.0.1"] and first.address
         assert {p.name() for p in head_processes(first.address)} >= {"gcs_server", "raylet"}
+        # no daemon that only costs CPU: no log monitor without cluster.worker_logs, no idle worker started ahead
+        programs = [" ".join(p.cmdline()[:2]) for p in head_processes(first.address)]  # an interpreter and its script
+        assert not [c for c in programs if c.endswith(("log_monitor.py", "default_worker.py")) or "ray::IDLE" in c], \
+            programs
         busy = Holder(env, keep_s=60)  # a second command meanwhile: a cluster of its own
         busy.release()
         assert busy.address is None
