@@ -231,7 +231,8 @@ def _start_keeper(spec: HeadSpec, keep_s: float, path: Path) -> WarmHead:
     with log.open("w") as output:
         keeper = subprocess.Popen(
             [sys.executable, "-m", "nestor.cluster.warm_head", str(path), str(spec.cpus), str(int(spec.dashboard)),
-             str(keep_s), str(int(spec.worker_logs))], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+             str(keep_s), str(int(spec.worker_logs))], stdin=subprocess.DEVNULL, stdout=output,
+            stderr=subprocess.STDOUT, start_new_session=True,
             env=env, cwd=path.parent)
     deadline = time.monotonic() + START_TIMEOUT_S
     while (head := read_head(path)) is None or head.keeper != keeper.pid:

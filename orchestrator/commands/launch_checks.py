@@ -88,7 +88,9 @@ def check_target_fit(config: Config, say: Callable[[str], None]) -> dict | None:
 
     cluster = config.cluster
     target = target_name(cluster.device_kind)
-    if not cluster.compile_check or target is None or cluster.devices_per_host == -1 or compiler_version(target) is None:
+    if not cluster.compile_check or target is None or cluster.devices_per_host == -1:
+        return None
+    if compiler_version(target) is None:
         return None
     if not jax.config.jax_platforms:  # a driver on a GPU host must not claim the workers' GPU memory
         jax.config.update("jax_platforms", "cpu")
