@@ -93,7 +93,7 @@ def unrelated_ray_head(tmp_path_factory):
         stop()
 
 
-# An idle head costs its machine about 3 CPU-seconds a minute: the unrelated head ends after the last Ray file.
+# An idle head still costs its machine CPU (docs/cluster.md): the unrelated head ends after the last Ray file.
 _UNRELATED_HEAD_STOPS: list = []
 
 

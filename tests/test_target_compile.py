@@ -106,41 +106,49 @@ def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides
 
 
 @needs_gpu_compile
-def test_train_under_ray_compiles_for_the_target_first_and_refuses_a_step_its_memory_cannot_hold(tiny_config,
-                                                                                                   monkeypatch):
-    import nestor.backend.targets as targets
-
-    monkeypatch.setattr(targets, "cudnn_installed", lambda: False)
+def test_train_under_ray_compiles_for_the_target_first_and_refuses_a_step_its_memory_cannot_hold(tiny_config):
     said = []
-    fit = check_target_fit(tiny_config(*H100, "mesh.data=8"), said.append)
+    plain = (*H100, "mesh.data=8", "model.attention=xla")  # no kernel substituted: the target's own program
+    fit = check_target_fit(tiny_config(*plain), said.append)
     assert said[0] == ("compile check: " + compile_target(tiny_config(*H100)).compiler
                        + " compiles the step for 8 x h100 (cluster.compile_check=false skips it)")
     assert fit["fits"] and said[1].startswith("compile check: ") and said[1].endswith(": fits")
-    assert fit == {k: v for k, v in explain(tiny_config(*H100, "mesh.data=8"))["fit"].items() if k != "compiler"}
+    assert fit == {k: v for k, v in explain(tiny_config(*plain))["fit"].items() if k != "compiler"}
     # Memory between the state and the step's total: the state alone fits (the check without the target's
     # compiler passes), the compiled step does not, and its line names the key and the compiler.
-    between = (fit["state_bytes"] + fit["total_bytes"]) / 2 / 2**30
-    tight = tiny_config(*H100, "mesh.data=8", f"cluster.device_memory_gb={between}")
+    between = f"cluster.device_memory_gb={(fit['state_bytes'] + fit['total_bytes']) / 2 / 2**30}"
+    tight = tiny_config(*plain, between)
     check_abstractly(tight)
     with pytest.raises(ConfigError) as refused:
         check_target_fit(tight, said.append)
     [(key, message)] = refused.value.problems
     assert key == "model.remat" and "XLA:GPU (jax-cuda12-plugin" in message and "short by" in message, message
     assert check_target_fit(tight.replace(**{"cluster.compile_check": False}), said.append) is None
-    assert len(said) == 3  # the refused compile's first line; nothing from the check turned off
+    assert check_target_fit(tight.replace(**{"cluster.address": "10.0.0.5:6379"}), said.append) is None
+    assert len(said) == 3  # the refused compile's first line; nothing from the checks turned off
+
+
+@needs_gpu_compile
+def test_a_step_compiled_with_a_kernel_substituted_is_an_upper_bound_and_never_refused(tiny_config, monkeypatch):
+    import nestor.backend.targets as targets
+
+    monkeypatch.setattr(targets, "cudnn_installed", lambda: False)  # cuDNN's attention compiled as XLA's
+    said = []
+    fit = check_target_fit(tiny_config(*H100, "mesh.data=8", "cluster.device_memory_gb=0.003"), said.append)
+    assert fit["fits"] is False and "(an upper bound: attention: cudnn compiled as xla" in said[1], said
+    assert said[1].endswith("started anyway: the target's own kernels need less"), said
 
 
 @needs_gpu_compile
 def test_nestor_train_refuses_a_step_that_does_not_fit_before_ray_starts(tmp_path):
     from nestor.orchestrator.loader.config import load
 
-    given = (*TINY, *H100, "mesh.data=8", "data.source=synthetic", f"run.dir={tmp_path / 'run'}")
+    given = (*TINY, *H100, "mesh.data=8", "model.attention=xla", "data.source=synthetic", f"run.dir={tmp_path / 'run'}")
     fit = check_target_fit(load(None, list(given)), lambda line: None)
     between = f"cluster.device_memory_gb={(fit['state_bytes'] + fit['total_bytes']) / 2 / 2**30:.6f}"
     (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")  # base.yaml as CONFIG would undo the preset
     done = subprocess.run([str(Path(sys.executable).parent / "nestor"), "train", str(tmp_path / "tiny.yaml"), *given,
-                           between],
-                          capture_output=True, text=True, timeout=600, env=child_env(),
+                           between], capture_output=True, text=True, timeout=600, env=child_env(),
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     assert "compile check: XLA:GPU" in done.stdout and "model.remat" in done.stderr, done.stderr[-3000:]

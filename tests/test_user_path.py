@@ -277,8 +277,9 @@ def test_the_first_line_comes_before_jax_or_ray_is_imported_under_the_ray_launch
 
 @pytest.mark.ray
 def test_an_unrelated_ray_head_outlives_every_ray_test_and_doc_block(unrelated_ray_head):
-    """Last of the Ray files (tests/xdist_groups.py runs them in order, in one process): no test, doc block or
-    clean-up after one stopped a head it did not start (`ray stop` would have)."""
+    """After test_cluster.py, test_docs.py and this file's tests above it (tests/xdist_groups.py runs the Ray files
+    in order, in one process): no test, doc block or clean-up after one stopped a head it did not start (`ray
+    stop` would have)."""
     from nestor.cluster.head import head_processes
 
     address, daemons = unrelated_ray_head
@@ -330,14 +331,26 @@ def test_nestor_train_runs_a_users_model_under_ray_and_resumes(tmp_path):
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_plan_measures_its_candidates_under_the_ray_launcher_the_config_names(tmp_path):
-    out = tmp_path / "plan.yaml"
-    done = console_script("plan", "configs/quickstart.yaml", "cluster.hosts=1", "cluster.devices_per_host=8",
-                          "data.source=synthetic", "moe.num_experts=0", "moe.every=0", "mesh.pipeline=1",
-                          "mesh.context=1", "mesh.tensor=1", "model.remat=full", "train.grad_accum=1",
-                          "optimizer.shard_update=false", "--measure", "1", "--steps", "3", "--out", str(out), cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "measuring [1/1] 3 steps of " in done.stderr
-    table = done.stdout.split("measured: 1 candidates x 3 steps on the devices present, under the Ray launcher, "
+    from nestor.cluster.warm_head import stop_warm_heads, warm_heads
+
+    out, heads = tmp_path / "plan.yaml", tmp_path / "heads"
+    command = [NESTOR, "plan", "configs/quickstart.yaml", "cluster.hosts=1", "cluster.devices_per_host=8",
+               "data.source=synthetic", "moe.num_experts=0", "moe.every=0", "mesh.pipeline=1", "mesh.context=1",
+               "mesh.tensor=1", "model.remat=full", "train.grad_accum=1", "optimizer.shard_update=false",
+               "--measure", "2", "--steps", "3", "--out", str(out)]
+    try:  # the command's kept heads in a directory of this test's own
+        done = subprocess.run(command, cwd=ROOT, env=dict(user_env(), NESTOR_HEADS_DIR=str(heads)),
+                              capture_output=True, text=True, timeout=500)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("NESTOR_HEADS_DIR", str(heads))
+            assert len(warm_heads()) == 1  # both candidates trained as Ray workers of one kept head
+    finally:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("NESTOR_HEADS_DIR", str(heads))
+            stop_warm_heads(wait_s=30)
+    assert "measuring [1/2] 3 steps of " in done.stderr and "measuring [2/2] 3 steps of " in done.stderr
+    table = done.stdout.split("measured: 2 candidates x 3 steps on the devices present, under the Ray launcher, "
                               "process 0's steps; the median step past step 1", 1)[1].splitlines()
     measured_ms = float(table[2].split()[-5])
     assert measured_ms > 0 and f"measured {table[2].split()[-5]} ms" in out.read_text().splitlines()[1]

@@ -14,11 +14,10 @@ from nestor.orchestrator.loader.config import speed_key_sources
 from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
-from nestor.orchestrator.job.build import (Job, build_job, compile_target, devices_here, traced_use,
-                                           unsplit_rows_warning)
-from nestor.orchestrator.job.compiled import (MEMORY_PARTS, compile_step, memory_per_device, target_flops,
-                                              timed_compile)
-from nestor.orchestrator.loader.memory_fit import GIB, fit_report
+from nestor.orchestrator.job.build import Job, build_job, compile_target, traced_use, unsplit_rows_warning
+from nestor.orchestrator.job.compiled import (MEMORY_PARTS, compile_step, memory_per_device, step_fit,
+                                              target_flops, timed_compile)
+from nestor.orchestrator.loader.memory_fit import GIB
 from nestor.orchestrator.loop.metrics import spec_text
 from nestor.orchestrator.job.moe_wiring import dropless_report
 from nestor.orchestrator.specs.registry import spec_of
@@ -94,7 +93,6 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
     compiled, compile_s = timed_compile(job)
     params = param_table(job.layout)
     memory = memory_per_device(job, compiled)
-    params_bytes, optimizer_bytes, peak_bytes = memory["params"], memory["optimizer"], memory["peak_estimate"]
     devices = job.mesh.devices.size
     flops = target_flops(job, compiled)
     analytic = spec_of(config).flops_per_step(config)
@@ -110,8 +108,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "param_count": sum(math.prod(row["shape"]) for row in params),
         "memory_per_device_bytes": memory,
         "lora": lora_report(config, job, memory),
-        "fit": fit_report(config, job.backend, params_bytes + optimizer_bytes, memory["temporaries"], peak_bytes,
-                          devices_here(job.mesh), job.mesh.shape["pipeline"]) | {"compiler": compiler},
+        "fit": step_fit(job, memory) | {"compiler": compiler},
         "compile_s": compile_s,
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory["temporaries"]),

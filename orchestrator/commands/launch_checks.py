@@ -6,14 +6,11 @@ step compiled for the target against its memory (`check_target_fit`, as long as 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from nestor.backend import BackendError
-from nestor.backend.targets import compiler_version, target_devices, target_name
 from nestor.orchestrator.checkpoint.files import checkpoint_dir, finalized_steps
 from nestor.orchestrator.checkpoint.reader import config_differences
 from nestor.orchestrator.config.schema import Config
@@ -21,7 +18,7 @@ from nestor.orchestrator.data.batches import text_files
 from nestor.orchestrator.data.tokens import check_tokenizers, mixture_sources
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.abstract_check import check_abstractly
-from nestor.orchestrator.loader.memory_fit import GIB, fit_report
+from nestor.orchestrator.loader.memory_fit import GIB
 from nestor.orchestrator.specs.registry import resolve_user_code, spec_of
 
 
@@ -75,46 +72,47 @@ def check_before_launch(config: Config) -> None:
 def check_target_fit(config: Config, say: Callable[[str], None]) -> dict | None:
     """Compiles the train step for `cluster.device_kind`'s deviceless devices with the target's own compiler
     (backend.targets) and raises ConfigError when XLA's memory analysis of it, state and temporaries, is
-    more than a device's memory; `say` gets a line before the compile and one after. Returns explain's
-    `fit` entry, or None where nothing was compiled: `cluster.compile_check` false, a target nestor ships no
-    compiler for or its extra not installed here (the train state alone was checked, `check_abstractly`), or
-    `cluster.devices_per_host=-1` (the count is the hosts').
-    This process compiles and runs nothing else, so its jax is kept off any accelerator of this host."""
+    more than a device's memory; `say` gets a line before the compile and one after. A step compiled with a
+    kernel substituted (cuDNN's attention without its wheel, say) is an upper bound: said, never refused.
+    Returns explain's `fit` entry, or None where nothing was compiled: `cluster.compile_check` false, a
+    cluster by address (its hosts read the data the batch is built from), `cluster.devices_per_host=-1`
+    (the count is the hosts'), or a target nestor ships no compiler for or whose extra is not installed here
+    (the train state alone was checked, `check_abstractly`). Its jax is kept on the CPU: this process runs
+    nothing, and on a GPU host jax would claim memory the workers need."""
     import jax
 
-    from nestor.orchestrator.job.build import build_job, devices_here
-    from nestor.orchestrator.job.compiled import memory_per_device, timed_compile
+    from nestor.orchestrator.job.build import build_job, compile_target
+    from nestor.orchestrator.job.compiled import memory_per_device, step_fit, timed_compile
     from nestor.orchestrator.job.state import bytes_text
 
     cluster = config.cluster
-    target = target_name(cluster.device_kind)
-    if not cluster.compile_check or target is None or cluster.devices_per_host == -1:
+    if not cluster.compile_check or cluster.address or cluster.devices_per_host == -1:
         return None
-    if compiler_version(target) is None:
+    target = compile_target(config, present="cpu")
+    if target.devices is None:
         return None
-    if not jax.config.jax_platforms:  # a driver on a GPU host must not claim the workers' GPU memory
-        jax.config.update("jax_platforms", "cpu")
-    try:
-        devices = target_devices(cluster.device_kind, "cpu", cluster.hosts, cluster.devices_per_host,
-                                 math.prod(config.mesh.dcn_shape().values()))
-    except BackendError as error:
-        raise ConfigError([(error.key, error.message)]) from None
+    jax.config.update("jax_platforms", "cpu")
     count = cluster.hosts * cluster.devices_per_host
-    say(f"compile check: {devices.compiler} compiles the step for {count} x {target} "
+    say(f"compile check: {target.compiler} compiles the step for {count} x {target.target} "
         "(cluster.compile_check=false skips it)")
-    job = build_job(config, devices=devices.devices, with_data=False)
+    job = build_job(config, devices=target.devices, with_data=False)
     compiled, seconds = timed_compile(job)
-    memory = memory_per_device(job, compiled)
-    fit = fit_report(config, job.backend, memory["params"] + memory["optimizer"], memory["temporaries"],
-                     memory["peak_estimate"], devices_here(job.mesh), job.mesh.shape["pipeline"])
+    fit = step_fit(job, memory_per_device(job, compiled))
     needs = (f"{bytes_text(fit['total_bytes'])} per device (parameters + optimizer {bytes_text(fit['state_bytes'])}, "
              f"temporaries {bytes_text(fit['temporaries_bytes'])})")
-    if fit["fits"] is False:
-        key = "model.remat" if config.model.remat != "full" else "train.grad_accum"
-        change = "model.remat=full" if key == "model.remat" else "more train.grad_accum"
-        raise ConfigError([(key, f"the step as {devices.compiler} compiles it needs {needs}, more than the "
-                                 f"{fit['device_memory_bytes'] / GIB:g} GiB of {fit['device_kind']}: "
-                                 f"{fit['verdict']}; try {change}, more mesh.fsdp, or `nestor plan` for a layout "
-                                 "that fits (cluster.compile_check=false starts it anyway)")])
-    say(f"compile check: {needs} in {seconds:.0f} s: {fit['verdict']}")
+    substituted = job.backend.compiled_here().substitutions
+    if fit["fits"] is False and not substituted:
+        memory = f"{fit['device_memory_bytes'] / GIB:g} GiB of {fit['device_kind']}"
+        if fit["state_bytes"] > fit["device_memory_bytes"]:
+            key, change = "mesh.fsdp", "shard the state over more devices (mesh.fsdp)"
+        elif config.model.remat != "full":
+            key, change = "model.remat", "model.remat=full, more mesh.fsdp"
+        else:
+            key, change = "train.grad_accum", "more train.grad_accum, more mesh.fsdp"
+        raise ConfigError([(key, f"the step as {target.compiler} compiles it needs {needs}, more than the {memory}: "
+                                 f"{fit['verdict']}; try {change}, or `nestor plan` for a layout that fits "
+                                 "(cluster.compile_check=false starts it anyway)")])
+    bound = f" (an upper bound: {'; '.join(substituted)})" if substituted else ""
+    anyway = "; started anyway: the target's own kernels need less" if fit["fits"] is False else ""
+    say(f"compile check: {needs}{bound} in {seconds:.0f} s: {fit['verdict']}{anyway}")
     return fit

@@ -159,7 +159,8 @@ def train_on_ray(config: Config, console: Console, said: str | None = None) -> i
     Raises cluster.rendezvous.ClusterError (unreachable cluster, too few devices,
     a rank that never joins, more than `cluster.max_failures` failed worker
     groups in a row with no new checkpoint between them) and the workers'
-    own config errors; ConfigError when another run holds run.dir.
+    own config errors; ConfigError when another run holds run.dir, and for a step the target's compiler,
+    where installed here, finds larger than a device's memory (launch_checks.check_target_fit).
     The lock is held here, in the driver, for the whole run: it outlives
     worker-group restarts, and a refused run never starts Ray.
     """

@@ -54,15 +54,16 @@ def select_devices(config: Config) -> list[jax.Device]:
     return selected
 
 
-def compile_target(config: Config) -> TargetDevices:
+def compile_target(config: Config, present: str | None = None) -> TargetDevices:
     """Returns the devices a compile-only command (explain, its fit check) compiles `config` for and the
     compiler's name: the deviceless topology of the target `cluster.device_kind` names, `cluster.hosts` x
     `cluster.devices_per_host` devices, where its compiler is installed (backend.targets), else None (the
-    devices present, `select_devices`). Raises ConfigError for a TPU slice libtpu does not know."""
+    devices present, `select_devices`). `present`: the platform family taken as this process's devices
+    (default: jax's, which opens them). Raises ConfigError for a TPU slice libtpu does not know."""
     cluster = config.cluster
     try:
-        return target_devices(cluster.device_kind, platform_family(jax.devices()[0].platform), cluster.hosts,
-                              cluster.devices_per_host, math.prod(config.mesh.dcn_shape().values()))
+        return target_devices(cluster.device_kind, present or platform_family(jax.devices()[0].platform),
+                              cluster.hosts, cluster.devices_per_host, math.prod(config.mesh.dcn_shape().values()))
     except BackendError as error:
         raise ConfigError([(error.key, error.message)]) from None
 

@@ -10,8 +10,9 @@ import time
 
 import jax
 
-from nestor.orchestrator.job.build import Job, abstract_batch
+from nestor.orchestrator.job.build import Job, abstract_batch, devices_here
 from nestor.orchestrator.job.state import per_device_bytes
+from nestor.orchestrator.loader.memory_fit import fit_report
 from nestor.orchestrator.job.step import make_train_step
 from nestor.parallel.hlo import estimated_flops, float_normalization_flops, flops_by_phase, flops_per_run
 
@@ -113,3 +114,9 @@ def memory_per_device(job: Job, compiled) -> dict[str, int]:
         "peak_estimate": (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
                           + memory.temp_size_in_bytes),
     }
+
+
+def step_fit(job: Job, memory: dict[str, int]) -> dict:
+    """Returns explain's `fit` entry for `job`'s compiled step, whose `memory_per_device` is `memory`."""
+    return fit_report(job.config, job.backend, memory["params"] + memory["optimizer"], memory["temporaries"],
+                      memory["peak_estimate"], devices_here(job.mesh), job.mesh.shape["pipeline"])

@@ -48,8 +48,9 @@ def train_here(config, console: Console) -> int | None:
 
 def check_measurable(config, steps: int) -> None:
     """Raises ConfigError where the plan's candidates cannot be measured here: on a Ray cluster by address
-    (each candidate trains into a temporary run.dir of this machine, which its hosts do not share), where the
-    plan compiles for a target whose devices are not present, or over no more `steps` than the untimed ones."""
+    (each candidate trains into a temporary run.dir of this machine, which its hosts do not share), under
+    Ray on GPUs or TPUs (this process opens them for its compiles, before the workers would), where the plan
+    compiles for a target whose devices are not present, or over no more `steps` than the untimed ones."""
     if steps <= SKIPPED_STEPS:
         raise ConfigError([("--steps", f"{steps}: the first {SKIPPED_STEPS} step is not timed; give more than "
                                        f"{SKIPPED_STEPS}")])
@@ -58,6 +59,10 @@ def check_measurable(config, steps: int) -> None:
                                                "temporary run.dir of this machine, which a cluster's hosts do not "
                                                "see; measure on this machine's devices (no cluster.address) or run "
                                                "nestor plan on a host of the cluster")])
+    if config.cluster.launcher == "ray" and config.cluster.accelerator != "cpu":
+        raise ConfigError([("cluster.launcher", f"ray: --measure under Ray on {config.cluster.accelerator}s would "
+                                                "start workers on the devices the plan's own process holds; add "
+                                                "cluster.launcher=inprocess")])
     target = compile_target(config)
     if target.devices is not None:
         raise ConfigError([("cluster.device_kind", f"{config.cluster.device_kind}: the plan compiles for devices "
@@ -67,10 +72,12 @@ def check_measurable(config, steps: int) -> None:
 
 def measured_config(config, judged: Judged, steps: int, run_dir: Path):
     """Returns the config a candidate is measured with: its settings, `steps` steps each logged, no
-    checkpoint but the last, no evaluation, trace or TensorBoard, in `run_dir`."""
+    checkpoint but the last, no evaluation, trace or TensorBoard, in `run_dir`; under Ray, a failed worker
+    group is not restarted (nor on fewer hosts): its steps would count twice, or on another mesh."""
     return config.replace(**judged.candidate.as_dict(), **{
         "train.steps": steps, "train.log_every": 1, "run.dir": str(run_dir), "checkpoint.every": 0,
-        "eval.every": 0, "profile.start_step": 0, "metrics.tensorboard": False})
+        "eval.every": 0, "profile.start_step": 0, "metrics.tensorboard": False, "cluster.max_failures": 0,
+        "cluster.min_hosts": None})
 
 
 def measure(config, ranked: list[Judged], steps: int, progress: Callable[[str], None] | None = None,
