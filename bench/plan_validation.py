@@ -8,7 +8,7 @@ the plan's #1 over the best measured step (the top-1 ratio), Spearman's rank cor
 measured steps, and how many ranked candidates failed to run. The plan's #1 and the measured best are then
 trained once more, so the host's noise shows beside the ratio.
 
-    python -m bench.plan_validation --out validation.json   # about 50 minutes on 2 cores
+    python -m bench.plan_validation --out validation.json   # about 20 minutes on 2 cores
 
 It prints one row per model, writes its section of docs/plan.md (`--no-write`: print only) and, with
 `--out`, every measurement as JSON; `--from FILE...` prints and writes the table of earlier runs' JSON.

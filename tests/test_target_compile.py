@@ -4,6 +4,7 @@ Nothing here needs a device; without an extra its tests are skipped (CI installs
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from nestor.orchestrator.commands.launch_checks import check_target_fit
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.abstract_check import check_abstractly
 from nestor.orchestrator.job.build import build_job, compile_target
+from nestor.orchestrator.job.compiled import FIGURES_DIR, lower_step
 from nestor.parallel.experts import RAGGED_ALL_TO_ALL
 from nestor.parallel.hlo import collective_lines, collectives
 from tests.helpers import child_env
@@ -82,6 +84,28 @@ def test_a_target_size_the_compiler_cannot_build_names_the_key_to_change(monkeyp
     assert error.value.key == "cluster.devices_per_host"
 
 
+def test_a_deviceless_compiles_figures_are_kept_in_run_compile_cache_and_read_back(tiny_config, tmp_path):
+    # XLA:CPU compiles here what the target's compiler would: the same path, taken for the job's backend
+    config = tiny_config(f"run.compile_cache={tmp_path / 'cache'}", "mesh.data=2", "mesh.fsdp=4")
+    job = build_job(config, with_data=False)
+    job = dataclasses.replace(job, backend=dataclasses.replace(job.backend, deviceless=True))
+    program = lower_step(job).compile()
+    first = compile_step(job)
+    [kept] = (tmp_path / "cache" / FIGURES_DIR).iterdir()
+    again = compile_step(job)
+    assert not first.cached and again.cached and again == dataclasses.replace(first, cached=True)
+    assert again.as_text() == program.as_text() and again.cost_analysis() == program.cost_analysis()
+    assert again.memory_analysis().temp_size_in_bytes == program.memory_analysis().temp_size_in_bytes
+    assert list((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / FIGURES_DIR]  # no entry of JAX's own
+    kept.write_bytes(b"damaged")  # compiled again and written over
+    assert not compile_step(job).cached and compile_step(job).cached
+    other = build_job(config.replace(**{"mesh.data": 4, "mesh.fsdp": 2}), with_data=False)
+    assert not compile_step(dataclasses.replace(other, backend=job.backend)).cached  # another program
+    assert len(list((tmp_path / "cache" / FIGURES_DIR).iterdir())) == 2
+    off = dataclasses.replace(job, config=config.replace(**{"run.compile_cache": None}))
+    assert compile_step(off) == first  # compiled again, kept nowhere
+
+
 @needs_gpu_compile
 def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides_the_fit(tiny_config, monkeypatch):
     import nestor.backend.targets as targets
@@ -103,6 +127,20 @@ def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides
     assert here["flops_counted_by"] == "XLA cost analysis" and here["remat"] == report["remat"] == "dots"
     assert abs(report["flops_per_step"] / here["flops_per_step"] - 1) < 0.05, (report["flops_per_step"],
                                                                                here["flops_per_step"])
+
+
+@needs_gpu_compile
+def test_explain_for_h100s_again_reads_its_figures_from_the_compile_cache_and_reports_the_same(tiny_config, tmp_path,
+                                                                                                recwarn):
+    config = tiny_config(*H100, "mesh.data=8", "model.attention=xla", f"run.compile_cache={tmp_path}")
+    first, again = explain(config), explain(config)
+    assert not first["compile_cached"] and again["compile_cached"]
+    assert "(its figures read from run.compile_cache)" in format_report(again)
+    assert {k: v for k, v in again.items() if not k.startswith("compile_")} == {
+        k: v for k, v in first.items() if not k.startswith("compile_")}
+    # JAX's own cache is not written: its entry of a deviceless compile cannot be read back (a warning)
+    assert [path.name for path in tmp_path.iterdir()] == [FIGURES_DIR]
+    assert not [w for w in recwarn if "persistent compilation cache" in str(w.message)]
 
 
 @needs_gpu_compile
@@ -203,20 +241,26 @@ def test_the_expert_exchange_is_a_ragged_all_to_all_on_h100s(tiny_config):
 
 
 @needs_gpu_compile
-def test_a_plan_for_h100s_ranks_both_expert_exchanges_of_a_dropless_model():
+def test_a_plan_for_h100s_ranks_both_expert_exchanges_of_a_dropless_model(tmp_path, monkeypatch):
     from nestor.orchestrator.loader.config import load
+    from nestor.orchestrator.planning import search as search_module
     from nestor.orchestrator.planning.candidates import free_mesh, pinned_keys
     from nestor.orchestrator.planning.search import RANKED, search
 
     pins = [*H100, *DROPLESS, "mesh.expert=4", "mesh.fsdp=2", "mesh.pipeline=1", "mesh.tensor=1", "mesh.context=1",
             "model.remat=full", "train.grad_accum=1", "optimizer.shard_update=false"]
-    config = load(None, [*TINY, "run.compile_cache=null", *free_mesh(pins), *pins], device_checks=False)
+    config = load(None, [*TINY, f"run.compile_cache={tmp_path}", *free_mesh(pins), *pins], device_checks=False)
     plan = search(config, pinned_keys(pins), budget_s=600)
-    assert plan.compiler.startswith("XLA:GPU") and plan.count(RANKED) == 2
+    assert plan.compiler.startswith("XLA:GPU") and plan.count(RANKED) == 2 and plan.cached == 0
     ranked = {j.candidate.as_dict()["moe.exchange"]: j.predicted for j in plan.ranked}
     assert set(ranked) == {"all_gather", "ragged_all_to_all"}
     # each costed by its own program's collectives (docs/plan.md, "How far to trust it")
     assert ranked["all_gather"]["within_host_s"] != ranked["ragged_all_to_all"]["within_host_s"]
+    # another process plans it again: every compile's figures come from run.compile_cache, the ranking too
+    monkeypatch.setattr(search_module, "_COMPILED", {})
+    again = search(config, pinned_keys(pins), budget_s=600)
+    assert again.compiles == again.cached == plan.compiles == 2
+    assert [(j.candidate, j.predicted) for j in again.ranked] == [(j.candidate, j.predicted) for j in plan.ranked]
 
 
 def gathered_layer_weights(report, hlo: str) -> set[tuple[int, ...]]:

@@ -110,6 +110,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "lora": lora_report(config, job, memory),
         "fit": step_fit(job, memory) | {"compiler": compiler},
         "compile_s": compile_s,
+        "compile_cached": getattr(compiled, "cached", False),  # a deviceless compile's figures, from run.compile_cache
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),
@@ -221,5 +222,6 @@ def format_report(report: dict[str, Any]) -> str:
                f"{counted_note}), of which {report['update_flops_per_step']:.4g} update the state (optimizer, "
                "norms)")
     lines += ["", f"FLOPs per step: {counted}" + (f"; {analytic}" if analytic else ""),
-              f"compiled in {report['compile_s']:.1f} s"]
+              f"compiled in {report['compile_s']:.1f} s"
+              + (" (its figures read from run.compile_cache)" if report.get("compile_cached") else "")]
     return "\n".join(lines + report["warnings"])

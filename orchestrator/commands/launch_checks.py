@@ -114,5 +114,6 @@ def check_target_fit(config: Config, say: Callable[[str], None]) -> dict | None:
                                  "(cluster.compile_check=false starts it anyway)")])
     bound = f" (an upper bound: {'; '.join(substituted)})" if substituted else ""
     anyway = "; started anyway: the target's own kernels need less" if fit["fits"] is False else ""
-    say(f"compile check: {needs}{bound} in {seconds:.0f} s: {fit['verdict']}{anyway}")
+    took = "read from run.compile_cache" if getattr(compiled, "cached", False) else f"in {seconds:.0f} s"
+    say(f"compile check: {needs}{bound} {took}: {fit['verdict']}{anyway}")
     return fit

@@ -39,7 +39,7 @@ class RunConfig:
                    "where nestor runs); one run at a time (run.dir/nestor.lock)")
     seed: int = key(0, "seeds parameters, data order and routing noise", minimum=0, maximum=2**32 - 1)
     compile_cache: str | None = key("~/.cache/nestor/xla", "persistent XLA compilation cache: a rerun or resume "
-                                    "loads the step; null = off")
+                                    "loads the step (a deviceless compile: its figures); null = off")
     hang_timeout_s: float | None = key(None, "seconds a step, save or restore may take on any process before the "
                                        "run stops as hung, stacks in run.dir/hangs/; null = 20 x the median step, "
                                        "at least 600; 0 = never", minimum=0)

@@ -4,9 +4,19 @@ iteration). `nestor explain` reports them; the planner ranks candidates with the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import importlib.metadata
+import json
 import math
+import os
 import re
+import threading
 import time
+import types
+from pathlib import Path
 
 import jax
 
@@ -24,8 +34,101 @@ def lower_step(job: Job, step_fn=None):
 
 
 def compile_step(job: Job):
-    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read)."""
-    return lower_step(job).compile()
+    """Returns the compiled train step for abstract inputs (nothing is allocated, no data is read); for a
+    deviceless target, its figures (`compile_lowered`)."""
+    return compile_lowered(job, lower_step(job))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFigures:
+    """What nestor reads of a step compiled for a target's deviceless topology, read like the compiled step:
+    its HLO text and XLA's cost and memory analyses. `cached`: read from `run.compile_cache`."""
+
+    text: str
+    cost: dict[str, float] | None
+    memory: dict[str, int]
+    cached: bool = False
+
+    @classmethod
+    def of(cls, compiled) -> CompiledFigures:
+        cost = compiled.cost_analysis()
+        if isinstance(cost, (list, tuple)):
+            cost = cost[0]
+        memory = compiled.memory_analysis()
+        return cls(compiled.as_text(), None if cost is None else dict(cost),
+                   {name: int(getattr(memory, name)) for name in MEMORY_ANALYSIS})
+
+    def as_text(self) -> str:
+        return self.text
+
+    def cost_analysis(self) -> dict[str, float] | None:
+        return self.cost
+
+    def memory_analysis(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**self.memory)
+
+
+MEMORY_ANALYSIS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+FIGURES_DIR = "deviceless"  # under run.compile_cache, beside JAX's own entries
+
+
+def compile_lowered(job: Job, lowered):
+    """Returns `lowered`, a step of `job`, compiled; for a target's deviceless topology, `CompiledFigures`.
+
+    JAX's persistent cache cannot load a deviceless executable back (it needs a client of the target's
+    devices), so it is bypassed for these compiles; their figures are kept in `run.compile_cache` instead,
+    under the program, its devices and the compiler's versions and flags, and read back on the next compile
+    of the same program (explain, plan and the launch's compile check run again)."""
+    if not job.backend.deviceless:
+        return lowered.compile()
+    directory = job.config.run.compile_cache
+    path = Path(directory) / FIGURES_DIR / f"{_figures_key(job, lowered)}.json.gz" if directory else None
+    if path is not None and path.is_file():
+        try:
+            return CompiledFigures(**json.loads(gzip.decompress(path.read_bytes())), cached=True)
+        except (OSError, ValueError, TypeError):
+            pass  # damaged or from another nestor: compiled again and written over
+    with _without_jax_cache():
+        figures = CompiledFigures.of(lowered.compile())
+    if path is not None:
+        with contextlib.suppress(OSError):  # a cache is an optimisation: never fail a compile for it
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = {name: value for name, value in dataclasses.asdict(figures).items() if name != "cached"}
+            written = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # plan's threads
+            written.write_bytes(gzip.compress(json.dumps(kept).encode()))
+            written.replace(path)
+    return figures
+
+
+def _figures_key(job: Job, lowered) -> str:
+    """Returns the hash that names a deviceless compile's figures: the lowered program, the devices it is
+    laid out on, the target's description (backend.targets) and the versions and flags of the compilers."""
+    from nestor.backend.targets import GPU_TARGET_DIR, compiler_version, target_name
+
+    target = target_name(job.config.cluster.device_kind)
+    proto = GPU_TARGET_DIR / f"{target}.textproto"
+    # a custom_partitioning call names its Python callbacks by their address in this process (JAX's own cache
+    # key drops it too): the same program lowered in another process differs there alone
+    program = _PARTITIONING_CALLBACKS.sub(r"\1", lowered.as_text())
+    parts = [program, repr([(d.id, d.process_index, d.device_kind, getattr(d, "coords", None))
+                                      for d in job.mesh.devices.flat]),
+             jax.__version__, importlib.metadata.version("jaxlib"), str(target),
+             str(target and compiler_version(target)),
+             os.environ.get("XLA_FLAGS", ""), proto.read_text() if proto.is_file() else ""]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+_PARTITIONING_CALLBACKS = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
+
+
+def _without_jax_cache():
+    """Returns a context in which this thread's compiles skip JAX's persistent cache (its entry for a
+    deviceless compile is written but cannot be read: a warning on every later compile of it)."""
+    try:
+        from jax._src.config import enable_compilation_cache  # a thread's own setting; not public API
+    except ImportError:
+        return contextlib.nullcontext()
+    return enable_compilation_cache(False)
 
 
 def timed_compile(job: Job):
@@ -51,7 +154,7 @@ def counted_step(job: Job, compiled=None):
     lowered = counting_lowered(job)
     if lowered is None:
         return compiled if compiled is not None else compile_step(job)
-    return lowered.compile()
+    return compile_lowered(job, lowered)
 
 
 def cost_flops(compiled) -> float:

@@ -73,7 +73,8 @@ def format_plan(config, plan: Plan, top: int) -> str:
         lines.append("no candidate fits: see the rejections below")
     lines += ["", f"{len(plan.judged)} candidates: {len(plan.ranked)} ranked (one per layout, its fastest rung "
                   f"that fits), {plan.count(DOMINATED)} other rungs of those layouts passed over (slower, or with no "
-                  f"less recompute than one that fits), {plan.compiles} compiles in {plan.elapsed_s:.0f} s"]
+                  f"less recompute than one that fits), {plan.compiles} compiles in {plan.elapsed_s:.0f} s"
+                  + (f" ({plan.cached} read from run.compile_cache)" if plan.cached else "")]
     for verdict in REJECTIONS:
         by_key: dict[str, list[str]] = {}
         for judged in plan.judged:

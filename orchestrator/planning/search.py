@@ -20,8 +20,8 @@ from nestor.cluster.cpu_devices import usable_cores
 from nestor.orchestrator.config.degrees import named_schedule
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import build_job, compile_target, devices_here, select_devices
-from nestor.orchestrator.job.compiled import (counting_lowered, lower_step, memory_per_device, state_bytes,
-                                              target_flops)
+from nestor.orchestrator.job.compiled import (compile_lowered, counting_lowered, lower_step, memory_per_device,
+                                              state_bytes, target_flops)
 from nestor.orchestrator.job.step import pipeline_schedule
 from nestor.orchestrator.loader.memory_fit import GIB, device_memory
 from nestor.orchestrator.planning.candidates import REMAT, Candidate, candidates, rule_problem
@@ -66,6 +66,7 @@ class Plan:
     compiles: int  # steps this search compiled (not those it found compiled already)
     elapsed_s: float
     budget_s: float
+    cached: int = 0  # of `compiles`, deviceless ones whose figures were read from run.compile_cache
 
     @property
     def ranked(self) -> list[Judged]:
@@ -120,8 +121,9 @@ def _compiled_figures(job, lowered, counting, devices: list, device: Device) -> 
     the pipeline's bubble); or `error`, the compiler's refusal in a line. Runs in a compile worker's thread:
     XLA compiles without Python's lock."""
     try:
-        compiled = lowered.compile()
-        per_device = target_flops(job, compiled, counting.compile() if counting is not None else compiled)["per_device"]
+        compiled = compile_lowered(job, lowered)
+        counted = compile_lowered(job, counting) if counting is not None else compiled
+        per_device = target_flops(job, compiled, counted)["per_device"]
         memory = memory_per_device(job, compiled)
         position = {d.id: index for index, d in enumerate(devices)}
         per_host = job.config.cluster.devices_per_host
@@ -131,7 +133,8 @@ def _compiled_figures(job, lowered, counting, devices: list, device: Device) -> 
         return {"error": error_line(error)}
     schedule = pipeline_schedule(job.config, job.mesh)
     predicted |= {"flops_per_device": per_device, "bubble": schedule.bubble_fraction if schedule else 0.0}
-    return {"temporaries": memory["temporaries"], "peak": memory["peak_estimate"], "predicted": predicted}
+    return {"temporaries": memory["temporaries"], "peak": memory["peak_estimate"], "predicted": predicted,
+            "cached": getattr(compiled, "cached", False)}
 
 
 def _built(config, devices: list) -> tuple[Any, tuple[str, str] | None]:
@@ -296,8 +299,10 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
                     _COMPILED[prepared.key] = work.result()
                     judge(_verdict(prepared.candidate, prepared.state, _COMPILED[prepared.key], usable), ladder, rung,
                           bound)
+    compiled_now = list(_COMPILED.values())[compiled_before:]
     return Plan(_fastest_per_layout(judged), device, None if capacity is None else int(capacity), usable,
-                target.compiler, len(_COMPILED) - compiled_before, time.monotonic() - start, budget_s)
+                target.compiler, len(compiled_now), time.monotonic() - start, budget_s,
+                sum(bool(figures.get("cached")) for figures in compiled_now))
 
 
 def _recompute(candidate: Candidate) -> int:
