@@ -10,6 +10,7 @@ of this process every 0.1 s (a process's last sample counts after it exits).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import threading
@@ -21,14 +22,13 @@ _SEEN: dict[tuple[int, float], float] = {}  # (pid, start time) -> its user + sy
 def _sample_forever() -> None:
     import psutil
 
+    from bench.suite_cpu import cpu_since_seen
+
     me = psutil.Process()
     while True:
         for process in [me, *me.children(recursive=True)]:
-            try:
-                times = process.cpu_times()
-                _SEEN[(process.pid, process.create_time())] = times.user + times.system
-            except psutil.Error:
-                pass
+            with contextlib.suppress(psutil.Error):
+                cpu_since_seen(process, _SEEN)
         time.sleep(0.1)
 
 

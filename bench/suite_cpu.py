@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -42,15 +43,22 @@ def kind_of(process: psutil.Process) -> str:
     return next((kind for kind, marks in KINDS if any(mark in words for mark in marks)), f"other: {process.name()}")
 
 
+def cpu_since_seen(process: psutil.Process, seen: dict[tuple[int, float], float]) -> float:
+    """Returns the CPU-seconds (user + system) `process` used since `seen` last recorded it, all of them at
+    first sight, and records them: `seen` is keyed by (pid, start time), so a pid used again is a new process
+    and a process's last sample counts after it exits. Raises psutil.Error for a process that is gone."""
+    key, times = (process.pid, process.create_time()), process.cpu_times()
+    used = times.user + times.system - seen.get(key, 0.0)
+    seen[key] = times.user + times.system
+    return used
+
+
 def sample(command: list[str], every_s: float) -> tuple[dict[str, float], float, int]:
     """Runs `command` and returns (CPU-seconds by kind, its wall seconds, its exit code)."""
     seen: dict[tuple[int, float], float] = {}
     for process in psutil.process_iter():  # what ran before the command counts from now
-        try:
-            times = process.cpu_times()
-            seen[(process.pid, process.create_time())] = times.user + times.system
-        except psutil.Error:
-            pass
+        with contextlib.suppress(psutil.Error):
+            cpu_since_seen(process, seen)
     by_kind: collections.Counter = collections.Counter()
     started = time.monotonic()
     child = subprocess.Popen(command)
@@ -59,13 +67,8 @@ def sample(command: list[str], every_s: float) -> tuple[dict[str, float], float,
         for process in psutil.process_iter():
             if process.pid == os.getpid():
                 continue
-            try:
-                key, times, kind = (process.pid, process.create_time()), process.cpu_times(), kind_of(process)
-            except psutil.Error:
-                continue
-            cpu = times.user + times.system
-            by_kind[kind] += cpu - seen.get(key, 0.0)
-            seen[key] = cpu
+            with contextlib.suppress(psutil.Error):
+                by_kind[kind_of(process)] += cpu_since_seen(process, seen)
         if done:
             return dict(by_kind.most_common()), time.monotonic() - started, child.returncode
         time.sleep(every_s)

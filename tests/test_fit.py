@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import jax
 import pytest
@@ -12,6 +13,7 @@ from nestor.orchestrator.loader.config import load
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.commands.explain import explain, fit_line
 from nestor.orchestrator.job.build import build_job
+from nestor.orchestrator.job.state import param_table
 from nestor.orchestrator.loader.memory_fit import GIB, UNROLLED_ON_CPU, device_memory, table_entry, verdict
 from nestor.orchestrator.job.step import backend_request
 from tests.settings import ROOT
@@ -26,6 +28,20 @@ LLAMA3_8B_FSDP8 = ("configs/quickstart.yaml", "model.preset=llama3-8b", "train.s
 # compile_s measured on 2 cores: quiet, remat=full 2.4 s and none 2.8 s (docs/scaling.md); shared with other work
 # at a load of 10-20, 36-59 s. The bound catches a hang, not a regression.
 COMPILE_BOUND_S = 240
+
+
+# The parameter counts their authors publish: Meta's Llama 3 model cards (8B, 70B) and Mistral's Mixtral
+# 8x7B, as transformers counts them for these configs (untied embeddings; Mixtral's router included).
+PUBLISHED_PARAMETERS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "mixtral-8x7b": 46_702_792_704}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED_PARAMETERS)
+def test_real_size_presets_have_their_published_parameter_counts(preset):
+    experts = ["moe.num_experts=8", "moe.every=1"] if preset.startswith("mixtral") else ["moe.num_experts=0"]
+    config = load(None, [f"model.preset={preset}", *experts, "mesh.data=1", "mesh.fsdp=8", "model.dtype=bfloat16",
+                         "train.global_batch=8", "train.seq_len=32"])
+    job = build_job(config, with_data=False)  # the state's shapes only: nothing of the model's size is allocated
+    assert sum(math.prod(row["shape"]) for row in param_table(job.layout)) == PUBLISHED_PARAMETERS[preset]
 
 
 @pytest.mark.parametrize("kind, entry", [

@@ -1,0 +1,27 @@
+"""bench/suite_cpu.py counts where a command's CPU goes (docs/testing.md's table)."""
+
+import sys
+import time
+
+import psutil
+
+from bench.suite_cpu import cpu_since_seen, kind_of, sample
+
+
+def test_a_process_is_counted_once_from_its_first_sample_and_a_pid_used_again_is_a_new_one():
+    me, seen = psutil.Process(), {}
+    first = cpu_since_seen(me, seen)
+    busy = time.process_time()
+    while time.process_time() - busy < 0.2:
+        pass
+    assert first == seen[(me.pid, me.create_time())] and 0.19 <= cpu_since_seen(me, seen) < 5
+    seen[(me.pid, me.create_time() - 1)] = 1e6  # an earlier process of the same pid
+    assert 0 <= cpu_since_seen(me, seen) < 1
+
+
+def test_a_busy_child_is_counted_under_its_kind_with_its_exit_code():
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\nraise SystemExit(3)"
+    by_kind, wall_s, code = sample([sys.executable, "-c", busy], 0.1)
+    assert code == 3 and wall_s >= 1.0
+    assert by_kind["other Python"] >= 0.8  # the last 0.1 s before its exit may fall between samples
+    assert kind_of(psutil.Process()) in ("pytest", "pytest worker")  # this test's own process
