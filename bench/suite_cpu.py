@@ -31,7 +31,7 @@ KINDS = (
     ("Ray dashboard", ("ray-dashboard", "ray/dashboard", "ray::DashboardAgent")),
     ("Ray daemons", ("gcs_server", "raylet", "log_monitor.py", "monitor.py", "ray::RuntimeEnvAgent",
                      "ray.util.client.server", "bin/ray ")),
-    ("pytest", ("-m pytest",)),
+    ("pytest", ("-m pytest", "bin/pytest ")),
     ("native stacks (py-spy, gdb)", ("py-spy", "gdb")),
     ("other Python", ("python",)),
 )

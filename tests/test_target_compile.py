@@ -5,6 +5,7 @@ Nothing here needs a device; without an extra its tests are skipped (CI installs
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import re
 import subprocess
 import sys
@@ -37,6 +38,12 @@ H100 = ("cluster.device_kind=h100", "model.dtype=bfloat16", "cluster.hosts=1", "
 DROPLESS = ("moe.num_experts=4", "moe.every=1", "moe.top_k=2", "moe.capacity_factor=0", "moe.expert_mlp_dim=128")
 # a Triton GEMM fusion's computation and the dtypes of its dot's two operands
 GEMM_FUSION_OPERANDS = re.compile(r"^%gemm_fusion\S* \(parameter_0\S*: (\w+)\[[^\]]*\], parameter_1\S*: (\w+)\[", re.M)
+
+
+@pytest.fixture
+def tiny_config(tiny_config):
+    """The suite's tiny_config without a compile cache: each test compiles (the cache's own tests name theirs)."""
+    return lambda *overrides, **dotted: tiny_config("run.compile_cache=null", *overrides, **dotted)
 
 
 def compiled_for_target(config):
@@ -96,14 +103,60 @@ def test_a_deviceless_compiles_figures_are_kept_in_run_compile_cache_and_read_ba
     assert not first.cached and again.cached and again == dataclasses.replace(first, cached=True)
     assert again.as_text() == program.as_text() and again.cost_analysis() == program.cost_analysis()
     assert again.memory_analysis().temp_size_in_bytes == program.memory_analysis().temp_size_in_bytes
-    assert list((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / FIGURES_DIR]  # no entry of JAX's own
-    kept.write_bytes(b"damaged")  # compiled again and written over
-    assert not compile_step(job).cached and compile_step(job).cached
+    for damage in (b"damaged", kept.read_bytes()[:-9], gzip.compress(b'{"text": "HloModule"}')):
+        kept.write_bytes(damage)  # not gzip, cut short, no memory analysis: compiled again and written over
+        assert not compile_step(job).cached and compile_step(job).cached
     other = build_job(config.replace(**{"mesh.data": 4, "mesh.fsdp": 2}), with_data=False)
     assert not compile_step(dataclasses.replace(other, backend=job.backend)).cached  # another program
-    assert len(list((tmp_path / "cache" / FIGURES_DIR).iterdir())) == 2
+    assert len(list((tmp_path / "cache" / FIGURES_DIR).iterdir())) == 2  # and no file left half-written
     off = dataclasses.replace(job, config=config.replace(**{"run.compile_cache": None}))
     assert compile_step(off) == first  # compiled again, kept nowhere
+
+
+@pytest.fixture
+def jax_cache(tmp_path):
+    """JAX's persistent cache turned on afresh in tmp_path/jax for every program, as a process with
+    run.compile_cache set has it; yields a function that lists its entries."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        yield lambda: sorted((tmp_path / "jax").glob("*-cache"))
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def test_a_deviceless_compile_writes_no_entry_to_jaxs_cache_which_stays_on_for_the_others(tiny_config, tmp_path,
+                                                                                         jax_cache):
+    import jax
+
+    job = build_job(tiny_config(f"run.compile_cache={tmp_path / 'cache'}", "mesh.data=8"), with_data=False)
+    deviceless = dataclasses.replace(job, backend=dataclasses.replace(job.backend, deviceless=True))
+    compile_step(deviceless)  # the process's first compile: JAX's cache must stay on after it
+    assert jax_cache() == []
+    jax.jit(lambda x: x * 3).lower(1.0).compile()
+    assert len(jax_cache()) == 1
+    compile_step(dataclasses.replace(deviceless, config=job.config.replace(**{"mesh.data": 2, "mesh.fsdp": 4})))
+    assert len(jax_cache()) == 1
+
+
+def test_a_custom_partitioning_calls_callback_address_is_left_out_of_the_figures_key():
+    from nestor.orchestrator.job.compiled import _PARTITIONING_CALLBACKS
+
+    line = ('%54:2 = stablehlo.custom_call @CustomSPMDPartitioning(%36, %52) {api_version = 2 : i32, '
+            'backend_config = "{address}", sdy.sharding_rule = #sdy.op_sharding_rule<([i, j])>}')
+    keys = {_PARTITIONING_CALLBACKS.sub(r"\1", line.replace("{address}", address))
+            for address in ("140483235132048", "140485160795024")}
+    assert keys == {line.replace('"{address}"', "")}
+    other = 'stablehlo.custom_call @Sharding(%1) {backend_config = "12", mhlo.sharding = "{replicated}"}'
+    assert _PARTITIONING_CALLBACKS.sub(r"\1", other) == other
 
 
 @needs_gpu_compile
@@ -131,15 +184,15 @@ def test_explain_for_h100s_compiles_with_xla_gpu_and_its_memory_analysis_decides
 
 @needs_gpu_compile
 def test_explain_for_h100s_again_reads_its_figures_from_the_compile_cache_and_reports_the_same(tiny_config, tmp_path,
-                                                                                                recwarn):
-    config = tiny_config(*H100, "mesh.data=8", "model.attention=xla", f"run.compile_cache={tmp_path}")
+                                                                                                jax_cache, recwarn):
+    config = tiny_config(*H100, "mesh.data=8", "model.attention=xla", f"run.compile_cache={tmp_path / 'cache'}")
     first, again = explain(config), explain(config)
     assert not first["compile_cached"] and again["compile_cached"]
     assert "(its figures read from run.compile_cache)" in format_report(again)
     assert {k: v for k, v in again.items() if not k.startswith("compile_")} == {
         k: v for k, v in first.items() if not k.startswith("compile_")}
     # JAX's own cache is not written: its entry of a deviceless compile cannot be read back (a warning)
-    assert [path.name for path in tmp_path.iterdir()] == [FIGURES_DIR]
+    assert jax_cache() == [] and [path.name for path in (tmp_path / "cache").iterdir()] == [FIGURES_DIR]
     assert not [w for w in recwarn if "persistent compilation cache" in str(w.message)]
 
 
@@ -181,7 +234,8 @@ def test_a_step_compiled_with_a_kernel_substituted_is_an_upper_bound_and_never_r
 def test_nestor_train_refuses_a_step_that_does_not_fit_before_ray_starts(tmp_path):
     from nestor.orchestrator.loader.config import load
 
-    given = (*TINY, *H100, "mesh.data=8", "model.attention=xla", "data.source=synthetic", f"run.dir={tmp_path / 'run'}")
+    given = (*TINY, *H100, "mesh.data=8", "model.attention=xla", "data.source=synthetic", f"run.dir={tmp_path / 'run'}",
+             f"run.compile_cache={tmp_path / 'cache'}")
     fit = check_target_fit(load(None, list(given)), lambda line: None)
     between = f"cluster.device_memory_gb={(fit['state_bytes'] + fit['total_bytes']) / 2 / 2**30:.6f}"
     (tmp_path / "tiny.yaml").write_text("model:\n  preset: tiny\n")  # base.yaml as CONFIG would undo the preset
@@ -191,6 +245,8 @@ def test_nestor_train_refuses_a_step_that_does_not_fit_before_ray_starts(tmp_pat
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     assert "compile check: XLA:GPU" in done.stdout and "model.remat" in done.stderr, done.stderr[-3000:]
     assert "short by" in done.stderr and not (tmp_path / "run").exists(), done.stderr[-3000:]
+    # the command's compile check read the figures this process kept: the same key in another process
+    assert len(list((tmp_path / "cache" / FIGURES_DIR).iterdir())) == 1
 
 
 @needs_gpu_compile
@@ -256,7 +312,7 @@ def test_a_plan_for_h100s_ranks_both_expert_exchanges_of_a_dropless_model(tmp_pa
     assert set(ranked) == {"all_gather", "ragged_all_to_all"}
     # each costed by its own program's collectives (docs/plan.md, "How far to trust it")
     assert ranked["all_gather"]["within_host_s"] != ranked["ragged_all_to_all"]["within_host_s"]
-    # another process plans it again: every compile's figures come from run.compile_cache, the ranking too
+    # planned again, as by another process: every compile's figures come from run.compile_cache, the ranking too
     monkeypatch.setattr(search_module, "_COMPILED", {})
     again = search(config, pinned_keys(pins), budget_s=600)
     assert again.compiles == again.cached == plan.compiles == 2

@@ -15,7 +15,7 @@ from nestor.orchestrator.config.schema import Config
 from nestor.orchestrator.hf.load import checked_reader
 from nestor.orchestrator.job.context_wiring import context_report
 from nestor.orchestrator.job.build import Job, build_job, compile_target, traced_use, unsplit_rows_warning
-from nestor.orchestrator.job.compiled import (MEMORY_PARTS, compile_step, memory_per_device, step_fit,
+from nestor.orchestrator.job.compiled import (MEMORY_PARTS, compile_step, from_cache, memory_per_device, step_fit,
                                               target_flops, timed_compile)
 from nestor.orchestrator.loader.memory_fit import GIB
 from nestor.orchestrator.loop.metrics import spec_text
@@ -110,7 +110,7 @@ def explain(config: Config, job: Job | None = None) -> dict[str, Any]:
         "lora": lora_report(config, job, memory),
         "fit": step_fit(job, memory) | {"compiler": compiler},
         "compile_s": compile_s,
-        "compile_cached": getattr(compiled, "cached", False),  # a deviceless compile's figures, from run.compile_cache
+        "compile_cached": from_cache(compiled),  # a deviceless compile's figures, from run.compile_cache
         "collectives": collectives(compiled.as_text()),
         "pipeline": pipeline_report(job, memory["temporaries"]),
         "dropless_moe": dropless_report(config, job.backend, job.mesh, job.rules),

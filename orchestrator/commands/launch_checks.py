@@ -82,7 +82,7 @@ def check_target_fit(config: Config, say: Callable[[str], None]) -> dict | None:
     import jax
 
     from nestor.orchestrator.job.build import build_job, compile_target
-    from nestor.orchestrator.job.compiled import memory_per_device, step_fit, timed_compile
+    from nestor.orchestrator.job.compiled import from_cache, memory_per_device, step_fit, timed_compile
     from nestor.orchestrator.job.state import bytes_text
 
     cluster = config.cluster
@@ -114,6 +114,6 @@ def check_target_fit(config: Config, say: Callable[[str], None]) -> dict | None:
                                  "(cluster.compile_check=false starts it anyway)")])
     bound = f" (an upper bound: {'; '.join(substituted)})" if substituted else ""
     anyway = "; started anyway: the target's own kernels need less" if fit["fits"] is False else ""
-    took = "read from run.compile_cache" if getattr(compiled, "cached", False) else f"in {seconds:.0f} s"
+    took = "read from run.compile_cache" if from_cache(compiled) else f"in {seconds:.0f} s"
     say(f"compile check: {needs}{bound} {took}: {fit['verdict']}{anyway}")
     return fit

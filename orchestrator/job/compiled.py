@@ -51,84 +51,132 @@ class CompiledFigures:
 
     @classmethod
     def of(cls, compiled) -> CompiledFigures:
-        cost = compiled.cost_analysis()
-        if isinstance(cost, (list, tuple)):
-            cost = cost[0]
+        """Returns the figures of `compiled`, a jax Compiled step."""
+        cost = cost_dict(compiled)
         memory = compiled.memory_analysis()
         return cls(compiled.as_text(), None if cost is None else dict(cost),
                    {name: int(getattr(memory, name)) for name in MEMORY_ANALYSIS})
 
+    @classmethod
+    def read(cls, path: Path) -> CompiledFigures:
+        """Returns the figures `write` kept in `path`; raises OSError where it cannot be read, ValueError
+        where it holds no figures."""
+        data = path.read_bytes()
+        try:
+            kept = json.loads(gzip.decompress(data))
+        except Exception as error:  # noqa: BLE001 - gzip, zlib and json each raise their own
+            raise ValueError(f"{path}: {error}") from None
+        if not (isinstance(kept, dict) and isinstance(kept.get("text"), str) and isinstance(kept.get("memory"), dict)
+                and set(kept["memory"]) == set(MEMORY_ANALYSIS) and isinstance(kept.get("cost"), (dict, type(None)))):
+            raise ValueError(f"{path}: not a deviceless compile's figures")
+        return cls(kept["text"], kept["cost"], kept["memory"], cached=True)
+
+    def write(self, path: Path) -> None:
+        """Keeps the figures in `path`, whole or not at all (a file of its own, then renamed: the plan's
+        compile threads may write at once)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            written.write_bytes(gzip.compress(json.dumps({"text": self.text, "cost": self.cost,
+                                                           "memory": self.memory}).encode()))
+            written.replace(path)
+        finally:
+            written.unlink(missing_ok=True)
+
     def as_text(self) -> str:
+        """Returns the compiled HLO's text, as `Compiled.as_text`."""
         return self.text
 
     def cost_analysis(self) -> dict[str, float] | None:
+        """Returns XLA's cost analysis (None: the compiler has none without the device)."""
         return self.cost
 
     def memory_analysis(self) -> types.SimpleNamespace:
+        """Returns XLA's memory analysis: its argument, output, alias and temp sizes in bytes."""
         return types.SimpleNamespace(**self.memory)
 
 
 MEMORY_ANALYSIS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
 FIGURES_DIR = "deviceless"  # under run.compile_cache, beside JAX's own entries
+FIGURES_FORMAT = 1  # in the key: a change of what is kept leaves earlier entries unread
+
+
+def from_cache(compiled) -> bool:
+    """Returns whether `compiled` (a compiled step, or a deviceless one's figures) was read from the cache."""
+    return isinstance(compiled, CompiledFigures) and compiled.cached
 
 
 def compile_lowered(job: Job, lowered):
     """Returns `lowered`, a step of `job`, compiled; for a target's deviceless topology, `CompiledFigures`.
+    Raises what XLA raises for a program it refuses.
 
     JAX's persistent cache cannot load a deviceless executable back (it needs a client of the target's
-    devices), so it is bypassed for these compiles; their figures are kept in `run.compile_cache` instead,
-    under the program, its devices and the compiler's versions and flags, and read back on the next compile
-    of the same program (explain, plan and the launch's compile check run again)."""
+    devices): these compiles write no entry of JAX's, and their figures are kept in `run.compile_cache`
+    instead, under the program, its devices, the target and what configures its compiler (`_figures_key`),
+    and read back on the next compile of the same program (explain, plan and the launch's compile check run
+    again). A file that holds no figures is compiled again and written over."""
     if not job.backend.deviceless:
         return lowered.compile()
     directory = job.config.run.compile_cache
     path = Path(directory) / FIGURES_DIR / f"{_figures_key(job, lowered)}.json.gz" if directory else None
-    if path is not None and path.is_file():
-        try:
-            return CompiledFigures(**json.loads(gzip.decompress(path.read_bytes())), cached=True)
-        except (OSError, ValueError, TypeError):
-            pass  # damaged or from another nestor: compiled again and written over
-    with _without_jax_cache():
+    if path is not None:
+        with contextlib.suppress(OSError, ValueError):  # none there, or none to read: compiled below
+            return CompiledFigures.read(path)
+    with _no_jax_cache_entry():
         figures = CompiledFigures.of(lowered.compile())
     if path is not None:
         with contextlib.suppress(OSError):  # a cache is an optimisation: never fail a compile for it
-            path.parent.mkdir(parents=True, exist_ok=True)
-            kept = {name: value for name, value in dataclasses.asdict(figures).items() if name != "cached"}
-            written = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # plan's threads
-            written.write_bytes(gzip.compress(json.dumps(kept).encode()))
-            written.replace(path)
+            figures.write(path)
     return figures
 
 
+# The jax settings that configure XLA's compile (compiler.get_compile_options) without showing in the lowered
+# program; those a jax version lacks are left out.
+_COMPILE_SETTINGS = ("jax_compiler_enable_remat_pass", "jax_optimization_level", "jax_memory_fitting_level",
+                     "jax_exec_time_optimization_effort", "jax_memory_fitting_effort",
+                     "jax_disable_most_optimizations")
+# XLA_FLAGS only XLA:CPU reads (configure_jax's devices and collective timeouts): explain and the launch's
+# driver key the same program alike
+_CPU_ONLY_FLAGS = re.compile(r"--xla_force_host_platform_device_count=\S+|--xla_cpu_\S+")
+# a custom_partitioning call names its Python callbacks by their address in this process (JAX's own cache key
+# drops it too): the same program lowered in another process differs there alone
+_PARTITIONING_CALLBACKS = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
+
+
 def _figures_key(job: Job, lowered) -> str:
-    """Returns the hash that names a deviceless compile's figures: the lowered program, the devices it is
-    laid out on, the target's description (backend.targets) and the versions and flags of the compilers."""
+    """Returns the hash that names a deviceless compile's figures: the lowered program, the devices it is laid
+    out on, the target's description (backend.targets), the versions of jax, jaxlib, the target's compiler and
+    cuDNN, and the settings and flags its compiler reads."""
     from nestor.backend.targets import GPU_TARGET_DIR, compiler_version, target_name
 
     target = target_name(job.config.cluster.device_kind)
     proto = GPU_TARGET_DIR / f"{target}.textproto"
-    # a custom_partitioning call names its Python callbacks by their address in this process (JAX's own cache
-    # key drops it too): the same program lowered in another process differs there alone
-    program = _PARTITIONING_CALLBACKS.sub(r"\1", lowered.as_text())
-    parts = [program, repr([(d.id, d.process_index, d.device_kind, getattr(d, "coords", None))
-                                      for d in job.mesh.devices.flat]),
-             jax.__version__, importlib.metadata.version("jaxlib"), str(target),
-             str(target and compiler_version(target)),
-             os.environ.get("XLA_FLAGS", ""), proto.read_text() if proto.is_file() else ""]
+    settings = {name: getattr(jax.config, name) for name in _COMPILE_SETTINGS if hasattr(jax.config, name)}
+    devices = [(d.id, d.process_index, d.device_kind, getattr(d, "coords", None)) for d in job.mesh.devices.flat]
+    parts = [str(FIGURES_FORMAT), _PARTITIONING_CALLBACKS.sub(r"\1", lowered.as_text()), repr(devices),
+             jax.__version__, _version("jaxlib"), _version("nvidia-cudnn-cu12"), str(target),
+             str(target and compiler_version(target)), repr(sorted(settings.items())),
+             " ".join(_CPU_ONLY_FLAGS.sub("", os.environ.get("XLA_FLAGS", "")).split()),
+             os.environ.get("LIBTPU_INIT_ARGS", ""),
+             proto.read_text() if proto.is_file() else ""]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-_PARTITIONING_CALLBACKS = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_config = )"\d+"')
-
-
-def _without_jax_cache():
-    """Returns a context in which this thread's compiles skip JAX's persistent cache (its entry for a
-    deviceless compile is written but cannot be read: a warning on every later compile of it)."""
+def _version(package: str) -> str:
+    """Returns the installed version of `package`, or "" where it is not installed."""
     try:
-        from jax._src.config import enable_compilation_cache  # a thread's own setting; not public API
-    except ImportError:
-        return contextlib.nullcontext()
-    return enable_compilation_cache(False)
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _no_jax_cache_entry():
+    """Returns a context in which this thread's compiles write no entry to JAX's persistent cache (its entry
+    for a deviceless compile is written but cannot be read: a warning on every later compile of it). JAX's
+    cache itself stays on: a process decides that once, at its first compile."""
+    from jax._src import config  # a thread's own setting; not public API
+
+    return config.persistent_cache_min_compile_time_secs(math.inf)
 
 
 def timed_compile(job: Job):
@@ -157,16 +205,20 @@ def counted_step(job: Job, compiled=None):
     return compile_lowered(job, lowered)
 
 
+def cost_dict(compiled) -> dict[str, float] | None:
+    """Returns XLA's cost analysis of `compiled` as one dict (some jax versions give a list of one), or None
+    where the compiler has none."""
+    cost = compiled.cost_analysis()
+    return cost[0] if isinstance(cost, (list, tuple)) else cost
+
+
 def cost_flops(compiled) -> float:
     """Returns XLA's FLOP count for one run of `compiled` (per device, as XLA reports it).
 
     XLA counts a loop body once, whatever its trip count: `step_flops` counts
     it once per iteration.
     """
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost.get("flops", math.nan))
+    return float(cost_dict(compiled).get("flops", math.nan))
 
 
 def step_flops(compiled) -> float:

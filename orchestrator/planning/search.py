@@ -20,8 +20,8 @@ from nestor.cluster.cpu_devices import usable_cores
 from nestor.orchestrator.config.degrees import named_schedule
 from nestor.orchestrator.errors import ConfigError
 from nestor.orchestrator.job.build import build_job, compile_target, devices_here, select_devices
-from nestor.orchestrator.job.compiled import (compile_lowered, counting_lowered, lower_step, memory_per_device,
-                                              state_bytes, target_flops)
+from nestor.orchestrator.job.compiled import (compile_lowered, counting_lowered, from_cache, lower_step,
+                                              memory_per_device, state_bytes, target_flops)
 from nestor.orchestrator.job.step import pipeline_schedule
 from nestor.orchestrator.loader.memory_fit import GIB, device_memory
 from nestor.orchestrator.planning.candidates import REMAT, Candidate, candidates, rule_problem
@@ -63,7 +63,7 @@ class Plan:
     device_memory_bytes: int | None
     usable_bytes: int | None
     compiler: str
-    compiles: int  # steps this search compiled (not those it found compiled already)
+    compiles: int  # candidates this search compiled, their figures read from run.compile_cache included
     elapsed_s: float
     budget_s: float
     cached: int = 0  # of `compiles`, deviceless ones whose figures were read from run.compile_cache
@@ -134,7 +134,7 @@ def _compiled_figures(job, lowered, counting, devices: list, device: Device) -> 
     schedule = pipeline_schedule(job.config, job.mesh)
     predicted |= {"flops_per_device": per_device, "bubble": schedule.bubble_fraction if schedule else 0.0}
     return {"temporaries": memory["temporaries"], "peak": memory["peak_estimate"], "predicted": predicted,
-            "cached": getattr(compiled, "cached", False)}
+            "cached": from_cache(compiled)}
 
 
 def _built(config, devices: list) -> tuple[Any, tuple[str, str] | None]:
