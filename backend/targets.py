@@ -65,22 +65,33 @@ def _extra(target: str) -> tuple[str, str]:
     return ("tpu-compile", TPU_PACKAGE) if target in TPU_SLICES else ("gpu-compile", GPU_PACKAGE)
 
 
-def compiler_version(target: str) -> str | None:
-    """Returns the version of `target`'s compiler package when installed, else None."""
+def installed_version(package: str) -> str | None:
+    """Returns the installed version of `package`, else None."""
     try:
-        return importlib.metadata.version(_extra(target)[1])
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def compiler_version(target: str) -> str | None:
+    """Returns the version of `target`'s compiler package when installed, else None."""
+    return installed_version(_extra(target)[1])
 
 
 @functools.cache
 def cudnn_installed() -> bool:
     """Whether cuDNN's wheel is installed: deviceless XLA:GPU lowers cuDNN's attention only with it (it asks
     the library for its version)."""
-    try:
-        return bool(importlib.metadata.version(CUDNN_PACKAGE))
-    except importlib.metadata.PackageNotFoundError:
-        return False
+    return bool(installed_version(CUDNN_PACKAGE))
+
+
+def compiler_identity(device_kind: str | None) -> str:
+    """Returns what names the compiler of a deviceless compile for `device_kind` beside its program (a key
+    of kept figures): the shipped target, its compiler's and cuDNN's versions, and a GPU target's description."""
+    target = target_name(device_kind)
+    proto = GPU_TARGET_DIR / f"{target}.textproto"
+    return "\0".join([str(target), str(target and compiler_version(target)), str(installed_version(CUDNN_PACKAGE)),
+                       proto.read_text() if target and proto.is_file() else ""])
 
 
 def standing_in(target: str) -> str:

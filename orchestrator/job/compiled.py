@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import gzip
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -145,29 +144,17 @@ _PARTITIONING_CALLBACKS = re.compile(r'(@CustomSPMDPartitioning\(.*?backend_conf
 
 def _figures_key(job: Job, lowered) -> str:
     """Returns the hash that names a deviceless compile's figures: the lowered program, the devices it is laid
-    out on, the target's description (backend.targets), the versions of jax, jaxlib, the target's compiler and
-    cuDNN, and the settings and flags its compiler reads."""
-    from nestor.backend.targets import GPU_TARGET_DIR, compiler_version, target_name
+    out on, the versions of jax and jaxlib, the target's compiler (backend.targets.compiler_identity), and the
+    settings and flags its compiler reads."""
+    from nestor.backend.targets import compiler_identity, installed_version
 
-    target = target_name(job.config.cluster.device_kind)
-    proto = GPU_TARGET_DIR / f"{target}.textproto"
     settings = {name: getattr(jax.config, name) for name in _COMPILE_SETTINGS if hasattr(jax.config, name)}
     devices = [(d.id, d.process_index, d.device_kind, getattr(d, "coords", None)) for d in job.mesh.devices.flat]
     parts = [str(FIGURES_FORMAT), _PARTITIONING_CALLBACKS.sub(r"\1", lowered.as_text()), repr(devices),
-             jax.__version__, _version("jaxlib"), _version("nvidia-cudnn-cu12"), str(target),
-             str(target and compiler_version(target)), repr(sorted(settings.items())),
-             " ".join(_CPU_ONLY_FLAGS.sub("", os.environ.get("XLA_FLAGS", "")).split()),
-             os.environ.get("LIBTPU_INIT_ARGS", ""),
-             proto.read_text() if proto.is_file() else ""]
+             jax.__version__, str(installed_version("jaxlib")), compiler_identity(job.config.cluster.device_kind),
+             repr(sorted(settings.items())), " ".join(_CPU_ONLY_FLAGS.sub("", os.environ.get("XLA_FLAGS", "")).split()),
+             os.environ.get("LIBTPU_INIT_ARGS", "")]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
-
-
-def _version(package: str) -> str:
-    """Returns the installed version of `package`, or "" where it is not installed."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 def _no_jax_cache_entry():
