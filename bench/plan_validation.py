@@ -3,12 +3,15 @@
 For each model on 8 simulated CPU devices (1 host x 8, in this process), `nestor plan`'s search ranks every
 candidate of a space bounded by pins (the KEY=VALUE pins `nestor plan` takes), with a budget that leaves none
 undecided; then every ranked candidate is trained for a few steps as `nestor plan --measure` trains them
-(orchestrator/planning/measure.py: the median step past the first). Per model it reports the measured step of
-the plan's #1 over the best measured step (the top-1 ratio), Spearman's rank correlation of the predicted and
-measured steps, and how many ranked candidates failed to run. The plan's #1 and the measured best are then
-trained once more, so the host's noise shows beside the ratio.
+(orchestrator/planning/measure.py: the median step past the first), in `--rounds` rounds, each round through
+every candidate, in the search's order and then in reverse, so a slow spell of the host falls on all of them
+alike. A candidate's measured step is the median of its rounds. Per model it reports the measured step of the
+plan's #1 over the best measured step (the top-1 ratio), that ratio in each round, Spearman's rank correlation
+of the predicted and measured steps, how many ranked candidates failed to run, and the spread of the #1's and
+the best's rounds (the host's noise beside the ratio). The rounds after the first load the steps compiled in
+the first from a compilation cache of the run's own.
 
-    python -m bench.plan_validation --out validation.json   # about 20 minutes on 2 cores
+    python -m bench.plan_validation --out validation.json   # about 50 minutes on 2 cores
 
 It prints one row per model, writes its section of docs/plan.md (`--no-write`: print only) and, with
 `--out`, every measurement as JSON; `--from FILE...` prints and writes the table of earlier runs' JSON.
@@ -24,6 +27,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,8 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAN_DOC = ROOT / "docs" / "plan.md"
 MODELS_DOC = ROOT / "docs" / "models.md"
 DEVICES = 8
-SIMULATED = ("cluster.launcher=inprocess", "cluster.hosts=1", f"cluster.devices_per_host={DEVICES}",
-             "run.compile_cache=null")
+SIMULATED = ("cluster.launcher=inprocess", "cluster.hosts=1", f"cluster.devices_per_host={DEVICES}")
 ONE_RUNG = ("model.remat=none", "train.grad_accum=1", "optimizer.shard_update=false")  # one rung per layout
 TARGET_RATIO = 1.10
 
@@ -74,7 +77,7 @@ CASES = (
     Case("user model", USER_MODEL, (), ("mesh.pipeline=1",)),
     Case("GShard enc-dec", "configs/gshard-m4.yaml", (), ("mesh.pipeline=1",)),  # last: the longest compiles
 )
-COLUMNS = ("model", "ranked", "top-1 ratio", "Spearman rho", "failed", "top-1 ratio again", "#1 again", "best again",
+COLUMNS = ("model", "ranked", "top-1 ratio", "by round", "Spearman rho", "failed", "#1's rounds", "best's rounds",
            "s")
 
 
@@ -98,13 +101,14 @@ def spearman(first, second) -> float:
 
 
 @contextlib.contextmanager
-def loaded(case: Case):
-    """Yields `case`'s config as `nestor plan` loads it (`load_for_plan`). The user model's files are written
-    from docs/models.md into a temporary directory, nestor's user code directory while it is used."""
+def loaded(case: Case, more: list[str]):
+    """Yields `case`'s config as `nestor plan` loads it (`load_for_plan`), with the overrides `more`. The user
+    model's files are written from docs/models.md into a temporary directory, nestor's user code directory
+    while it is used."""
     from nestor.cluster.connect import USER_CODE_ENV
     from nestor.orchestrator.planning.candidates import load_for_plan
 
-    overrides = case.overrides
+    overrides = [*case.overrides, *more]
     with tempfile.TemporaryDirectory(prefix="nestor-plan-validation-") as directory:
         path = None if case.config is None else str(ROOT / case.config)
         before = os.environ.get(USER_CODE_ENV)
@@ -133,68 +137,71 @@ def _write_user_model(directory: Path) -> Path:
     return directory / "my.yaml"
 
 
-def validate(case: Case, steps: int, budget_s: float, say, command: str = "") -> dict:
-    """Returns `case`'s record (`_record`): its search, every ranked candidate trained `steps` steps, then the
-    plan's #1 and the measured best trained once more; `say` is told each candidate."""
+def validate(case: Case, steps: int, rounds: int, budget_s: float, cache: str, say, command: str = "") -> dict:
+    """Returns `case`'s record (`_record`): its search, then every ranked candidate trained `steps` steps in each
+    of `rounds` rounds (the search's order, then the reverse, and so on); `say` is told each candidate. Steps
+    compile into `cache` (a run.compile_cache), so a candidate compiles in its first round only."""
     from nestor.orchestrator.planning.candidates import pinned_keys
     from nestor.orchestrator.planning.measure import measure
     from nestor.orchestrator.planning.search import search
 
     start = time.monotonic()
-    with loaded(case) as config:
+    with loaded(case, [f"run.compile_cache={cache}"]) as config:
         plan = search(config, pinned_keys(case.overrides), budget_s, lambda line: say(f"{case.name}: planning {line}"))
-        measured = measure(config, plan.ranked, steps, lambda line: say(f"{case.name}: measuring {line}"))
-        again_of = []
-        if measured and measured[0].step_s is not None:  # fastest first: the measured best
-            again_of = list({id(j): j for j in (plan.ranked[0], measured[0].judged)}.values())
-        again = measure(config, again_of, steps, lambda line: say(f"{case.name}: again {line}"))
-    return _record(case, plan, measured, again) | {"command": command, "steps": steps,
-                                                   "seconds": time.monotonic() - start}
+        measured = []
+        for index in range(rounds):
+            order = plan.ranked if index % 2 == 0 else plan.ranked[::-1]
+            measured.append(measure(config, order, steps,
+                                    lambda line, i=index: say(f"{case.name}: round {i + 1}/{rounds} {line}")))
+    return _record(case, plan, measured) | {"command": command, "steps": steps, "rounds": rounds,
+                                            "seconds": time.monotonic() - start}
 
 
-def _record(case: Case, plan, measured: list, again: list) -> dict:
+def _record(case: Case, plan, rounds: list[list]) -> dict:
     """Returns what a case's search and runs found, as JSON: the search's verdicts and what it did not rank,
-    each ranked candidate's predicted and measured step (fastest predicted first), and the second runs."""
+    and each ranked candidate's predicted step and its step in each round (fastest predicted first); its
+    measured step is the median of its rounds, None where a round failed (the first error kept)."""
     from nestor.orchestrator.planning.candidates import pinned_keys
     from nestor.orchestrator.planning.search import DOMINATED, RANKED, label
 
-    by_judged = {id(m.judged): m for m in measured}
-    candidates = [{"settings": label(j.candidate), "predicted_s": j.predicted["step_s"],
-                   "compute_s": j.predicted["compute_s"],
-                   "communication_s": j.predicted["within_host_s"] + j.predicted["across_hosts_s"],
-                   "measured_s": by_judged[id(j)].step_s, "error": by_judged[id(j)].error} for j in plan.ranked]
+    by_round = [{id(m.judged): m for m in measured} for measured in rounds]
+    candidates = []
+    for j in plan.ranked:
+        runs = [found[id(j)] for found in by_round]
+        errors = [m.error for m in runs if m.error is not None]
+        steps = [m.step_s for m in runs]
+        candidates.append({"settings": label(j.candidate), "predicted_s": j.predicted["step_s"],
+                           "compute_s": j.predicted["compute_s"],
+                           "communication_s": j.predicted["within_host_s"] + j.predicted["across_hosts_s"],
+                           "rounds_s": steps, "measured_s": None if errors else statistics.median(steps),
+                           "error": errors[0] if errors else None})
     return {"model": case.name, "config": case.config, "size": case.size, "bound": case.bound,
             "pins": sorted(pinned_keys(case.overrides)), "verdicts": dict(Counter(j.verdict for j in plan.judged)),
             "rejections": [{"settings": label(j.candidate), "verdict": j.verdict, "reason": j.reason}
                            for j in plan.judged if j.verdict not in (RANKED, DOMINATED)],
-            "compiles": plan.compiles, "search_s": plan.elapsed_s, "candidates": candidates,
-            "again": [{"settings": label(m.judged.candidate), "measured_s": m.step_s, "error": m.error}
-                      for m in again]}
+            "compiles": plan.compiles, "search_s": plan.elapsed_s, "candidates": candidates}
 
 
 def summary(record: dict) -> dict:
     """Returns a record's figures: ranked candidates, the top-1 ratio (the plan's #1's measured step over the
-    best measured one), Spearman's rho, failures, undecided candidates, and the same ratio and each repeat
-    over its first measurement from the second runs."""
+    best measured one) overall and in each round, Spearman's rho, failures, undecided candidates, and the
+    spread (slowest round over fastest) of the #1's and the best's rounds."""
     ran = [c for c in record["candidates"] if c["measured_s"] is not None]
     best = min(ran, key=lambda c: c["measured_s"], default=None)
     first = record["candidates"][0] if record["candidates"] else None
-    again = {a["settings"]: a["measured_s"] for a in record["again"]}
-    ratio = again_ratio = None
+    ratio, by_round = None, []
     if best and first["measured_s"] is not None:
         ratio = first["measured_s"] / best["measured_s"]
-        if again.get(first["settings"]) and again.get(best["settings"]):
-            again_ratio = again[first["settings"]] / again[best["settings"]]
+        by_round = [first["rounds_s"][i] / min(c["rounds_s"][i] for c in ran) for i in range(len(first["rounds_s"]))]
 
-    def repeat(candidate):
-        measured = again.get(candidate["settings"]) if candidate else None
-        return None if measured is None or candidate["measured_s"] is None else measured / candidate["measured_s"]
+    def spread(candidate):
+        return None if candidate is None or candidate["measured_s"] is None else \
+            max(candidate["rounds_s"]) / min(candidate["rounds_s"])
 
-    return {"ranked": len(record["candidates"]), "ratio": ratio,
+    return {"ranked": len(record["candidates"]), "ratio": ratio, "by_round": by_round,
             "rho": spearman([c["predicted_s"] for c in ran], [c["measured_s"] for c in ran]),
             "failed": len(record["candidates"]) - len(ran), "undecided": record["verdicts"].get("undecided", 0),
-            "again_ratio": again_ratio, "first_again": repeat(first), "best_again": repeat(best),
-            "seconds": record["seconds"]}
+            "first_spread": spread(first), "best_spread": spread(best), "seconds": record["seconds"]}
 
 
 def _figure(value, form: str) -> str:
@@ -207,9 +214,10 @@ def table(records: list[dict]) -> str:
     for record in records:
         s = summary(record)
         ranked = f"{s['ranked']}" + (f" ({s['undecided']} undecided)" if s["undecided"] else "")
-        rows.append((record["model"], ranked, _figure(s["ratio"], ".2f"), _figure(s["rho"], ".2f"), str(s["failed"]),
-                     _figure(s["again_ratio"], ".2f"), _figure(s["first_again"], ".2f"),
-                     _figure(s["best_again"], ".2f"), f"{s['seconds']:.0f}"))
+        by_round = " ".join(_figure(r, ".2f") for r in s["by_round"]) or "n/a"
+        rows.append((record["model"], ranked, _figure(s["ratio"], ".2f"), by_round, _figure(s["rho"], ".2f"),
+                     str(s["failed"]), _figure(s["first_spread"], ".2f"), _figure(s["best_spread"], ".2f"),
+                     f"{s['seconds']:.0f}"))
     lines = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -219,10 +227,11 @@ def candidates_table(record: dict) -> str:
     did not rank and why."""
     sized = " ".join([record["config"] or "(the defaults)", *record["size"]])
     lines = [f"**{record['model']}**: `{sized}`, pinned `{' '.join(record['bound'])}`", "",
-             "| # | settings | predicted ms | measured ms |", "|---:|---|---:|---:|"]
+             "| # | settings | predicted ms | measured ms | rounds ms |", "|---:|---|---:|---:|---|"]
     for index, c in enumerate(record["candidates"], 1):
         measured = f"{c['measured_s'] * 1e3:.1f}" if c["measured_s"] is not None else f"failed: {c['error']}"
-        lines.append(f"| {index} | {c['settings']} | {c['predicted_s'] * 1e3:.1f} | {measured} |")
+        rounds = " ".join("failed" if r is None else f"{r * 1e3:.1f}" for r in c["rounds_s"])
+        lines.append(f"| {index} | {c['settings']} | {c['predicted_s'] * 1e3:.1f} | {measured} | {rounds} |")
     if record["rejections"]:
         lines += ["", "Not ranked:", *(f"- {r['settings']} ({r['verdict']}: {r['reason']})" for r in record["rejections"])]
     return "\n".join(lines)
@@ -234,7 +243,8 @@ def write_markdown(records: list[dict]) -> None:
     meeting = sum((summary(r)["ratio"] or math.inf) <= TARGET_RATIO for r in records)
     commands = "; ".join(f"`{command}`" for command in dict.fromkeys(r["command"] for r in records))
     lines = [f"Measured by {commands} ({provenance()}; 2-core CPU, {DEVICES} simulated devices as 1 host x "
-             f"{DEVICES}, in one process; {records[0]['steps']} steps per candidate, the median past the first; "
+             f"{DEVICES}, in one process; {records[0]['steps']} steps per candidate and round, the median past the "
+             f"first; {records[0]['rounds']} rounds, the median of them; "
              f"every model also pinned `{' '.join(ONE_RUNG)}`).",
              "", table(records), "",
              f"Top-1 ratio at most {TARGET_RATIO:.2f}: {meeting} of {len(records)} models.", "",
@@ -246,7 +256,8 @@ def write_markdown(records: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Runs the validation (or reads earlier runs' JSON with --from), prints the table; returns 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="steps per candidate; the first is not timed")
+    parser.add_argument("--steps", type=int, default=10, help="steps per candidate and round; the first is not timed")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds through every candidate; the median counts")
     parser.add_argument("--budget-s", type=float, default=3600.0, help="each search's budget (none undecided)")
     parser.add_argument("--models", nargs="+", choices=[case.name for case in CASES], help="a subset (default: all)")
     parser.add_argument("--out", type=Path, help="write every measurement here as JSON")
@@ -274,13 +285,14 @@ def run(args, command: str) -> list[dict]:
     from nestor.orchestrator.job.processes import configure_jax
 
     cases = [case for case in CASES if not args.models or case.name in args.models]
-    with loaded(cases[0]) as config:
-        configure_jax(config)
     records = []
-    for case in cases:
-        records.append(validate(case, args.steps, args.budget_s, _say, command))
-        if args.out:
-            args.out.write_text(json.dumps(records, indent=1))
+    with tempfile.TemporaryDirectory(prefix="nestor-plan-validation-cache-") as cache:
+        with loaded(cases[0], [f"run.compile_cache={cache}"]) as config:
+            configure_jax(config)
+        for case in cases:
+            records.append(validate(case, args.steps, args.rounds, args.budget_s, cache, _say, command))
+            if args.out:
+                args.out.write_text(json.dumps(records, indent=1))
     return records
 
 

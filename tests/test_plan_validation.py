@@ -1,5 +1,5 @@
 """bench/plan_validation.py's figures: Spearman's rho with tied ranks, and a model's top-1 ratio, failures and
-repeats from its record."""
+rounds from its record."""
 
 import math
 
@@ -18,16 +18,18 @@ def test_ties_share_their_mean_rank_and_rho_matches_scipys_values():
     assert math.isnan(spearman([1], [2])) and math.isnan(spearman([1, 2], [5, 5]))
 
 
-def test_the_top1_ratio_is_the_predicted_firsts_measured_step_over_the_best_and_failures_are_counted():
-    def candidate(settings, predicted_s, measured_s):
-        return {"settings": settings, "predicted_s": predicted_s, "measured_s": measured_s,
-                "error": None if measured_s else "RuntimeError: no"}
+def test_the_top1_ratio_is_the_predicted_firsts_median_step_over_the_best_and_each_round_has_its_own():
+    def candidate(settings, predicted_s, rounds_s):
+        failed = None in rounds_s
+        return {"settings": settings, "predicted_s": predicted_s, "rounds_s": rounds_s,
+                "measured_s": None if failed else sorted(rounds_s)[1], "error": "RuntimeError: no" if failed else None}
 
-    record = {"candidates": [candidate("a", 1.0, 0.6), candidate("b", 2.0, 0.5), candidate("c", 3.0, None)],
-              "again": [{"settings": "a", "measured_s": 0.66}, {"settings": "b", "measured_s": 0.6}],
+    record = {"candidates": [candidate("a", 1.0, [0.6, 0.66, 0.5]), candidate("b", 2.0, [0.5, 0.6, 0.55]),
+                             candidate("c", 3.0, [0.4, None, 0.4])],
               "verdicts": {"ranked": 3, "undecided": 2}, "seconds": 9.0}
     figures = summary(record)
-    assert figures["ratio"] == pytest.approx(0.6 / 0.5) and figures["again_ratio"] == pytest.approx(0.66 / 0.6)
+    assert figures["ratio"] == pytest.approx(0.6 / 0.55)  # medians; c failed a round, so it does not count
+    assert figures["by_round"] == pytest.approx([0.6 / 0.5, 0.66 / 0.6, 0.5 / 0.5])
     assert figures["rho"] == pytest.approx(-1.0)  # over the two that ran
     assert (figures["failed"], figures["undecided"], figures["ranked"]) == (1, 2, 3)
-    assert figures["first_again"] == pytest.approx(1.1) and figures["best_again"] == pytest.approx(1.2)
+    assert figures["first_spread"] == pytest.approx(0.66 / 0.5) and figures["best_spread"] == pytest.approx(0.6 / 0.5)

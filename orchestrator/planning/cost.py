@@ -1,9 +1,10 @@
 """The cost model: a candidate's predicted step time from its compiled step. Compute is XLA's FLOPs per
 device over the FLOP/s the device reaches (peak x calibrated efficiency); a pipeline's bubble is in those
 FLOPs already (every stage computes on every tick, idle ticks included), and so is remat's recompute.
-Communication is each collective of the compiled HLO, the bytes a device sends over the bandwidth of the
-links its group crosses (within a host, or across hosts when any group spans two). No overlap of the two is
-assumed: the efficiency was measured on one device, where no collective ran."""
+Communication is each collective of the compiled HLO as a ring (Hockney's alpha-beta model): a latency per
+ring step plus the bytes a device sends over the bandwidth of the links its group crosses (within a host, or
+across hosts when any group spans two). No overlap of the two is assumed: the efficiency was measured on one
+device, where no collective ran."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def sent_bytes(op: CollectiveOp, group_size: int) -> float:
             "reduce-scatter": (group_size - 1) * op.bytes, "all-to-all": share * op.bytes}[op.kind]
 
 
+def ring_steps(op: CollectiveOp, group_size: int) -> int:
+    """Returns the steps of `op` as a ring of `group_size` devices, each paying the link's latency once: an
+    all-reduce is a reduce-scatter and an all-gather, n-1 steps each; a collective-permute is one."""
+    if op.kind == "collective-permute":
+        return 1
+    return (2 if op.kind == "all-reduce" else 1) * (group_size - 1)
+
+
 def crosses_hosts(op: CollectiveOp, host_of: Sequence[int]) -> bool:
     """Whether a group of `op` joins devices of two hosts (`host_of[partition id]`; no groups: all devices)."""
     groups = op.groups or (tuple(range(len(host_of))),)
@@ -37,7 +46,8 @@ def communication_s(ops: list[CollectiveOp], host_of: Sequence[int], device: Dev
         size = len(op.groups[0]) if op.groups else len(host_of)
         across = crosses_hosts(op, host_of)
         bandwidth = device.across_hosts_gbps if across else device.within_host_gbps
-        seconds["across_hosts" if across else "within_host"] += op.runs * sent_bytes(op, size) / (bandwidth * 1e9)
+        one = ring_steps(op, size) * device.step_latency_s + sent_bytes(op, size) / (bandwidth * 1e9)
+        seconds["across_hosts" if across else "within_host"] += op.runs * one
     return seconds
 
 

@@ -31,12 +31,14 @@ LINK_GBPS = {  # device table entry: (within a host, across hosts)
 @dataclasses.dataclass(frozen=True)
 class Device:
     """One device of a target as the cost model sees it: FLOP/s it reaches on a train step (peak x the
-    calibrated efficiency) and GB/s per direction within a host and across hosts."""
+    calibrated efficiency), GB/s per direction within a host and across hosts, and the seconds each step of a
+    ring collective waits on its link whatever the bytes (measured on CPU only: 0 for the table's devices)."""
 
     kind: str
     achieved_tflops: float
     within_host_gbps: float
     across_hosts_gbps: float
+    step_latency_s: float
     note: str  # where the figures come from, printed with the plan
 
 
@@ -78,12 +80,14 @@ def device_for(kind: str | None, dtype: str) -> Device:
     links = LINK_GBPS.get(_entry(kind, LINK_GBPS)) if kind else None
     if peak is None or links is None:
         cpu_tflops, cpu_link = constants["cpu_tflops_per_device"], constants["cpu_link_gbps"]
-        return Device("cpu", cpu_tflops["value"], cpu_link["value"], cpu_link["value"],
-                      f"simulated CPU devices of this host: {cpu_tflops['value']:g} TFLOP/s and {cpu_link['value']:g} "
-                      f"GB/s each, measured {cpu_tflops['date']} ({cpu_tflops['commit']})")
+        latency_us = constants["cpu_collective_step_us"]["value"]
+        return Device("cpu", cpu_tflops["value"], cpu_link["value"], cpu_link["value"], latency_us * 1e-6,
+                      f"simulated CPU devices of this host: {cpu_tflops['value']:g} TFLOP/s, {cpu_link['value']:g} GB/s "
+                      f"and {latency_us:g} us per ring step each, measured {cpu_tflops['date']} ({cpu_tflops['commit']}) "
+                      f"and {cpu_link['date']} ({cpu_link['commit']})")
     name = "efficiency_" + ("h200" if "h200" in kind.lower() else "h100")
     efficiency = constants.get(name, constants["efficiency_h100"])
-    return Device(kind, peak * efficiency["value"], *links,
+    return Device(kind, peak * efficiency["value"], *links, 0.0,
                   f"{kind}: {peak:g} TFLOP/s peak ({dtype}) x {efficiency['value']:g} efficiency ({efficiency['device']}, "
                   f"{efficiency['date']}, {efficiency['commit']}); links {links[0]:g} / {links[1]:g} GB/s within / "
                   "across hosts")
