@@ -20,7 +20,7 @@ from nestor.orchestrator.loop.console import Console
 from nestor.orchestrator.planning import search as search_module
 from nestor.orchestrator.planning.candidates import (Candidate, candidates, free_mesh, pinned_keys, rule_problem,
                                                      searched_keys)
-from nestor.orchestrator.planning.cost import crosses_hosts, sent_bytes
+from nestor.orchestrator.planning.cost import communication_s, crosses_hosts, ring_steps, sent_bytes
 from nestor.orchestrator.planning.devices import calibration, device_for, provenance_problems
 from nestor.orchestrator.planning.measure import measure
 from nestor.orchestrator.planning.report import format_measured, format_plan, overlay, write_overlay
@@ -500,7 +500,21 @@ def test_collective_bytes_follow_the_ring_and_the_links_a_group_crosses():
     assert crosses_hosts(CollectiveOp("all-reduce", 800, 1, ()), hosts)  # no groups: every device
     h100 = device_for("h100", "bfloat16")
     assert h100.achieved_tflops == pytest.approx(989 * calibration()["efficiency_h100"]["value"])
-    assert h100.within_host_gbps > h100.across_hosts_gbps
+    assert h100.within_host_gbps > h100.across_hosts_gbps and h100.step_latency_s == 0  # none measured
+
+
+def test_each_ring_step_of_a_collective_pays_the_links_latency_whatever_its_bytes():
+    cpu = device_for(None, "float32")
+    assert cpu.step_latency_s == pytest.approx(calibration()["cpu_collective_step_us"]["value"] * 1e-6)
+    assert [ring_steps(CollectiveOp(kind, 4, 1, ()), 8) for kind in
+            ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")] == [14, 7, 7, 7, 1]
+    hosts = [0] * 8
+    tiny_over_8 = CollectiveOp("all-reduce", 4, 3, ())  # 3 runs of 4 bytes over all 8 devices
+    tiny_over_2 = CollectiveOp("all-reduce", 4, 3, ((0, 1), (2, 3), (4, 5), (6, 7)))
+    seconds = communication_s([tiny_over_8], hosts, cpu)["within_host"]
+    assert seconds == pytest.approx(3 * (14 * cpu.step_latency_s + 2 * 7 / 8 * 4 / (cpu.within_host_gbps * 1e9)))
+    # the latency, not the bytes, sets a small collective's cost: 8 devices' ring is 7x 2 devices'
+    assert seconds / communication_s([tiny_over_2], hosts, cpu)["within_host"] == pytest.approx(7, rel=1e-3)
 
 
 def test_every_calibration_constant_states_its_provenance_and_a_missing_one_is_caught():

@@ -1,10 +1,11 @@
 """bench/plan_validation.py's figures: Spearman's rho with tied ranks, and a model's top-1 ratio, failures and
-rounds from its record."""
+rounds from its record; bench/cpu_links.py's fit of the links."""
 
 import math
 
 import pytest
 
+from bench.cpu_links import fit, ring_terms
 from bench.plan_validation import ranks, spearman, summary
 
 
@@ -33,3 +34,14 @@ def test_the_top1_ratio_is_the_predicted_firsts_median_step_over_the_best_and_ea
     assert figures["rho"] == pytest.approx(-1.0)  # over the two that ran
     assert (figures["failed"], figures["undecided"], figures["ranked"]) == (1, 2, 3)
     assert figures["first_spread"] == pytest.approx(0.66 / 0.5) and figures["best_spread"] == pytest.approx(0.6 / 0.5)
+
+
+def test_the_links_fit_recovers_the_latency_and_bandwidth_that_made_its_times():
+    latency, bandwidth = 12e-6, 0.9e9
+    rows = []
+    for group in (2, 4, 8):
+        for nbytes in (4, 4096, 2**20, 2**24):
+            steps, sent = ring_terms(group, nbytes)
+            rows.append((group, nbytes, steps * latency + sent / bandwidth))
+    assert ring_terms(8, 800) == (14, 1400)
+    assert fit(rows) == pytest.approx((latency, bandwidth), rel=1e-6)

@@ -80,11 +80,11 @@ def device_for(kind: str | None, dtype: str) -> Device:
     links = LINK_GBPS.get(_entry(kind, LINK_GBPS)) if kind else None
     if peak is None or links is None:
         cpu_tflops, cpu_link = constants["cpu_tflops_per_device"], constants["cpu_link_gbps"]
-        latency_us = constants["cpu_collective_step_us"]["value"]
-        return Device("cpu", cpu_tflops["value"], cpu_link["value"], cpu_link["value"], latency_us * 1e-6,
+        latency = constants["cpu_collective_step_us"]
+        measured = dict.fromkeys(f"{c['date']} ({c['commit']})" for c in (cpu_tflops, cpu_link, latency))
+        return Device("cpu", cpu_tflops["value"], cpu_link["value"], cpu_link["value"], latency["value"] * 1e-6,
                       f"simulated CPU devices of this host: {cpu_tflops['value']:g} TFLOP/s, {cpu_link['value']:g} GB/s "
-                      f"and {latency_us:g} us per ring step each, measured {cpu_tflops['date']} ({cpu_tflops['commit']}) "
-                      f"and {cpu_link['date']} ({cpu_link['commit']})")
+                      f"and {latency['value']:g} us per ring step each, measured {' and '.join(measured)}")
     name = "efficiency_" + ("h200" if "h200" in kind.lower() else "h100")
     efficiency = constants.get(name, constants["efficiency_h100"])
     return Device(kind, peak * efficiency["value"], *links, 0.0,
