@@ -12,8 +12,7 @@ Compute: the cost model divides XLA's FLOPs per device of the compiled step (all
 the optimizer, every elementwise op) by this figure, so it is measured in the same FLOPs. The tiny preset,
 data parallel over the 8 devices (a config none of bench.plan_validation's models uses), is planned as one
 candidate and trained `--steps` steps `--rounds` times (the median); its step less the fitted links' cost of
-its collectives (with calibration.yaml's links: update those first), over its XLA FLOPs per device:
-cpu_tflops_per_device.
+its collectives (with the links just fitted), over its XLA FLOPs per device: cpu_tflops_per_device.
 
     python -m bench.cpu_links          # about a minute on 2 cores
 """
@@ -39,8 +38,12 @@ FLOATS = (1, 256, 4096, 65536, 262144, 1048576, 4194304)  # float32 elements per
 
 
 def ring_terms(group: int, nbytes: float) -> tuple[float, float]:
-    """Returns an all-reduce's ring steps and the bytes one device sends (the cost model's, cost.py)."""
-    return 2 * (group - 1), 2 * (group - 1) / group * nbytes
+    """Returns an all-reduce's ring steps and the bytes one device sends, as the cost model counts them."""
+    from nestor.orchestrator.planning.cost import ring_steps, sent_bytes
+    from nestor.parallel.hlo import CollectiveOp
+
+    op = CollectiveOp("all-reduce", nbytes, 1, ())
+    return ring_steps(op, group), sent_bytes(op, group)
 
 
 def time_all_reduce(group: int, floats: int, chain: int, repeats: int) -> float:
@@ -80,22 +83,29 @@ def fit(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
     terms = np.array([ring_terms(group, nbytes) for group, nbytes, _ in rows])
     seconds = np.array([s for _, _, s in rows])
     (latency, per_byte), *_ = np.linalg.lstsq(terms / seconds[:, None], np.ones(len(rows)), rcond=None)
+    if latency < 0 or per_byte <= 0:
+        raise ValueError(f"the times fit no ring (latency {latency:.3g} s, {per_byte:.3g} s per byte): measure again")
     return float(latency), float(1 / per_byte)
 
 
-def compute_tflops(steps: int, rounds: int) -> dict:
-    """Returns COMPUTE's XLA FLOPs per device, measured step, predicted communication (with the links of
-    calibration.yaml) and the TFLOP/s per device that leaves for compute."""
+def compute_tflops(latency_s: float, bandwidth: float, steps: int, rounds: int) -> dict:
+    """Returns COMPUTE's XLA FLOPs per device, measured step, its collectives' time with the fitted links, and
+    the TFLOP/s per device that leaves for compute."""
     from nestor.orchestrator.planning.candidates import load_for_plan, pinned_keys
+    from nestor.orchestrator.planning.devices import Device
     from nestor.orchestrator.planning.measure import measure
     from nestor.orchestrator.planning.search import search
 
     config = load_for_plan(None, list(COMPUTE))
-    plan = search(config, pinned_keys(list(COMPUTE)), 3600.0)
-    (judged,) = plan.ranked
-    flops = judged.predicted["compute_s"] * plan.device.achieved_tflops * 1e12
+    links = Device("cpu", 1.0, bandwidth / 1e9, bandwidth / 1e9, latency_s, "the fitted links")  # 1 TFLOP/s: s = TFLOP
+    plan = search(config, pinned_keys(list(COMPUTE)), 3600.0, device=links)
+    (judged,) = plan.ranked  # every degree pinned: one layout, one rung
+    flops = judged.predicted["compute_s"] * 1e12
     communication = judged.predicted["within_host_s"] + judged.predicted["across_hosts_s"]
-    step = statistics.median(measure(config, [judged], steps)[0].step_s for _ in range(rounds))
+    runs = [measure(config, [judged], steps)[0] for _ in range(rounds)]
+    if any(run.step_s is None for run in runs):
+        raise RuntimeError(f"the tiny step did not train: {next(r.error for r in runs if r.step_s is None)}")
+    step = statistics.median(run.step_s for run in runs)
     return {"flops": flops, "step_s": step, "communication_s": communication,
             "tflops": flops / (step - communication) / 1e12}
 
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     for group, nbytes, seconds in rows:
         steps, sent = ring_terms(group, nbytes)
         print(f"{group:5d} {nbytes:10d} {seconds * 1e6:12.1f} {(steps * latency + sent / bandwidth) * 1e6:10.1f}")
-    found = compute_tflops(args.steps, args.rounds)
+    found = compute_tflops(latency, bandwidth, args.steps, args.rounds)
     print(f"tiny dp8: {found['flops'] / 1e6:.1f} XLA MFLOP per device, step {found['step_s'] * 1e3:.1f} ms, of it "
           f"{found['communication_s'] * 1e3:.1f} ms in collectives")
     print(f"cpu_collective_step_us: {latency * 1e6:.2f}\ncpu_link_gbps: {bandwidth / 1e9:.3f}\n"

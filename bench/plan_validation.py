@@ -9,9 +9,9 @@ alike. A candidate's measured step is the median of its rounds. Per model it rep
 plan's #1 over the best measured step (the top-1 ratio), that ratio in each round, Spearman's rank correlation
 of the predicted and measured steps, how many ranked candidates failed to run, and the spread of the #1's and
 the best's rounds (the host's noise beside the ratio). The rounds after the first load the steps compiled in
-the first from a compilation cache of the run's own.
+the first from a compilation cache of the run's own (JAX keeps those that took over 1 s).
 
-    python -m bench.plan_validation --out validation.json   # about 50 minutes on 2 cores
+    python -m bench.plan_validation --out validation.json   # about 30 minutes on 2 cores
 
 It prints one row per model, writes its section of docs/plan.md (`--no-write`: print only) and, with
 `--out`, every measurement as JSON; `--from FILE...` prints and writes the table of earlier runs' JSON.
@@ -140,7 +140,8 @@ def _write_user_model(directory: Path) -> Path:
 def validate(case: Case, steps: int, rounds: int, budget_s: float, cache: str, say, command: str = "") -> dict:
     """Returns `case`'s record (`_record`): its search, then every ranked candidate trained `steps` steps in each
     of `rounds` rounds (the search's order, then the reverse, and so on); `say` is told each candidate. Steps
-    compile into `cache` (a run.compile_cache), so a candidate compiles in its first round only."""
+    compile into `cache` (a run.compile_cache), so a candidate's later rounds load its step (where its compile
+    took over JAX's threshold for keeping one)."""
     from nestor.orchestrator.planning.candidates import pinned_keys
     from nestor.orchestrator.planning.measure import measure
     from nestor.orchestrator.planning.search import search

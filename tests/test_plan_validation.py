@@ -45,3 +45,26 @@ def test_the_links_fit_recovers_the_latency_and_bandwidth_that_made_its_times():
             rows.append((group, nbytes, steps * latency + sent / bandwidth))
     assert ring_terms(8, 800) == (14, 1400)
     assert fit(rows) == pytest.approx((latency, bandwidth), rel=1e-6)
+
+
+def test_a_candidates_record_is_the_median_of_its_rounds_and_a_failed_round_fails_it(monkeypatch):
+    from types import SimpleNamespace
+
+    import nestor.orchestrator.planning.search as search_lib
+    from bench.plan_validation import CASES, _record
+    from nestor.orchestrator.planning.measure import Measured
+
+    monkeypatch.setattr(search_lib, "label", lambda candidate: candidate)
+    predicted = {"step_s": 1.0, "compute_s": 0.9, "within_host_s": 0.1, "across_hosts_s": 0.0}
+    fast, flaky = (SimpleNamespace(candidate=name, verdict="ranked", predicted=predicted) for name in ("fast", "flaky"))
+    plan = SimpleNamespace(ranked=[fast, flaky], judged=[fast, flaky], compiles=2, elapsed_s=1.0)
+    rounds = [[Measured(fast, 0.3), Measured(flaky, 0.2)],  # each round in its own order, fastest first
+              [Measured(flaky, error="RuntimeError: lost"), Measured(fast, 0.5)],
+              [Measured(fast, 0.4), Measured(flaky, 0.25)]]
+    record = _record(CASES[0], plan, rounds)
+    first, second = record["candidates"]
+    assert (first["settings"], first["rounds_s"], first["measured_s"], first["error"]) == ("fast", [0.3, 0.5, 0.4],
+                                                                                          0.4, None)
+    assert (second["rounds_s"], second["measured_s"]) == ([0.2, None, 0.25], None)
+    assert second["error"] == "RuntimeError: lost"
+    assert summary(record | {"seconds": 1.0})["failed"] == 1

@@ -3,8 +3,8 @@ device over the FLOP/s the device reaches (peak x calibrated efficiency); a pipe
 FLOPs already (every stage computes on every tick, idle ticks included), and so is remat's recompute.
 Communication is each collective of the compiled HLO as a ring (Hockney's alpha-beta model): a latency per
 ring step plus the bytes a device sends over the bandwidth of the links its group crosses (within a host, or
-across hosts when any group spans two). No overlap of the two is assumed: the efficiency was measured on one
-device, where no collective ran."""
+across hosts when any group spans two). No overlap of the two is assumed: a GPU's efficiency was measured on
+one device, where no collective ran; the CPU's compute is its step less its collectives (bench/cpu_links.py)."""
 
 from __future__ import annotations
 

@@ -218,10 +218,11 @@ def _verdict(candidate: Candidate, state: int, figures: dict[str, Any], usable: 
 
 
 def search(config, pins: set[str], budget_s: float, progress: Callable[[str], None] | None = None,
-           memory_limit_gib: float | None = None, workers: int = 1) -> Plan:
+           memory_limit_gib: float | None = None, workers: int = 1, device: Device | None = None) -> Plan:
     """Returns the plan for `config` keeping the `pins` (dotted keys), compiling for at most `budget_s`
     seconds, up to `workers` compiles at once; `progress` is told each candidate as it is judged. The memory
-    limit is the device's (`memory_fit.device_memory`, or `memory_limit_gib`) less HEADROOM.
+    limit is the device's (`memory_fit.device_memory`, or `memory_limit_gib`) less HEADROOM; the times are for
+    `device` (default: `device_for` the config's kind, as calibrated).
 
     Tracing and lowering run in this thread, one candidate at a time; the compiles in `workers` threads. With
     one worker the candidates are judged in the compile order; with more, several layouts' rungs are compiled
@@ -229,7 +230,7 @@ def search(config, pins: set[str], budget_s: float, progress: Callable[[str], No
     start = time.monotonic()
     target = compile_target(config)
     devices = target.devices if target.devices is not None else select_devices(config)
-    device = device_for(config.cluster.device_kind, config.model.dtype)
+    device = device or device_for(config.cluster.device_kind, config.model.dtype)
     ladders = candidates(config, pins, accelerator=platform_family(devices[0].platform) in ACCELERATORS)
     judged: list[Judged] = []
     valid = []
