@@ -11,8 +11,8 @@ magnitude): cpu_collective_step_us and cpu_link_gbps.
 Compute: the cost model divides XLA's FLOPs per device of the compiled step (all of them: remat's recompute,
 the optimizer, every elementwise op) by this figure, so it is measured in the same FLOPs. The tiny preset,
 data parallel over the 8 devices (a config none of bench.plan_validation's models uses), is planned as one
-candidate and trained `--steps` steps `--rounds` times (the median); its step less the fitted links' cost of
-its collectives (with the links just fitted), over its XLA FLOPs per device: cpu_tflops_per_device.
+candidate and trained `--steps` steps `--rounds` times (the median); its step less its collectives' cost with
+the links just fitted, over its XLA FLOPs per device: cpu_tflops_per_device.
 
     python -m bench.cpu_links          # about a minute on 2 cores
 """
@@ -26,14 +26,12 @@ import time
 
 import numpy as np
 
+from bench.plan_validation import DEVICES, ONE_RUNG, SIMULATED, TINY_LM
 from nestor.cluster.cpu_devices import simulate_cpu_devices_before_import
 
-DEVICES = 8
 GROUPS = (2, 4, 8)
-COMPUTE = ("model.preset=tiny", "data.source=synthetic", "train.global_batch=16", "train.seq_len=64",
-           "cluster.launcher=inprocess", "cluster.hosts=1", f"cluster.devices_per_host={DEVICES}", "mesh.data=8",
-           "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "mesh.context=1", "mesh.expert=1", "model.remat=none",
-           "train.grad_accum=1", "optimizer.shard_update=false", "run.compile_cache=null")
+COMPUTE = (*TINY_LM, "train.global_batch=16", "train.seq_len=64", *SIMULATED, f"mesh.data={DEVICES}", "mesh.fsdp=1",
+           "mesh.tensor=1", "mesh.pipeline=1", "mesh.context=1", "mesh.expert=1", *ONE_RUNG, "run.compile_cache=null")
 FLOATS = (1, 256, 4096, 65536, 262144, 1048576, 4194304)  # float32 elements per device: 4 B to 16 MiB
 
 
@@ -53,11 +51,6 @@ def time_all_reduce(group: int, floats: int, chain: int, repeats: int) -> float:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    try:
-        from jax import shard_map
-    except ImportError:  # jax 0.10
-        from jax.experimental.shard_map import shard_map
-
     mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(DEVICES // group, group), ("rest", "group"))
     spec = P(("rest", "group"))
 
@@ -66,7 +59,7 @@ def time_all_reduce(group: int, floats: int, chain: int, repeats: int) -> float:
             x = jax.lax.psum(x, "group") * 0.5  # each depends on the last: no two overlap
         return x
 
-    step = jax.jit(shard_map(chained, mesh=mesh, in_specs=spec, out_specs=spec))
+    step = jax.jit(jax.shard_map(chained, mesh=mesh, in_specs=spec, out_specs=spec))
     x = jax.device_put(jnp.ones((DEVICES, floats), jnp.float32), NamedSharding(mesh, spec))
     step(x).block_until_ready()
     times = []
