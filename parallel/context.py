@@ -199,6 +199,8 @@ def _attend_chunk(state, queries, query_chunk, query_segments, keys, values, key
         return _attend_block(block_state, block_queries, first, block_segments, keys, values,
                              key_chunk * chunk, key_segments)
 
+    if blocks == 1:  # the whole chunk in one block: no loop to trace, lower and compile
+        return attend_block((0, state, queries, query_segments))
     outputs = jax.lax.map(attend_block, (jnp.arange(blocks), jax.tree.map(in_blocks, state), in_blocks(queries),
                                          in_blocks(query_segments)))
     return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, chunk, *x.shape[3:]), outputs)

@@ -48,7 +48,10 @@ def cli(run_dir: Path, *overrides: str, entry: tuple[str, ...] = ("-m", "nestor.
     run_yaml = run_dir.parent / f"{run_dir.name}.yaml"
     run_yaml.write_text("model:\n  preset: tiny\n")
     args = [*prefix, sys.executable, *entry, "train", str(run_yaml), *BASE, f"run.dir={run_dir}", *overrides]
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default, as from a terminal: a shell that starts the suite in the background hands it on
+    # ignored, and a signal sent before the CLI installs its handler (a loaded machine) would then be lost
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
