@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # test this checkout, whatever is installed
 
-from tests.settings import FAST_COMPILE, FUSION_EMITTERS, PATIENT_COLLECTIVES, TINY  # noqa: E402
+from tests.settings import DEFAULT_CPU_BUILD, FAST_COMPILE, FUSION_EMITTERS, PATIENT_COLLECTIVES, TINY  # noqa: E402
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE, PATIENT_COLLECTIVES]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -124,12 +124,17 @@ def _ray_tests_run_beside_an_unrelated_head(request):
 @pytest.fixture(autouse=True)
 def _default_cpu_codegen(request, monkeypatch):
     """A test marked `default_cpu_codegen` compiles with XLA:CPU's fusion emitters, as outside the suite
-    (FAST_COMPILE turns them off): every `Lowered.compile` it makes gets them as a compiler option."""
-    if not request.node.get_closest_marker("default_cpu_codegen"):
+    (FAST_COMPILE turns them off), one marked `default_cpu_build` with LLVM's default optimizations too: every
+    `Lowered.compile` it makes gets them as compiler options."""
+    if request.node.get_closest_marker("default_cpu_build"):
+        options = DEFAULT_CPU_BUILD
+    elif request.node.get_closest_marker("default_cpu_codegen"):
+        options = FUSION_EMITTERS
+    else:
         return
     compile_lowered = jax.stages.Lowered.compile
 
-    def compile_with_fusion_emitters(self, compiler_options=None, **kwargs):
-        return compile_lowered(self, {**FUSION_EMITTERS, **(compiler_options or {})}, **kwargs)
+    def compile_as_outside_the_suite(self, compiler_options=None, **kwargs):
+        return compile_lowered(self, {**options, **(compiler_options or {})}, **kwargs)
 
-    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_with_fusion_emitters)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_as_outside_the_suite)

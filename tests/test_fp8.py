@@ -85,6 +85,7 @@ def test_the_train_step_multiplies_weights_in_float8_and_the_logits_router_and_a
     assert not [operands for operands in bfloat16 if any(dtype.startswith("f8") for dtype in operands)]
 
 
+@pytest.mark.default_cpu_build  # 400 steps: at the suite's quicker compile they take twice as long to run
 @pytest.mark.slow
 @pytest.mark.parametrize("moe", [False, True], ids=["tiny", "tiny_dropless_moe"])
 def test_float8_training_follows_bfloat16s_loss_within_2_percent_over_200_steps(moe):
