@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # (tests/doc_blocks.py). A 100-step quickstart executes faster at the default, which stays nestor's.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
-# A test that executes hundreds of steps in this process (mark `default_cpu_build`) compiles as XLA:CPU does
-# outside the suite, LLVM at its default -O3 too: its steps then run about twice as fast.
+# A test that executes hundreds of steps in this process (mark `default_cpu_build`) compiles its train step as
+# XLA:CPU does outside the suite, LLVM at its default -O3 too: its steps then run about twice as fast.
 DEFAULT_CPU_BUILD = {**FUSION_EMITTERS, "xla_backend_optimization_level": 3}
 # XLA:CPU aborts the process when a collective's participants do not all arrive within its timeouts; with
 # 8 simulated devices' threads on 2 cores beside the other worker's Ray tests, a device can be starved that
