@@ -121,17 +121,19 @@ def _ray_tests_run_beside_an_unrelated_head(request):
         request.getfixturevalue("unrelated_ray_head")
 
 
+# The marks whose tests compile as outside the suite, the fuller build first, and the compiler options each restores.
+CPU_BUILD_MARKS = {"default_cpu_build": DEFAULT_CPU_BUILD, "default_cpu_codegen": FUSION_EMITTERS}
+
+
 @pytest.fixture(autouse=True)
-def _default_cpu_codegen(request, monkeypatch):
+def _cpu_build_of_marked_tests(request, monkeypatch):
     """A test marked `default_cpu_codegen` compiles with XLA:CPU's fusion emitters, as outside the suite
     (FAST_COMPILE turns them off), one marked `default_cpu_build` with LLVM's default optimizations too: every
     `Lowered.compile` it makes gets them as compiler options."""
-    if request.node.get_closest_marker("default_cpu_build"):
-        options = DEFAULT_CPU_BUILD
-    elif request.node.get_closest_marker("default_cpu_codegen"):
-        options = FUSION_EMITTERS
-    else:
+    marked = [mark for mark in CPU_BUILD_MARKS if request.node.get_closest_marker(mark)]
+    if not marked:
         return
+    options = CPU_BUILD_MARKS[marked[0]]
     compile_lowered = jax.stages.Lowered.compile
 
     def compile_as_outside_the_suite(self, compiler_options=None, **kwargs):
