@@ -130,10 +130,10 @@ def _cpu_build_of_marked_tests(request, monkeypatch):
     """A test marked `default_cpu_codegen` compiles with XLA:CPU's fusion emitters, as outside the suite
     (FAST_COMPILE turns them off), one marked `default_cpu_build` with LLVM's default optimizations too: every
     `Lowered.compile` it makes gets them as compiler options."""
-    marked = [mark for mark in CPU_BUILD_MARKS if request.node.get_closest_marker(mark)]
-    if not marked:
+    options = next((options for mark, options in CPU_BUILD_MARKS.items() if request.node.get_closest_marker(mark)),
+                   None)
+    if options is None:
         return
-    options = CPU_BUILD_MARKS[marked[0]]
     compile_lowered = jax.stages.Lowered.compile
 
     def compile_as_outside_the_suite(self, compiler_options=None, **kwargs):
